@@ -1,0 +1,70 @@
+"""Fashion-MNIST on 8 simulated CPU devices as a 2 x 4 (node x local) mesh: the default `make train`.
+
+Variants (``--config configs/fashion_mnist.py:VARIANT``):
+  (none)   small ResNet, SGD with Nesterov momentum, hierarchical gradient all-reduce.
+  lars     the same with LARS (the large-batch optimizer), at batch 1024.
+  dense    the default with one flat psum instead of the hierarchical reduction.
+"""
+
+import ml_collections
+
+
+def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+
+  # 8 CPU devices simulated in one process when running on the CPU; ignored on GPU hosts.
+  config.mesh = dict(nodes=2, local=4, cpu_devices=8)
+
+  config.model = dict(name="resnet8_fast", width=0, dtype="float32")
+
+  config.data = dict(
+      dataset="fashion_mnist",
+      data_dir="/usr/share/datasets/fashion-mnist",
+      crop_padding=2,        # random crop of the zero-padded 32x32 image back to 28x28
+      random_flip=True,
+      train_subset=0,        # 0 = all 60,000 training images; >0 = first N (smoke tests)
+      eval_subset=0,         # 0 = all 10,000 test images
+      eval_batch_size=1000,
+      prefetch=2,            # batches placed on the devices ahead of the step
+      read_threads=1,        # grain threads that assemble host batches
+  )
+
+  config.global_batch_size = 256
+  config.num_epochs = 6
+  config.max_steps = 0       # 0 = no limit; otherwise stop after this many steps
+
+  config.optimizer = dict(
+      name="sgd",
+      base_lr=0.2,           # peak lr = base_lr * global_batch_size / 256
+      momentum=0.9,
+      nesterov=True,
+      weight_decay=5e-4,
+      warmup_epochs=1.0,
+      decay="cosine",
+      end_lr_factor=0.0,     # final lr = peak lr * end_lr_factor
+      lars_eta=0.001,
+      label_smoothing=0.1,
+  )
+
+  config.comm = dict(
+      strategy="hierarchical",
+      density=0.01,          # fraction of gradient entries kept by the top-k strategies (issue #3)
+      error_feedback=True,   # residual memory for the top-k strategies (issue #3)
+      fusion="none",
+  )
+
+  config.log_every_steps = 20
+
+  if variant == "lars":
+    config.global_batch_size = 1024
+    config.optimizer.name = "lars"
+    config.optimizer.base_lr = 2.0
+    config.optimizer.weight_decay = 5e-5
+    config.optimizer.nesterov = False
+    config.optimizer.decay = "poly"
+  elif variant == "dense":
+    config.comm.strategy = "dense"
+  elif variant:
+    raise ValueError(f"unknown variant {variant!r} of fashion_mnist.py; use lars or dense")
+  return config

@@ -1,0 +1,50 @@
+"""Fashion-MNIST from the IDX files of the Debian package ``dataset-fashion-mnist``."""
+
+from __future__ import annotations
+
+import gzip
+import os
+
+import numpy as np
+
+from light_jax.data.source import ArraySource, DataError
+
+FILES = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
+INSTALL_HINT = ("install it with `sudo apt-get install -y dataset-fashion-mnist` (Debian/Ubuntu; `make .venv` "
+                "does this when run as root), or point --config.data.data_dir at a folder holding "
+                + ", ".join(f for pair in FILES.values() for f in pair))
+# Per-channel statistics of the training images (0-255 scale), for on-device normalisation.
+MEAN, STD = (72.94,), (90.02,)
+NUM_CLASSES = 10
+
+
+def read_idx(path: str) -> np.ndarray:
+  """Reads one gzipped IDX file (the MNIST format: magic, dims, big-endian uint8 payload)."""
+  with gzip.open(path, "rb") as f:
+    data = f.read()
+  if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
+    raise DataError(f"{path} is not an unsigned-byte IDX file (bad magic number); the file may be corrupt: "
+                    f"reinstall it ({INSTALL_HINT}).")
+  ndim = data[3]
+  shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+  payload = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+  if payload.size != int(np.prod(shape)):
+    raise DataError(f"{path} holds {payload.size} bytes of data but its header says {shape}: the file is "
+                    f"truncated or corrupt; reinstall it ({INSTALL_HINT}).")
+  return payload.reshape(shape)
+
+
+def load(data_dir: str, split: str) -> ArraySource:
+  """The ``split`` ("train" or "test") as uint8 images (N, 28, 28, 1) and int32 labels."""
+  image_file, label_file = (os.path.join(data_dir, f) for f in FILES[split])
+  missing = [p for p in (image_file, label_file) if not os.path.exists(p)]
+  if missing:
+    raise DataError(f"Fashion-MNIST not found: missing {', '.join(missing)}; {INSTALL_HINT}.")
+  images = read_idx(image_file)[..., None]
+  labels = read_idx(label_file).astype(np.int32)
+  if len(images) != len(labels):
+    raise DataError(f"{image_file} has {len(images)} images but {label_file} has {len(labels)} labels.")
+  return ArraySource(images=images, labels=labels)

@@ -1,0 +1,76 @@
+"""Run output: progress bar, ``metrics.jsonl``, TensorBoard scalars, ``summary.json`` and a PNG plot.
+
+Only process 0 writes files; every process may call these (the others are no-ops).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import tqdm
+
+
+class MetricsWriter:
+  """Appends one JSON object per evaluation to ``DIR/metrics.jsonl`` and mirrors numbers to TensorBoard."""
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    self.workdir = workdir
+    self.enabled = enabled
+    self.records: list[dict[str, Any]] = []
+    self._tb = None
+    if enabled:
+      os.makedirs(workdir, exist_ok=True)
+      from tensorboardX import SummaryWriter  # imported here: only process 0 needs it
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def write(self, record: dict[str, Any]) -> None:
+    self.records.append(record)
+    if not self.enabled:
+      return
+    with open(os.path.join(self.workdir, "metrics.jsonl"), "a") as f:
+      f.write(json.dumps(record) + "\n")
+    for key, value in record.items():
+      if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+        self._tb.add_scalar(key, value, record["step"])
+    self._tb.flush()
+
+  def write_summary(self, summary: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
+    with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    plot_history(self.records, os.path.join(self.workdir, "curves.png"))
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+def plot_history(records: list[dict[str, Any]], path: str, title: str = "") -> None:
+  """Training loss and test top-1/top-5 accuracy against epoch, side by side, as a PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  epochs = [r["epoch"] for r in records]
+  fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+  ax_loss.plot(epochs, [r["train_loss"] for r in records], marker="o")
+  ax_loss.set(xlabel="epoch", ylabel="train loss", title="training loss")
+  ax_acc.plot(epochs, [100 * r["eval_top1"] for r in records], marker="o", label="top-1")
+  ax_acc.plot(epochs, [100 * r["eval_top5"] for r in records], marker="o", label="top-5")
+  ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+  ax_acc.legend()
+  for ax in (ax_loss, ax_acc):
+    ax.grid(alpha=0.3)
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def progress_bar(total: int, enabled: bool) -> tqdm.tqdm:
+  """Steps bar with ETA; the trainer sets loss and images/s as its postfix."""
+  return tqdm.tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True, mininterval=1.0)

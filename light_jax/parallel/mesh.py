@@ -1,0 +1,92 @@
+"""The two-level device mesh: ``node`` (machines, slow links) x ``local`` (devices in a machine, fast links).
+
+Every collective in light_jax is written against these two axis names, so a strategy can treat the
+fast and the slow level differently (e.g. reduce-scatter over ``local`` before anything crosses ``node``).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+NODE = "node"
+LOCAL = "local"
+AXES = (NODE, LOCAL)
+# Batch dimension split over every device: node-major, so a node's devices hold contiguous rows.
+BATCH_SPEC = P(AXES)
+
+
+class MeshError(ValueError):
+  """The requested mesh does not fit the devices; the message says what to change."""
+
+
+def resolve_mesh_shape(nodes: int, local: int, num_devices: int, num_processes: int = 1) -> tuple[int, int]:
+  """Fills -1 entries of (nodes, local) from the device count and checks the product.
+
+  With both -1 a process is a node: (num_processes, num_devices // num_processes).
+  """
+  if nodes == 0 or local == 0 or nodes < -1 or local < -1:
+    raise MeshError(f"mesh.nodes={nodes}, mesh.local={local}: each must be a positive int or -1 (fill).")
+  if nodes == -1 and local == -1:
+    nodes = num_processes
+  if nodes == -1:
+    if num_devices % local:
+      raise MeshError(
+          f"mesh.local={local} does not divide the {num_devices} devices; set mesh.local to a divisor of "
+          f"{num_devices} or give mesh.nodes explicitly.")
+    nodes = num_devices // local
+  if local == -1:
+    if num_devices % nodes:
+      raise MeshError(
+          f"mesh.nodes={nodes} does not divide the {num_devices} devices; set mesh.nodes to a divisor of "
+          f"{num_devices}.")
+    local = num_devices // nodes
+  if nodes * local != num_devices:
+    raise MeshError(
+        f"mesh {nodes} x {local} = {nodes * local} devices, but {num_devices} are available; set "
+        f"--config.mesh.nodes and --config.mesh.local so that their product is {num_devices} (or use -1 "
+        f"for one of them).")
+  return nodes, local
+
+
+def make_mesh(nodes: int = -1, local: int = -1, devices=None) -> Mesh:
+  """Builds the (node, local) mesh over ``devices`` (default: all devices of all processes).
+
+  In a multi-process run where each process is one machine (the usual case) the mesh comes from
+  ``create_hybrid_device_mesh`` so that ``local`` follows each machine's fast interconnect and ``node``
+  crosses machines. Any other split that keeps a node's devices inside one process is allowed too
+  (e.g. 2 processes x 4 devices as a 4 x 2 mesh); in a single process the split is free.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  processes = sorted({d.process_index for d in devices})
+  per_process = len(devices) // len(processes)
+  nodes, local = resolve_mesh_shape(nodes, local, len(devices), len(processes))
+  if len(processes) > 1 and (nodes, local) == (len(processes), per_process):
+    grid = mesh_utils.create_hybrid_device_mesh(
+        (1, per_process), (len(processes), 1), devices=devices, process_is_granule=True)
+  else:
+    if len(processes) > 1 and per_process % local:
+      raise MeshError(
+          f"mesh.local={local} would put one node's devices in two processes ({per_process} devices "
+          f"per process); choose mesh.local dividing {per_process}.")
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    grid = np.array(ordered, dtype=object).reshape(nodes, local)
+  return Mesh(grid, AXES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Sharding of a batch: leading dimension split over all devices, node-major."""
+  return NamedSharding(mesh, BATCH_SPEC)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def describe(mesh: Mesh) -> str:
+  nodes, local = mesh.devices.shape
+  kind = mesh.devices.flat[0].platform
+  return (f"mesh node x local = {nodes} x {local} ({mesh.size} {kind} devices, "
+          f"{jax.process_count()} process(es))")

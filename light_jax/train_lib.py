@@ -1,0 +1,270 @@
+"""Training and evaluation of an image classifier over the (node, local) device mesh.
+
+Read top to bottom: the train state, the train step, the eval step, then ``train_and_evaluate`` (the
+loop). One step, on every device at once, inside ``jax.jit`` + ``jax.shard_map``:
+
+  1. normalise the device's shard of the uint8 batch (on the device, not the host);
+  2. forward and backward on that shard alone -> the device's *local* gradient;
+  3. the gradient reducer chosen by ``comm.strategy`` turns local gradients into the mean gradient
+     of the global batch (dense psum, hierarchical, and later compressed strategies);
+  4. the optimizer applies it, identically on every device, so parameters stay replicated;
+  5. BatchNorm running statistics (computed per device) are averaged over the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import time
+from typing import Any, Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from light_jax import data as data_lib
+from light_jax import metrics as metrics_lib
+from light_jax import optim
+from light_jax.models import create_model
+from light_jax.parallel import collectives
+from light_jax.parallel import mesh as mesh_lib
+from light_jax.parallel.mesh import AXES, BATCH_SPEC, LOCAL, NODE
+
+PyTree = Any
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything that changes from step to step.
+
+  All fields are replicated over the mesh except ``comm_state`` (per-device state of the gradient
+  reducer, e.g. error-feedback residuals), whose leaves have leading dims (nodes, local).
+  """
+
+  step: jax.Array
+  params: PyTree
+  batch_stats: PyTree
+  opt_state: PyTree
+  comm_state: PyTree
+
+
+# Partition specs of TrainState, as a pytree prefix usable by shard_map and NamedSharding.
+STATE_SPECS = TrainState(step=P(), params=P(), batch_stats=P(), opt_state=P(), comm_state=P(NODE, LOCAL))
+
+
+def create_train_state(model: nn.Module, tx: optax.GradientTransformation,
+                       reducer: collectives.GradientReducer, image_shape: tuple[int, ...],
+                       mesh: jax.sharding.Mesh, seed: int) -> TrainState:
+  """Initialises parameters and optimizer state directly on the mesh (replicated)."""
+
+  def init():
+    variables = model.init(jax.random.key(seed), jnp.zeros((1, *image_shape), jnp.float32), train=False)
+    params = variables["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=variables["batch_stats"],
+                      opt_state=tx.init(params), comm_state=reducer.init_state(params))
+
+  shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS,
+                           is_leaf=lambda x: isinstance(x, P))
+  return jax.jit(init, out_shardings=shardings)()
+
+
+def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]) -> jax.Array:
+  """uint8 (B, H, W, C) -> float32 with per-channel zero mean and unit variance."""
+  return (images.astype(jnp.float32) - jnp.asarray(mean)) / jnp.asarray(std)
+
+
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
+                    reducer: collectives.GradientReducer, mesh: jax.sharding.Mesh,
+                    info: data_lib.DatasetInfo, label_smoothing: float) -> Callable:
+  """Returns ``step(state, images, labels) -> (state, per_device_loss)``, jitted, donating ``state``.
+
+  ``images`` (uint8) and ``labels`` are global arrays sharded over (node, local) on their first dim.
+  ``per_device_loss`` has shape (num_devices,): averaging it on the host when logging costs no
+  collective in the step.
+  """
+
+  def device_step(state: TrainState, images, labels):
+    x = normalize(images, info.mean, info.std)
+
+    def loss_fn(params):
+      logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, x, train=True,
+                                    mutable=["batch_stats"])
+      return optim.cross_entropy(logits, labels, info.num_classes, label_smoothing), updates["batch_stats"]
+
+    # check_vma=False below: grad of replicated params is the *local* gradient, not JAX's implicit
+    # psum of it, so the reducer is the only reduction (no silent double sum; tested).
+    (loss, batch_stats), local_grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grads, comm_state = reducer.reduce(local_grads, state.comm_state)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=optax.apply_updates(state.params, updates),
+        batch_stats=lax.pmean(batch_stats, AXES),
+        opt_state=opt_state,
+        comm_state=comm_state,
+    )
+    return new_state, loss[None]
+
+  sharded = jax.shard_map(device_step, mesh=mesh, in_specs=(STATE_SPECS, BATCH_SPEC, BATCH_SPEC),
+                          out_specs=(STATE_SPECS, BATCH_SPEC), check_vma=False)
+  return jax.jit(sharded, donate_argnums=0)
+
+
+def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.DatasetInfo) -> Callable:
+  """Returns ``eval_step(state, images, labels, mask) -> {top1, top5, loss, count}`` summed over the batch.
+
+  Padding rows (mask 0) count for nothing, so every example of the split counts exactly once.
+  """
+
+  def device_eval(state: TrainState, images, labels, mask):
+    logits = model.apply({"params": state.params, "batch_stats": state.batch_stats},
+                         normalize(images, info.mean, info.std), train=False)
+    top5 = lax.top_k(logits, min(5, info.num_classes))[1]
+    hits = top5 == labels[:, None]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    sums = {"top1": hits[:, 0], "top5": hits.any(axis=1), "loss": loss, "count": jnp.ones_like(loss)}
+    return {k: lax.psum(jnp.sum(v * mask), AXES) for k, v in sums.items()}
+
+  sharded = jax.shard_map(device_eval, mesh=mesh, in_specs=(STATE_SPECS, BATCH_SPEC, BATCH_SPEC, BATCH_SPEC),
+                          out_specs=P(), check_vma=False)
+  return jax.jit(sharded)
+
+
+def evaluate(eval_step: Callable, state: TrainState, batches: data_lib.EvalBatches,
+             sharding: NamedSharding) -> dict[str, float]:
+  """Top-1, top-5 and mean loss over the whole split."""
+  totals = None
+  for batch in data_lib.DevicePrefetcher(batches.iterator(), sharding):
+    sums = eval_step(state, batch["images"], batch["labels"], batch["mask"])
+    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+  totals = jax.device_get(totals)
+  count = float(totals["count"])
+  return {"eval_top1": float(totals["top1"]) / count, "eval_top5": float(totals["top5"]) / count,
+          "eval_loss": float(totals["loss"]) / count, "eval_examples": int(count)}
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains ``config`` on the current devices, evaluating each epoch; returns the summary."""
+  wall_start = time.time()
+  is_main = jax.process_index() == 0
+
+  # --- Mesh --------------------------------------------------------------------------------------
+  mesh = mesh_lib.make_mesh(config.mesh.nodes, config.mesh.local)
+  nodes, local = mesh.devices.shape
+  logging.info("%s", mesh_lib.describe(mesh))
+
+  # --- Input -------------------------------------------------------------------------------------
+  train_source, eval_source, info = data_lib.load_dataset(config.data)
+  train_batches = data_lib.TrainBatches(
+      train_source, config.global_batch_size, config.num_epochs, config.seed,
+      process_index=jax.process_index(), process_count=jax.process_count(),
+      crop_padding=config.data.crop_padding, random_flip=config.data.random_flip)
+  eval_batches = data_lib.EvalBatches(eval_source, config.data.eval_batch_size,
+                                      jax.process_index(), jax.process_count())
+  steps_per_epoch = train_batches.steps_per_epoch
+  total_steps = train_batches.num_steps if not config.max_steps else min(config.max_steps, train_batches.num_steps)
+  logging.info("data %s: %d train / %d eval examples, %d steps per epoch, %d steps in all",
+               config.data.dataset, len(train_source), len(eval_source), steps_per_epoch, total_steps)
+
+  # --- Model, optimizer, gradient reducer ----------------------------------------------------------
+  model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
+  schedule = optim.learning_rate_schedule(config, steps_per_epoch, train_batches.num_steps)
+  tx = optim.build_optimizer(config, schedule)
+  reducer = collectives.make_gradient_reducer(config.comm.strategy, nodes, local)
+  state = create_train_state(model, tx, reducer, info.image_shape, mesh, config.seed)
+  num_params = sum(p.size for p in jax.tree.leaves(state.params))
+  comm_bytes = reducer.bytes_per_step(state.params)
+  logging.info("model %s: %s parameters; optimizer %s, peak lr %.4g; comm %s: %s intra-node and %s "
+               "inter-node bytes per device per step", config.model.name, f"{num_params:,}",
+               config.optimizer.name, optim.peak_learning_rate(config), config.comm.strategy,
+               f"{comm_bytes.intra_node:,}", f"{comm_bytes.inter_node:,}")
+
+  # --- Compile ahead of time, so that images/s measures steps and not compilation -------------------
+  sharding = mesh_lib.batch_sharding(mesh)
+  batch_shape = (config.global_batch_size, *info.image_shape)
+  compile_start = time.time()
+  train_step = make_train_step(model, tx, reducer, mesh, info, config.optimizer.label_smoothing).lower(
+      state, jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=sharding),
+      jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=sharding)).compile()
+  eval_step = make_eval_step(model, mesh, info)
+  logging.info("train step compiled in %.1f s", time.time() - compile_start)
+
+  # --- Loop ----------------------------------------------------------------------------------------
+  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
+  bar = metrics_lib.progress_bar(total_steps, enabled=is_main)
+  host_batches = train_batches.iterator(0, read_threads=config.data.read_threads)
+  prefetcher = data_lib.DevicePrefetcher(host_batches, sharding, size=config.data.prefetch)
+  losses = []                 # per-device losses of the steps since the last record, still on device
+  train_seconds = 0.0         # time in train steps (eval excluded) since the last record
+  images_since_record = 0
+  wait_at_record = 0.0
+  step = 0
+  record = {}
+  segment_start = time.perf_counter()
+  try:
+    while step < total_steps:
+      batch = next(prefetcher)
+      state, loss = train_step(state, batch["images"], batch["labels"])
+      losses.append(loss)
+      step += 1
+      images_since_record += config.global_batch_size
+      bar.update(1)
+      if step % config.log_every_steps == 0:
+        # Reading step t's loss waits for step t only; the steps queued behind it keep running.
+        bar.set_postfix(loss=f"{float(np.mean(jax.device_get(loss))):.4f}", lr=f"{float(schedule(step)):.3g}",
+                        img_s=f"{images_since_record / (time.perf_counter() - segment_start + train_seconds):.0f}")
+      if step % steps_per_epoch == 0 or step == total_steps:
+        train_loss = float(np.mean(jax.device_get(losses)))
+        train_seconds += time.perf_counter() - segment_start
+        eval_metrics = evaluate(eval_step, state, eval_batches, sharding)
+        record = {
+            "step": step,
+            "epoch": round(step / steps_per_epoch, 4),
+            "train_loss": train_loss,
+            **eval_metrics,
+            "images_per_sec": images_since_record / train_seconds,
+            "input_wait_fraction": (prefetcher.wait_seconds - wait_at_record) / train_seconds,
+            "learning_rate": float(schedule(step)),
+            "inter_node_bytes_per_step": comm_bytes.inter_node,
+            "intra_node_bytes_per_step": comm_bytes.intra_node,
+            "final": step == total_steps,
+        }
+        writer.write(record)
+        bar.write(f"epoch {record['epoch']:.2f} step {step}: train loss {train_loss:.4f}, test top-1 "
+                  f"{100 * record['eval_top1']:.2f}% top-5 {100 * record['eval_top5']:.2f}%, "
+                  f"{record['images_per_sec']:.0f} images/s, input wait {100 * record['input_wait_fraction']:.1f}%")
+        losses, images_since_record, train_seconds = [], 0, 0.0
+        wait_at_record = prefetcher.wait_seconds
+        segment_start = time.perf_counter()
+  finally:
+    prefetcher.close()
+    bar.close()
+
+  summary = {
+      "final_eval_top1": record.get("eval_top1"),
+      "final_eval_top5": record.get("eval_top5"),
+      "final_train_loss": record.get("train_loss"),
+      "wall_seconds": time.time() - wall_start,
+      "steps": step,
+      "epochs": step / steps_per_epoch,
+      "num_params": num_params,
+      "mesh": {"nodes": nodes, "local": local, "processes": jax.process_count(),
+               "platform": mesh.devices.flat[0].platform},
+      "images_per_sec_mean": float(np.mean([r["images_per_sec"] for r in writer.records])),
+      "inter_node_bytes_per_step": comm_bytes.inter_node,
+      "intra_node_bytes_per_step": comm_bytes.intra_node,
+      "config": json.loads(config.to_json_best_effort()),
+  }
+  writer.write_summary(summary)
+  writer.close()
+  logging.info("done: %d steps in %.1f s, final test top-1 %.2f%%, top-5 %.2f%%", step,
+               summary["wall_seconds"], 100 * summary["final_eval_top1"], 100 * summary["final_eval_top5"])
+  return summary

@@ -1,0 +1,71 @@
+"""Train an image classifier on a (node, local) device mesh.
+
+  python train.py --config configs/fashion_mnist.py --workdir runs/fmnist
+  python train.py --config configs/fashion_mnist.py:lars --workdir runs/lars --config.num_epochs=3
+
+Multi-process (one process per machine): pass --coordinator, --num_processes and --process_id, or
+launch under a cluster manager that jax.distributed detects by itself (SLURM, Open MPI, ...).
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally with :VARIANT.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, plots and checkpoints.")
+_COORDINATOR = flags.DEFINE_string("coordinator", None, "host:port of process 0, for multi-process runs.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in a multi-process run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in a multi-process run.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+# Environment variables by which cluster managers that jax.distributed can auto-detect announce a job.
+_CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
+
+
+def _start_jax(config):
+  """Sets up devices; must run before anything touches a JAX backend (never at import time)."""
+  import jax
+
+  explicit = _COORDINATOR.value is not None
+  detected = any(os.environ.get(v) for v in _CLUSTER_ENV)
+  num_processes = _NUM_PROCESSES.value or 1
+  if config.mesh.cpu_devices:
+    # Simulated CPU devices (tests, laptops): the total is split over the processes. No effect on GPUs.
+    jax.config.update("jax_num_cpu_devices", max(config.mesh.cpu_devices // num_processes, 1))
+  if explicit:
+    jax.distributed.initialize(_COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value)
+  elif detected:
+    jax.distributed.initialize()
+  return jax
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  jax = _start_jax(config)
+
+  from light_jax import config as config_lib
+  from light_jax import data as data_lib
+  from light_jax import train_lib
+
+  try:
+    config_lib.validate(config, jax.device_count(), jax.process_count())
+  except config_lib.ConfigError as e:
+    logging.error("invalid config: %s", e)
+    print(f"error: invalid config: {e}", file=sys.stderr)
+    sys.exit(2)
+  logging.info("JAX %s, process %d of %d, %d devices (%d local)", jax.__version__, jax.process_index(),
+               jax.process_count(), jax.device_count(), jax.local_device_count())
+  logging.info("resolved config:\n%s", config)
+  try:
+    train_lib.train_and_evaluate(config, _WORKDIR.value)
+  except data_lib.DataError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)
