@@ -68,7 +68,7 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation,
   def init():
     variables = model.init(jax.random.key(seed), jnp.zeros((1, *image_shape), jnp.float32), train=False)
     params = variables["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=variables["batch_stats"],
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=variables.get("batch_stats", {}),
                       opt_state=tx.init(params), comm_state=reducer.init_state(params))
 
   shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS,
@@ -97,7 +97,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
     def loss_fn(params):
       logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, x, train=True,
                                     mutable=["batch_stats"])
-      return optim.cross_entropy(logits, labels, info.num_classes, label_smoothing), updates["batch_stats"]
+      return optim.cross_entropy(logits, labels, info.num_classes, label_smoothing), updates.get("batch_stats", {})
 
     # check_vma=False below: grad of replicated params is the *local* gradient, not JAX's implicit
     # psum of it, so the reducer is the only reduction (no silent double sum; tested).

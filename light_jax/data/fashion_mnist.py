@@ -9,6 +9,7 @@ import numpy as np
 
 from light_jax.data.source import ArraySource, DataError
 
+DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"
 FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),

@@ -1,0 +1,65 @@
+"""One process of a multi-process training run over gloo; run by tests/test_multiprocess.py.
+
+  python tests/multiprocess_worker.py --num_processes P --process_id I --port N --steps S --out params.npz
+
+Each process holds 8 / P simulated CPU devices; the (node, local) mesh spans all of them. The data
+pipeline gives each process its own rows of every global batch. Process 0 writes the final parameters.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--num_processes", type=int, required=True)
+  parser.add_argument("--process_id", type=int, default=0)
+  parser.add_argument("--port", type=int, default=0)
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--strategy", default="hierarchical")
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args()
+
+  import jax
+  jax.config.update("jax_num_cpu_devices", 8 // args.num_processes)
+  if args.num_processes > 1:
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
+                               process_id=args.process_id, initialization_timeout=120)
+  import numpy as np
+  import optax
+
+  from light_jax import data as data_lib
+  from light_jax import train_lib
+  from light_jax.models import create_model
+  from light_jax.parallel import collectives
+  from light_jax.parallel import mesh as mesh_lib
+  from tests.helpers import info_for, random_source
+
+  assert jax.device_count() == 8, jax.devices()
+  mesh = mesh_lib.make_mesh(-1, -1) if args.num_processes > 1 else mesh_lib.make_mesh(2, 4)
+  assert mesh.devices.shape == (2, 4)
+  source = random_source(32 * args.steps, shape=(16, 16, 1))
+  info = info_for(source)
+  batches = data_lib.TrainBatches(source, 32, num_epochs=1, seed=0, process_index=jax.process_index(),
+                                  process_count=jax.process_count(), crop_padding=2, random_flip=True)
+  model = create_model("resnet8_small", num_classes=10, width=4)
+  tx = optax.sgd(0.1, momentum=0.9)
+  reducer = collectives.make_gradient_reducer(args.strategy, 2, 4)
+  state = train_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
+  step = train_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
+  for batch in data_lib.DevicePrefetcher(batches.iterator(), mesh_lib.batch_sharding(mesh)):
+    state, loss = step(state, batch["images"], batch["labels"])
+  leaves = jax.tree_util.tree_leaves_with_path({"params": state.params, "batch_stats": state.batch_stats})
+  # Replicated arrays: every process holds a full copy on its own devices.
+  arrays = {jax.tree_util.keystr(k): np.asarray(v.addressable_data(0)) for k, v in leaves}
+  arrays["__loss"] = np.asarray(jax.device_get(loss.addressable_data(0)))
+  if jax.process_index() == 0:
+    np.savez(args.out, **arrays)
+  print(f"process {jax.process_index()}: {int(jax.device_get(state.step.addressable_data(0)))} steps done")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,75 @@
+"""Config validation: one clear error per mistake, raised before anything heavy starts."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import fashion_mnist, imagenet_resnet50
+from light_jax import config as config_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(**overrides):
+  config = fashion_mnist.get_config()
+  for dotted, value in overrides.items():
+    *parents, leaf = dotted.split("__")
+    node = config
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def test_default_configs_validate():
+  assert config_lib.validate(fashion_mnist.get_config(), 8) == (2, 4)
+  assert config_lib.validate(fashion_mnist.get_config("lars"), 8) == (2, 4)
+  assert config_lib.validate(imagenet_resnet50.get_config(), 128, num_processes=16) == (16, 8)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"comm__strategy": "ring"}, r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical'\]"),
+    ({"comm__strategy": "hitopk"}, r"comm.strategy='hitopk' is planned but not built yet"),
+    ({"comm__fusion": "adaptive"}, r"comm.fusion='adaptive' is planned"),
+    ({"comm__density": 0.0}, r"comm.density=0.0 must be in \(0, 1\]"),
+    ({"optimizer__name": "adam"}, r"optimizer.name='adam' is unknown; use one of \['sgd', 'lars', 'lamb'\]"),
+    ({"optimizer__decay": "step"}, r"optimizer.decay='step' is unknown"),
+    ({"model__name": "vgg16"}, r"model.name='vgg16' is unknown"),
+    ({"model__dtype": "float16"}, r"model.dtype='float16' is unknown"),
+    ({"data__dataset": "cifar10"}, r"data.dataset='cifar10' is unknown"),
+    ({"mesh__nodes": 4}, r"mesh 4 x 4 = 16 devices, but 8 are available"),
+    ({"mesh__local": 3, "mesh__nodes": -1}, r"mesh.local=3 does not divide the 8 devices"),
+    ({"global_batch_size": 100}, r"global_batch_size=100 does not divide over 8 devices; use a multiple of 8 \(e.g. 96 or 104\)"),
+    ({"data__eval_batch_size": 4}, r"data.eval_batch_size=4 does not divide over 8 devices"),
+    ({"global_batch_size": 0}, r"global_batch_size=0 must be > 0"),
+    ({"max_steps": -1}, r"max_steps=-1 must be >= 0"),
+    ({"optimizer__label_smoothing": 1.0}, r"label_smoothing=1.0 must be in \[0, 1\)"),
+])
+def test_bad_config_gets_one_clear_error(overrides, message):
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(_config(**overrides), 8)
+
+
+def _train_py(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_reports_a_bad_config_without_traceback(tmp_path):
+  result = _train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path), "--config.mesh.nodes=3")
+  assert result.returncode == 2
+  assert "error: invalid config: mesh 3 x 4 = 12 devices, but 8 are available" in result.stderr
+  assert "Traceback" not in result.stderr
+  assert not os.listdir(tmp_path)  # nothing written before validation
+
+
+def test_cli_imagenet_explains_the_missing_pipeline(tmp_path):
+  # 8 simulated CPU devices as 1 x 8 stand in for the 16 x 8 GPU mesh.
+  result = _train_py("--config", "configs/imagenet_resnet50.py", "--workdir", str(tmp_path),
+                     "--config.mesh.nodes=1", "--config.mesh.cpu_devices=8", "--config.global_batch_size=64",
+                     "--config.data.eval_batch_size=64")
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "error: data.dataset='imagenet2012': the ImageNet input pipeline" in result.stderr
+  assert "Traceback" not in result.stderr

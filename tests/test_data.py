@@ -1,0 +1,95 @@
+import gzip
+
+import numpy as np
+import pytest
+
+from light_jax.data import DataError, EvalBatches, TrainBatches, fashion_mnist
+from light_jax.data.pipeline import pad_crop_flip
+from tests.helpers import random_source
+
+
+def test_pad_crop_flip_matches_a_per_image_loop():
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, size=(6, 5, 7, 2), dtype=np.uint8)
+  offsets = rng.integers(0, 5, size=(6, 2))
+  flips = rng.random(6) < 0.5
+  out = pad_crop_flip(images, offsets, flips, padding=2)
+  for i in range(6):
+    padded = np.pad(images[i], ((2, 2), (2, 2), (0, 0)))
+    crop = padded[offsets[i, 0]:offsets[i, 0] + 5, offsets[i, 1]:offsets[i, 1] + 7]
+    np.testing.assert_array_equal(out[i], crop[:, ::-1] if flips[i] else crop)
+
+
+def _all_batches(batches, start=0):
+  return list(batches.iterator(start))
+
+
+def test_train_batches_are_the_same_for_any_process_count():
+  source = random_source(200)
+  one = TrainBatches(source, 32, num_epochs=2, seed=3, crop_padding=2, random_flip=True)
+  halves = [TrainBatches(source, 32, num_epochs=2, seed=3, process_index=p, process_count=2, crop_padding=2,
+                         random_flip=True) for p in range(2)]
+  assert one.num_steps == 12 == halves[0].num_steps
+  for step, (whole, a, b) in enumerate(zip(_all_batches(one), _all_batches(halves[0]), _all_batches(halves[1]))):
+    for key in ("images", "labels"):
+      np.testing.assert_array_equal(whole[key], np.concatenate([a[key], b[key]]), err_msg=f"step {step}")
+
+
+def test_each_epoch_is_a_new_permutation_without_repeats():
+  n = 64
+  source = random_source(n)
+  source = type(source)(source.images, np.arange(n, dtype=np.int32))  # label = example index
+  batches = _all_batches(TrainBatches(source, 16, num_epochs=3, seed=0))
+  epochs = [np.concatenate([b["labels"] for b in batches[e * 4:(e + 1) * 4]]) for e in range(3)]
+  for e in epochs:
+    assert sorted(e) == list(range(n))
+  assert not np.array_equal(epochs[0], epochs[1])
+
+
+def test_same_seed_same_batches_and_resume_mid_run():
+  source = random_source(100)
+  a = _all_batches(TrainBatches(source, 20, num_epochs=2, seed=7, crop_padding=1))
+  b = _all_batches(TrainBatches(source, 20, num_epochs=2, seed=7, crop_padding=1), start=3)
+  c = _all_batches(TrainBatches(source, 20, num_epochs=2, seed=8, crop_padding=1))
+  assert len(a) == 10 and len(b) == 7
+  for x, y in zip(a[3:], b):
+    np.testing.assert_array_equal(x["images"], y["images"])
+  assert not np.array_equal(a[0]["labels"], c[0]["labels"])
+
+
+def test_eval_counts_every_example_exactly_once_with_padding():
+  n = 103
+  source = random_source(n)
+  source = type(source)(source.images, np.arange(n, dtype=np.int32))
+  seen = []
+  for p in range(2):
+    for batch in EvalBatches(source, 40, process_index=p, process_count=2).iterator():
+      assert batch["images"].shape[0] == 20
+      seen.extend(batch["labels"][batch["mask"] == 1].tolist())
+  assert sorted(seen) == list(range(n))
+
+
+def test_fashion_mnist_missing_gives_the_install_command(tmp_path):
+  with pytest.raises(DataError, match="apt-get install -y dataset-fashion-mnist"):
+    fashion_mnist.load(str(tmp_path), "train")
+
+
+def test_corrupt_idx_file_is_reported(tmp_path):
+  path = tmp_path / "bad.gz"
+  with gzip.open(path, "wb") as f:
+    f.write(b"\x00\x00\x08\x03" + (10).to_bytes(4, "big") + (28).to_bytes(4, "big") * 2 + b"\x00" * 100)
+  with pytest.raises(DataError, match="truncated or corrupt"):
+    fashion_mnist.read_idx(str(path))
+  with gzip.open(path, "wb") as f:
+    f.write(b"PK\x03\x04 not an idx file")
+  with pytest.raises(DataError, match="bad magic number"):
+    fashion_mnist.read_idx(str(path))
+
+
+def test_real_fashion_mnist_loads():
+  """The Debian package's files (installed by `make test`)."""
+  train = fashion_mnist.load(fashion_mnist.DEFAULT_DIR, "train")
+  test = fashion_mnist.load(fashion_mnist.DEFAULT_DIR, "test")
+  assert train.images.shape == (60000, 28, 28, 1) and train.images.dtype == np.uint8
+  assert len(test) == 10000 and sorted(set(test.labels.tolist())) == list(range(10))
+  assert abs(train.images.mean() - fashion_mnist.MEAN[0]) < 0.5 and abs(train.images.std() - fashion_mnist.STD[0]) < 0.5

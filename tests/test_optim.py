@@ -1,0 +1,75 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from configs import fashion_mnist
+from light_jax import optim
+from light_jax.models import create_model
+
+
+def _config(**opt):
+  config = fashion_mnist.get_config()
+  config.global_batch_size = 1024
+  config.optimizer.update(base_lr=0.5, warmup_epochs=2.0, end_lr_factor=0.01, **opt)
+  return config
+
+
+def test_peak_lr_scales_linearly_with_batch():
+  assert optim.peak_learning_rate(_config()) == pytest.approx(0.5 * 1024 / 256)
+
+
+@pytest.mark.parametrize("decay", ["poly", "cosine"])
+def test_schedule_warms_up_linearly_then_decays_to_the_end_value(decay):
+  schedule = optim.learning_rate_schedule(_config(decay=decay), steps_per_epoch=100, total_steps=1000)
+  peak = 2.0
+  assert float(schedule(0)) == 0.0
+  assert float(schedule(50)) == pytest.approx(peak / 4)
+  assert float(schedule(100)) == pytest.approx(peak / 2)
+  assert float(schedule(200)) == pytest.approx(peak)
+  assert float(schedule(1000)) == pytest.approx(peak * 0.01)
+  mid = float(schedule(600))  # halfway through the 800 decay steps
+  if decay == "poly":        # end + (peak - end) * (1 - 1/2)^2
+    assert mid == pytest.approx(0.02 + (peak - 0.02) * 0.25)
+  else:                      # end + (peak - end) * (1 + cos(pi/2)) / 2
+    assert mid == pytest.approx(0.02 + (peak - 0.02) * 0.5)
+
+
+def test_no_weight_decay_or_trust_ratio_on_biases_and_batchnorm():
+  model = create_model("resnet8_small", 10, width=4)
+  params = model.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)), train=False)["params"]
+  mask = optim.decay_mask(params)
+  flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(mask)}
+  assert flat["['Dense_0']['kernel']"] and flat["['conv_init']['kernel']"]
+  assert not flat["['Dense_0']['bias']"] and not flat["['bn_init']['scale']"] and not flat["['bn_init']['bias']"]
+  assert sum(flat.values()) == 1 + 6 + 1 + 2  # stem, 3 blocks x 2 convs, dense, 2 projections
+
+
+@pytest.mark.parametrize("name", ["sgd", "lars", "lamb"])
+def test_masked_parameters_get_no_weight_decay(name):
+  """With zero gradient, decayed kernels move and BatchNorm/bias parameters stay put."""
+  params = {"kernel": jnp.ones((3, 3)), "bias": jnp.ones((3,)), "scale": jnp.ones((3,))}
+  config = _config(name=name, weight_decay=0.1)
+  tx = optim.build_optimizer(config, optax.constant_schedule(0.1))
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  assert float(jnp.abs(updates["kernel"]).max()) > 0
+  assert float(jnp.abs(updates["bias"]).max()) == 0 and float(jnp.abs(updates["scale"]).max()) == 0
+
+
+def test_lars_trust_ratio_applies_to_kernels_only():
+  params = {"kernel": jnp.full((4, 4), 2.0), "bias": jnp.full((4,), 2.0)}
+  grads = {"kernel": jnp.full((4, 4), 0.5), "bias": jnp.full((4,), 0.5)}
+  tx = optim.build_optimizer(_config(name="lars", weight_decay=0.0, momentum=0.0, nesterov=False), optax.constant_schedule(1.0))
+  updates, _ = tx.update(grads, tx.init(params), params)
+  # kernel: eta * ||w|| / ||g|| * g = 0.001 * 8 / 2 * 0.5; bias: plain -lr * g.
+  np.testing.assert_allclose(updates["kernel"], -0.001 * 8.0 / 2.0 * 0.5, rtol=1e-6)
+  np.testing.assert_allclose(updates["bias"], -0.5, rtol=1e-6)
+
+
+def test_label_smoothing():
+  logits = jnp.array([[0.0, 0.0]])
+  assert float(optim.cross_entropy(logits, jnp.array([0]), 2, 0.0)) == pytest.approx(np.log(2))
+  sharp = jnp.array([[10.0, -10.0]])
+  assert float(optim.cross_entropy(sharp, jnp.array([0]), 2, 0.2)) > float(optim.cross_entropy(sharp, jnp.array([0]), 2, 0.0))
