@@ -2,7 +2,9 @@
 
   python benchmarks/train_step.py [--model resnet8_fast --batch 256 --steps 20 --rounds 5]
 
-Same model, batch, optimizer and semantics in all three: per-device BatchNorm statistics, mean
+"dense" and "hierarchical" pack the gradients into 25 MiB buckets (comm.fusion="fixed", the default);
+the "_unfused" rows reduce tensor by tensor (comm.fusion="none"). Same model, batch, optimizer and
+semantics in all variants: per-device BatchNorm statistics, mean
 gradient over the global batch. "plain_jit" is what XLA does by itself: the model is vmapped over
 a leading device axis of the batch (sharded over node x local), parameters are replicated, and XLA
 inserts the gradient all-reduce. Variants run interleaved (A B C A B C ...) so machine noise hits
@@ -55,11 +57,13 @@ def main():
   labels = jax.device_put(rng.integers(0, 10, args.batch).astype(np.int32), sharding)
 
   variants = {}
-  for strategy in ("dense", "hierarchical"):
-    reducer = collectives.make_gradient_reducer(strategy, args.nodes, args.local)
+  ours = {"dense": ("dense", "fixed"), "hierarchical": ("hierarchical", "fixed"),
+          "dense_unfused": ("dense", "none"), "hierarchical_unfused": ("hierarchical", "none")}
+  for name, (strategy, fusion) in ours.items():
+    reducer = collectives.make_gradient_reducer(strategy, args.nodes, args.local, fusion)
     state = train_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
     step = train_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
-    variants[strategy] = [step, state, lambda step, state: step(state, images, labels)]
+    variants[name] = [step, state, lambda step, state: step(state, images, labels)]
 
   # Plain jit: XLA partitions the step and inserts the all-reduce itself.
   reducer = collectives.make_gradient_reducer("dense", args.nodes, args.local)
@@ -90,7 +94,7 @@ def main():
   for name, v in variants.items():
     v[1], _ = v[2](v[0], v[1])
     firsts[name] = jax.tree.leaves(jax.device_get(v[1].params))
-  for name in ("dense", "hierarchical"):
+  for name in ours:
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(firsts[name], firsts["plain_jit"]))
     assert diff < 1e-4, f"{name} and plain_jit disagree after one step: {diff}"
 
@@ -106,11 +110,11 @@ def main():
   base = statistics.median(times["plain_jit"])
   print(f"\n{args.model}, global batch {args.batch}, mesh {args.nodes} x {args.local} "
         f"({devices} {jax.devices()[0].platform} devices), {args.rounds} rounds x {args.steps} steps, interleaved")
-  print(f"{'variant':<14}{'median step (ms)':>18}{'min (ms)':>10}{'images/s':>10}{'vs plain jit':>14}")
+  print(f"{'variant':<22}{'median step (ms)':>18}{'min (ms)':>10}{'images/s':>10}{'vs plain jit':>14}")
   result = {}
-  for name in ("plain_jit", "dense", "hierarchical"):
+  for name in ("plain_jit", *ours):
     med = statistics.median(times[name])
-    print(f"{name:<14}{1e3 * med:>18.1f}{1e3 * min(times[name]):>10.1f}{args.batch / med:>10.0f}{med / base:>13.3f}x")
+    print(f"{name:<22}{1e3 * med:>18.1f}{1e3 * min(times[name]):>10.1f}{args.batch / med:>10.0f}{med / base:>13.3f}x")
     result[name] = {"step_seconds": med, "ratio_to_plain_jit": med / base}
   print(json.dumps(result))
 

@@ -51,7 +51,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       strategy="hierarchical",
       density=0.01,          # fraction of gradient entries kept by the top-k strategies (issue #3)
       error_feedback=True,   # residual memory for the top-k strategies (issue #3)
-      fusion="none",
+      fusion="fixed",        # gradients packed into flat buckets, one collective per bucket
+      bucket_bytes=25 * 2**20,
   )
 
   config.log_every_steps = 20

@@ -42,6 +42,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       lars_eta=0.001,
       label_smoothing=0.1,
   )
-  config.comm = dict(strategy="hierarchical", density=0.001, error_feedback=True, fusion="none")
+  config.comm = dict(strategy="hierarchical", density=0.001, error_feedback=True, fusion="fixed",
+                     bucket_bytes=25 * 2**20)
   config.log_every_steps = 10
   return config

@@ -15,8 +15,8 @@ STRATEGIES = ("dense", "hierarchical")
 # Named by design.md, built by the communication issue (#3). Refused with a clear message until then.
 PLANNED_STRATEGIES = ("hitopk", "topk", "gtopk")
 OPTIMIZERS = ("sgd", "lars", "lamb")
-FUSIONS = ("none",)
-PLANNED_FUSIONS = ("fixed", "adaptive")
+FUSIONS = ("none", "fixed")
+PLANNED_FUSIONS = ("adaptive",)
 DECAYS = ("poly", "cosine")
 DTYPES = ("float32", "bfloat16")
 DATASETS = ("fashion_mnist", "imagenet2012")
@@ -48,6 +48,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   """
   _choice("comm.strategy", config.comm.strategy, STRATEGIES, PLANNED_STRATEGIES)
   _choice("comm.fusion", config.comm.fusion, FUSIONS, PLANNED_FUSIONS)
+  _positive("comm.bucket_bytes", config.comm.bucket_bytes, allow_zero=True)
   if not 0.0 < config.comm.density <= 1.0:
     raise ConfigError(f"comm.density={config.comm.density!r} must be in (0, 1] (the fraction top-k keeps).")
   _choice("optimizer.name", config.optimizer.name, OPTIMIZERS)

@@ -178,13 +178,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
   schedule = optim.learning_rate_schedule(config, steps_per_epoch, train_batches.num_steps)
   tx = optim.build_optimizer(config, schedule)
-  reducer = collectives.make_gradient_reducer(config.comm.strategy, nodes, local)
+  reducer = collectives.make_gradient_reducer(config.comm.strategy, nodes, local, config.comm.fusion,
+                                              config.comm.bucket_bytes)
   state = create_train_state(model, tx, reducer, info.image_shape, mesh, config.seed)
   num_params = sum(p.size for p in jax.tree.leaves(state.params))
   comm_bytes = reducer.bytes_per_step(state.params)
-  logging.info("model %s: %s parameters; optimizer %s, peak lr %.4g; comm %s: %s intra-node and %s "
-               "inter-node bytes per device per step", config.model.name, f"{num_params:,}",
-               config.optimizer.name, optim.peak_learning_rate(config), config.comm.strategy,
+  logging.info("model %s: %s parameters; optimizer %s, peak lr %.4g; comm %s, fusion %s: %s intra-node "
+               "and %s inter-node bytes per device per step", config.model.name, f"{num_params:,}",
+               config.optimizer.name, optim.peak_learning_rate(config), config.comm.strategy, config.comm.fusion,
                f"{comm_bytes.intra_node:,}", f"{comm_bytes.inter_node:,}")
 
   # --- Compile ahead of time, so that images/s measures steps and not compilation -------------------

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from light_jax import optim
-from light_jax.parallel import collectives
+from light_jax.parallel import collectives, fusion
 from light_jax.parallel import mesh as mesh_lib
 from tests.helpers import TinyCNN
 
@@ -88,3 +88,44 @@ def test_reducer_bytes_sum_over_tensors(problem):
   reducer = collectives.make_gradient_reducer("hierarchical", 2, 4)
   expected = sum(collectives.strategy_bytes("hierarchical", p.size, 4, 2, 4).inter_node for p in jax.tree.leaves(params))
   assert reducer.bytes_per_step(params).inter_node == expected > 0
+
+
+def test_fixed_buckets_follow_the_threshold():
+  plan = fusion.plan_fixed_buckets
+  assert plan([10, 10, 10, 10], 25) == [[0, 1], [2, 3]]
+  assert plan([10, 30, 5, 5, 5], 25) == [[0], [1], [2, 3, 4]]   # an oversized tensor stands alone
+  assert plan([10, 10, 10], 0) == [[0, 1, 2]]                   # 0: one bucket
+  assert plan([], 25) == []
+
+
+@pytest.mark.parametrize("strategy", sorted(collectives.STRATEGIES))
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("bucket_bytes", [0, 2000])
+def test_fused_reduction_equals_unfused(problem, strategy, shape, bucket_bytes):
+  model, params, images, labels, reference = problem
+  mesh = mesh_lib.make_mesh(*shape)
+  results = {}
+  for mode in ("none", "fixed"):
+    reducer = collectives.make_gradient_reducer(strategy, *shape, fusion=mode, bucket_bytes=bucket_bytes)
+    if mode == "fixed":
+      leaves = jax.tree.leaves(params)
+      assert len(reducer.buckets(leaves)[1]) == (1 if bucket_bytes == 0 else 3)
+    def device_grad(params, images, labels, reducer=reducer):
+      local = jax.grad(lambda p: _loss(model, p, images, labels))(params)
+      return reducer.reduce(local, ())[0]
+    sharding = mesh_lib.batch_sharding(mesh)
+    results[mode] = jax.jit(jax.shard_map(device_grad, mesh=mesh, in_specs=(P(), mesh_lib.BATCH_SPEC, mesh_lib.BATCH_SPEC),
+                                          out_specs=P(), check_vma=False))(
+        params, jax.device_put(images, sharding), jax.device_put(labels, sharding))
+  for fused, unfused, ref in zip(*(jax.tree.leaves(r) for r in (results["fixed"], results["none"], reference))):
+    np.testing.assert_allclose(fused, unfused, atol=1e-6)
+    np.testing.assert_array_less(np.max(np.abs(np.asarray(fused) - np.asarray(ref))), 1e-5)
+
+
+def test_fusion_cuts_padding_and_counts_bytes_per_bucket():
+  params = {"a": jnp.zeros((5,)), "b": jnp.zeros((3, 3))}   # 5 + 9 = 14 elements
+  none = collectives.make_gradient_reducer("hierarchical", 2, 4, "none").bytes_per_step(params)
+  fixed = collectives.make_gradient_reducer("hierarchical", 2, 4, "fixed").bytes_per_step(params)
+  # none: pads 5 -> 8 and 9 -> 12 (shards of 2 and 3); fixed: 14 -> 16 (shard of 4).
+  assert none.intra_node == 2 * 3 * (2 + 3) * 4 and fixed.intra_node == 2 * 3 * 4 * 4
+  assert none.inter_node == (2 + 3) * 4 and fixed.inter_node == 4 * 4

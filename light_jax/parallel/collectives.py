@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel.mesh import AXES, LOCAL, NODE
 
 PyTree = Any
@@ -93,37 +94,57 @@ def strategy_bytes(strategy: str, num_elements: int, itemsize: int, nodes: int, 
 
 @dataclasses.dataclass(frozen=True)
 class GradientReducer:
-  """Turns local gradients into the mean gradient over all devices, with one strategy per tensor.
+  """Turns local gradients into the mean gradient over all devices.
 
   ``reduce`` runs inside shard_map; ``init_state`` gives the per-device state the strategy carries
   between steps (none for dense and hierarchical); ``bytes_per_step`` is the exact traffic per device.
+  With ``fusion="none"`` each tensor gets its own collective; with ``"fixed"`` tensors are packed into
+  flat buckets of up to ``bucket_bytes`` (see fusion.py).
   """
 
   strategy: str
   nodes: int
   local: int
+  fusion: str = "none"
+  bucket_bytes: int = fusion_lib.DEFAULT_BUCKET_BYTES
 
   def init_state(self, params: PyTree) -> PyTree:
     del params
     return ()
 
+  def buckets(self, leaves) -> tuple[list[int], list[list[int]]]:
+    """(backward order of the leaves, buckets as lists of positions in that order)."""
+    order = fusion_lib.backward_order(leaves)
+    if self.fusion == "none":
+      return order, [[i] for i in range(len(order))]
+    sizes = [math.prod(leaves[i].shape) * jnp.dtype(leaves[i].dtype).itemsize for i in order]
+    return order, fusion_lib.plan_fixed_buckets(sizes, self.bucket_bytes)
+
   def reduce(self, local_grads: PyTree, comm_state: PyTree) -> tuple[PyTree, PyTree]:
-    allreduce = STRATEGIES[self.strategy]
+    leaves, treedef = jax.tree.flatten(local_grads)
+    order, buckets = self.buckets(leaves)
+    summed = fusion_lib.reduce_in_buckets(leaves, buckets, order, STRATEGIES[self.strategy])
     num_devices = self.nodes * self.local
-    mean = jax.tree.map(lambda g: allreduce(g) / num_devices, local_grads)
-    return mean, comm_state
+    return jax.tree.unflatten(treedef, [g / num_devices for g in summed]), comm_state
 
   def bytes_per_step(self, params: PyTree) -> CommBytes:
+    leaves = jax.tree.leaves(params)
+    order, buckets = self.buckets(leaves)
     total = CommBytes()
-    for p in jax.tree.leaves(params):
-      total += strategy_bytes(self.strategy, math.prod(p.shape), jnp.dtype(p.dtype).itemsize, self.nodes, self.local)
+    for bucket in buckets:
+      members = [leaves[order[i]] for i in bucket]
+      elements = sum(math.prod(p.shape) for p in members)
+      total += strategy_bytes(self.strategy, elements, jnp.dtype(members[0].dtype).itemsize, self.nodes, self.local)
     return total
 
 
-def make_gradient_reducer(strategy: str, nodes: int, local: int) -> GradientReducer:
+def make_gradient_reducer(strategy: str, nodes: int, local: int, fusion: str = "none",
+                          bucket_bytes: int = fusion_lib.DEFAULT_BUCKET_BYTES) -> GradientReducer:
   if strategy not in STRATEGIES:
     raise ValueError(f"unknown comm.strategy {strategy!r}; known: {sorted(STRATEGIES)}")
-  return GradientReducer(strategy=strategy, nodes=nodes, local=local)
+  if fusion not in ("none", "fixed"):
+    raise ValueError(f"unknown comm.fusion {fusion!r}; known: none, fixed")
+  return GradientReducer(strategy=strategy, nodes=nodes, local=local, fusion=fusion, bucket_bytes=bucket_bytes)
 
 
 def _round_up(n: int, multiple: int) -> int:
