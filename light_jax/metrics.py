@@ -6,6 +6,7 @@ Only process 0 writes files; every process may call these (the others are no-ops
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -22,6 +23,11 @@ class MetricsWriter:
     self._tb = None
     if enabled:
       os.makedirs(workdir, exist_ok=True)
+      old = os.path.join(workdir, "metrics.jsonl")
+      if os.path.exists(old):
+        # No checkpoints yet (issue #5): a run in a used workdir starts over, so its old metrics go.
+        logging.warning("%s holds a previous run's metrics; starting over and replacing them", workdir)
+        os.remove(old)
       from tensorboardX import SummaryWriter  # imported here: only process 0 needs it
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 

@@ -204,7 +204,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   host_batches = train_batches.iterator(0, read_threads=config.data.read_threads)
   prefetcher = data_lib.DevicePrefetcher(host_batches, sharding, size=config.data.prefetch)
   losses = []                 # per-device losses of the steps since the last record, still on device
-  train_seconds = 0.0         # time in train steps (eval excluded) since the last record
   images_since_record = 0
   wait_at_record = 0.0
   step = 0
@@ -221,10 +220,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if step % config.log_every_steps == 0:
         # Reading step t's loss waits for step t only; the steps queued behind it keep running.
         bar.set_postfix(loss=f"{float(np.mean(jax.device_get(loss))):.4f}", lr=f"{float(schedule(step)):.3g}",
-                        img_s=f"{images_since_record / (time.perf_counter() - segment_start + train_seconds):.0f}")
+                        img_s=f"{images_since_record / (time.perf_counter() - segment_start):.0f}")
       if step % steps_per_epoch == 0 or step == total_steps:
         train_loss = float(np.mean(jax.device_get(losses)))
-        train_seconds += time.perf_counter() - segment_start
+        train_seconds = time.perf_counter() - segment_start   # eval excluded
         eval_metrics = evaluate(eval_step, state, eval_batches, sharding)
         record = {
             "step": step,
@@ -242,7 +241,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         bar.write(f"epoch {record['epoch']:.2f} step {step}: train loss {train_loss:.4f}, test top-1 "
                   f"{100 * record['eval_top1']:.2f}% top-5 {100 * record['eval_top5']:.2f}%, "
                   f"{record['images_per_sec']:.0f} images/s, input wait {100 * record['input_wait_fraction']:.1f}%")
-        losses, images_since_record, train_seconds = [], 0, 0.0
+        losses, images_since_record = [], 0
         wait_at_record = prefetcher.wait_seconds
         segment_start = time.perf_counter()
   finally:

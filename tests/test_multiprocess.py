@@ -51,3 +51,33 @@ def test_two_processes_match_one_process(tmp_path, strategy):
   for key in single:
     np.testing.assert_allclose(multi[key], single[key], atol=1e-5, rtol=1e-5, err_msg=key)
   assert np.isfinite(single["__loss"]).all()
+
+
+def _train_py(workdir, extra, port=None, process_id=None):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  args = [sys.executable, "train.py", "--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
+          "--config.data.train_subset=1024", "--config.data.eval_subset=500", "--config.max_steps=6",
+          "--config.global_batch_size=128", "--config.data.eval_batch_size=96", *extra]
+  if port is not None:
+    args += [f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={process_id}"]
+  return subprocess.Popen(args, cwd=root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_train_py_on_two_processes_matches_one_process(tmp_path):
+  """The CLI path: train.py --coordinator/--num_processes/--process_id, each process one node."""
+  import json
+
+  port = _free_port()
+  procs = [_train_py(tmp_path / "two", ["--config.mesh.nodes=-1", "--config.mesh.local=-1"], port, i) for i in range(2)]
+  procs.append(_train_py(tmp_path / "one", []))
+  outputs = [p.communicate(timeout=400)[0] for p in procs]
+  for p, text in zip(procs, outputs):
+    assert p.returncode == 0, text[-3000:]
+  assert "process 0 of 2, 8 devices (4 local)" in outputs[0]
+  assert "mesh node x local = 2 x 4 (8 cpu devices, 2 process(es))" in outputs[0]
+  two = json.loads((tmp_path / "two" / "metrics.jsonl").read_text())
+  one = json.loads((tmp_path / "one" / "metrics.jsonl").read_text())
+  assert not (tmp_path / "two" / "metrics.jsonl").read_text().count("\n") > 1
+  for key in ("train_loss", "eval_top1", "eval_top5", "eval_loss"):
+    assert abs(two[key] - one[key]) < 1e-5, (key, two[key], one[key])
+  assert two["eval_examples"] == one["eval_examples"] == 500
