@@ -4,6 +4,7 @@ Variants (``--config configs/fashion_mnist.py:VARIANT``):
   (none)   small ResNet, SGD with Nesterov momentum, hierarchical gradient all-reduce.
   lars     the same with LARS (the large-batch optimizer), at batch 1024.
   dense    the default with one flat psum instead of the hierarchical reduction.
+  hitopk   the default with hierarchical top-k compression at 1% density and error feedback.
 """
 
 import ml_collections
@@ -48,11 +49,17 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   )
 
   config.comm = dict(
-      strategy="hierarchical",
-      density=0.01,          # fraction of gradient entries kept by the top-k strategies (issue #3)
-      error_feedback=True,   # residual memory for the top-k strategies (issue #3)
-      fusion="fixed",        # gradients packed into flat buckets, one collective per bucket
+      strategy="hierarchical",   # dense | hierarchical | hitopk | topk
+      fusion="fixed",            # none | fixed (buckets of bucket_bytes) | adaptive (MG-WFBP)
       bucket_bytes=25 * 2**20,
+      cost_model="v100_nvlink_25gbe",  # adaptive: a cost_model.PRESETS name or a calibrated JSON file
+      device_tflops=15.0,        # adaptive: sustained FLOP/s (x 1e12) for backward-time estimates
+      # The top-k strategies (hitopk, topk):
+      density=0.01,              # fraction of entries kept (per local shard for hitopk)
+      error_feedback=True,       # what is not sent is kept and added to the next step's gradient
+      topk_selector="exact",     # exact (lax.top_k) | mstopk (sort-free threshold search)
+      min_compress_elements=512,  # smaller buckets / shards go dense
+      density_warmup_epochs=0.0,  # >0: DGC-style warm-up from density 0.25 down to `density`
   )
 
   config.log_every_steps = 20
@@ -66,6 +73,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     config.optimizer.decay = "poly"
   elif variant == "dense":
     config.comm.strategy = "dense"
+  elif variant == "hitopk":
+    config.comm.strategy = "hitopk"   # hierarchical top-k at 1% density with error feedback
+    config.comm.density = 0.01
   elif variant:
-    raise ValueError(f"unknown variant {variant!r} of fashion_mnist.py; use lars or dense")
+    raise ValueError(f"unknown variant {variant!r} of fashion_mnist.py; use lars, dense or hitopk")
   return config

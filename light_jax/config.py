@@ -9,14 +9,15 @@ from __future__ import annotations
 import ml_collections
 
 from light_jax.models import ARCHITECTURES
+from light_jax.parallel import collectives, compression, cost_model
 from light_jax.parallel import mesh as mesh_lib
 
-STRATEGIES = ("dense", "hierarchical")
-# Named by design.md, built by the communication issue (#3). Refused with a clear message until then.
-PLANNED_STRATEGIES = ("hitopk", "topk", "gtopk")
+STRATEGIES = collectives.STRATEGIES
+# Named by the communication issue (#3), not built. Refused with a clear message.
+PLANNED_STRATEGIES = ("gtopk",)
+SELECTORS = tuple(compression.SELECTORS)
 OPTIMIZERS = ("sgd", "lars", "lamb")
-FUSIONS = ("none", "fixed")
-PLANNED_FUSIONS = ("adaptive",)
+FUSIONS = collectives.FUSIONS
 DECAYS = ("poly", "cosine")
 DTYPES = ("float32", "bfloat16")
 DATASETS = ("fashion_mnist", "imagenet2012")
@@ -29,7 +30,7 @@ class ConfigError(ValueError):
 def _choice(name: str, value, allowed, planned=()) -> None:
   if value in planned:
     raise ConfigError(
-        f"{name}={value!r} is planned but not built yet (communication issue #3); use one of "
+        f"{name}={value!r} is planned but not built yet; use one of "
         f"{list(allowed)}.")
   if value not in allowed:
     raise ConfigError(f"{name}={value!r} is unknown; use one of {list(allowed)}.")
@@ -47,8 +48,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     ConfigError: with a message that says what to change.
   """
   _choice("comm.strategy", config.comm.strategy, STRATEGIES, PLANNED_STRATEGIES)
-  _choice("comm.fusion", config.comm.fusion, FUSIONS, PLANNED_FUSIONS)
+  _choice("comm.fusion", config.comm.fusion, FUSIONS)
+  if config.comm.fusion == "adaptive":
+    try:
+      cost_model.load(config.comm.cost_model)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+    _positive("comm.device_tflops", config.comm.device_tflops)
   _positive("comm.bucket_bytes", config.comm.bucket_bytes, allow_zero=True)
+  _choice("comm.topk_selector", config.comm.topk_selector, SELECTORS)
+  _positive("comm.min_compress_elements", config.comm.min_compress_elements, allow_zero=True)
+  _positive("comm.density_warmup_epochs", config.comm.density_warmup_epochs, allow_zero=True)
   if not 0.0 < config.comm.density <= 1.0:
     raise ConfigError(f"comm.density={config.comm.density!r} must be in (0, 1] (the fraction top-k keeps).")
   _choice("optimizer.name", config.optimizer.name, OPTIMIZERS)

@@ -28,13 +28,15 @@ import ml_collections
 import numpy as np
 import optax
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from light_jax import data as data_lib
 from light_jax import metrics as metrics_lib
 from light_jax import optim
 from light_jax.models import create_model
-from light_jax.parallel import collectives
+from light_jax.parallel import collectives, compression, cost_model
+from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel.mesh import AXES, BATCH_SPEC, LOCAL, NODE
 
@@ -151,6 +153,11 @@ def evaluate(eval_step: Callable, state: TrainState, batches: data_lib.EvalBatch
           "eval_loss": float(totals["loss"]) / count, "eval_examples": int(count)}
 
 
+def global_mean(per_device_values) -> float:
+  """Mean of per-device arrays that may live on other processes' devices too (a collective: all call it)."""
+  return float(np.mean(multihost_utils.process_allgather(per_device_values, tiled=True)))
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains ``config`` on the current devices, evaluating each epoch; returns the summary."""
   wall_start = time.time()
@@ -178,25 +185,50 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
   schedule = optim.learning_rate_schedule(config, steps_per_epoch, train_batches.num_steps)
   tx = optim.build_optimizer(config, schedule)
-  reducer = collectives.make_gradient_reducer(config.comm.strategy, nodes, local, config.comm.fusion,
-                                              config.comm.bucket_bytes)
+  comm = config.comm
+  profile = fusion_lib.profile_parameters(model, info.image_shape)   # backward order, FLOPs per tensor
+  reducer = collectives.make_gradient_reducer(
+      comm.strategy, nodes, local, "fixed" if comm.fusion == "adaptive" else comm.fusion, comm.bucket_bytes,
+      density=comm.density, selector=comm.topk_selector, error_feedback=comm.error_feedback,
+      min_compress_elements=comm.min_compress_elements, order=profile.order)
+  if comm.fusion == "adaptive":
+    reducer = cost_model.plan_adaptive_fusion(reducer, profile, cost_model.load(comm.cost_model),
+                                              comm.device_tflops * 1e12, config.global_batch_size // mesh.size)
+    logging.info("adaptive fusion (MG-WFBP, %s): %d buckets for %d tensors", comm.cost_model,
+                 len(reducer.groups), len(profile.order))
   state = create_train_state(model, tx, reducer, info.image_shape, mesh, config.seed)
   num_params = sum(p.size for p in jax.tree.leaves(state.params))
-  comm_bytes = reducer.bytes_per_step(state.params)
-  logging.info("model %s: %s parameters; optimizer %s, peak lr %.4g; comm %s, fusion %s: %s intra-node "
-               "and %s inter-node bytes per device per step", config.model.name, f"{num_params:,}",
-               config.optimizer.name, optim.peak_learning_rate(config), config.comm.strategy, config.comm.fusion,
-               f"{comm_bytes.intra_node:,}", f"{comm_bytes.inter_node:,}")
+  logging.info("model %s: %s parameters; optimizer %s, peak lr %.4g; comm %s, fusion %s",
+               config.model.name, f"{num_params:,}", config.optimizer.name, optim.peak_learning_rate(config),
+               comm.strategy, comm.fusion)
 
   # --- Compile ahead of time, so that images/s measures steps and not compilation -------------------
+  # k of top-k is a static shape: a density warm-up compiles the step once per density phase.
   sharding = mesh_lib.batch_sharding(mesh)
   batch_shape = (config.global_batch_size, *info.image_shape)
-  compile_start = time.time()
-  train_step = make_train_step(model, tx, reducer, mesh, info, config.optimizer.label_smoothing).lower(
-      state, jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=sharding),
-      jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=sharding)).compile()
+  abstract_args = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state),
+                   jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=sharding),
+                   jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=sharding))
+  density_warmup_steps = int(comm.density_warmup_epochs * steps_per_epoch)
+  compiled_steps = {}
+
+  def train_step_for(step: int):
+    """(compiled train step, its CommBytes) for the top-k density of ``step``."""
+    density = compression.density_at(step, comm.density, density_warmup_steps)
+    if density not in compiled_steps:
+      phase_reducer = dataclasses.replace(reducer, density=density)
+      start = time.time()
+      compiled = make_train_step(model, tx, phase_reducer, mesh, info, config.optimizer.label_smoothing).lower(
+          *abstract_args).compile()
+      comm_bytes = phase_reducer.bytes_per_step(abstract_args[0].params)
+      logging.info("train step compiled in %.1f s (density %.4g): %s intra-node and %s inter-node bytes per "
+                   "device per step", time.time() - start, density, f"{comm_bytes.intra_node:,}",
+                   f"{comm_bytes.inter_node:,}")
+      compiled_steps[density] = compiled, comm_bytes
+    return compiled_steps[density]
+
+  train_step_for(0)
   eval_step = make_eval_step(model, mesh, info)
-  logging.info("train step compiled in %.1f s", time.time() - compile_start)
 
   # --- Loop ----------------------------------------------------------------------------------------
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
@@ -212,6 +244,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   try:
     while step < total_steps:
       batch = next(prefetcher)
+      train_step, comm_bytes = train_step_for(step)
       state, loss = train_step(state, batch["images"], batch["labels"])
       losses.append(loss)
       step += 1
@@ -219,10 +252,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       bar.update(1)
       if step % config.log_every_steps == 0:
         # Reading step t's loss waits for step t only; the steps queued behind it keep running.
-        bar.set_postfix(loss=f"{float(np.mean(jax.device_get(loss))):.4f}", lr=f"{float(schedule(step)):.3g}",
+        bar.set_postfix(loss=f"{global_mean(loss):.4f}", lr=f"{float(schedule(step)):.3g}",
                         img_s=f"{images_since_record / (time.perf_counter() - segment_start):.0f}")
       if step % steps_per_epoch == 0 or step == total_steps:
-        train_loss = float(np.mean(jax.device_get(losses)))
+        train_loss = global_mean(losses)
         train_seconds = time.perf_counter() - segment_start   # eval excluded
         eval_metrics = evaluate(eval_step, state, eval_batches, sharding)
         record = {
@@ -259,8 +292,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "mesh": {"nodes": nodes, "local": local, "processes": jax.process_count(),
                "platform": mesh.devices.flat[0].platform},
       "images_per_sec_mean": float(np.mean([r["images_per_sec"] for r in writer.records])),
-      "inter_node_bytes_per_step": comm_bytes.inter_node,
-      "intra_node_bytes_per_step": comm_bytes.intra_node,
+      "inter_node_bytes_per_step": record.get("inter_node_bytes_per_step"),
+      "intra_node_bytes_per_step": record.get("intra_node_bytes_per_step"),
       "config": json.loads(config.to_json_best_effort()),
   }
   writer.write_summary(summary)

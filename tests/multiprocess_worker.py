@@ -3,7 +3,8 @@
   python tests/multiprocess_worker.py --num_processes P --process_id I --port N --steps S --out params.npz
 
 Each process holds 8 / P simulated CPU devices; the (node, local) mesh spans all of them. The data
-pipeline gives each process its own rows of every global batch. Process 0 writes the final parameters.
+pipeline gives each process its own rows of every global batch. Top-k strategies run at --density
+with fixed 4 KiB buckets, so several buckets are compressed and carry residuals. Process 0 writes the final parameters.
 """
 
 import argparse
@@ -20,6 +21,7 @@ def main():
   parser.add_argument("--port", type=int, default=0)
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--strategy", default="hierarchical")
+  parser.add_argument("--density", type=float, default=0.05)
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
 
@@ -47,7 +49,8 @@ def main():
                                   process_count=jax.process_count(), crop_padding=2, random_flip=True)
   model = create_model("resnet8_small", num_classes=10, width=4)
   tx = optax.sgd(0.1, momentum=0.9)
-  reducer = collectives.make_gradient_reducer(args.strategy, 2, 4)
+  reducer = collectives.make_gradient_reducer(args.strategy, 2, 4, fusion="fixed", bucket_bytes=4096,
+                                              density=args.density, min_compress_elements=64)
   state = train_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
   step = train_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
   for batch in data_lib.DevicePrefetcher(batches.iterator(), mesh_lib.batch_sharding(mesh)):
@@ -55,6 +58,9 @@ def main():
   leaves = jax.tree_util.tree_leaves_with_path({"params": state.params, "batch_stats": state.batch_stats})
   # Replicated arrays: every process holds a full copy on its own devices.
   arrays = {jax.tree_util.keystr(k): np.asarray(v.addressable_data(0)) for k, v in leaves}
+  # Residuals are per device: gather them all (node-major) to compare with the one-process run.
+  for key, residual in state.comm_state.items():
+    arrays[f"residual/{key}"] = np.asarray(jax.jit(lambda r: r, out_shardings=mesh_lib.replicated(mesh))(residual).addressable_data(0))
   arrays["__loss"] = np.asarray(jax.device_get(loss.addressable_data(0)))
   if jax.process_index() == 0:
     np.savez(args.out, **arrays)

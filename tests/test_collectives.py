@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from light_jax import optim
 from light_jax.parallel import collectives, fusion
@@ -33,21 +33,33 @@ def problem():
   return model, params, images, labels, reference
 
 
-@pytest.mark.parametrize("strategy", sorted(collectives.STRATEGIES))
-@pytest.mark.parametrize("shape", MESH_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_reduced_gradient_equals_whole_batch_gradient(problem, strategy, shape):
-  model, params, images, labels, reference = problem
-  mesh = mesh_lib.make_mesh(*shape)
-  reducer = collectives.make_gradient_reducer(strategy, *shape)
+def reduce_on_mesh(reducer, mesh, model, params, images, labels, state=None):
+  """Local gradients on each device's shard, then ``reducer``; returns (mean gradient, new state)."""
+  state = reducer.init_state(params) if state is None else state
+  per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
 
-  def device_grad(params, images, labels):
+  def device_grad(params, state, images, labels):
     local = jax.grad(lambda p: _loss(model, p, images, labels))(params)
-    return reducer.reduce(local, ())[0]
+    return reducer.reduce(local, state)
 
   sharding = mesh_lib.batch_sharding(mesh)
-  reduced = jax.jit(jax.shard_map(device_grad, mesh=mesh, in_specs=(P(), mesh_lib.BATCH_SPEC, mesh_lib.BATCH_SPEC),
-                                  out_specs=P(), check_vma=False))(
-      params, jax.device_put(images, sharding), jax.device_put(labels, sharding))
+  return jax.jit(jax.shard_map(device_grad, mesh=mesh, in_specs=(P(), per_device, mesh_lib.BATCH_SPEC, mesh_lib.BATCH_SPEC),
+                               out_specs=(P(), per_device), check_vma=False))(
+      params, jax.device_put(state, NamedSharding(mesh, per_device)), jax.device_put(images, sharding),
+      jax.device_put(labels, sharding))
+
+
+@pytest.mark.parametrize("strategy", collectives.STRATEGIES)
+@pytest.mark.parametrize("shape", MESH_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_reduced_gradient_equals_whole_batch_gradient(problem, strategy, shape):
+  """Dense strategies exactly; top-k strategies at density 1.0 (every tensor compressed) as well."""
+  model, params, images, labels, reference = problem
+  mesh = mesh_lib.make_mesh(*shape)
+  reducer = collectives.make_gradient_reducer(strategy, *shape, density=1.0, min_compress_elements=1)
+  reduced, state = reduce_on_mesh(reducer, mesh, model, params, images, labels)
+  if strategy in collectives.COMPRESSED_STRATEGIES:
+    assert len(state) == len(jax.tree.leaves(params))   # every tensor went through top-k
+    assert all(float(jnp.abs(r).max()) == 0.0 for r in state.values())  # density 1: nothing left behind
   for ours, ref in zip(jax.tree.leaves(reduced), jax.tree.leaves(reference)):
     assert ours.shape == ref.shape
     np.testing.assert_array_less(np.max(np.abs(np.asarray(ours) - np.asarray(ref))), 1e-5)
@@ -56,13 +68,13 @@ def test_reduced_gradient_equals_whole_batch_gradient(problem, strategy, shape):
   assert np.max(np.abs(8 * leaf - leaf)) > 1e-3
 
 
-@pytest.mark.parametrize("strategy", sorted(collectives.STRATEGIES))
+@pytest.mark.parametrize("strategy", sorted(collectives.DENSE_STRATEGIES))
 @pytest.mark.parametrize("size", [1, 7, 8, 1000, 4099])
 def test_allreduce_of_odd_sizes_sums_over_devices(strategy, size):
   """Shapes that do not split evenly over `local` (padding path) still give the exact sum."""
   mesh = mesh_lib.make_mesh(2, 4)
   x = jnp.arange(8 * size, dtype=jnp.float32).reshape(8, size) / 7.0
-  out = jax.jit(jax.shard_map(lambda v: collectives.STRATEGIES[strategy](v[0]), mesh=mesh,
+  out = jax.jit(jax.shard_map(lambda v: collectives.DENSE_STRATEGIES[strategy](v[0]), mesh=mesh,
                               in_specs=mesh_lib.BATCH_SPEC, out_specs=P(), check_vma=False))(
       jax.device_put(x, mesh_lib.batch_sharding(mesh)))
   np.testing.assert_allclose(np.asarray(out), np.asarray(x).sum(axis=0), rtol=1e-6)
@@ -98,7 +110,7 @@ def test_fixed_buckets_follow_the_threshold():
   assert plan([], 25) == []
 
 
-@pytest.mark.parametrize("strategy", sorted(collectives.STRATEGIES))
+@pytest.mark.parametrize("strategy", collectives.STRATEGIES)
 @pytest.mark.parametrize("shape", [(1, 8), (2, 4), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("bucket_bytes", [0, 2000])
 def test_fused_reduction_equals_unfused(problem, strategy, shape, bucket_bytes):
@@ -106,17 +118,11 @@ def test_fused_reduction_equals_unfused(problem, strategy, shape, bucket_bytes):
   mesh = mesh_lib.make_mesh(*shape)
   results = {}
   for mode in ("none", "fixed"):
-    reducer = collectives.make_gradient_reducer(strategy, *shape, fusion=mode, bucket_bytes=bucket_bytes)
+    reducer = collectives.make_gradient_reducer(strategy, *shape, fusion=mode, bucket_bytes=bucket_bytes,
+                                                density=1.0, min_compress_elements=1)
     if mode == "fixed":
-      leaves = jax.tree.leaves(params)
-      assert len(reducer.buckets(leaves)[1]) == (1 if bucket_bytes == 0 else 3)
-    def device_grad(params, images, labels, reducer=reducer):
-      local = jax.grad(lambda p: _loss(model, p, images, labels))(params)
-      return reducer.reduce(local, ())[0]
-    sharding = mesh_lib.batch_sharding(mesh)
-    results[mode] = jax.jit(jax.shard_map(device_grad, mesh=mesh, in_specs=(P(), mesh_lib.BATCH_SPEC, mesh_lib.BATCH_SPEC),
-                                          out_specs=P(), check_vma=False))(
-        params, jax.device_put(images, sharding), jax.device_put(labels, sharding))
+      assert len(reducer.buckets(jax.tree.leaves(params))[1]) == (1 if bucket_bytes == 0 else 3)
+    results[mode] = reduce_on_mesh(reducer, mesh, model, params, images, labels)[0]
   for fused, unfused, ref in zip(*(jax.tree.leaves(r) for r in (results["fixed"], results["none"], reference))):
     np.testing.assert_allclose(fused, unfused, atol=1e-6)
     np.testing.assert_array_less(np.max(np.abs(np.asarray(fused) - np.asarray(ref))), 1e-5)

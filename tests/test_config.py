@@ -26,13 +26,16 @@ def _config(**overrides):
 def test_default_configs_validate():
   assert config_lib.validate(fashion_mnist.get_config(), 8) == (2, 4)
   assert config_lib.validate(fashion_mnist.get_config("lars"), 8) == (2, 4)
+  assert config_lib.validate(fashion_mnist.get_config("hitopk"), 8) == (2, 4)
   assert config_lib.validate(imagenet_resnet50.get_config(), 128, num_processes=16) == (16, 8)
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"comm__strategy": "ring"}, r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical'\]"),
-    ({"comm__strategy": "hitopk"}, r"comm.strategy='hitopk' is planned but not built yet"),
-    ({"comm__fusion": "adaptive"}, r"comm.fusion='adaptive' is planned"),
+    ({"comm__strategy": "ring"}, r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical', 'hitopk', 'topk'\]"),
+    ({"comm__strategy": "gtopk"}, r"comm.strategy='gtopk' is planned but not built yet"),
+    ({"comm__topk_selector": "sort"}, r"comm.topk_selector='sort' is unknown; use one of \['exact', 'mstopk'\]"),
+    ({"comm__fusion": "bucketed"}, r"comm.fusion='bucketed' is unknown; use one of \['none', 'fixed', 'adaptive'\]"),
+    ({"comm__fusion": "adaptive", "comm__cost_model": "/nope.json"}, r"comm.cost_model='/nope.json' is neither a preset"),
     ({"comm__density": 0.0}, r"comm.density=0.0 must be in \(0, 1\]"),
     ({"optimizer__name": "adam"}, r"optimizer.name='adam' is unknown; use one of \['sgd', 'lars', 'lamb'\]"),
     ({"optimizer__decay": "step"}, r"optimizer.decay='step' is unknown"),

@@ -3,20 +3,30 @@
 Every function here runs *inside* ``jax.shard_map`` over both mesh axes and takes the device's
 **local** gradient (not yet reduced; see ``train_lib`` for how the step avoids JAX's implicit psum).
 
-Strategies (``comm.strategy``), each a pure function ``array -> sum of that array over all devices``:
+Dense strategies (``comm.strategy``), ``flat vector -> its sum over all devices``:
 - ``dense``: one ``psum`` over (node, local); XLA/NCCL picks the algorithm (a flat ring or tree).
 - ``hierarchical``: reduce-scatter over ``local`` (fast links), all-reduce of the 1/n shard over
   ``node`` (slow links), all-gather over ``local``. Only d/n elements per device cross machines.
 
-``GradientReducer`` wraps a strategy for a whole gradient pytree and divides by the device count, so
-the result is the gradient of the mean loss over the global batch. Strategies with per-device state
-(error-feedback residuals of the top-k family, issue #3) keep it in ``comm_state``, which the train
-state carries sharded over both mesh axes.
+Compressed strategies, ``(flat vector, residual) -> (approximate sum, new residual)``:
+- ``hitopk`` (HiTopKComm, light-techniques.md section 1): reduce-scatter over ``local`` (dense), error
+  feedback + top-k on the device's 1/n shard, all-gather of (values, int32 indices) over ``node`` among
+  devices of the same local rank, scatter-add, all-gather over ``local``. The slow link carries 2k
+  numbers per device instead of the shard.
+- ``topk``: the flat baseline: error feedback + top-k of the whole vector on each device, all-gather
+  of (values, indices) over every device, scatter-add.
+Buckets too small to be worth compressing (``min_compress_elements``) go dense (hierarchical for
+``hitopk``, psum for ``topk``).
+
+``GradientReducer`` applies a strategy to a whole gradient pytree, bucket by bucket (fusion.py), and
+divides by the device count, so the result is the mean gradient over the global batch. The residuals
+of the compressed strategies are ``comm_state``: one float32 vector per compressed bucket per device,
+carried in the train state with leading dims (nodes, local), sharded over both mesh axes.
 
 Byte accounting (``CommBytes``): bytes one device *sends* per step over each link level, from the
-shapes alone, for ring algorithms (the ones NCCL and gloo use at these sizes). For a flat ring that spans
-several nodes, the devices at node boundaries send their whole ring traffic over the slow link and set
-the pace, so that worst case is what ``dense`` reports as inter-node bytes.
+shapes alone, for ring algorithms (the ones NCCL and gloo use at these sizes). For a flat ring or
+all-gather that spans several nodes, the devices at node boundaries send their whole traffic over the
+slow link and set the pace, so that worst case is what ``dense`` and ``topk`` report as inter-node bytes.
 """
 
 from __future__ import annotations
@@ -29,37 +39,75 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from light_jax.parallel import compression
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel.mesh import AXES, LOCAL, NODE
 
 PyTree = Any
+INDEX_BYTES = 4  # int32 indices
 
 
 def dense_allreduce(x: jax.Array) -> jax.Array:
-  """Sum of ``x`` over every device with one psum."""
+  """Sum of flat ``x`` over every device with one psum."""
   return lax.psum(x, AXES)
 
 
-def hierarchical_allreduce(x: jax.Array) -> jax.Array:
-  """Sum of ``x`` over every device: reduce-scatter(local) -> all-reduce(node) -> all-gather(local).
-
-  The tensor is flattened and zero-padded to a multiple of the local device count so the scatter
-  splits it evenly; the padding is dropped after the gather.
-  """
+def _scatter_to_local_shard(x: jax.Array) -> jax.Array:
+  """Zero-pads flat ``x`` to a multiple of the local device count and reduce-scatters it over ``local``."""
   local = lax.axis_size(LOCAL)
-  flat = x.reshape(-1)
-  padded_size = _round_up(flat.size, local)
-  flat = jnp.pad(flat, (0, padded_size - flat.size))
-  shard = lax.psum_scatter(flat, LOCAL, scatter_dimension=0, tiled=True)  # this device's 1/n, summed in node
-  shard = lax.psum(shard, NODE)                                           # summed over nodes
-  full = lax.all_gather(shard, LOCAL, axis=0, tiled=True)
-  return full[: x.size].reshape(x.shape)
+  x = jnp.pad(x, (0, _round_up(x.size, local) - x.size))
+  return lax.psum_scatter(x, LOCAL, scatter_dimension=0, tiled=True)
 
 
-STRATEGIES: dict[str, Callable[[jax.Array], jax.Array]] = {
+def _gather_local_shards(shard: jax.Array, size: int) -> jax.Array:
+  return lax.all_gather(shard, LOCAL, axis=0, tiled=True)[:size]
+
+
+def hierarchical_allreduce(x: jax.Array) -> jax.Array:
+  """Sum of flat ``x`` over every device: reduce-scatter(local) -> all-reduce(node) -> all-gather(local)."""
+  shard = _scatter_to_local_shard(x)        # this device's 1/n of the node's sum
+  shard = lax.psum(shard, NODE)             # summed over nodes: the only inter-node traffic
+  return _gather_local_shards(shard, x.size)
+
+
+def hierarchical_topk_allreduce(x: jax.Array, residual: jax.Array, k: int, selector: str,
+                                error_feedback: bool) -> tuple[jax.Array, jax.Array]:
+  """HiTopK: dense inside the node, k (value, index) pairs per device across nodes.
+
+  Args:
+    x: flat local gradient (d,).
+    residual: this device's error-feedback residual, the size of its local shard (ceil(d / n),).
+    k: entries kept per shard.
+  """
+  shard = _scatter_to_local_shard(x)
+  indices, values, residual = compression.apply_error_feedback(shard, residual, k, selector, error_feedback)
+  all_indices = lax.all_gather(indices, NODE)          # (nodes, k): same local rank on every node
+  all_values = lax.all_gather(values, NODE)
+  shard = jnp.zeros_like(shard).at[all_indices.reshape(-1)].add(all_values.reshape(-1))
+  return _gather_local_shards(shard, x.size), residual
+
+
+def topk_allreduce(x: jax.Array, residual: jax.Array, k: int, selector: str,
+                   error_feedback: bool) -> tuple[jax.Array, jax.Array]:
+  """Flat top-k: every device selects k entries of its whole gradient; all-gather over all devices."""
+  indices, values, residual = compression.apply_error_feedback(x, residual, k, selector, error_feedback)
+  all_indices = lax.all_gather(indices, AXES)
+  all_values = lax.all_gather(values, AXES)
+  return jnp.zeros_like(x).at[all_indices.reshape(-1)].add(all_values.reshape(-1)), residual
+
+
+DENSE_STRATEGIES: dict[str, Callable[[jax.Array], jax.Array]] = {
     "dense": dense_allreduce,
     "hierarchical": hierarchical_allreduce,
 }
+COMPRESSED_STRATEGIES = {
+    "hitopk": hierarchical_topk_allreduce,
+    "topk": topk_allreduce,
+}
+# What a compressed strategy does with a bucket too small to compress.
+DENSE_FALLBACK = {"hitopk": "hierarchical", "topk": "dense"}
+STRATEGIES = (*DENSE_STRATEGIES, *COMPRESSED_STRATEGIES)
+FUSIONS = ("none", "fixed", "adaptive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,28 +126,48 @@ def ring_allreduce_bytes(num_bytes: int, group: int) -> int:
   return 2 * (group - 1) * num_bytes // group if group > 1 else 0
 
 
-def strategy_bytes(strategy: str, num_elements: int, itemsize: int, nodes: int, local: int) -> CommBytes:
-  """Exact per-device bytes of reducing one tensor of ``num_elements`` with ``strategy`` (ring model)."""
+def strategy_bytes(strategy: str, num_elements: int, itemsize: int, nodes: int, local: int, k: int = 0) -> CommBytes:
+  """Exact per-device bytes of reducing one flat buffer of ``num_elements`` with ``strategy`` (ring model).
+
+  ``k`` is the number of entries a compressed strategy keeps (per local shard for ``hitopk``, per
+  device for ``topk``).
+  """
+  shard_elements = _round_up(num_elements, local) // local
+  # reduce-scatter and all-gather over `local` each send (n-1)/n of the padded buffer.
+  scatter_gather = 2 * (local - 1) * shard_elements * itemsize
   if strategy == "dense":
     per_device = ring_allreduce_bytes(num_elements * itemsize, nodes * local)
     return CommBytes(intra_node=per_device if local > 1 else 0, inter_node=per_device if nodes > 1 else 0)
   if strategy == "hierarchical":
-    padded = _round_up(num_elements, local)
-    shard_bytes = padded // local * itemsize
-    # reduce-scatter and all-gather over `local` each send (n-1)/n of the padded tensor.
-    intra = 2 * (local - 1) * shard_bytes
-    return CommBytes(intra_node=intra, inter_node=ring_allreduce_bytes(shard_bytes, nodes))
-  raise ValueError(f"unknown strategy {strategy!r}; known: {sorted(STRATEGIES)}")
+    return CommBytes(intra_node=scatter_gather, inter_node=ring_allreduce_bytes(shard_elements * itemsize, nodes))
+  if strategy == "hitopk":
+    # All-gather over `node` of k (value, index) pairs: (N-1) x k x 8 bytes per device.
+    return CommBytes(intra_node=scatter_gather, inter_node=(nodes - 1) * k * (itemsize + INDEX_BYTES))
+  if strategy == "topk":
+    per_device = (nodes * local - 1) * k * (itemsize + INDEX_BYTES)
+    return CommBytes(intra_node=per_device if local > 1 else 0, inter_node=per_device if nodes > 1 else 0)
+  raise ValueError(f"unknown strategy {strategy!r}; known: {list(STRATEGIES)}")
 
 
 @dataclasses.dataclass(frozen=True)
 class GradientReducer:
-  """Turns local gradients into the mean gradient over all devices.
+  """Turns local gradients into the mean gradient over all devices, bucket by bucket.
 
-  ``reduce`` runs inside shard_map; ``init_state`` gives the per-device state the strategy carries
-  between steps (none for dense and hierarchical); ``bytes_per_step`` is the exact traffic per device.
-  With ``fusion="none"`` each tensor gets its own collective; with ``"fixed"`` tensors are packed into
-  flat buckets of up to ``bucket_bytes`` (see fusion.py).
+  ``reduce`` runs inside shard_map; ``init_state`` gives the per-device residuals of the compressed
+  buckets (empty for the dense strategies); ``bytes_per_step`` is the exact traffic per device.
+
+  Attributes:
+    strategy: one of ``STRATEGIES``.
+    nodes, local: the mesh shape.
+    fusion: ``"none"`` (a collective per tensor), ``"fixed"`` (buckets up to ``bucket_bytes``) or
+      ``"adaptive"`` (the MG-WFBP ``groups``, planned by ``cost_model.plan_adaptive_fusion``).
+    density: fraction of entries kept by the compressed strategies (k per shard or per device).
+    selector: ``"exact"`` or ``"mstopk"`` (compression.py).
+    error_feedback: keep what top-k did not send and add it to the next step's gradient.
+    min_compress_elements: buckets whose compressed unit (local shard for hitopk, whole bucket for
+      topk) is smaller than this go dense: top-k would save little and cost a selection.
+    order: leaf indices in backward order (``fusion.profile_parameters``); None = reversed pytree order.
+    groups: for ``"adaptive"``, the buckets as positions in ``order``.
   """
 
   strategy: str
@@ -107,44 +175,93 @@ class GradientReducer:
   local: int
   fusion: str = "none"
   bucket_bytes: int = fusion_lib.DEFAULT_BUCKET_BYTES
+  density: float = 1.0
+  selector: str = "exact"
+  error_feedback: bool = True
+  min_compress_elements: int = 512
+  order: tuple[int, ...] | None = None
+  groups: tuple[tuple[int, ...], ...] | None = None
 
-  def init_state(self, params: PyTree) -> PyTree:
-    del params
-    return ()
-
+  # --- planning (static, from shapes) ---------------------------------------------------------------
   def buckets(self, leaves) -> tuple[list[int], list[list[int]]]:
     """(backward order of the leaves, buckets as lists of positions in that order)."""
-    order = fusion_lib.backward_order(leaves)
+    order = list(self.order) if self.order is not None else fusion_lib.backward_order(leaves)
     if self.fusion == "none":
       return order, [[i] for i in range(len(order))]
+    if self.fusion == "adaptive":
+      if self.groups is None:
+        raise ValueError("fusion='adaptive' needs groups: build the reducer with cost_model.plan_adaptive_fusion")
+      return order, [list(g) for g in self.groups]
     sizes = [math.prod(leaves[i].shape) * jnp.dtype(leaves[i].dtype).itemsize for i in order]
     return order, fusion_lib.plan_fixed_buckets(sizes, self.bucket_bytes)
 
-  def reduce(self, local_grads: PyTree, comm_state: PyTree) -> tuple[PyTree, PyTree]:
-    leaves, treedef = jax.tree.flatten(local_grads)
+  def _compressed_size(self, elements: int) -> int:
+    """Entries of the vector top-k runs on (and of its residual)."""
+    return _round_up(elements, self.local) // self.local if self.strategy == "hitopk" else elements
+
+  def is_compressed(self, elements: int) -> bool:
+    return self.strategy in COMPRESSED_STRATEGIES and self._compressed_size(elements) >= self.min_compress_elements
+
+  def _bucket_sizes(self, leaves) -> tuple[list[int], list[list[int]], list[int]]:
     order, buckets = self.buckets(leaves)
-    summed = fusion_lib.reduce_in_buckets(leaves, buckets, order, STRATEGIES[self.strategy])
+    sizes = [sum(math.prod(leaves[order[i]].shape) for i in bucket) for bucket in buckets]
+    return order, buckets, sizes
+
+  # --- state -------------------------------------------------------------------------------------
+  def init_state(self, params: PyTree) -> dict[str, jax.Array]:
+    """Zero residuals, {"bucket_i": float32 (nodes, local, compressed size)}, for compressed buckets."""
+    _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
+    return {_key(b): jnp.zeros((self.nodes, self.local, self._compressed_size(n)), jnp.float32)
+            for b, n in enumerate(sizes) if self.is_compressed(n)}
+
+  # --- the reduction (inside shard_map) ----------------------------------------------------------
+  def reduce(self, local_grads: PyTree, comm_state: dict[str, jax.Array]) -> tuple[PyTree, dict[str, jax.Array]]:
+    leaves, treedef = jax.tree.flatten(local_grads)
+    order, buckets, sizes = self._bucket_sizes(leaves)
+    new_state = {}
+    summed: list[jax.Array | None] = [None] * len(leaves)
+    for b, (bucket, size) in enumerate(zip(buckets, sizes)):
+      members = [order[i] for i in bucket]
+      flat = fusion_lib.pack([leaves[m] for m in members])
+      if self.is_compressed(size):
+        residual = comm_state[_key(b)][0, 0]   # this device's block of the (nodes, local, ...) array
+        k = compression.num_selected(residual.size, self.density)
+        flat, residual = COMPRESSED_STRATEGIES[self.strategy](flat, residual, k, self.selector, self.error_feedback)
+        new_state[_key(b)] = residual[None, None]
+      else:
+        flat = DENSE_STRATEGIES[DENSE_FALLBACK.get(self.strategy, self.strategy)](flat)
+      for m, g in zip(members, fusion_lib.unpack(flat, [leaves[m] for m in members])):
+        summed[m] = g
     num_devices = self.nodes * self.local
-    return jax.tree.unflatten(treedef, [g / num_devices for g in summed]), comm_state
+    return jax.tree.unflatten(treedef, [g / num_devices for g in summed]), new_state
 
   def bytes_per_step(self, params: PyTree) -> CommBytes:
     leaves = jax.tree.leaves(params)
-    order, buckets = self.buckets(leaves)
+    _, _, sizes = self._bucket_sizes(leaves)
+    itemsize = jnp.dtype(leaves[0].dtype).itemsize
     total = CommBytes()
-    for bucket in buckets:
-      members = [leaves[order[i]] for i in bucket]
-      elements = sum(math.prod(p.shape) for p in members)
-      total += strategy_bytes(self.strategy, elements, jnp.dtype(members[0].dtype).itemsize, self.nodes, self.local)
+    for n in sizes:
+      if self.is_compressed(n):
+        k = compression.num_selected(self._compressed_size(n), self.density)
+        total += strategy_bytes(self.strategy, n, itemsize, self.nodes, self.local, k)
+      else:
+        total += strategy_bytes(DENSE_FALLBACK.get(self.strategy, self.strategy), n, itemsize, self.nodes, self.local)
     return total
 
 
 def make_gradient_reducer(strategy: str, nodes: int, local: int, fusion: str = "none",
-                          bucket_bytes: int = fusion_lib.DEFAULT_BUCKET_BYTES) -> GradientReducer:
+                          bucket_bytes: int = fusion_lib.DEFAULT_BUCKET_BYTES, **compression_options) -> GradientReducer:
+  """A reducer for ``strategy``; ``compression_options`` are density, selector, error_feedback, ..."""
   if strategy not in STRATEGIES:
-    raise ValueError(f"unknown comm.strategy {strategy!r}; known: {sorted(STRATEGIES)}")
-  if fusion not in ("none", "fixed"):
-    raise ValueError(f"unknown comm.fusion {fusion!r}; known: none, fixed")
-  return GradientReducer(strategy=strategy, nodes=nodes, local=local, fusion=fusion, bucket_bytes=bucket_bytes)
+    raise ValueError(f"unknown comm.strategy {strategy!r}; known: {list(STRATEGIES)}")
+  if fusion not in FUSIONS:
+    raise ValueError(f"unknown comm.fusion {fusion!r}; known: {', '.join(FUSIONS)}")
+  return GradientReducer(strategy=strategy, nodes=nodes, local=local, fusion=fusion, bucket_bytes=bucket_bytes,
+                         **compression_options)
+
+
+def _key(bucket: int) -> str:
+  return f"bucket_{bucket:03d}"
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -1,0 +1,100 @@
+"""Top-k sparsification of gradients: selectors, error feedback and the density schedule.
+
+Selectors (``comm.topk_selector``) return exactly ``k`` (index, value) pairs of a flat vector, chosen
+by magnitude, with static shapes (XLA needs them):
+
+- ``exact``: ``lax.top_k`` of |x|. On GPU XLA lowers it to a full sort when k > 16.
+- ``mstopk``: the sort-free approximate selector of the MSTopK paper (MLSys'21). Binary search a
+  threshold on |x| with element-wise counting passes; keep every entry >= t1 (count k1 <= k) and fill
+  the remaining k - k1 slots, in index order, from the entries in [t2, t1) (count(|x| >= t2) >= k).
+  Guarantee: every kept entry >= t1 is in the exact top-k, and each filled entry is at least t2 while
+  the exact entries it replaces are below t1, so
+
+      L1(exact top-k) - L1(mstopk) <= (k - k1) * (t1 - t2) <= k * (max|x| - lo) * 2**-rounds,
+
+  with lo the lower end of the search (the mean of |x|, or its minimum when fewer than k entries
+  reach the mean). ``rounds`` = 24 makes it negligible for float32 gradients.
+
+Error feedback (Seide et al. 2014; Lin et al. 2018, DGC): what top-k does not send is kept in a
+per-device residual and added to the next step's gradient, so no gradient mass is ever lost, only
+delayed. ``apply_error_feedback`` is that bookkeeping for one flat vector.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MSTOPK_ROUNDS = 24
+
+
+def num_selected(size: int, density: float) -> int:
+  """k for a vector of ``size`` entries at ``density`` (at least 1, at most size)."""
+  return min(size, max(1, int(math.ceil(density * size))))
+
+
+def exact_topk(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """(int32 indices, values) of the k entries of flat ``x`` largest in magnitude."""
+  _, indices = lax.top_k(jnp.abs(x), k)
+  return indices.astype(jnp.int32), x[indices]
+
+
+def mstopk(x: jax.Array, k: int, rounds: int = MSTOPK_ROUNDS) -> tuple[jax.Array, jax.Array]:
+  """(int32 indices, values) of exactly k large-magnitude entries of flat ``x``, without sorting.
+
+  Indices come out in increasing order (a masked, static-size ``nonzero``).
+  """
+  a = jnp.abs(x)
+  count_at_least = lambda t: jnp.sum(a >= t)
+  mean = jnp.mean(a)
+  lo = jnp.where(count_at_least(mean) >= k, mean, jnp.min(a))   # count(a >= lo) >= k
+  hi = jnp.max(a) * (1 + 1e-6) + 1e-30                            # count(a >= hi) == 0 <= k
+
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = 0.5 * (lo + hi)
+    fits = count_at_least(mid) <= k
+    return jnp.where(fits, lo, mid), jnp.where(fits, mid, hi)
+
+  t2, t1 = lax.fori_loop(0, rounds, halve, (lo, hi))
+  above = a >= t1                                                  # all in the exact top-k
+  k1 = jnp.sum(above)
+  band = (a >= t2) & ~above
+  fill = band & (jnp.cumsum(band) <= k - k1)                       # first k - k1 of the band
+  (indices,) = jnp.nonzero(above | fill, size=k, fill_value=0)
+  indices = indices.astype(jnp.int32)
+  return indices, x[indices]
+
+
+SELECTORS: dict[str, Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]] = {
+    "exact": exact_topk,
+    "mstopk": mstopk,
+}
+
+
+def apply_error_feedback(x: jax.Array, residual: jax.Array, k: int, selector: str,
+                         error_feedback: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Selects k entries of ``x + residual``; returns (indices, values, new residual).
+
+  With error feedback off the residual is neither added nor updated (it stays zero).
+  """
+  corrected = x + residual if error_feedback else x
+  indices, values = SELECTORS[selector](corrected, k)
+  new_residual = corrected.at[indices].set(0.0) if error_feedback else residual
+  return indices, values, new_residual
+
+
+def density_at(step: int, target: float, warmup_steps: int, start: float = 0.25, phases: int = 4) -> float:
+  """DGC-style density warm-up: ``phases`` exponential steps from ``start`` down to ``target``.
+
+  Each phase keeps one density (k is a static shape, so each phase compiles once). With
+  ``warmup_steps`` = 0, or ``target >= start``, the density is ``target`` from the first step.
+  """
+  if warmup_steps <= 0 or target >= start or step >= warmup_steps:
+    return target
+  phase = step * phases // warmup_steps
+  return start * (target / start) ** (phase / phases)

@@ -1,0 +1,118 @@
+"""The alpha-beta cost model of a collective, per link level: t(M) = alpha + beta * M.
+
+alpha is the start-up latency of one collective (seconds), beta the time per byte sent (seconds/byte;
+1/beta is the effective bandwidth). Each level of the mesh has its own pair: ``intra`` for the links
+inside a node (NVLink / PCIe), ``inter`` for the links between nodes (Ethernet / InfiniBand).
+
+``fit_link`` fits alpha and beta by least squares from measured (bytes, seconds) pairs;
+``benchmarks/calibrate_links.py`` measures them on the current mesh and writes a JSON file that
+``comm.cost_model`` can name instead of a preset. Adaptive fusion (fusion.plan_mgwfbp) uses the model
+to decide which gradients to merge.
+
+The presets are *assumptions* from public hardware figures, not measurements: NVLink 2 (V100) about
+100 GB/s of all-reduce bus bandwidth, NVLink 4 (H100) about 400 GB/s; 25 Gbps Ethernet about 2.8 GB/s
+of TCP goodput; 8 x 400 Gbps InfiniBand NDR about 45 GB/s per GPU. Latencies: a few microseconds on
+NVLink, tens over TCP. Calibrate on the real cluster before trusting a plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from light_jax.parallel import collectives, compression
+from light_jax.parallel import fusion as fusion_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkCost:
+  alpha: float   # seconds per collective
+  beta: float    # seconds per byte sent by one device
+
+  def seconds(self, num_bytes: float) -> float:
+    return self.alpha + self.beta * num_bytes if num_bytes > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterCost:
+  intra: LinkCost
+  inter: LinkCost
+
+  def reduction_seconds(self, strategy: str, num_elements: int, nodes: int, local: int, k: int = 0,
+                        itemsize: int = 4) -> float:
+    """Modelled time of reducing one flat buffer: each level's bytes at that level's cost, in sequence."""
+    b = collectives.strategy_bytes(strategy, num_elements, itemsize, nodes, local, k)
+    if strategy in ("dense", "topk") and nodes > 1:
+      return self.inter.seconds(b.inter_node)   # a flat ring runs at the pace of its slowest link
+    return self.intra.seconds(b.intra_node) + self.inter.seconds(b.inter_node)
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self), indent=2)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "ClusterCost":
+    return cls(intra=LinkCost(**d["intra"]), inter=LinkCost(**d["inter"]))
+
+
+PRESETS = {
+    "v100_nvlink_25gbe": ClusterCost(intra=LinkCost(alpha=10e-6, beta=1 / 100e9),
+                                     inter=LinkCost(alpha=50e-6, beta=1 / 2.8e9)),
+    "h100_nvlink_ib": ClusterCost(intra=LinkCost(alpha=5e-6, beta=1 / 400e9),
+                                  inter=LinkCost(alpha=10e-6, beta=1 / 45e9)),
+}
+
+
+def fit_link(num_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost:
+  """Least-squares alpha and beta from measured (bytes, seconds) pairs; both clipped at 0."""
+  beta, alpha = np.polyfit(np.asarray(num_bytes, np.float64), np.asarray(seconds, np.float64), 1)
+  return LinkCost(alpha=max(float(alpha), 0.0), beta=max(float(beta), 0.0))
+
+
+def load(name_or_path: str) -> ClusterCost:
+  """A preset name or the path of a JSON file written by benchmarks/calibrate_links.py."""
+  if name_or_path in PRESETS:
+    return PRESETS[name_or_path]
+  try:
+    with open(name_or_path) as f:
+      return ClusterCost.from_dict(json.load(f))
+  except FileNotFoundError:
+    raise ValueError(f"comm.cost_model={name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor an "
+                     f"existing JSON file; run benchmarks/calibrate_links.py to write one.") from None
+
+
+def effective_link(cost: ClusterCost, reducer: "collectives.GradientReducer") -> LinkCost:
+  """alpha and beta of one fused collective of ``reducer``'s strategy on this cluster (all levels).
+
+  The modelled time is linear in the buffer size (k grows with it for the top-k strategies), so two
+  sizes give the line exactly.
+  """
+  def seconds(elements: int) -> float:
+    compressed = reducer.strategy in collectives.COMPRESSED_STRATEGIES
+    unit = -(-elements // reducer.local) if reducer.strategy == "hitopk" else elements
+    k = compression.num_selected(unit, reducer.density) if compressed else 0
+    return cost.reduction_seconds(reducer.strategy, elements, reducer.nodes, reducer.local, k)
+
+  small, large = 2**20, 2**26
+  beta = (seconds(large) - seconds(small)) / ((large - small) * 4)
+  return LinkCost(alpha=max(seconds(small) - beta * small * 4, 0.0), beta=beta)
+
+
+def plan_adaptive_fusion(reducer: "collectives.GradientReducer", profile: fusion_lib.ParameterProfile,
+                         cost: ClusterCost, device_flops: float, examples_per_device: int) -> "collectives.GradientReducer":
+  """``reducer`` with fusion="adaptive" and its MG-WFBP groups for the profiled parameters.
+
+  Backward time of each tensor: its backward FLOPs per example x ``examples_per_device`` /
+  ``device_flops`` (FLOP/s the device sustains).
+  """
+  leaves = jax.tree.leaves(profile.params)
+  link = effective_link(cost, reducer)
+  order = list(profile.order)
+  backward_seconds = [profile.backward_flops[i] * examples_per_device / device_flops for i in order]
+  sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in order]
+  groups = fusion_lib.plan_mgwfbp(backward_seconds, sizes, link.alpha, link.beta)
+  return dataclasses.replace(reducer, fusion="adaptive", order=tuple(order),
+                             groups=tuple(tuple(g) for g in groups))

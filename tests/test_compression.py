@@ -1,0 +1,136 @@
+"""Top-k selectors, error feedback and the compressed strategies' traffic."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from light_jax.parallel import collectives, compression
+from light_jax.parallel import mesh as mesh_lib
+
+
+def _heavy_tailed(n, seed):
+  return jnp.asarray(np.random.default_rng(seed).standard_t(df=2, size=n), jnp.float32)
+
+
+@pytest.mark.parametrize("n,k", [(1000, 10), (4096, 1), (5000, 500), (777, 777)])
+def test_exact_topk_keeps_the_largest_magnitudes(n, k):
+  x = _heavy_tailed(n, 0)
+  indices, values = compression.exact_topk(x, k)
+  expected = np.sort(np.argsort(-np.abs(np.asarray(x)))[:k])
+  np.testing.assert_array_equal(np.sort(np.asarray(indices)), expected)
+  np.testing.assert_array_equal(values, np.asarray(x)[np.asarray(indices)])
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("n,density", [(100_000, 0.001), (100_000, 0.01), (20_000, 0.1), (3_000, 0.5)])
+def test_mstopk_returns_exactly_k_distinct_indices_within_its_mass_bound(seed, n, density):
+  x = _heavy_tailed(n, seed)
+  k = compression.num_selected(n, density)
+  indices, values = jax.jit(compression.mstopk, static_argnums=1)(x, k)
+  indices = np.asarray(indices)
+  assert indices.shape == (k,) and len(set(indices.tolist())) == k
+  np.testing.assert_array_equal(values, np.asarray(x)[indices])
+  exact_mass = float(jnp.abs(compression.exact_topk(x, k)[1]).sum())
+  approx_mass = float(jnp.abs(values).sum())
+  a = np.abs(np.asarray(x))
+  # The documented bound: k * (max - min) * 2**-rounds (min <= the search's lower end).
+  bound = k * (a.max() - a.min()) * 2.0 ** -compression.MSTOPK_ROUNDS
+  assert exact_mass - approx_mass <= bound + 1e-6 * exact_mass
+  assert approx_mass >= 0.999 * exact_mass
+
+
+def test_mstopk_with_ties_still_gives_k():
+  x = jnp.concatenate([jnp.ones(50), jnp.zeros(950)])
+  indices, _ = compression.mstopk(x, 20)
+  assert len(set(np.asarray(indices).tolist())) == 20 and float(x[indices].sum()) == 20.0
+  indices, _ = compression.mstopk(jnp.zeros(100), 7)
+  assert len(set(np.asarray(indices).tolist())) == 7
+
+
+def test_density_warmup_phases():
+  assert compression.density_at(0, 0.001, 100) == 0.25
+  assert compression.density_at(99, 0.001, 100) == pytest.approx(0.25 * (0.001 / 0.25) ** 0.75)
+  assert compression.density_at(100, 0.001, 100) == 0.001
+  assert compression.density_at(0, 0.001, 0) == 0.001
+  assert len({compression.density_at(s, 0.001, 100) for s in range(200)}) == 5  # 4 phases + target
+
+
+def _run_steps(strategy, shape, grads, density, error_feedback=True, selector="exact"):
+  """Reduces each step's per-device vectors (T, devices, d); returns (outputs (T, d), final state)."""
+  mesh = mesh_lib.make_mesh(*shape)
+  reducer = collectives.make_gradient_reducer(strategy, *shape, density=density, selector=selector,
+                                              error_feedback=error_feedback, min_compress_elements=1)
+  per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
+  params = {"w": jnp.zeros(grads.shape[-1])}
+  state = jax.device_put(reducer.init_state(params), NamedSharding(mesh, per_device))
+  step = jax.jit(jax.shard_map(lambda g, s: reducer.reduce({"w": g[0]}, s), mesh=mesh,
+                               in_specs=(mesh_lib.BATCH_SPEC, per_device), out_specs=(P(), per_device),
+                               check_vma=False))
+  outputs = []
+  for g in grads:
+    out, state = step(jax.device_put(g, mesh_lib.batch_sharding(mesh)), state)
+    outputs.append(np.asarray(out["w"]))
+  return np.stack(outputs), jax.device_get(state), reducer
+
+
+@pytest.mark.parametrize("strategy,shape", [("hitopk", (2, 4)), ("hitopk", (4, 2)), ("topk", (2, 4))])
+def test_error_feedback_conserves_gradient_mass(strategy, shape):
+  steps, d = 6, 1001
+  grads = np.asarray(np.random.default_rng(1).standard_t(df=2, size=(steps, 8, d)), np.float32)
+  outputs, state, reducer = _run_steps(strategy, shape, grads, density=0.05)
+  (residual,) = state.values()                    # (nodes, local, residual size)
+  nodes, local = shape
+  if strategy == "hitopk":                        # device (i, j) holds shard j of node i's sum
+    leftover = residual.sum(axis=0).reshape(-1)[:d]
+  else:                                           # every device holds a full-size residual
+    leftover = residual.sum(axis=(0, 1))
+  true_sum = grads.sum(axis=(0, 1)) / 8          # sum over steps of the true mean gradient
+  np.testing.assert_allclose(outputs.sum(axis=0) + leftover / 8, true_sum, atol=2e-5)
+  # Compression really dropped mass each step (otherwise the identity is trivial).
+  assert np.abs(leftover).sum() > 0.1 * np.abs(true_sum).sum()
+
+
+def test_without_error_feedback_mass_is_lost_and_residual_stays_zero():
+  grads = np.asarray(np.random.default_rng(2).normal(size=(3, 8, 800)), np.float32)
+  outputs, state, _ = _run_steps("hitopk", (2, 4), grads, density=0.05, error_feedback=False)
+  assert all(float(np.abs(r).max()) == 0 for r in state.values())
+  assert np.abs(outputs.sum(axis=0) - grads.sum(axis=(0, 1)) / 8).max() > 0.01
+
+
+@pytest.mark.parametrize("selector", ["exact", "mstopk"])
+def test_hitopk_sends_at_most_k_entries_per_shard_per_node(selector):
+  nodes, local, d = 2, 4, 4000
+  grads = np.asarray(np.random.default_rng(3).normal(size=(1, 8, d)), np.float32)
+  outputs, _, reducer = _run_steps("hitopk", (nodes, local), grads, density=0.01, selector=selector)
+  k = compression.num_selected(d // local, 0.01)
+  assert k == 10
+  assert 0 < np.count_nonzero(outputs[0]) <= nodes * k * local
+  # Every kept entry of the result is the true node-summed value of some node's shard entries.
+  assert np.count_nonzero(outputs[0]) >= k * local
+
+
+def test_compressed_byte_accounting_matches_the_formulas():
+  # d = 25,600,000 float32 (ResNet-50-sized bucket), N=2 nodes x n=4, density 0.001 (light-techniques.md 1).
+  d, nodes, local, density = 25_600_000, 2, 4, 0.001
+  reducer = collectives.make_gradient_reducer("hitopk", nodes, local, fusion="fixed", bucket_bytes=0, density=density)
+  params = {"w": jax.ShapeDtypeStruct((d,), jnp.float32)}
+  got = reducer.bytes_per_step(params)
+  k = int(np.ceil(density * d / local))
+  assert k == 6400
+  assert got.inter_node == (nodes - 1) * k * 8 == 51_200
+  assert got.intra_node == 2 * (local - 1) * (d // local) * 4
+  dense_hier = collectives.make_gradient_reducer("hierarchical", nodes, local, "fixed", 0).bytes_per_step(params)
+  assert dense_hier.inter_node == 2 * (nodes - 1) * (d // local) * 4 // nodes == 25_600_000
+  assert dense_hier.inter_node / got.inter_node == 500.0     # the >= 50x bar of issue #3, from shapes
+  flat = collectives.make_gradient_reducer("topk", nodes, local, "fixed", 0, density=density).bytes_per_step(params)
+  assert flat.inter_node == (nodes * local - 1) * 25_600 * 8
+
+
+def test_small_buckets_go_dense():
+  reducer = collectives.make_gradient_reducer("hitopk", 2, 4, density=0.01, min_compress_elements=512)
+  params = {"bias": jnp.zeros(64), "kernel": jnp.zeros((64, 64))}
+  state = reducer.init_state(params)
+  assert [v.shape for v in state.values()] == [(2, 4, 1024)]   # only the kernel: 4096 / 4 local
+  assert reducer.bytes_per_step({"bias": params["bias"]}) == collectives.strategy_bytes("hierarchical", 64, 4, 2, 4)

@@ -1,0 +1,113 @@
+"""Fusion planning: fixed buckets, the MG-WFBP rule on hand-worked examples, profiling, cost model."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from light_jax.models import create_model
+from light_jax.parallel import collectives, cost_model, fusion
+
+
+def test_mgwfbp_merges_everything_when_startup_dominates():
+  # t_b = 1 s per layer, t_c = alpha = 10 s. Ready times 1, 2, 3.
+  # i=0: S(0)=1, r=2 < 1+10 and r - S(0) = 1 < alpha -> merge 0 into 1.
+  # i=1: S(1)=max(1+0, 2)=2, r=3 < 2+10 and 3-2 = 1 < alpha -> merge.
+  assert fusion.plan_mgwfbp([1, 1, 1], [4, 4, 4], alpha=10.0, beta=0.0) == [[0, 1, 2]]
+
+
+def test_mgwfbp_keeps_layers_apart_when_communication_is_cheap():
+  # t_c = 0.1 s: each collective ends (S+0.1) before the next gradient is ready.
+  assert fusion.plan_mgwfbp([1, 1, 1], [4, 4, 4], alpha=0.1, beta=0.0) == [[0], [1], [2]]
+
+
+def test_mgwfbp_closes_a_group_when_the_next_gradient_comes_too_late():
+  # t_b = (1, 0.2, 1), alpha = 0.5, beta = 0: ready at 1, 1.2, 2.2.
+  # i=0: S(0)=1, r=1.2 < 1.5 and 1.2-1 = 0.2 < 0.5 -> merge 0 into 1.
+  # i=1: S(1)=max(1+0, 1.2)=1.2, r=2.2 >= 1.2+0.5 -> close; position 2 alone.
+  assert fusion.plan_mgwfbp([1, 0.2, 1], [4, 4, 4], alpha=0.5, beta=0.0) == [[0, 1], [2]]
+
+
+def test_mgwfbp_with_bandwidth_term():
+  # alpha = 0.1, beta = 0.01 s/byte; sizes 100, 10, 10 bytes -> t_c = 1.1, 0.2, 0.2; t_b = 1, 0.5, 2.
+  # Ready at 1, 1.5, 3.5. i=0: S(0)=1, r=1.5 < 2.1; S(0) > r? no; r-S(0) = 0.5 >= alpha -> close.
+  # i=1: S(1)=max(1+1.1, 1.5)=2.1 > r? r=3.5: 3.5 < 2.1+0.2? no -> close.
+  assert fusion.plan_mgwfbp([1, 0.5, 2], [100, 10, 10], alpha=0.1, beta=0.01) == [[0], [1], [2]]
+  # Same, but layer 1's gradient is ready while layer 0's collective has not started (queued behind
+  # a long one): t_b = (1, 0.05, 0.05), sizes (10, 10, 10), alpha 0.1, beta 0.1 -> t_c = 1.1 each.
+  # i=0: S(0)=1, r=1.05 < 2.1 and 1.05-1 < 0.1 -> merge. i=1: slot 1 now 20 bytes (t_c 2.1),
+  # S(1)=max(1+0, 1.05)=1.05, r=1.1 < 3.15 and 1.1-1.05 < 0.1 -> merge.
+  assert fusion.plan_mgwfbp([1, 0.05, 0.05], [10, 10, 10], alpha=0.1, beta=0.1) == [[0, 1, 2]]
+
+
+def test_profile_gives_backward_order_and_flops():
+  model = create_model("resnet8_small", 10, width=4)
+  profile = fusion.profile_parameters(model, (28, 28, 1))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(profile.params)]
+  backward = [paths[i] for i in profile.order]
+  assert backward[0].startswith("['Dense_0']")            # the head's gradient is ready first
+  assert backward[-1] == "['conv_init']['kernel']"          # the stem's last
+  assert sorted(profile.order) == list(range(len(paths)))
+  flops = dict(zip(paths, profile.backward_flops))
+  # conv_init: 3x3x1x4 kernel at 28x28 output positions, x 4 (forward 2, backward 2 x forward... x 2).
+  assert flops["['conv_init']['kernel']"] == 4.0 * 36 * 28 * 28
+  assert flops["['Dense_0']['kernel']"] == 4.0 * 16 * 10
+
+
+def test_adaptive_plan_on_resnet50_is_between_per_tensor_and_one_bucket():
+  model = create_model("resnet50", 1000)
+  profile = fusion.profile_parameters(model, (224, 224, 3))
+  reducer = collectives.make_gradient_reducer("hierarchical", 16, 8, order=profile.order)
+  # 32 images per V100 at 15 TFLOP/s: about 17 ms of backward pass to hide the communication in.
+  slow = cost_model.plan_adaptive_fusion(reducer, profile, cost_model.PRESETS["v100_nvlink_25gbe"], 15e12, 32)
+  fast = cost_model.plan_adaptive_fusion(reducer, profile, cost_model.PRESETS["h100_nvlink_ib"], 15e12, 32)
+  n = len(profile.order)
+  assert sorted(i for g in slow.groups for i in g) == list(range(n))
+  assert 1 < len(slow.groups) < n and 1 < len(fast.groups) < n
+  # The faster network leaves more room to communicate early: at least as many groups.
+  assert len(fast.groups) >= len(slow.groups)
+
+
+def test_adaptive_reduction_equals_reference():
+  model = create_model("resnet8_small", 10, width=4)
+  profile = fusion.profile_parameters(model, (16, 16, 1))
+  reducer = collectives.make_gradient_reducer("hierarchical", 2, 4, order=profile.order)
+  adaptive = cost_model.plan_adaptive_fusion(reducer, profile, cost_model.PRESETS["v100_nvlink_25gbe"], 1e9, 4)
+  leaves = jax.tree.leaves(profile.params)
+  order, buckets = adaptive.buckets(leaves)
+  assert order == list(profile.order) and sorted(i for b in buckets for i in b) == list(range(len(leaves)))
+  from jax.sharding import PartitionSpec as P
+  from light_jax.parallel import mesh as mesh_lib
+  mesh = mesh_lib.make_mesh(2, 4)
+  grads = jax.tree.map(lambda s: jax.random.normal(jax.random.key(s.size), (8, *s.shape)), profile.params)
+  out = jax.jit(jax.shard_map(lambda g: adaptive.reduce(jax.tree.map(lambda x: x[0], g), {})[0], mesh=mesh,
+                              in_specs=mesh_lib.BATCH_SPEC, out_specs=P(), check_vma=False))(
+      jax.device_put(grads, mesh_lib.batch_sharding(mesh)))
+  for got, g in zip(jax.tree.leaves(out), jax.tree.leaves(grads)):
+    np.testing.assert_allclose(got, np.asarray(g).mean(axis=0), atol=1e-5)
+
+
+def test_fit_link_recovers_alpha_and_beta():
+  sizes = np.array([1e3, 1e5, 1e6, 1e7])
+  link = cost_model.fit_link(sizes, 2e-5 + sizes / 3e9)
+  assert link.alpha == pytest.approx(2e-5, rel=1e-6) and link.beta == pytest.approx(1 / 3e9, rel=1e-6)
+
+
+def test_cost_model_json_round_trip_and_errors(tmp_path):
+  path = tmp_path / "links.json"
+  path.write_text(cost_model.PRESETS["h100_nvlink_ib"].to_json())
+  assert cost_model.load(str(path)) == cost_model.PRESETS["h100_nvlink_ib"]
+  assert json.loads(path.read_text())["inter"]["alpha"] == 10e-6
+  with pytest.raises(ValueError, match="neither a preset"):
+    cost_model.load(str(tmp_path / "missing.json"))
+
+
+def test_modelled_hierarchical_beats_flat_dense_on_a_slow_network():
+  cost = cost_model.PRESETS["v100_nvlink_25gbe"]
+  d = 25_557_032
+  dense = cost.reduction_seconds("dense", d, 16, 8)
+  hier = cost.reduction_seconds("hierarchical", d, 16, 8)
+  hitopk = cost.reduction_seconds("hitopk", d, 16, 8, k=-(-d // 8) // 1000)
+  assert hitopk < hier < dense
