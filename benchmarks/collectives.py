@@ -2,12 +2,14 @@
 
   python benchmarks/collectives.py [--nodes 2 --local 4 --repeats 3 --quick]
 
-The gradients are 25,557,032 float32 in ResNet-50's real layer shapes (161 tensors), a different random
+The gradients are 25,557,032 float32 in ResNet-50's real layer shapes (161 tensors, in backward
+order), a different random
 heavy-tailed set on each of the 8 simulated CPU devices (2 x 4 mesh). For each variant: median wall
 time of one reduction (compiled, inputs already on the devices) and the exact bytes one device sends
 per step inside its node and across nodes (from shapes). On simulated CPU devices every "link" is a
 memory copy, so the seconds measure compute and collective overhead (top-k selection, scatter-add,
-packing), not network time; the byte columns are what a real slow link would carry.
+packing), not network time; the byte columns are what a real slow link would carry. The adaptive
+plans are MG-WFBP groups for the --cost_model preset with 32 images per device at 15 TFLOP/s.
 """
 
 import argparse
@@ -31,6 +33,8 @@ VARIANTS = {
     "hitopk@0.01/mstopk": ("hitopk", "fixed", 0.01, "mstopk"),
     "hitopk@0.001/mstopk": ("hitopk", "fixed", 0.001, "mstopk"),
     "hitopk@0.001/unfused": ("hitopk", "none", 0.001, "exact"),
+    "hierarchical/adaptive": ("hierarchical", "adaptive", 1.0, "exact"),
+    "hitopk@0.001/adaptive": ("hitopk", "adaptive", 0.001, "exact"),
 }
 
 
@@ -40,6 +44,9 @@ def main():
   parser.add_argument("--local", type=int, default=4)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+  parser.add_argument("--cost_model", default="v100_nvlink_25gbe", help="preset for the adaptive plans")
+  parser.add_argument("--device_tflops", type=float, default=15.0)
+  parser.add_argument("--examples_per_device", type=int, default=32)
   args = parser.parse_args()
 
   import jax
@@ -49,13 +56,15 @@ def main():
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from light_jax.models import create_model
-  from light_jax.parallel import collectives
+  from light_jax.parallel import collectives, cost_model
+  from light_jax.parallel import fusion as fusion_lib
   from light_jax.parallel import mesh as mesh_lib
 
   mesh = mesh_lib.make_mesh(args.nodes, args.local)
   devices = mesh.size
   model = create_model("resnet50", 1000)
-  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False))["params"]
+  profile = fusion_lib.profile_parameters(model, (224, 224, 3))   # real backward order, FLOPs per tensor
+  shapes = profile.params
   num_elements = sum(s.size for s in jax.tree.leaves(shapes))
   per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
   batch_sharding = mesh_lib.batch_sharding(mesh)
@@ -63,7 +72,8 @@ def main():
   # Per-device local gradients: leading dim = device (node-major), heavy-tailed like real gradients.
   def make_grads(key):
     keys = jax.random.split(key, len(jax.tree.leaves(shapes)))
-    leaves = [jax.random.t(k, 2.0, (devices, *s.shape), jnp.float32) * 1e-3
+    # A log-normal scale mixture of normals: heavy tails, and cheap to draw (unlike Student-t).
+    leaves = [jax.random.normal(k, (devices, *s.shape)) * jnp.exp(jax.random.normal(jax.random.fold_in(k, 1), (devices, *s.shape))) * 1e-3
               for k, s in zip(keys, jax.tree.leaves(shapes))]
     return jax.tree.unflatten(jax.tree.structure(shapes), leaves)
   grads = jax.jit(make_grads, out_shardings=batch_sharding)(jax.random.key(0))
@@ -72,8 +82,12 @@ def main():
   rows = {}
   for name in names:
     strategy, fusion, density, selector = VARIANTS[name]
-    reducer = collectives.make_gradient_reducer(strategy, args.nodes, args.local, fusion, density=density,
-                                                selector=selector)
+    reducer = collectives.make_gradient_reducer(strategy, args.nodes, args.local,
+                                                "fixed" if fusion == "adaptive" else fusion, density=density,
+                                                selector=selector, order=profile.order)
+    if fusion == "adaptive":
+      reducer = cost_model.plan_adaptive_fusion(reducer, profile, cost_model.PRESETS[args.cost_model],
+                                                args.device_tflops * 1e12, args.examples_per_device)
     state = jax.device_put(reducer.init_state(shapes), NamedSharding(mesh, per_device))
     reduce = jax.jit(jax.shard_map(
         lambda g, s: reducer.reduce(jax.tree.map(lambda x: x[0], g), s), mesh=mesh,
@@ -91,16 +105,19 @@ def main():
     nbytes = reducer.bytes_per_step(shapes)
     rows[name] = {"seconds": statistics.median(times), "inter_node_bytes": nbytes.inter_node,
                   "intra_node_bytes": nbytes.intra_node, "compile_seconds": compile_seconds}
+    rows[name]["buckets"] = len(reducer.buckets(jax.tree.leaves(shapes))[1])
     print(f"  measured {name}: {rows[name]['seconds']:.3f} s", file=sys.stderr)
     del out, state
 
   base = rows.get("hierarchical")
   print(f"\nResNet-50 gradients ({num_elements:,} float32), mesh {args.nodes} x {args.local} "
         f"({devices} {jax.devices()[0].platform} devices), median of {args.repeats}")
-  print(f"{'variant':<24}{'seconds':>9}{'inter-node B/dev':>18}{'intra-node B/dev':>18}{'inter vs hier.':>16}")
+  print(f"{'variant':<24}{'buckets':>8}{'seconds':>9}{'inter-node B/dev':>18}{'intra-node B/dev':>18}"
+        f"{'hier. / this (inter)':>22}")
   for name, r in rows.items():
-    ratio = f"{base['inter_node_bytes'] / r['inter_node_bytes']:.1f}x less" if base and r["inter_node_bytes"] else "-"
-    print(f"{name:<24}{r['seconds']:>9.3f}{r['inter_node_bytes']:>18,}{r['intra_node_bytes']:>18,}{ratio:>16}")
+    ratio = f"{base['inter_node_bytes'] / r['inter_node_bytes']:.2f}x" if base and r["inter_node_bytes"] else "-"
+    print(f"{name:<24}{r['buckets']:>8}{r['seconds']:>9.3f}{r['inter_node_bytes']:>18,}{r['intra_node_bytes']:>18,}"
+          f"{ratio:>22}")
   print(json.dumps({n: {k: r[k] for k in ("seconds", "inter_node_bytes", "intra_node_bytes")} for n, r in rows.items()}))
 
 

@@ -80,3 +80,31 @@ def plot_history(records: list[dict[str, Any]], path: str, title: str = "") -> N
 def progress_bar(total: int, enabled: bool) -> tqdm.tqdm:
   """Steps bar with ETA; the trainer sets loss and images/s as its postfix."""
   return tqdm.tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True, mininterval=1.0)
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_comparison(runs: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> None:
+  """Test top-1 and training loss against epoch for several runs (label -> records) in one PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+  for label, records in runs.items():
+    epochs = [r["epoch"] for r in records]
+    ax_loss.plot(epochs, [r["train_loss"] for r in records], marker="o", label=label)
+    ax_acc.plot(epochs, [100 * r["eval_top1"] for r in records], marker="o", label=label)
+  ax_loss.set(xlabel="epoch", ylabel="train loss", title="training loss")
+  ax_acc.set(xlabel="epoch", ylabel="test top-1 (%)", title="test top-1 accuracy")
+  for ax in (ax_loss, ax_acc):
+    ax.grid(alpha=0.3)
+    ax.legend()
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
