@@ -7,6 +7,7 @@ Multi-process (one process per machine): pass --coordinator, --num_processes and
 launch under a cluster manager that jax.distributed detects by itself (SLURM, Open MPI, ...).
 """
 
+import logging as pylogging
 import os
 import sys
 
@@ -42,11 +43,20 @@ def _start_jax(config):
   return jax
 
 
+class _QuietLibraries(pylogging.Filter):
+  """Drops the INFO chatter of orbax (several lines per checkpoint); its warnings still show."""
+
+  def filter(self, record):
+    return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
+
+
 def main(argv):
   del argv
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   config = _CONFIG.value
   jax = _start_jax(config)
 
+  from light_jax import checkpoint as checkpoint_lib
   from light_jax import config as config_lib
   from light_jax import data as data_lib
   from light_jax import train_lib
@@ -61,10 +71,16 @@ def main(argv):
                jax.process_count(), jax.device_count(), jax.local_device_count())
   logging.info("resolved config:\n%s", config)
   try:
-    train_lib.train_and_evaluate(config, _WORKDIR.value)
-  except data_lib.DataError as e:
+    summary = train_lib.train_and_evaluate(config, _WORKDIR.value)
+  except (data_lib.DataError, checkpoint_lib.CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except train_lib.NonFiniteError as e:
+    print(f"stopped: {e}", file=sys.stderr)
+    sys.exit(3)
+  if summary.get("stopped") == "preempted":
+    print(f"preempted after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "
+          f"run the same command again to resume.", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,12 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   )
 
   config.log_every_steps = 20
+  # Asynchronous orbax checkpoints in WORKDIR/checkpoints; a workdir with one resumes from it.
+  config.checkpoint = dict(every_steps=200, keep=3)
+  config.train = dict(
+      on_nonfinite="skip",   # skip: drop the update and go on; stop: save a checkpoint and stop
+      inject_nan_at_step=-1,  # fault drill: poison this step's loss (-1: off)
+  )
 
   if variant == "lars":
     config.global_batch_size = 1024

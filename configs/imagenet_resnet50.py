@@ -47,4 +47,6 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
                      error_feedback=True, topk_selector="exact", min_compress_elements=512,
                      density_warmup_epochs=0.0)
   config.log_every_steps = 10
+  config.checkpoint = dict(every_steps=500, keep=3)
+  config.train = dict(on_nonfinite="skip", inject_nan_at_step=-1)
   return config

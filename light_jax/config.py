@@ -71,6 +71,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _positive("optimizer.warmup_epochs", config.optimizer.warmup_epochs, allow_zero=True)
   if not 0.0 <= config.optimizer.label_smoothing < 1.0:
     raise ConfigError(f"optimizer.label_smoothing={config.optimizer.label_smoothing!r} must be in [0, 1).")
+  _choice("train.on_nonfinite", config.train.on_nonfinite, ("skip", "stop"))
+  _positive("checkpoint.every_steps", config.checkpoint.every_steps, allow_zero=True)
+  _positive("checkpoint.keep", config.checkpoint.keep)
   _positive("num_epochs", config.num_epochs)
   _positive("max_steps", config.max_steps, allow_zero=True)
 

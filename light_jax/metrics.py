@@ -16,18 +16,24 @@ import tqdm
 class MetricsWriter:
   """Appends one JSON object per evaluation to ``DIR/metrics.jsonl`` and mirrors numbers to TensorBoard."""
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None):
+    """``resume_step``: keep the records up to that step (a resumed run); None: start a new file."""
     self.workdir = workdir
     self.enabled = enabled
     self.records: list[dict[str, Any]] = []
     self._tb = None
     if enabled:
       os.makedirs(workdir, exist_ok=True)
-      old = os.path.join(workdir, "metrics.jsonl")
-      if os.path.exists(old):
-        # No checkpoints yet (issue #5): a run in a used workdir starts over, so its old metrics go.
-        logging.warning("%s holds a previous run's metrics; starting over and replacing them", workdir)
-        os.remove(old)
+      path = os.path.join(workdir, "metrics.jsonl")
+      if os.path.exists(path):
+        old = read_metrics(workdir)
+        self.records = [r for r in old if resume_step is not None and r["step"] <= resume_step]
+        if len(self.records) < len(old):
+          logging.warning("%s: dropping %d record(s) %s", path, len(old) - len(self.records),
+                          f"after step {resume_step} (resumed there)" if resume_step is not None
+                          else "of a previous run without a checkpoint (starting over)")
+        with open(path, "w") as f:
+          f.writelines(json.dumps(r) + "\n" for r in self.records)
       from tensorboardX import SummaryWriter  # imported here: only process 0 needs it
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
@@ -77,9 +83,10 @@ def plot_history(records: list[dict[str, Any]], path: str, title: str = "") -> N
   plt.close(fig)
 
 
-def progress_bar(total: int, enabled: bool) -> tqdm.tqdm:
+def progress_bar(total: int, enabled: bool, initial: int = 0) -> tqdm.tqdm:
   """Steps bar with ETA; the trainer sets loss and images/s as its postfix."""
-  return tqdm.tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True, mininterval=1.0)
+  return tqdm.tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True,
+                   mininterval=1.0)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

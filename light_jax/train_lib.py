@@ -17,6 +17,9 @@ import dataclasses
 import functools
 import json
 import logging
+import os
+import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -31,6 +34,7 @@ from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from light_jax import checkpoint as checkpoint_lib
 from light_jax import data as data_lib
 from light_jax import metrics as metrics_lib
 from light_jax import optim
@@ -49,6 +53,9 @@ class TrainState:
 
   All fields are replicated over the mesh except ``comm_state`` (per-device state of the gradient
   reducer, e.g. error-feedback residuals), whose leaves have leading dims (nodes, local).
+  ``nonfinite_steps`` counts the steps whose update was skipped for a non-finite loss or gradient.
+  ``loss_sum`` / ``loss_count`` (per device, (nodes, local)) accumulate the training loss of the current
+  epoch, so the epoch's mean loss survives a resume from a mid-epoch checkpoint.
   """
 
   step: jax.Array
@@ -56,10 +63,14 @@ class TrainState:
   batch_stats: PyTree
   opt_state: PyTree
   comm_state: PyTree
+  nonfinite_steps: jax.Array
+  loss_sum: jax.Array
+  loss_count: jax.Array
 
 
 # Partition specs of TrainState, as a pytree prefix usable by shard_map and NamedSharding.
-STATE_SPECS = TrainState(step=P(), params=P(), batch_stats=P(), opt_state=P(), comm_state=P(NODE, LOCAL))
+STATE_SPECS = TrainState(step=P(), params=P(), batch_stats=P(), opt_state=P(), comm_state=P(NODE, LOCAL),
+                         nonfinite_steps=P(), loss_sum=P(NODE, LOCAL), loss_count=P(NODE, LOCAL))
 
 
 def create_train_state(model: nn.Module, tx: optax.GradientTransformation,
@@ -71,7 +82,9 @@ def create_train_state(model: nn.Module, tx: optax.GradientTransformation,
     variables = model.init(jax.random.key(seed), jnp.zeros((1, *image_shape), jnp.float32), train=False)
     params = variables["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=variables.get("batch_stats", {}),
-                      opt_state=tx.init(params), comm_state=reducer.init_state(params))
+                      opt_state=tx.init(params), comm_state=reducer.init_state(params),
+                      nonfinite_steps=jnp.zeros((), jnp.int32), loss_sum=jnp.zeros(mesh.devices.shape),
+                      loss_count=jnp.zeros(mesh.devices.shape, jnp.int32))
 
   shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS,
                            is_leaf=lambda x: isinstance(x, P))
@@ -85,12 +98,18 @@ def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
                     reducer: collectives.GradientReducer, mesh: jax.sharding.Mesh,
-                    info: data_lib.DatasetInfo, label_smoothing: float) -> Callable:
+                    info: data_lib.DatasetInfo, label_smoothing: float, inject_nan_at_step: int = -1,
+                    steps_per_epoch: int = 0) -> Callable:
   """Returns ``step(state, images, labels) -> (state, per_device_loss)``, jitted, donating ``state``.
 
   ``images`` (uint8) and ``labels`` are global arrays sharded over (node, local) on their first dim.
   ``per_device_loss`` has shape (num_devices,): averaging it on the host when logging costs no
   collective in the step.
+
+  A non-finite loss or reduced gradient is caught on the device, without a host sync: the update is
+  skipped (state unchanged but for ``step`` and ``nonfinite_steps``). ``inject_nan_at_step`` >= 0
+  poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
+  ``steps_per_epoch`` > 0 resets the epoch loss accumulators at each epoch's first step.
   """
 
   def device_step(state: TrainState, images, labels):
@@ -99,20 +118,29 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
     def loss_fn(params):
       logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, x, train=True,
                                     mutable=["batch_stats"])
-      return optim.cross_entropy(logits, labels, info.num_classes, label_smoothing), updates.get("batch_stats", {})
+      loss = optim.cross_entropy(logits, labels, info.num_classes, label_smoothing)
+      if inject_nan_at_step >= 0:
+        loss = loss * jnp.where(state.step == inject_nan_at_step, jnp.nan, 1.0)
+      return loss, updates.get("batch_stats", {})
 
     # check_vma=False below: grad of replicated params is the *local* gradient, not JAX's implicit
     # psum of it, so the reducer is the only reduction (no silent double sum; tested).
     (loss, batch_stats), local_grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     grads, comm_state = reducer.reduce(local_grads, state.comm_state)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    # The reduced gradient is identical on every device, so every device takes the same decision.
+    finite = jnp.logical_and(lax.pmin(jnp.isfinite(loss).astype(jnp.int32), AXES) > 0,
+                             jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])))
+    updated = (optax.apply_updates(state.params, updates), lax.pmean(batch_stats, AXES), opt_state, comm_state)
+    kept = (state.params, state.batch_stats, state.opt_state, state.comm_state)
+    params, batch_stats, opt_state, comm_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, kept)
+    new_epoch = state.step % steps_per_epoch == 0 if steps_per_epoch else False
+    loss_ok = jnp.isfinite(loss)
     new_state = state.replace(
-        step=state.step + 1,
-        params=optax.apply_updates(state.params, updates),
-        batch_stats=lax.pmean(batch_stats, AXES),
-        opt_state=opt_state,
-        comm_state=comm_state,
-    )
+        step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state, comm_state=comm_state,
+        nonfinite_steps=state.nonfinite_steps + (1 - finite.astype(jnp.int32)),
+        loss_sum=jnp.where(new_epoch, 0.0, state.loss_sum) + jnp.where(loss_ok, loss, 0.0),
+        loss_count=jnp.where(new_epoch, 0, state.loss_count) + loss_ok.astype(jnp.int32))
     return new_state, loss[None]
 
   sharded = jax.shard_map(device_step, mesh=mesh, in_specs=(STATE_SPECS, BATCH_SPEC, BATCH_SPEC),
@@ -153,9 +181,58 @@ def evaluate(eval_step: Callable, state: TrainState, batches: data_lib.EvalBatch
           "eval_loss": float(totals["loss"]) / count, "eval_examples": int(count)}
 
 
+class NonFiniteError(RuntimeError):
+  """Training stopped on a non-finite loss or gradient (policy ``stop``) after saving a checkpoint."""
+
+
+class PreemptionGuard:
+  """SIGTERM / SIGINT: finish the current step, save, exit 0. A second signal exits at once.
+
+  In a multi-process run the processes agree (an all-gather of the flag) every ``every`` steps, so all
+  of them stop after the same step; a lone process stops after the step in flight.
+  """
+
+  def __init__(self):
+    self.signal = None
+    self._previous = {}
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.signal is not None:
+      os._exit(128 + signum)   # second signal: no save, no cleanup
+    self.signal = signum
+    logging.warning("received %s: finishing the current step, saving a checkpoint, then exiting "
+                    "(send it again to exit at once)", signal.Signals(signum).name)
+
+  def requested(self, step: int, every: int) -> bool:
+    if jax.process_count() == 1:
+      return self.signal is not None
+    if step % every:
+      return False
+    flags = multihost_utils.process_allgather(np.array(self.signal is not None))
+    return bool(np.any(flags))
+
+  def uninstall(self):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def epoch_mean_loss(state: TrainState) -> float:
+  """Mean training loss of the current epoch's steps so far, over all devices (a collective: all call it)."""
+  total, count = (np.sum(multihost_utils.process_allgather(x, tiled=True)) for x in (state.loss_sum, state.loss_count))
+  return float(total / count) if count else float("nan")
+
+
 def global_mean(per_device_values) -> float:
-  """Mean of per-device arrays that may live on other processes' devices too (a collective: all call it)."""
-  return float(np.mean(multihost_utils.process_allgather(per_device_values, tiled=True)))
+  """Mean of per-device arrays that may live on other processes' devices too (a collective: all call it).
+
+  Non-finite values (the losses of skipped steps) are left out.
+  """
+  values = np.asarray(multihost_utils.process_allgather(per_device_values, tiled=True))
+  return float(np.mean(values[np.isfinite(values)])) if np.isfinite(values).any() else float("nan")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -202,6 +279,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                config.model.name, f"{num_params:,}", config.optimizer.name, optim.peak_learning_rate(config),
                comm.strategy, comm.fusion)
 
+  # --- Checkpoint: resume from the newest good one in the workdir ------------------------------------
+  checkpointer = checkpoint_lib.Checkpointer(workdir, config.checkpoint.every_steps, config.checkpoint.keep)
+  meta = {"config": json.loads(config.to_json_best_effort()), "mesh": [nodes, local]}
+  try:
+    restored = checkpointer.restore_latest(checkpoint_lib.abstract(state), meta["config"])
+  except checkpoint_lib.CheckpointError:
+    checkpointer.close()
+    raise
+  start_step = 0
+  if restored is not None:
+    start_step, state, _ = restored
+    logging.info("resumed from the checkpoint at step %d (epoch %.2f)", start_step, start_step / steps_per_epoch)
+
   # --- Compile ahead of time, so that images/s measures steps and not compilation -------------------
   # k of top-k is a static shape: a density warm-up compiles the step once per density phase.
   sharding = mesh_lib.batch_sharding(mesh)
@@ -218,35 +308,38 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if density not in compiled_steps:
       phase_reducer = dataclasses.replace(reducer, density=density)
       start = time.time()
-      compiled = make_train_step(model, tx, phase_reducer, mesh, info, config.optimizer.label_smoothing).lower(
-          *abstract_args).compile()
+      compiled = make_train_step(model, tx, phase_reducer, mesh, info, config.optimizer.label_smoothing,
+                                 config.train.inject_nan_at_step, steps_per_epoch).lower(*abstract_args).compile()
       comm_bytes = phase_reducer.bytes_per_step(abstract_args[0].params)
-      logging.info("train step compiled in %.1f s (density %.4g): %s intra-node and %s inter-node bytes per "
-                   "device per step", time.time() - start, density, f"{comm_bytes.intra_node:,}",
-                   f"{comm_bytes.inter_node:,}")
+      logging.info("train step compiled in %.1f s%s: %s intra-node and %s inter-node bytes per device per step",
+                   time.time() - start, f" (top-k density {density:.4g})" if comm.strategy in
+                   collectives.COMPRESSED_STRATEGIES else "", f"{comm_bytes.intra_node:,}", f"{comm_bytes.inter_node:,}")
       compiled_steps[density] = compiled, comm_bytes
     return compiled_steps[density]
 
-  train_step_for(0)
+  train_step_for(start_step)
   eval_step = make_eval_step(model, mesh, info)
 
   # --- Loop ----------------------------------------------------------------------------------------
-  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
-  bar = metrics_lib.progress_bar(total_steps, enabled=is_main)
-  host_batches = train_batches.iterator(0, read_threads=config.data.read_threads)
+  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=start_step if restored else None)
+  bar = metrics_lib.progress_bar(total_steps, enabled=is_main, initial=start_step)
+  host_batches = train_batches.iterator(start_step, read_threads=config.data.read_threads)
   prefetcher = data_lib.DevicePrefetcher(host_batches, sharding, size=config.data.prefetch)
-  losses = []                 # per-device losses of the steps since the last record, still on device
+  preemption = PreemptionGuard()
   images_since_record = 0
   wait_at_record = 0.0
-  step = 0
-  record = {}
+  nonfinite_seen = 0
+  checkpoint_seconds = 0.0    # time the loop was blocked starting asynchronous saves
+  loop_start = time.perf_counter()
+  stop_reason = None
+  step = start_step
+  record = writer.records[-1] if writer.records else {}   # a finished run resumed: nothing left to do
   segment_start = time.perf_counter()
   try:
     while step < total_steps:
       batch = next(prefetcher)
       train_step, comm_bytes = train_step_for(step)
       state, loss = train_step(state, batch["images"], batch["labels"])
-      losses.append(loss)
       step += 1
       images_since_record += config.global_batch_size
       bar.update(1)
@@ -254,8 +347,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         # Reading step t's loss waits for step t only; the steps queued behind it keep running.
         bar.set_postfix(loss=f"{global_mean(loss):.4f}", lr=f"{float(schedule(step)):.3g}",
                         img_s=f"{images_since_record / (time.perf_counter() - segment_start):.0f}")
-      if step % steps_per_epoch == 0 or step == total_steps:
-        train_loss = global_mean(losses)
+      end_of_epoch = step % steps_per_epoch == 0 or step == total_steps
+      if step % config.log_every_steps == 0 or end_of_epoch:
+        nonfinite = int(state.nonfinite_steps.addressable_data(0))
+        if nonfinite > nonfinite_seen:
+          logging.warning("%d step(s) with a non-finite loss or gradient so far (update skipped); policy: %s",
+                          nonfinite, config.train.on_nonfinite)
+          nonfinite_seen = nonfinite
+          if config.train.on_nonfinite == "stop":
+            stop_reason = "nonfinite"
+      if preemption.requested(step, config.log_every_steps):
+        stop_reason = "preempted"
+      if end_of_epoch:
+        train_loss = epoch_mean_loss(state)
         train_seconds = time.perf_counter() - segment_start   # eval excluded
         eval_metrics = evaluate(eval_step, state, eval_batches, sharding)
         record = {
@@ -268,18 +372,37 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             "learning_rate": float(schedule(step)),
             "inter_node_bytes_per_step": comm_bytes.inter_node,
             "intra_node_bytes_per_step": comm_bytes.intra_node,
+            "nonfinite_steps": nonfinite_seen,
             "final": step == total_steps,
         }
         writer.write(record)
         bar.write(f"epoch {record['epoch']:.2f} step {step}: train loss {train_loss:.4f}, test top-1 "
                   f"{100 * record['eval_top1']:.2f}% top-5 {100 * record['eval_top5']:.2f}%, "
                   f"{record['images_per_sec']:.0f} images/s, input wait {100 * record['input_wait_fraction']:.1f}%")
-        losses, images_since_record = [], 0
+        images_since_record = 0
         wait_at_record = prefetcher.wait_seconds
         segment_start = time.perf_counter()
+      # After this step's record: a checkpoint at step s implies metrics.jsonl holds every record <= s.
+      save_start = time.perf_counter()
+      if checkpointer.maybe_save(step, state, meta):
+        checkpoint_seconds += time.perf_counter() - save_start
+      if stop_reason:
+        break
+    checkpointer.maybe_save(step, state, meta, force=True)
+    loop_seconds = time.perf_counter() - loop_start
   finally:
     prefetcher.close()
     bar.close()
+    preemption.uninstall()
+    checkpointer.close()   # waits for saves in flight
+
+  if stop_reason == "preempted":
+    logging.warning("stopped by a signal after step %d; checkpoint saved, rerun the same command to resume", step)
+    return {"stopped": "preempted", "steps": step}
+  if stop_reason == "nonfinite":
+    raise NonFiniteError(f"non-finite loss or gradient at or before step {step} (train.on_nonfinite='stop'); "
+                         f"the bad update was skipped and a checkpoint saved at step {step}. Lower the learning "
+                         f"rate or set --config.train.on_nonfinite=skip, then rerun to resume.")
 
   summary = {
       "final_eval_top1": record.get("eval_top1"),
@@ -291,7 +414,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "num_params": num_params,
       "mesh": {"nodes": nodes, "local": local, "processes": jax.process_count(),
                "platform": mesh.devices.flat[0].platform},
-      "images_per_sec_mean": float(np.mean([r["images_per_sec"] for r in writer.records])),
+      "images_per_sec_mean": (float(np.mean([r["images_per_sec"] for r in writer.records]))
+                              if writer.records else None),
+      "nonfinite_steps": nonfinite_seen,
+      "resumed_from_step": start_step,
+      "checkpoint_blocking_seconds": checkpoint_seconds,
+      "checkpoint_overhead_fraction": checkpoint_seconds / loop_seconds,
       "inter_node_bytes_per_step": record.get("inter_node_bytes_per_step"),
       "intra_node_bytes_per_step": record.get("intra_node_bytes_per_step"),
       "config": json.loads(config.to_json_best_effort()),

@@ -4,7 +4,7 @@ alpha is the start-up latency of one collective (seconds), beta the time per byt
 1/beta is the effective bandwidth). Each level of the mesh has its own pair: ``intra`` for the links
 inside a node (NVLink / PCIe), ``inter`` for the links between nodes (Ethernet / InfiniBand).
 
-``fit_link`` fits alpha and beta by least squares from measured (bytes, seconds) pairs;
+``fit_link`` fits alpha and beta from measured (bytes, seconds) pairs;
 ``benchmarks/calibrate_links.py`` measures them on the current mesh and writes a JSON file that
 ``comm.cost_model`` can name instead of a preset. Adaptive fusion (fusion.plan_mgwfbp) uses the model
 to decide which gradients to merge.
@@ -67,8 +67,11 @@ PRESETS = {
 
 
 def fit_link(num_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost:
-  """Least-squares alpha and beta from measured (bytes, seconds) pairs; both clipped at 0."""
-  beta, alpha = np.polyfit(np.asarray(num_bytes, np.float64), np.asarray(seconds, np.float64), 1)
+  """Alpha and beta from measured (bytes, seconds) pairs, by least squares on *relative* error (weights
+  1/seconds), so the small sizes that fix alpha count as much as the large ones that fix beta; both
+  clipped at 0."""
+  seconds = np.asarray(seconds, np.float64)
+  beta, alpha = np.polyfit(np.asarray(num_bytes, np.float64), seconds, 1, w=1.0 / seconds)
   return LinkCost(alpha=max(float(alpha), 0.0), beta=max(float(beta), 0.0))
 
 

@@ -1,0 +1,120 @@
+"""Checkpoints with orbax: save the train state asynchronously, resume from the newest good one.
+
+What a checkpoint holds: the whole ``TrainState`` (step, params, BatchNorm statistics, optimizer state,
+error-feedback residuals sharded per device, the non-finite step counter) and a JSON ``meta`` item with
+the resolved config. The data pipeline needs no state of its own: the global batch of step s is a pure
+function of (seed, s) (data/pipeline.py), so resuming at step s *is* restoring the iterator. There is no
+other randomness in a step.
+
+Saving is asynchronous: ``save`` returns once orbax has copied the arrays off the devices, and the
+files are written in the background; the train step may then donate (overwrite) the device buffers
+(tested). Every process calls ``save`` and ``restore`` (orbax coordinates them with the JAX
+distributed runtime). A save that did not finish (killed process) leaves no ``commit_success`` marker and
+orbax ignores it; a finished checkpoint whose files are damaged fails to restore, and ``restore_latest``
+falls back to the previous one and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+# Fields that may change between a run and its resumption: they do not change shapes or data order.
+SAFE_TO_CHANGE = ("num_epochs", "max_steps", "log_every_steps", "checkpoint", "train", "data.read_threads",
+                  "data.prefetch", "data.eval_batch_size", "data.eval_subset", "mesh.cpu_devices")
+
+
+class CheckpointError(RuntimeError):
+  """No checkpoint can be used; the message says why and what to do."""
+
+
+class Checkpointer:
+  """Saves every ``every_steps`` steps (and when forced), keeps the newest ``keep``."""
+
+  def __init__(self, workdir: str, every_steps: int, keep: int):
+    self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    self.every_steps = every_steps
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True))
+
+  def maybe_save(self, step: int, state, meta: dict[str, Any], force: bool = False) -> bool:
+    """Starts an asynchronous save of ``state`` at ``step`` when due (or ``force``); True if started."""
+    if not force and (self.every_steps <= 0 or step % self.every_steps):
+      return False
+    if step in self.manager.all_steps():
+      return False
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)), force=True)
+    return True
+
+  def restore_latest(self, abstract_state, config: dict[str, Any]) -> tuple[int, Any, dict[str, Any]] | None:
+    """(step, state, meta) of the newest checkpoint that restores; None when there is none.
+
+    ``abstract_state`` gives shapes, dtypes and shardings (jax.ShapeDtypeStruct leaves). The saved config
+    is compared with ``config`` first: a breaking change raises CheckpointError, a safe one is logged.
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    for step in steps:
+      try:
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+      except Exception as e:  # a damaged checkpoint: any error orbax or the file system raises
+        self._damaged(step, e)
+        continue
+      breaking, safe = config_changes(meta["config"], config)
+      if breaking:
+        raise CheckpointError(
+            f"the checkpoint at step {step} in {self.directory} was written with a config that differs where "
+            f"it matters: {'; '.join(breaking)}. Use a new --workdir, or restore those values.")
+      for change in safe:
+        logging.warning("config changed since the checkpoint (accepted): %s", change)
+      try:
+        state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))).state
+      except Exception as e:
+        self._damaged(step, e)
+        continue
+      return step, state, meta
+    if steps:
+      raise CheckpointError(f"none of the checkpoints in {self.directory} (steps {steps}) can be restored; "
+                            f"move the directory away to start over.")
+    return None
+
+  def _damaged(self, step: int, error: Exception) -> None:
+    logging.warning("checkpoint at step %d in %s cannot be restored (%s: %s); falling back to the previous one",
+                    step, self.directory, type(error).__name__, str(error)[:300])
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
+  """(breaking, safe) differences between a checkpoint's config and the current one, as "field: a -> b"."""
+  def flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+      if isinstance(v, dict):
+        out.update(flatten(v, f"{prefix}{k}."))
+      else:
+        out[f"{prefix}{k}"] = v
+    return out
+
+  old, new = flatten(saved), flatten(current)
+  breaking, safe = [], []
+  for key in sorted(old.keys() | new.keys()):
+    if old.get(key) != new.get(key):
+      change = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+      is_safe = any(key == s or key.startswith(s + ".") for s in SAFE_TO_CHANGE)
+      (safe if is_safe else breaking).append(change)
+  return breaking, safe
+
+
+def abstract(tree):
+  """Shapes, dtypes and shardings of a pytree of arrays (the restore target)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
