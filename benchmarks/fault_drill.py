@@ -4,7 +4,8 @@ compare the end result with an uninterrupted run of the same config.
   python benchmarks/fault_drill.py [--kills 10 --seed 0]
 
 Reports kills survived, steps lost per kill (steps done after the last checkpoint before the kill,
-which the resumed run repeats; at most checkpoint.every_steps), whether the final parameters are
+which the resumed run repeats: at most checkpoint.every_steps, plus the steps run while the save
+that was in flight at the kill had not committed yet), whether the final parameters are
 bitwise equal and the metrics equal, and the checkpoint overhead: the time the training loop spent
 blocked starting asynchronous saves, as a fraction of the loop time, in the uninterrupted run.
 """
@@ -35,14 +36,15 @@ def main():
   args = parser.parse_args()
 
   import jax
+  jax.config.update("jax_num_cpu_devices", 8)   # the checkpoints hold arrays sharded over 8 devices
   import orbax.checkpoint as ocp
 
-  # 4096 images / 128 = 32 steps per epoch, 4 epochs = 128 steps.
+  # 4096 images / 128 = 32 steps per epoch, 6 epochs = 192 steps.
   config = ["--config", "configs/fashion_mnist.py:hitopk", "--config.data.train_subset=4096",
-            "--config.data.eval_subset=1000", "--config.num_epochs=4", "--config.global_batch_size=128",
+            "--config.data.eval_subset=1000", "--config.num_epochs=6", "--config.global_batch_size=128",
             "--config.data.eval_batch_size=200", f"--config.checkpoint.every_steps={args.every_steps}",
             "--config.log_every_steps=4"]
-  total_steps = 128
+  total_steps = 192
   root = args.workdir or tempfile.mkdtemp(prefix="fault_drill_")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
 
@@ -63,15 +65,15 @@ def main():
   drill = os.path.join(root, "drill")
   shutil.rmtree(drill, ignore_errors=True)
   rng = random.Random(args.seed)
-  # Kill points: random distinct steps spread over the run (a kill lands a random moment after the
-  # first checkpoint >= the point).
-  kill_at = sorted(rng.sample(range(args.every_steps, total_steps - args.every_steps), args.kills))
   lost, kills = [], 0
-  for target in kill_at:
-    if progress(drill) >= target:
-      continue
-    proc = start(drill)
+  while kills < args.kills:
+    # Each kill lands a random moment after the first checkpoint past a random point ahead.
     resumed_from = progress(drill)
+    target = resumed_from + rng.randint(1, args.every_steps)
+    if target >= total_steps - 2 * args.every_steps:
+      print(f"run too short for more kills after {kills}", file=sys.stderr)
+      break
+    proc = start(drill)
     while proc.poll() is None and progress(drill) < target:
       time.sleep(0.02)
     # Land the kill anywhere in the next checkpoint period (about 0.1-0.2 s per step here).
@@ -85,7 +87,7 @@ def main():
     # Steps lost: the run kept going for a moment after the checkpoint that triggered the kill; the
     # stdout tail shows the last step the bar reached.
     text = proc.stdout.read()
-    reached = max([int(m) for m in re.findall(r"\| *(\d+)/128 \[", text)] or [0])
+    reached = max([int(m) for m in re.findall(r"\| *(\d+)/%d \[" % total_steps, text)] or [0])
     saved = progress(drill)
     lost.append(max(reached - saved, 0))
     print(f"kill {kills}: resumed from {resumed_from}, killed after checkpoint {saved} (bar at {reached})",

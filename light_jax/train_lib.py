@@ -296,7 +296,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # k of top-k is a static shape: a density warm-up compiles the step once per density phase.
   sharding = mesh_lib.batch_sharding(mesh)
   batch_shape = (config.global_batch_size, *info.image_shape)
-  abstract_args = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state),
+  abstract_args = (checkpoint_lib.abstract(state),
                    jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=sharding),
                    jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=sharding))
   density_warmup_steps = int(comm.density_warmup_epochs * steps_per_epoch)
