@@ -52,6 +52,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       strategy="hierarchical",   # dense | hierarchical | hitopk | topk
       fusion="fixed",            # none | fixed (buckets of bucket_bytes) | adaptive (MG-WFBP)
       bucket_bytes=25 * 2**20,
+      dtype="float32",           # wire dtype of the dense hops: bfloat16 halves them (float32 accumulation)
       cost_model="v100_nvlink_25gbe",  # adaptive: a cost_model.PRESETS name or a calibrated JSON file
       device_tflops=15.0,        # adaptive: sustained FLOP/s (x 1e12) for backward-time estimates
       # The top-k strategies (hitopk, topk):

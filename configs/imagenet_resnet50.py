@@ -42,7 +42,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       lars_eta=0.001,
       label_smoothing=0.1,
   )
-  config.comm = dict(strategy="hierarchical", fusion="fixed", bucket_bytes=25 * 2**20,
+  config.comm = dict(strategy="hierarchical", fusion="fixed", bucket_bytes=25 * 2**20, dtype="float32",
                      cost_model="v100_nvlink_25gbe", device_tflops=100.0, density=0.001,
                      error_feedback=True, topk_selector="exact", min_compress_elements=512,
                      density_warmup_epochs=0.0)

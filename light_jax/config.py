@@ -57,6 +57,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     _positive("comm.device_tflops", config.comm.device_tflops)
   _positive("comm.bucket_bytes", config.comm.bucket_bytes, allow_zero=True)
   _choice("comm.topk_selector", config.comm.topk_selector, SELECTORS)
+  _choice("comm.dtype", config.comm.dtype, DTYPES)
   _positive("comm.min_compress_elements", config.comm.min_compress_elements, allow_zero=True)
   _positive("comm.density_warmup_epochs", config.comm.density_warmup_epochs, allow_zero=True)
   if not 0.0 < config.comm.density <= 1.0:

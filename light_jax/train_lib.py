@@ -267,7 +267,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   reducer = collectives.make_gradient_reducer(
       comm.strategy, nodes, local, "fixed" if comm.fusion == "adaptive" else comm.fusion, comm.bucket_bytes,
       density=comm.density, selector=comm.topk_selector, error_feedback=comm.error_feedback,
-      min_compress_elements=comm.min_compress_elements, order=profile.order)
+      min_compress_elements=comm.min_compress_elements, wire_dtype=comm.dtype, order=profile.order)
   if comm.fusion == "adaptive":
     reducer = cost_model.plan_adaptive_fusion(reducer, profile, cost_model.load(comm.cost_model),
                                               comm.device_tflops * 1e12, config.global_batch_size // mesh.size)

@@ -135,3 +135,24 @@ def test_fusion_cuts_padding_and_counts_bytes_per_bucket():
   # none: pads 5 -> 8 and 9 -> 12 (shards of 2 and 3); fixed: 14 -> 16 (shard of 4).
   assert none.intra_node == 2 * 3 * (2 + 3) * 4 and fixed.intra_node == 2 * 3 * 4 * 4
   assert none.inter_node == (2 + 3) * 4 and fixed.inter_node == 4 * 4
+
+
+@pytest.mark.parametrize("strategy", ["hierarchical", "hitopk", "dense"])
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_bfloat16_wire_is_close_to_float32_and_halves_dense_bytes(problem, strategy, shape):
+  model, params, images, labels, reference = problem
+  mesh = mesh_lib.make_mesh(*shape)
+  f32 = collectives.make_gradient_reducer(strategy, *shape, fusion="fixed", density=1.0, min_compress_elements=1)
+  bf16 = collectives.make_gradient_reducer(strategy, *shape, fusion="fixed", density=1.0, min_compress_elements=1,
+                                           wire_dtype="bfloat16")
+  reduced = reduce_on_mesh(bf16, mesh, model, params, images, labels)[0]
+  for ours, ref in zip(jax.tree.leaves(reduced), jax.tree.leaves(reference)):
+    assert ours.dtype == jnp.float32
+    # bfloat16 keeps 8 bits of mantissa: each summand is off by at most 2^-8 of itself.
+    np.testing.assert_allclose(ours, ref, atol=2 ** -7 * float(np.abs(np.asarray(ref)).max()) + 1e-7)
+  wide, narrow = f32.bytes_per_step(params), bf16.bytes_per_step(params)
+  assert narrow.intra_node <= wide.intra_node // 2 + 64
+  if strategy != "hitopk":   # hitopk's sparse (value, index) pairs cross nodes in float32 either way
+    assert narrow.inter_node <= wide.inter_node // 2 + 64
+  else:
+    assert narrow.inter_node == wide.inter_node

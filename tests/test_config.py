@@ -37,6 +37,7 @@ def test_default_configs_validate():
     ({"comm__fusion": "bucketed"}, r"comm.fusion='bucketed' is unknown; use one of \['none', 'fixed', 'adaptive'\]"),
     ({"comm__fusion": "adaptive", "comm__cost_model": "/nope.json"}, r"comm.cost_model='/nope.json' is neither a preset"),
     ({"comm__density": 0.0}, r"comm.density=0.0 must be in \(0, 1\]"),
+    ({"comm__dtype": "float16"}, r"comm.dtype='float16' is unknown; use one of \['float32', 'bfloat16'\]"),
     ({"optimizer__name": "adam"}, r"optimizer.name='adam' is unknown; use one of \['sgd', 'lars', 'lamb'\]"),
     ({"optimizer__decay": "step"}, r"optimizer.decay='step' is unknown"),
     ({"model__name": "vgg16"}, r"model.name='vgg16' is unknown"),

@@ -47,49 +47,71 @@ PyTree = Any
 INDEX_BYTES = 4  # int32 indices
 
 
-def dense_allreduce(x: jax.Array) -> jax.Array:
-  """Sum of flat ``x`` over every device with one psum."""
-  return lax.psum(x, AXES)
+def dense_allreduce(x: jax.Array, wire_dtype=jnp.float32) -> jax.Array:
+  """Sum of flat ``x`` over every device with one psum (in ``wire_dtype``, which then also accumulates)."""
+  return lax.psum(x.astype(wire_dtype), AXES).astype(x.dtype)
 
 
-def _scatter_to_local_shard(x: jax.Array) -> jax.Array:
-  """Zero-pads flat ``x`` to a multiple of the local device count and reduce-scatters it over ``local``."""
+def _reduce_scatter(x: jax.Array, axis: str, wire_dtype) -> jax.Array:
+  """Tiled reduce-scatter of flat ``x`` (size divisible by the axis size) over ``axis``.
+
+  With a narrower ``wire_dtype`` the chunks travel in it (an all-to-all) and are summed in x's dtype
+  on arrival, so the accumulation stays float32 while the link carries half the bytes.
+  """
+  if jnp.dtype(wire_dtype) == x.dtype:
+    return lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+  chunks = x.astype(wire_dtype).reshape(lax.axis_size(axis), -1)
+  received = lax.all_to_all(chunks, axis, split_axis=0, concat_axis=0)   # chunk i from every peer
+  return received.astype(x.dtype).sum(axis=0)
+
+
+def _all_gather(shard: jax.Array, axis: str, wire_dtype) -> jax.Array:
+  return lax.all_gather(shard.astype(wire_dtype), axis, axis=0, tiled=True).astype(shard.dtype)
+
+
+def _scatter_to_local_shard(x: jax.Array, wire_dtype, multiple: int = 1) -> jax.Array:
+  """Zero-pads flat ``x`` to a multiple of ``local x multiple`` and reduce-scatters it over ``local``."""
   local = lax.axis_size(LOCAL)
-  x = jnp.pad(x, (0, _round_up(x.size, local) - x.size))
-  return lax.psum_scatter(x, LOCAL, scatter_dimension=0, tiled=True)
+  x = jnp.pad(x, (0, _round_up(x.size, local * multiple) - x.size))
+  return _reduce_scatter(x, LOCAL, wire_dtype)
 
 
-def _gather_local_shards(shard: jax.Array, size: int) -> jax.Array:
-  return lax.all_gather(shard, LOCAL, axis=0, tiled=True)[:size]
-
-
-def hierarchical_allreduce(x: jax.Array) -> jax.Array:
+def hierarchical_allreduce(x: jax.Array, wire_dtype=jnp.float32) -> jax.Array:
   """Sum of flat ``x`` over every device: reduce-scatter(local) -> all-reduce(node) -> all-gather(local)."""
-  shard = _scatter_to_local_shard(x)        # this device's 1/n of the node's sum
-  shard = lax.psum(shard, NODE)             # summed over nodes: the only inter-node traffic
-  return _gather_local_shards(shard, x.size)
+  narrow = jnp.dtype(wire_dtype) != x.dtype
+  nodes = lax.axis_size(NODE) if narrow else 1
+  shard = _scatter_to_local_shard(x, wire_dtype, nodes)    # this device's 1/n of the node's sum
+  if narrow:   # all-reduce over nodes as reduce-scatter + all-gather, to accumulate in float32
+    shard = _all_gather(_reduce_scatter(shard, NODE, wire_dtype), NODE, wire_dtype)
+  else:
+    shard = lax.psum(shard, NODE)                          # the only inter-node traffic
+  return _all_gather(shard, LOCAL, wire_dtype)[:x.size]
 
 
 def hierarchical_topk_allreduce(x: jax.Array, residual: jax.Array, k: int, selector: str,
-                                error_feedback: bool) -> tuple[jax.Array, jax.Array]:
+                                error_feedback: bool, wire_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
   """HiTopK: dense inside the node, k (value, index) pairs per device across nodes.
 
   Args:
     x: flat local gradient (d,).
     residual: this device's error-feedback residual, the size of its local shard (ceil(d / n),).
     k: entries kept per shard.
+    wire_dtype: dtype of the two dense intra-node hops; the sparse values cross nodes in float32.
   """
-  shard = _scatter_to_local_shard(x)
+  shard = _scatter_to_local_shard(x, wire_dtype)
   indices, values, residual = compression.apply_error_feedback(shard, residual, k, selector, error_feedback)
   all_indices = lax.all_gather(indices, NODE)          # (nodes, k): same local rank on every node
   all_values = lax.all_gather(values, NODE)
   shard = jnp.zeros_like(shard).at[all_indices.reshape(-1)].add(all_values.reshape(-1))
-  return _gather_local_shards(shard, x.size), residual
+  return _all_gather(shard, LOCAL, wire_dtype)[:x.size], residual
 
 
 def topk_allreduce(x: jax.Array, residual: jax.Array, k: int, selector: str,
-                   error_feedback: bool) -> tuple[jax.Array, jax.Array]:
-  """Flat top-k: every device selects k entries of its whole gradient; all-gather over all devices."""
+                   error_feedback: bool, wire_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+  """Flat top-k: every device selects k entries of its whole gradient; all-gather over all devices.
+
+  No dense hop, so ``wire_dtype`` does not apply."""
+  del wire_dtype
   indices, values, residual = compression.apply_error_feedback(x, residual, k, selector, error_feedback)
   all_indices = lax.all_gather(indices, AXES)
   all_values = lax.all_gather(values, AXES)
@@ -126,20 +148,24 @@ def ring_allreduce_bytes(num_bytes: int, group: int) -> int:
   return 2 * (group - 1) * num_bytes // group if group > 1 else 0
 
 
-def strategy_bytes(strategy: str, num_elements: int, itemsize: int, nodes: int, local: int, k: int = 0) -> CommBytes:
+def strategy_bytes(strategy: str, num_elements: int, itemsize: int, nodes: int, local: int, k: int = 0,
+                   wire_itemsize: int | None = None) -> CommBytes:
   """Exact per-device bytes of reducing one flat buffer of ``num_elements`` with ``strategy`` (ring model).
 
   ``k`` is the number of entries a compressed strategy keeps (per local shard for ``hitopk``, per
-  device for ``topk``).
+  device for ``topk``); ``wire_itemsize`` is the element size on the dense hops (default ``itemsize``).
   """
-  shard_elements = _round_up(num_elements, local) // local
+  wire = wire_itemsize or itemsize
+  narrow = wire != itemsize
+  multiple = local * nodes if narrow and strategy == "hierarchical" else local
+  shard_elements = _round_up(num_elements, multiple) // local
   # reduce-scatter and all-gather over `local` each send (n-1)/n of the padded buffer.
-  scatter_gather = 2 * (local - 1) * shard_elements * itemsize
+  scatter_gather = 2 * (local - 1) * shard_elements * wire
   if strategy == "dense":
-    per_device = ring_allreduce_bytes(num_elements * itemsize, nodes * local)
+    per_device = ring_allreduce_bytes(num_elements * wire, nodes * local)
     return CommBytes(intra_node=per_device if local > 1 else 0, inter_node=per_device if nodes > 1 else 0)
   if strategy == "hierarchical":
-    return CommBytes(intra_node=scatter_gather, inter_node=ring_allreduce_bytes(shard_elements * itemsize, nodes))
+    return CommBytes(intra_node=scatter_gather, inter_node=ring_allreduce_bytes(shard_elements * wire, nodes))
   if strategy == "hitopk":
     # All-gather over `node` of k (value, index) pairs: (N-1) x k x 8 bytes per device.
     return CommBytes(intra_node=scatter_gather, inter_node=(nodes - 1) * k * (itemsize + INDEX_BYTES))
@@ -166,6 +192,8 @@ class GradientReducer:
     error_feedback: keep what top-k did not send and add it to the next step's gradient.
     min_compress_elements: buckets whose compressed unit (local shard for hitopk, whole bucket for
       topk) is smaller than this go dense: top-k would save little and cost a selection.
+    wire_dtype: dtype of the dense hops on the wire (``comm.dtype``): "bfloat16" halves their bytes;
+      hierarchical and hitopk still accumulate in float32 (dense's psum accumulates in the wire dtype).
     order: leaf indices in backward order (``fusion.profile_parameters``); None = reversed pytree order.
     groups: for ``"adaptive"``, the buckets as positions in ``order``.
   """
@@ -179,6 +207,7 @@ class GradientReducer:
   selector: str = "exact"
   error_feedback: bool = True
   min_compress_elements: int = 512
+  wire_dtype: str = "float32"
   order: tuple[int, ...] | None = None
   groups: tuple[tuple[int, ...], ...] | None = None
 
@@ -226,10 +255,11 @@ class GradientReducer:
       if self.is_compressed(size):
         residual = comm_state[_key(b)][0, 0]   # this device's block of the (nodes, local, ...) array
         k = compression.num_selected(residual.size, self.density)
-        flat, residual = COMPRESSED_STRATEGIES[self.strategy](flat, residual, k, self.selector, self.error_feedback)
+        flat, residual = COMPRESSED_STRATEGIES[self.strategy](flat, residual, k, self.selector, self.error_feedback,
+                                                              jnp.dtype(self.wire_dtype))
         new_state[_key(b)] = residual[None, None]
       else:
-        flat = DENSE_STRATEGIES[DENSE_FALLBACK.get(self.strategy, self.strategy)](flat)
+        flat = DENSE_STRATEGIES[DENSE_FALLBACK.get(self.strategy, self.strategy)](flat, jnp.dtype(self.wire_dtype))
       for m, g in zip(members, fusion_lib.unpack(flat, [leaves[m] for m in members])):
         summed[m] = g
     num_devices = self.nodes * self.local
@@ -239,13 +269,15 @@ class GradientReducer:
     leaves = jax.tree.leaves(params)
     _, _, sizes = self._bucket_sizes(leaves)
     itemsize = jnp.dtype(leaves[0].dtype).itemsize
+    wire = jnp.dtype(self.wire_dtype).itemsize
     total = CommBytes()
     for n in sizes:
       if self.is_compressed(n):
         k = compression.num_selected(self._compressed_size(n), self.density)
-        total += strategy_bytes(self.strategy, n, itemsize, self.nodes, self.local, k)
+        total += strategy_bytes(self.strategy, n, itemsize, self.nodes, self.local, k, wire)
       else:
-        total += strategy_bytes(DENSE_FALLBACK.get(self.strategy, self.strategy), n, itemsize, self.nodes, self.local)
+        total += strategy_bytes(DENSE_FALLBACK.get(self.strategy, self.strategy), n, itemsize, self.nodes,
+                                self.local, wire_itemsize=wire)
     return total
 
 
