@@ -52,7 +52,6 @@ def main():
   import jax
   jax.config.update("jax_num_cpu_devices", args.nodes * args.local)
   import jax.numpy as jnp
-  import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from light_jax.models import create_model

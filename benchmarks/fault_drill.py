@@ -59,7 +59,7 @@ def main():
   print("uninterrupted run ...", file=sys.stderr)
   clean = os.path.join(root, "uninterrupted")
   shutil.rmtree(clean, ignore_errors=True)
-  out = start(clean).communicate()[0]
+  start(clean).communicate()
   summary = json.load(open(os.path.join(clean, "summary.json")))
 
   drill = os.path.join(root, "drill")
@@ -92,7 +92,7 @@ def main():
     lost.append(max(reached - saved, 0))
     print(f"kill {kills}: resumed from {resumed_from}, killed after checkpoint {saved} (bar at {reached})",
           file=sys.stderr)
-  final_out = start(drill).communicate()[0]
+  start(drill).communicate()
 
   def final_state(workdir):
     step = progress(workdir)

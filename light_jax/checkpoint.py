@@ -86,9 +86,6 @@ class Checkpointer:
     logging.warning("checkpoint at step %d in %s cannot be restored (%s: %s); falling back to the previous one",
                     step, self.directory, type(error).__name__, str(error)[:300])
 
-  def wait(self) -> None:
-    self.manager.wait_until_finished()
-
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()

@@ -14,7 +14,6 @@ loop). One step, on every device at once, inside ``jax.jit`` + ``jax.shard_map``
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os

@@ -224,12 +224,12 @@ class GradientReducer:
     sizes = [math.prod(leaves[i].shape) * jnp.dtype(leaves[i].dtype).itemsize for i in order]
     return order, fusion_lib.plan_fixed_buckets(sizes, self.bucket_bytes)
 
-  def _compressed_size(self, elements: int) -> int:
+  def compressed_size(self, elements: int) -> int:
     """Entries of the vector top-k runs on (and of its residual)."""
     return _round_up(elements, self.local) // self.local if self.strategy == "hitopk" else elements
 
   def is_compressed(self, elements: int) -> bool:
-    return self.strategy in COMPRESSED_STRATEGIES and self._compressed_size(elements) >= self.min_compress_elements
+    return self.strategy in COMPRESSED_STRATEGIES and self.compressed_size(elements) >= self.min_compress_elements
 
   def _bucket_sizes(self, leaves) -> tuple[list[int], list[list[int]], list[int]]:
     order, buckets = self.buckets(leaves)
@@ -240,7 +240,7 @@ class GradientReducer:
   def init_state(self, params: PyTree) -> dict[str, jax.Array]:
     """Zero residuals, {"bucket_i": float32 (nodes, local, compressed size)}, for compressed buckets."""
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
-    return {_key(b): jnp.zeros((self.nodes, self.local, self._compressed_size(n)), jnp.float32)
+    return {_key(b): jnp.zeros((self.nodes, self.local, self.compressed_size(n)), jnp.float32)
             for b, n in enumerate(sizes) if self.is_compressed(n)}
 
   # --- the reduction (inside shard_map) ----------------------------------------------------------
@@ -273,7 +273,7 @@ class GradientReducer:
     total = CommBytes()
     for n in sizes:
       if self.is_compressed(n):
-        k = compression.num_selected(self._compressed_size(n), self.density)
+        k = compression.num_selected(self.compressed_size(n), self.density)
         total += strategy_bytes(self.strategy, n, itemsize, self.nodes, self.local, k, wire)
       else:
         total += strategy_bytes(DENSE_FALLBACK.get(self.strategy, self.strategy), n, itemsize, self.nodes,

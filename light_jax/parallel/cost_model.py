@@ -95,8 +95,7 @@ def effective_link(cost: ClusterCost, reducer: "collectives.GradientReducer") ->
   """
   def seconds(elements: int) -> float:
     compressed = reducer.strategy in collectives.COMPRESSED_STRATEGIES
-    unit = -(-elements // reducer.local) if reducer.strategy == "hitopk" else elements
-    k = compression.num_selected(unit, reducer.density) if compressed else 0
+    k = compression.num_selected(reducer.compressed_size(elements), reducer.density) if compressed else 0
     return cost.reduction_seconds(reducer.strategy, elements, reducer.nodes, reducer.local, k)
 
   small, large = 2**20, 2**26
