@@ -10,6 +10,7 @@ launch under a cluster manager that jax.distributed detects by itself (SLURM, Op
 import logging as pylogging
 import os
 import sys
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -20,6 +21,11 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, plots an
 _COORDINATOR = flags.DEFINE_string("coordinator", None, "host:port of process 0, for multi-process runs.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in a multi-process run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in a multi-process run.")
+_PEER_TIMEOUT = flags.DEFINE_float(
+    "peer_timeout", 60.0, "Multi-process: seconds without a sign of life from another process before every "
+    "process stops with an error (JAX's own heartbeat timeout is set to twice this, as a backstop).")
+_INIT_TIMEOUT = flags.DEFINE_integer("init_timeout", 300, "Multi-process: seconds to wait for every process to "
+                                     "join at start-up.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 # Environment variables by which cluster managers that jax.distributed can auto-detect announce a job.
@@ -36,11 +42,24 @@ def _start_jax(config):
   if config.mesh.cpu_devices:
     # Simulated CPU devices (tests, laptops): the total is split over the processes. No effect on GPUs.
     jax.config.update("jax_num_cpu_devices", max(config.mesh.cpu_devices // num_processes, 1))
+  timeouts = dict(initialization_timeout=_INIT_TIMEOUT.value,
+                  heartbeat_timeout_seconds=max(int(2 * _PEER_TIMEOUT.value), 1))
   if explicit:
-    jax.distributed.initialize(_COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value)
+    jax.distributed.initialize(_COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value,
+                               **timeouts)
   elif detected:
-    jax.distributed.initialize()
+    jax.distributed.initialize(**timeouts)
   return jax
+
+
+def _exit(code: int, process_count: int):
+  if process_count > 1:
+    # jax.distributed's exit handler waits at a barrier for every process, and after an error here the
+    # others may never come (they stop on their own: liveness.PeerWatchdog). Leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  sys.exit(code)
 
 
 class _QuietLibraries(pylogging.Filter):
@@ -59,14 +78,42 @@ def main(argv):
   from light_jax import checkpoint as checkpoint_lib
   from light_jax import config as config_lib
   from light_jax import data as data_lib
+  from light_jax import liveness
   from light_jax import train_lib
 
+  # In a multi-process run, a process that dies or fails makes the others stop too, with a message.
+  watchdog = liveness.PeerWatchdog(jax.process_index(), jax.process_count(), _PEER_TIMEOUT.value,
+                                   _WORKDIR.value).start()
+  failure = "unexpected error (see its log)"   # what the peers are told if this process fails
+  try:
+    exit_code, failure = _run(jax, config, config_lib, data_lib, checkpoint_lib, train_lib)
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1:
+      raise
+    # A collective whose peer is gone fails fast (gloo: connection reset) or hangs (the watchdog ends that).
+    failure = f"a collective failed ({str(e).splitlines()[0][:300]})"
+    liveness.report_stop(jax.process_index(), jax.process_count(),
+                         f"{failure}: another process probably died; see its log", _WORKDIR.value)
+    exit_code = liveness.EXIT_PEER_FAILURE
+  except Exception:
+    if jax.process_count() == 1:
+      raise
+    traceback.print_exc()
+    exit_code = 1
+  finally:
+    watchdog.close(failure)
+  if exit_code:
+    _exit(exit_code, jax.process_count())
+
+
+def _run(jax, config, config_lib, data_lib, checkpoint_lib, train_lib) -> tuple[int, str | None]:
+  """Validates and trains. Returns (exit code, reason to give the other processes or None)."""
   try:
     config_lib.validate(config, jax.device_count(), jax.process_count())
   except config_lib.ConfigError as e:
     logging.error("invalid config: %s", e)
     print(f"error: invalid config: {e}", file=sys.stderr)
-    sys.exit(2)
+    return 2, f"invalid config: {e}"
   logging.info("JAX %s, process %d of %d, %d devices (%d local)", jax.__version__, jax.process_index(),
                jax.process_count(), jax.device_count(), jax.local_device_count())
   logging.info("resolved config:\n%s", config)
@@ -74,13 +121,14 @@ def main(argv):
     summary = train_lib.train_and_evaluate(config, _WORKDIR.value)
   except (data_lib.DataError, checkpoint_lib.CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    return 2, str(e)
   except train_lib.NonFiniteError as e:
     print(f"stopped: {e}", file=sys.stderr)
-    sys.exit(3)
+    return 3, None   # every process saw the same non-finite step and stopped after the same save
   if summary.get("stopped") == "preempted":
     print(f"preempted after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "
           f"run the same command again to resume.", file=sys.stderr)
+  return 0, None
 
 
 if __name__ == "__main__":

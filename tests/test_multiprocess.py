@@ -1,9 +1,11 @@
 """Two real processes (2 x 4 CPU devices, jax.distributed over gloo on 127.0.0.1) train like one process with 8."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -59,14 +61,14 @@ def test_two_processes_match_one_process(tmp_path, strategy):
   assert np.isfinite(single["__loss"]).all()
 
 
-def _train_py(workdir, extra, port=None, process_id=None):
+def _train_py(workdir, extra, port=None, process_id=None, stdout=subprocess.PIPE):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   args = [sys.executable, "train.py", "--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
           "--config.data.train_subset=1024", "--config.data.eval_subset=500", "--config.max_steps=6",
           "--config.global_batch_size=128", "--config.data.eval_batch_size=96", *extra]
   if port is not None:
     args += [f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={process_id}"]
-  return subprocess.Popen(args, cwd=root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  return subprocess.Popen(args, cwd=root, env=_env(), stdout=stdout, stderr=subprocess.STDOUT, text=True)
 
 
 def test_train_py_on_two_processes_matches_one_process(tmp_path):
@@ -87,3 +89,84 @@ def test_train_py_on_two_processes_matches_one_process(tmp_path):
   for key in ("train_loss", "eval_top1", "eval_top5", "eval_loss"):
     assert abs(two[key] - one[key]) < 1e-5, (key, two[key], one[key])
   assert two["eval_examples"] == one["eval_examples"] == 500
+
+
+# --- Process faults: one process dies or fails; the other stops with a clear message, in bounded time ---
+
+PEER_TIMEOUT = 8
+
+
+def _start_pair(tmp_path, extra_per_process):
+  port = _free_port()
+  logs = [tmp_path / f"process{i}.log" for i in range(2)]
+  procs = [_train_py(tmp_path / "run", ["--config.mesh.nodes=-1", "--config.mesh.local=-1", "--config.max_steps=0",
+                                        "--config.log_every_steps=1", "--config.num_epochs=1000",
+                                        f"--peer_timeout={PEER_TIMEOUT}",
+                                        *extra_per_process[i]], port, i, stdout=open(logs[i], "w"))
+           for i in range(2)]
+  return procs, logs
+
+
+def _wait_for(path, text, procs, timeout=300):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if text in path.read_text():
+      return
+    if any(p.poll() is not None for p in procs):
+      break
+    time.sleep(0.5)
+  for p in procs:
+    p.kill()
+  pytest.fail(f"{text!r} never appeared in {path}:\n{path.read_text()[-3000:]}")
+
+
+def _exit_within(proc, bound, log):
+  start = time.time()
+  try:
+    proc.wait(timeout=bound)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    pytest.fail(f"the survivor was still running {bound} s after its peer died:\n{log.read_text()[-3000:]}")
+  return time.time() - start
+
+
+@pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (1, signal.SIGSTOP), (0, signal.SIGKILL)])
+def test_survivor_stops_when_a_process_dies_or_hangs(tmp_path, victim, sig):
+  procs, logs = _start_pair(tmp_path, [[], []])
+  _wait_for(logs[0], "step compiled", procs)
+  time.sleep(2)   # some steps in, collectives in flight
+  procs[victim].send_signal(sig)
+  survivor = 1 - victim
+  try:
+    seconds = _exit_within(procs[survivor], PEER_TIMEOUT + 30, logs[survivor])
+  finally:
+    procs[victim].kill()
+  out = logs[survivor].read_text()
+  assert procs[survivor].returncode != 0, out[-3000:]
+  if victim == 0:
+    # The coordinator itself died: JAX's client ends the survivor at once with its own message.
+    assert "another task died" in out, out[-3000:]
+    return
+  assert procs[survivor].returncode == 4, out[-3000:]
+  assert "error: stopping process 0 of 2: " in out and "rerun the same command on every machine" in out
+  assert seconds < PEER_TIMEOUT + 15
+  if sig == signal.SIGKILL:
+    # The dead peer's sockets close: a collective in flight fails at once (gloo: connection reset), or,
+    # if none notices, the watchdog ends the survivor after peer_timeout.
+    assert ("a collective failed" in out and "another process probably died" in out
+            or "process 1 has given no sign of life" in out), out[-3000:]
+  else:
+    # A stopped peer keeps its sockets open and the collective hangs: the watchdog ends it.
+    assert "process 1 has given no sign of life" in out, out[-3000:]
+    assert seconds > PEER_TIMEOUT - 1
+
+
+def test_survivor_stops_with_the_reason_when_a_process_fails(tmp_path):
+  """Process 1 cannot read its data (a bad path on that machine): process 0 stops at once and says why."""
+  procs, logs = _start_pair(tmp_path, [[], [f"--config.data.data_dir={tmp_path}/missing"]])
+  for i in (1, 0):
+    _exit_within(procs[i], 120, logs[i])
+  assert procs[1].returncode == 2
+  out = logs[0].read_text()
+  assert procs[0].returncode == 4, out[-3000:]
+  assert "error: stopping process 0 of 2: process 1 failed: Fashion-MNIST" in out, out[-3000:]

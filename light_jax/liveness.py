@@ -1,0 +1,116 @@
+"""Stop every process of a multi-process run, with a clear message, when one of them dies or fails.
+
+Without this a survivor blocks in its next collective until JAX's own heartbeat check kills it with a C++
+abort (``heartbeat_timeout_seconds``, 100 s by default) or, for some failures, forever. ``PeerWatchdog``
+is a background thread in every process that publishes a counter in the JAX coordination service's
+key-value store every ``interval`` seconds and reads everyone else's in one call:
+
+* a peer whose counter has not moved for ``peer_timeout`` seconds is taken for dead (killed, out of
+  memory, machine gone);
+* a peer that failed with a Python error (bad data on its machine, say) publishes the reason, so the
+  others stop at once and say why;
+* losing the key-value store itself means the coordinator (process 0) is gone.
+
+In each case the watchdog prints one line naming the process and the cause and ends this process with
+``EXIT_PEER_FAILURE``; the main thread may be stuck inside a collective, so only ``os._exit`` is sure to
+work. Checkpoints already committed stay valid: rerunning the same command on every machine resumes.
+JAX's own heartbeat stays on as the backstop (train.py sets it to twice ``peer_timeout``).
+"""
+
+import os
+import sys
+import threading
+import time
+
+from absl import logging
+
+EXIT_PEER_FAILURE = 4
+_PREFIX = "light_jax/liveness/"
+
+
+def _client():
+  # The distributed runtime client jax.distributed.initialize created; orbax reaches it the same way.
+  from jax._src import distributed
+  return distributed.global_state.client
+
+
+class PeerWatchdog:
+  """Publishes this process's liveness and ends it when a peer stops publishing theirs."""
+
+  def __init__(self, process_index: int, process_count: int, peer_timeout: float, workdir: str):
+    self.process_index = process_index
+    self.process_count = process_count
+    self.peer_timeout = peer_timeout
+    self.interval = min(2.0, peer_timeout / 5)
+    self.workdir = workdir
+    self._stop = threading.Event()
+    self._thread = None
+
+  def start(self) -> "PeerWatchdog":
+    if self.process_count > 1:
+      self._thread = threading.Thread(target=self._run, name="peer-watchdog", daemon=True)
+      self._thread.start()
+    return self
+
+  def close(self, failure: str | None = None) -> None:
+    """Stops watching. ``failure`` (a one-line reason) tells the peers to stop too, instead of waiting."""
+    if self._thread is None:
+      return
+    self._stop.set()
+    self._thread.join()
+    self._thread = None
+    try:
+      _client().key_value_set(self._key(self.process_index), f"failed: {failure}" if failure else "done",
+                              allow_overwrite=True)
+    except Exception:   # the coordinator is gone already: nothing left to tell
+      return
+    if failure and self.process_index == 0:
+      # The key-value store lives in this process: keep it up until the peers have read the reason.
+      time.sleep(2 * self.interval + 1)
+
+  def _key(self, index: int) -> str:
+    return f"{_PREFIX}{index}"
+
+  def _run(self) -> None:
+    client = _client()
+    counter = 0
+    last_seen = {}   # process index -> (value, time it last changed)
+    while not self._stop.wait(self.interval):
+      now = time.monotonic()
+      try:
+        counter += 1
+        client.key_value_set(self._key(self.process_index), str(counter), allow_overwrite=True)
+        published = dict(client.key_value_dir_get(_PREFIX))
+      except Exception as e:   # the service lives in process 0
+        self._fail(f"lost contact with the coordination service in process 0 ({type(e).__name__}): "
+                   f"process 0 probably died; see its log")
+        return
+      for index in range(self.process_count):
+        if index == self.process_index:
+          continue
+        value = published.get(self._key(index), "")
+        if value.startswith("failed: "):
+          self._fail(f"process {index} failed: {value[len('failed: '):]}")
+          return
+        if value == "done":
+          continue
+        previous, since = last_seen.get(index, (None, now))
+        if value != previous:
+          since = now
+        last_seen[index] = (value, since)
+        if now - since > self.peer_timeout:
+          self._fail(f"process {index} has given no sign of life for {now - since:.0f} s "
+                     f"(peer_timeout {self.peer_timeout:g} s): it probably died; see its log")
+          return
+
+  def _fail(self, reason: str) -> None:
+    report_stop(self.process_index, self.process_count, reason, self.workdir)
+    os._exit(EXIT_PEER_FAILURE)
+
+
+def report_stop(process_index: int, process_count: int, reason: str, workdir: str) -> None:
+  """One line on stderr (and in the log): which process stops, why, and how to resume."""
+  message = (f"error: stopping process {process_index} of {process_count}: {reason}. Committed checkpoints in "
+             f"{workdir}/checkpoints are intact: rerun the same command on every machine to resume from the newest.")
+  logging.error("%s", message)
+  print(f"\n{message}", file=sys.stderr, flush=True)
