@@ -28,6 +28,8 @@ VARIANTS = {
     "hierarchical/unfused": ("hierarchical", "none", 1.0, "exact"),
     "topk@0.01": ("topk", "fixed", 0.01, "exact"),
     "topk@0.001": ("topk", "fixed", 0.001, "exact"),
+    "gtopk@0.01": ("gtopk", "fixed", 0.01, "exact"),
+    "gtopk@0.001": ("gtopk", "fixed", 0.001, "exact"),
     "hitopk@0.01": ("hitopk", "fixed", 0.01, "exact"),
     "hitopk@0.001": ("hitopk", "fixed", 0.001, "exact"),
     "hitopk@0.01/mstopk": ("hitopk", "fixed", 0.01, "mstopk"),

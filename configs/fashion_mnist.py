@@ -49,13 +49,13 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   )
 
   config.comm = dict(
-      strategy="hierarchical",   # dense | hierarchical | hitopk | topk
+      strategy="hierarchical",   # dense | hierarchical | hitopk | topk | gtopk
       fusion="fixed",            # none | fixed (buckets of bucket_bytes) | adaptive (MG-WFBP)
       bucket_bytes=25 * 2**20,
       dtype="float32",           # wire dtype of the dense hops: bfloat16 halves them (float32 accumulation)
       cost_model="v100_nvlink_25gbe",  # adaptive: a cost_model.PRESETS name or a calibrated JSON file
       device_tflops=15.0,        # adaptive: sustained FLOP/s (x 1e12) for backward-time estimates
-      # The top-k strategies (hitopk, topk):
+      # The top-k strategies (hitopk, topk, gtopk):
       density=0.01,              # fraction of entries kept (per local shard for hitopk)
       error_feedback=True,       # what is not sent is kept and added to the next step's gradient
       topk_selector="exact",     # exact (lax.top_k) | mstopk (sort-free threshold search)

@@ -13,8 +13,6 @@ from light_jax.parallel import collectives, compression, cost_model
 from light_jax.parallel import mesh as mesh_lib
 
 STRATEGIES = collectives.STRATEGIES
-# Named by the communication issue (#3), not built. Refused with a clear message.
-PLANNED_STRATEGIES = ("gtopk",)
 SELECTORS = tuple(compression.SELECTORS)
 OPTIMIZERS = ("sgd", "lars", "lamb")
 FUSIONS = collectives.FUSIONS
@@ -27,11 +25,7 @@ class ConfigError(ValueError):
   """The config cannot run; the message says which field to change and how."""
 
 
-def _choice(name: str, value, allowed, planned=()) -> None:
-  if value in planned:
-    raise ConfigError(
-        f"{name}={value!r} is planned but not built yet; use one of "
-        f"{list(allowed)}.")
+def _choice(name: str, value, allowed) -> None:
   if value not in allowed:
     raise ConfigError(f"{name}={value!r} is unknown; use one of {list(allowed)}.")
 
@@ -47,7 +41,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   Raises:
     ConfigError: with a message that says what to change.
   """
-  _choice("comm.strategy", config.comm.strategy, STRATEGIES, PLANNED_STRATEGIES)
+  _choice("comm.strategy", config.comm.strategy, STRATEGIES)
   _choice("comm.fusion", config.comm.fusion, FUSIONS)
   if config.comm.fusion == "adaptive":
     try:
@@ -82,6 +76,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     nodes, local = mesh_lib.resolve_mesh_shape(config.mesh.nodes, config.mesh.local, num_devices, num_processes)
   except mesh_lib.MeshError as e:
     raise ConfigError(str(e)) from None
+  devices = nodes * local
+  if config.comm.strategy == "gtopk" and devices & (devices - 1):
+    raise ConfigError(f"comm.strategy='gtopk' merges by recursive doubling and needs a power-of-two device "
+                      f"count, not {nodes} x {local} = {devices}; use 'hitopk' or 'topk', or a mesh of "
+                      f"{1 << (devices.bit_length() - 1)} devices.")
 
   batch_sizes = {"global_batch_size": config.global_batch_size,
                  "data.eval_batch_size": config.data.eval_batch_size}

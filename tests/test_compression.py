@@ -75,7 +75,8 @@ def _run_steps(strategy, shape, grads, density, error_feedback=True, selector="e
   return np.stack(outputs), jax.device_get(state), reducer
 
 
-@pytest.mark.parametrize("strategy,shape", [("hitopk", (2, 4)), ("hitopk", (4, 2)), ("topk", (2, 4))])
+@pytest.mark.parametrize("strategy,shape", [("hitopk", (2, 4)), ("hitopk", (4, 2)), ("topk", (2, 4)),
+                                            ("gtopk", (2, 4)), ("gtopk", (4, 2))])
 def test_error_feedback_conserves_gradient_mass(strategy, shape):
   steps, d = 6, 1001
   grads = np.asarray(np.random.default_rng(1).standard_t(df=2, size=(steps, 8, d)), np.float32)
@@ -84,7 +85,7 @@ def test_error_feedback_conserves_gradient_mass(strategy, shape):
   nodes, local = shape
   if strategy == "hitopk":                        # device (i, j) holds shard j of node i's sum
     leftover = residual.sum(axis=0).reshape(-1)[:d]
-  else:                                           # every device holds a full-size residual
+  else:                                           # topk, gtopk: every device holds a full-size residual
     leftover = residual.sum(axis=(0, 1))
   true_sum = grads.sum(axis=(0, 1)) / 8          # sum over steps of the true mean gradient
   np.testing.assert_allclose(outputs.sum(axis=0) + leftover / 8, true_sum, atol=2e-5)
@@ -126,6 +127,35 @@ def test_compressed_byte_accounting_matches_the_formulas():
   assert dense_hier.inter_node / got.inter_node == 500.0     # the >= 50x bar of issue #3, from shapes
   flat = collectives.make_gradient_reducer("topk", nodes, local, "fixed", 0, density=density).bytes_per_step(params)
   assert flat.inter_node == (nodes * local - 1) * 25_600 * 8
+  # gTop-k: log2(N) = 1 round across nodes and log2(n) = 2 inside, k = 25,600 pairs each, then a ring
+  # all-reduce of the k float32 sums over all 8 devices (2 x 7/8 x k x 4 bytes).
+  gtopk = collectives.make_gradient_reducer("gtopk", nodes, local, "fixed", 0, density=density).bytes_per_step(params)
+  assert gtopk.inter_node == 1 * 25_600 * 8 + 2 * 7 * 25_600 * 4 // 8 == 384_000
+  assert gtopk.intra_node == 2 * 25_600 * 8 + 2 * 7 * 25_600 * 4 // 8 == 588_800
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (8, 1), (1, 8)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gtopk_keeps_one_global_set_with_exact_sums(shape):
+  """Every device ends with the same k indices; each value is the exact sum over devices there."""
+  d, density = 2000, 0.01
+  k = compression.num_selected(d, density)
+  rng = np.random.default_rng(4)
+  # Identical gradients on every device: the global top-k of the sum is the top-k of one of them.
+  same = np.broadcast_to(rng.standard_t(df=2, size=d).astype(np.float32), (1, 8, d))
+  outputs, _, _ = _run_steps("gtopk", shape, np.ascontiguousarray(same), density, error_feedback=False)
+  expected = np.zeros(d, np.float32)
+  top = np.argsort(-np.abs(same[0, 0]))[:k]
+  expected[top] = same[0, 0, top]
+  np.testing.assert_allclose(outputs[0], expected, rtol=1e-6)
+  # Different gradients: at most k entries, each the exact mean over the 8 devices at that index.
+  grads = rng.standard_t(df=2, size=(1, 8, d)).astype(np.float32)
+  outputs, _, _ = _run_steps("gtopk", shape, grads, density, error_feedback=False)
+  kept = np.flatnonzero(outputs[0])
+  assert 0 < kept.size <= k
+  np.testing.assert_allclose(outputs[0, kept], grads[0, :, kept].mean(axis=1), rtol=1e-5, atol=1e-6)
+  # And the set is mostly the true top-k of the sum (the merge is greedy, so not always all of it).
+  true_top = set(np.argsort(-np.abs(grads[0].sum(axis=0)))[:k])
+  assert len(true_top & set(kept)) >= k // 2
 
 
 def test_small_buckets_go_dense():

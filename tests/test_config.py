@@ -31,8 +31,7 @@ def test_default_configs_validate():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"comm__strategy": "ring"}, r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical', 'hitopk', 'topk'\]"),
-    ({"comm__strategy": "gtopk"}, r"comm.strategy='gtopk' is planned but not built yet"),
+    ({"comm__strategy": "ring"}, r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical', 'hitopk', 'topk', 'gtopk'\]"),
     ({"comm__topk_selector": "sort"}, r"comm.topk_selector='sort' is unknown; use one of \['exact', 'mstopk'\]"),
     ({"comm__fusion": "bucketed"}, r"comm.fusion='bucketed' is unknown; use one of \['none', 'fixed', 'adaptive'\]"),
     ({"comm__fusion": "adaptive", "comm__cost_model": "/nope.json"}, r"comm.cost_model='/nope.json' is neither a preset"),
@@ -54,6 +53,13 @@ def test_default_configs_validate():
 def test_bad_config_gets_one_clear_error(overrides, message):
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.validate(_config(**overrides), 8)
+
+
+def test_gtopk_needs_a_power_of_two_device_count():
+  config = _config(comm__strategy="gtopk", mesh__nodes=2, mesh__local=3)
+  with pytest.raises(config_lib.ConfigError, match=r"needs a power-of-two device count, not 2 x 3 = 6; .* 4 devices"):
+    config_lib.validate(config, 6)
+  assert config_lib.validate(_config(comm__strategy="gtopk"), 8) == (2, 4)
 
 
 def _train_py(*args):

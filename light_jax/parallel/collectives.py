@@ -15,6 +15,14 @@ Compressed strategies, ``(flat vector, residual) -> (approximate sum, new residu
   numbers per device instead of the shard.
 - ``topk``: the flat baseline: error feedback + top-k of the whole vector on each device, all-gather
   of (values, indices) over every device, scatter-add.
+- ``gtopk`` (gTop-k, Shi et al. ICDCS'19, light-techniques.md section 4): error feedback + top-k on
+  each device, then log2(P) rounds of recursive doubling: swap the k (value, index) pairs with the
+  device whose linear index differs in bit r (``ppermute``), add the two sparse sets, keep the top-k of
+  the sum. Partners compute the same set, so after the last round every device holds the same global
+  index set G. The paper sends the merged partial sums and returns to each residual the values that
+  missed G; here one k-element psum of every device's corrected gradient at G gives the exact sums
+  instead, and the residual is the corrected gradient off G, so error feedback loses nothing (partial
+  sums dropped in an early round would otherwise vanish). Needs a power-of-two device count.
 Buckets too small to be worth compressing (``min_compress_elements``) go dense (hierarchical for
 ``hitopk``, psum for ``topk``).
 
@@ -118,6 +126,30 @@ def topk_allreduce(x: jax.Array, residual: jax.Array, k: int, selector: str,
   return jnp.zeros_like(x).at[all_indices.reshape(-1)].add(all_values.reshape(-1)), residual
 
 
+def gtopk_allreduce(x: jax.Array, residual: jax.Array, k: int, selector: str,
+                    error_feedback: bool, wire_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+  """gTop-k: recursive-doubling merge of the devices' top-k sets, then exact sums at the winners.
+
+  Rounds whose partner distance is below ``local`` stay inside the node; the last log2(nodes) cross
+  nodes, k (value, index) pairs each. No dense hop, so ``wire_dtype`` does not apply.
+  """
+  del wire_dtype
+  corrected = x + residual if error_feedback else x
+  select = compression.SELECTORS[selector]
+  indices, values = select(corrected, k)
+  num_devices = lax.axis_size(NODE) * lax.axis_size(LOCAL)
+  for r in range(num_devices.bit_length() - 1):
+    partner = [(i, i ^ (1 << r)) for i in range(num_devices)]   # linear index over (node, local)
+    their_indices = lax.ppermute(indices, AXES, partner)
+    their_values = lax.ppermute(values, AXES, partner)
+    # Each index holds at most two addends, and a + b == b + a exactly: partners get the same set.
+    merged = jnp.zeros_like(x).at[indices].add(values).at[their_indices].add(their_values)
+    indices, values = select(merged, k)
+  summed = lax.psum(corrected[indices], AXES)                # exact sums at the global top-k set
+  new_residual = corrected.at[indices].set(0.0) if error_feedback else residual
+  return jnp.zeros_like(x).at[indices].set(summed), new_residual
+
+
 DENSE_STRATEGIES: dict[str, Callable[[jax.Array], jax.Array]] = {
     "dense": dense_allreduce,
     "hierarchical": hierarchical_allreduce,
@@ -125,9 +157,10 @@ DENSE_STRATEGIES: dict[str, Callable[[jax.Array], jax.Array]] = {
 COMPRESSED_STRATEGIES = {
     "hitopk": hierarchical_topk_allreduce,
     "topk": topk_allreduce,
+    "gtopk": gtopk_allreduce,
 }
 # What a compressed strategy does with a bucket too small to compress.
-DENSE_FALLBACK = {"hitopk": "hierarchical", "topk": "dense"}
+DENSE_FALLBACK = {"hitopk": "hierarchical", "topk": "dense", "gtopk": "dense"}
 STRATEGIES = (*DENSE_STRATEGIES, *COMPRESSED_STRATEGIES)
 FUSIONS = ("none", "fixed", "adaptive")
 
@@ -153,7 +186,7 @@ def strategy_bytes(strategy: str, num_elements: int, itemsize: int, nodes: int, 
   """Exact per-device bytes of reducing one flat buffer of ``num_elements`` with ``strategy`` (ring model).
 
   ``k`` is the number of entries a compressed strategy keeps (per local shard for ``hitopk``, per
-  device for ``topk``); ``wire_itemsize`` is the element size on the dense hops (default ``itemsize``).
+  device for ``topk`` and ``gtopk``); ``wire_itemsize`` is the element size on the dense hops (default ``itemsize``).
   """
   wire = wire_itemsize or itemsize
   narrow = wire != itemsize
@@ -172,6 +205,13 @@ def strategy_bytes(strategy: str, num_elements: int, itemsize: int, nodes: int, 
   if strategy == "topk":
     per_device = (nodes * local - 1) * k * (itemsize + INDEX_BYTES)
     return CommBytes(intra_node=per_device if local > 1 else 0, inter_node=per_device if nodes > 1 else 0)
+  if strategy == "gtopk":
+    # log2(local) rounds inside the node and log2(nodes) across, k x 8 bytes each (both are powers of
+    # two), then a ring all-reduce of k float32 sums over every device.
+    pairs = k * (itemsize + INDEX_BYTES)
+    sums = strategy_bytes("dense", k, itemsize, nodes, local)
+    return CommBytes(intra_node=(local.bit_length() - 1) * pairs + sums.intra_node,
+                     inter_node=(nodes.bit_length() - 1) * pairs + sums.inter_node)
   raise ValueError(f"unknown strategy {strategy!r}; known: {list(STRATEGIES)}")
 
 
