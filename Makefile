@@ -13,6 +13,11 @@ CONFIG ?= configs/fashion_mnist.py
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+# The tests also prepare a tiny TFDS imagenet2012, which needs TensorFlow (the `prepare` extra).
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
@@ -29,7 +34,7 @@ data:
 train: .venv
 	$(PY) train.py --config $(CONFIG) --workdir $(WORKDIR)
 
-test: .venv
+test: .venv $(VENV)/.installed-test
 	$(PY) -m pytest -q tests
 
 bench: .venv

@@ -18,7 +18,8 @@ OPTIMIZERS = ("sgd", "lars", "lamb")
 FUSIONS = collectives.FUSIONS
 DECAYS = ("poly", "cosine")
 DTYPES = ("float32", "bfloat16")
-DATASETS = ("fashion_mnist", "imagenet2012")
+DATASETS = ("fashion_mnist", "imagenet2012", "image_folder")
+CACHES = ("none", "disk", "memory")
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _choice("model.name", config.model.name, tuple(sorted(ARCHITECTURES)))
   _choice("model.dtype", config.model.dtype, DTYPES)
   _choice("data.dataset", config.data.dataset, DATASETS)
+  if config.data.dataset != "fashion_mnist":
+    _choice("data.cache", config.data.cache, CACHES)
+    _positive("data.image_size", config.data.image_size)
+    if not 0.0 < config.data.random_scale_min <= 1.0:
+      raise ConfigError(f"data.random_scale_min={config.data.random_scale_min!r} must be in (0, 1].")
+    from light_jax import data as data_lib   # here: the data package imports grain and Pillow
+    try:
+      data_lib.parse_resolution_schedule(config.data.resolution_schedule, config.data.image_size)
+    except data_lib.DataError as e:
+      raise ConfigError(str(e)) from None
   _positive("optimizer.base_lr", config.optimizer.base_lr)
   _positive("optimizer.weight_decay", config.optimizer.weight_decay, allow_zero=True)
   _positive("optimizer.warmup_epochs", config.optimizer.warmup_epochs, allow_zero=True)

@@ -37,6 +37,7 @@ from light_jax import checkpoint as checkpoint_lib
 from light_jax import data as data_lib
 from light_jax import metrics as metrics_lib
 from light_jax import optim
+from light_jax.data import autotune
 from light_jax.models import create_model
 from light_jax.parallel import collectives, compression, cost_model
 from light_jax.parallel import fusion as fusion_lib
@@ -168,10 +169,10 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.Dat
 
 
 def evaluate(eval_step: Callable, state: TrainState, batches: data_lib.EvalBatches,
-             sharding: NamedSharding) -> dict[str, float]:
+             sharding: NamedSharding, read_threads: int = 1, workers: int = 0) -> dict[str, float]:
   """Top-1, top-5 and mean loss over the whole split."""
   totals = None
-  for batch in data_lib.DevicePrefetcher(batches.iterator(), sharding):
+  for batch in data_lib.DevicePrefetcher(batches.iterator(read_threads, workers=workers), sharding):
     sums = eval_step(state, batch["images"], batch["labels"], batch["mask"])
     totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
   totals = jax.device_get(totals)
@@ -246,12 +247,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # --- Input -------------------------------------------------------------------------------------
   train_source, eval_source, info = data_lib.load_dataset(config.data)
+  jpeg_source = isinstance(train_source, data_lib.ImageSource)
   train_batches = data_lib.TrainBatches(
       train_source, config.global_batch_size, config.num_epochs, config.seed,
       process_index=jax.process_index(), process_count=jax.process_count(),
-      crop_padding=config.data.crop_padding, random_flip=config.data.random_flip)
-  eval_batches = data_lib.EvalBatches(eval_source, config.data.eval_batch_size,
-                                      jax.process_index(), jax.process_count())
+      crop_padding=config.data.crop_padding, random_flip=config.data.random_flip,
+      resolution_schedule=data_lib.parse_resolution_schedule(config.data.resolution_schedule, info.image_shape[0])
+      if jpeg_source else ())
+  eval_batches = data_lib.EvalBatches(eval_source, config.data.eval_batch_size, jax.process_index(),
+                                      jax.process_count(), info.image_shape[0] if jpeg_source else None)
   steps_per_epoch = train_batches.steps_per_epoch
   total_steps = train_batches.num_steps if not config.max_steps else min(config.max_steps, train_batches.num_steps)
   logging.info("data %s: %d train / %d eval examples, %d steps per epoch, %d steps in all",
@@ -293,36 +297,45 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # --- Compile ahead of time, so that images/s measures steps and not compilation -------------------
   # k of top-k is a static shape: a density warm-up compiles the step once per density phase.
+  # k of top-k and the image size of progressive resizing are static shapes: a density warm-up or a
+  # resolution schedule compiles the step once per (density, size) phase.
   sharding = mesh_lib.batch_sharding(mesh)
-  batch_shape = (config.global_batch_size, *info.image_shape)
-  abstract_args = (checkpoint_lib.abstract(state),
-                   jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=sharding),
-                   jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=sharding))
   density_warmup_steps = int(comm.density_warmup_epochs * steps_per_epoch)
   compiled_steps = {}
 
   def train_step_for(step: int):
-    """(compiled train step, its CommBytes) for the top-k density of ``step``."""
+    """(compiled train step, its CommBytes) for the top-k density and image size of ``step``."""
     density = compression.density_at(step, comm.density, density_warmup_steps)
-    if density not in compiled_steps:
+    size = train_batches.image_size_at(step)
+    image_shape = (size, size, info.image_shape[2]) if size else info.image_shape
+    if (density, image_shape) not in compiled_steps:
       phase_reducer = dataclasses.replace(reducer, density=density)
+      batch_shape = (config.global_batch_size, *image_shape)
+      abstract_args = (checkpoint_lib.abstract(state),
+                       jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=sharding),
+                       jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=sharding))
       start = time.time()
       compiled = make_train_step(model, tx, phase_reducer, mesh, info, config.optimizer.label_smoothing,
                                  config.train.inject_nan_at_step, steps_per_epoch).lower(*abstract_args).compile()
       comm_bytes = phase_reducer.bytes_per_step(abstract_args[0].params)
-      logging.info("train step compiled in %.1f s%s: %s intra-node and %s inter-node bytes per device per step",
-                   time.time() - start, f" (top-k density {density:.4g})" if comm.strategy in
-                   collectives.COMPRESSED_STRATEGIES else "", f"{comm_bytes.intra_node:,}", f"{comm_bytes.inter_node:,}")
-      compiled_steps[density] = compiled, comm_bytes
-    return compiled_steps[density]
+      logging.info("train step compiled in %.1f s (images %s%s): %s intra-node and %s inter-node bytes per device "
+                   "per step", time.time() - start, "x".join(map(str, image_shape)),
+                   f", top-k density {density:.4g}" if comm.strategy in collectives.COMPRESSED_STRATEGIES else "",
+                   f"{comm_bytes.intra_node:,}", f"{comm_bytes.inter_node:,}")
+      compiled_steps[density, image_shape] = compiled, comm_bytes
+    return compiled_steps[density, image_shape]
 
   train_step_for(start_step)
   eval_step = make_eval_step(model, mesh, info)
 
   # --- Loop ----------------------------------------------------------------------------------------
+  workers = config.data.num_workers
+  if workers < 0:   # measured on this machine, in bounded time, with the batches the run will read
+    workers = autotune.best_worker_count(
+        lambda w: train_batches.iterator(start_step, read_threads=config.data.read_threads, workers=w))
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=start_step if restored else None)
   bar = metrics_lib.progress_bar(total_steps, enabled=is_main, initial=start_step)
-  host_batches = train_batches.iterator(start_step, read_threads=config.data.read_threads)
+  host_batches = train_batches.iterator(start_step, read_threads=config.data.read_threads, workers=workers)
   prefetcher = data_lib.DevicePrefetcher(host_batches, sharding, size=config.data.prefetch)
   preemption = PreemptionGuard()
   images_since_record = 0
@@ -360,7 +373,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if end_of_epoch:
         train_loss = epoch_mean_loss(state)
         train_seconds = time.perf_counter() - segment_start   # eval excluded
-        eval_metrics = evaluate(eval_step, state, eval_batches, sharding)
+        eval_metrics = evaluate(eval_step, state, eval_batches, sharding, config.data.read_threads, workers)
         record = {
             "step": step,
             "epoch": round(step / steps_per_epoch, 4),

@@ -1,20 +1,43 @@
 """Input: dataset sources, the grain pipeline and prefetching onto the mesh.
 
 ``load_dataset(config.data)`` returns (train source, eval source, info) for ``data.dataset``; a new
-dataset (the ImageNet pipeline of issue #4) slots in here with its own source and transforms.
+dataset slots in here with its own source. Fashion-MNIST is held as arrays (``ArraySource``);
+ImageNet (TFDS ``imagenet2012``) and converted image folders are JPEG records read by index, decoded
+and cropped per example (``ImageSource``), optionally from a decoded cache on local disk or in memory.
 """
 
 from __future__ import annotations
 
-import ml_collections
+import os
 
-from light_jax.data import fashion_mnist
+import ml_collections
+from absl import logging
+
+from light_jax.data import fashion_mnist, records
+from light_jax.data.image_source import ImageSource
 from light_jax.data.pipeline import EvalBatches, TrainBatches
 from light_jax.data.prefetch import DevicePrefetcher
 from light_jax.data.source import ArraySource, DataError, DatasetInfo
 
-__all__ = ["ArraySource", "DataError", "DatasetInfo", "DevicePrefetcher", "EvalBatches", "TrainBatches",
-           "load_dataset"]
+__all__ = ["ArraySource", "DataError", "DatasetInfo", "DevicePrefetcher", "EvalBatches", "ImageSource",
+           "TrainBatches", "load_dataset", "parse_resolution_schedule"]
+
+# ImageNet's per-channel pixel statistics (0-255), for on-device normalisation.
+IMAGENET_MEAN = (123.675, 116.28, 103.53)
+IMAGENET_STD = (58.395, 57.12, 57.375)
+
+
+def parse_resolution_schedule(text: str, default_size: int) -> tuple[tuple[int, int], ...]:
+  """"0:128,14:224" -> ((0, 128), (14, 224)); "" -> ((0, default_size),)."""
+  if not text.strip():
+    return ((0, default_size),)
+  try:
+    phases = tuple(sorted((int(a), int(b)) for a, b in (item.split(":") for item in text.split(","))))
+  except ValueError:
+    raise DataError(f"data.resolution_schedule={text!r} is not 'first_epoch:size,...' (e.g. '0:128,14:224')") from None
+  if phases[0][0] != 0 or any(size < 8 for _, size in phases):
+    raise DataError(f"data.resolution_schedule={text!r}: the first phase must start at epoch 0 and sizes be >= 8")
+  return phases
 
 
 def load_dataset(data_config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySource, DatasetInfo]:
@@ -24,9 +47,66 @@ def load_dataset(data_config: ml_collections.ConfigDict) -> tuple[ArraySource, A
     info = DatasetInfo(num_classes=fashion_mnist.NUM_CLASSES, image_shape=train.images.shape[1:],
                        mean=fashion_mnist.MEAN, std=fashion_mnist.STD)
     return train, test, info
-  if data_config.dataset == "imagenet2012":
-    raise DataError(
-        "data.dataset='imagenet2012': the ImageNet input pipeline (TFDS ArrayRecord, JPEG decoding, "
-        "caches) is not built yet; it is the subject of issue #4. Until then train on "
-        "configs/fashion_mnist.py.")
+  if data_config.dataset in ("imagenet2012", "image_folder"):
+    return _load_jpeg_dataset(data_config)
   raise DataError(f"unknown data.dataset {data_config.dataset!r}")
+
+
+class _Subset:
+  """The first ``n`` records (smoke tests, ``data.train_subset``)."""
+
+  def __init__(self, records, n: int):
+    self._records, self._n = records, min(n, len(records))
+    self.fingerprint = f"{records.fingerprint}:first{self._n}"
+
+  def __len__(self) -> int:
+    return self._n
+
+  def __getitem__(self, index: int):
+    if not 0 <= index < self._n:
+      raise IndexError(index)
+    return self._records[index]
+
+
+def _load_jpeg_dataset(data_config) -> tuple[ImageSource, ImageSource, DatasetInfo]:
+  data_dir = os.path.expanduser(data_config.data_dir)
+  if data_config.dataset == "imagenet2012":
+    train = records.TfdsRecords("imagenet2012", "train", data_dir)
+    test = records.TfdsRecords("imagenet2012", "validation", data_dir)
+  else:
+    train, test = records.FolderRecords(data_dir, "train"), records.FolderRecords(data_dir, "val")
+  num_classes = train.num_classes
+  if data_config.train_subset:
+    train = _Subset(train, data_config.train_subset)
+  if data_config.eval_subset:
+    test = _Subset(test, data_config.eval_subset)
+  if data_config.cache in ("disk", "memory"):
+    train = _decoded_cache(train, data_config)
+  scale = (data_config.random_scale_min, 1.0)
+  info = DatasetInfo(num_classes=num_classes, image_shape=(data_config.image_size, data_config.image_size, 3),
+                     mean=IMAGENET_MEAN, std=IMAGENET_STD)
+  return (ImageSource(train, num_classes, f"{data_config.dataset}/train", scale, data_config.reduced_decode),
+          ImageSource(test, num_classes, f"{data_config.dataset}/eval", scale, data_config.reduced_decode), info)
+
+
+def _decoded_cache(source, data_config):
+  """The decoded cache of ``source`` (built on first use if it fits the budget), or ``source`` itself."""
+  cache_dir = os.path.expanduser(data_config.cache_dir)
+  path = records.cache_path(cache_dir, source.fingerprint, data_config.cache_size)
+  if not os.path.exists(path):
+    expected = records.estimate_cache_bytes(source, data_config.cache_size)
+    if expected > data_config.cache_budget_gb * 1e9:
+      logging.warning("decoded cache: %d images at %d px would take %.1f GB, over data.cache_budget_gb=%g; "
+                      "reading the JPEGs instead (raise the budget or lower data.cache_size)", len(source),
+                      data_config.cache_size, expected / 1e9, data_config.cache_budget_gb)
+      return source
+    os.makedirs(cache_dir, exist_ok=True)
+    logging.info("decoded cache: building %s (%d images, about %.2f GB), once", path, len(source), expected / 1e9)
+    records.build_disk_cache(source, path, data_config.cache_size)
+  cache = records.DecodedCache(path, in_memory=data_config.cache == "memory")
+  if len(cache) != len(source):
+    raise DataError(f"decoded cache {path} holds {len(cache)} images but the dataset has {len(source)}; "
+                    f"delete the file to rebuild it.")
+  logging.info("decoded cache: every one of the %d training images is read from %s (%.1f MB%s) instead of "
+               "its JPEG", len(cache), path, cache.nbytes() / 1e6, ", held in memory" if cache.in_memory else "")
+  return cache

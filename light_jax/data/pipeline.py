@@ -8,6 +8,12 @@ step ``s`` sees exactly what the uninterrupted run saw from ``s`` on.
 
 Images leave the host as uint8 (4x less host-to-device traffic than float32); normalisation happens on
 the device.
+
+Two kinds of source: an ``ArraySource`` (small datasets held as arrays: pad-crop-flip per batch) and an
+``ImageSource`` (JPEG records or a decoded cache: random-resized crop + flip per example, each example
+drawing from its own generator seeded by (seed, step, global row), so the pixels do not depend on the
+process or worker count either). Progressive resizing: ``resolution_schedule`` gives the training
+image size by epoch; the trainer compiles one step per size.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import math
 import grain
 import numpy as np
 
+from light_jax.data.image_source import ImageSource
 from light_jax.data.source import ArraySource
 
 
@@ -43,9 +50,9 @@ class TrainBatches:
   reshuffle gives those examples a place in later epochs).
   """
 
-  def __init__(self, source: ArraySource, global_batch_size: int, num_epochs: int, seed: int,
+  def __init__(self, source: ArraySource | ImageSource, global_batch_size: int, num_epochs: int, seed: int,
                process_index: int = 0, process_count: int = 1, crop_padding: int = 0,
-               random_flip: bool = False):
+               random_flip: bool = False, resolution_schedule: tuple[tuple[int, int], ...] = ()):
     if len(source) < global_batch_size:
       raise ValueError(f"the training split has {len(source)} examples, fewer than one global batch "
                        f"({global_batch_size}); lower global_batch_size.")
@@ -58,18 +65,32 @@ class TrainBatches:
     self.process_index = process_index
     self.crop_padding = crop_padding
     self.random_flip = random_flip
+    if isinstance(source, ImageSource) and not resolution_schedule:
+      raise ValueError("an ImageSource needs a resolution_schedule ((first epoch, image size), ...)")
+    self.resolution_schedule = tuple(sorted(resolution_schedule))
     # grain's index shuffle: a new permutation of the split every epoch, from one seed.
     self._order = grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat()
     self.dataset = grain.MapDataset.range(self.num_steps).map(self.load)
 
-  def load(self, step: int) -> dict[str, np.ndarray]:
-    """The process-local part of global batch ``step``: {"images": uint8 (b, H, W, C), "labels": int32 (b,)}."""
+  def indices(self, step: int) -> tuple[np.ndarray, slice]:
+    """(source indices of this process's examples in global batch ``step``, their rows in that batch)."""
     epoch, batch_in_epoch = divmod(step, self.steps_per_epoch)
     first = epoch * len(self.source) + batch_in_epoch * self.global_batch_size
     rows = slice(self.process_index * self.local_batch_size, (self.process_index + 1) * self.local_batch_size)
     start = first + rows.start
     indices = np.fromiter((self._order[start + j] for j in range(self.local_batch_size)), np.int64,
                           self.local_batch_size)
+    return indices, rows
+
+  def load(self, step: int) -> dict[str, np.ndarray]:
+    """The process-local part of global batch ``step``: {"images": uint8 (b, H, W, C), "labels": int32 (b,)}."""
+    indices, rows = self.indices(step)
+    if isinstance(self.source, ImageSource):
+      size = self.image_size_at(step)
+      examples = [self.source.train_example(int(i), np.random.default_rng((self.seed, step, row)), size, self.random_flip)
+                  for i, row in zip(indices, range(rows.start, rows.stop))]
+      return {"images": np.stack([image for image, _ in examples]),
+              "labels": np.array([label for _, label in examples], np.int32)}
     images, labels = self.source.images[indices], self.source.labels[indices]
     rng = np.random.default_rng((self.seed, step))
     # Drawn for the whole global batch, then sliced: independent of the process count.
@@ -79,16 +100,33 @@ class TrainBatches:
       images = pad_crop_flip(images, offsets, flips, self.crop_padding)
     return {"images": images, "labels": labels}
 
-  def iterator(self, start_step: int = 0, read_threads: int = 1, buffer: int = 4):
-    """Batches from ``start_step`` on, assembled by ``read_threads`` grain threads ahead of use."""
+  def image_size_at(self, step: int) -> int | None:
+    """Training image size of ``step`` under the resolution schedule (None: the source's own size)."""
+    epoch = step // self.steps_per_epoch
+    size = None
+    for first_epoch, phase_size in self.resolution_schedule:
+      if epoch >= first_epoch or size is None:
+        size = phase_size
+    return size
+
+  def iterator(self, start_step: int = 0, read_threads: int = 1, buffer: int = 4, workers: int = 0):
+    """Batches from ``start_step`` on, assembled ahead of use by ``read_threads`` grain threads in each of
+    ``workers`` worker processes (0: in this process)."""
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=buffer)
-    return iter(self.dataset[start_step:].to_iter_dataset(options))
+    dataset = self.dataset[start_step:].to_iter_dataset(options)
+    if workers > 0:
+      dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return iter(dataset)
 
 
 class EvalBatches:
   """Every example of a split exactly once, in order, in padded global batches with a 0/1 ``mask``."""
 
-  def __init__(self, source: ArraySource, global_batch_size: int, process_index: int = 0, process_count: int = 1):
+  def __init__(self, source: ArraySource | ImageSource, global_batch_size: int, process_index: int = 0,
+               process_count: int = 1, image_size: int | None = None):
+    if isinstance(source, ImageSource) and not image_size:
+      raise ValueError("an ImageSource needs the eval image_size")
+    self.image_size = image_size
     self.source = source
     self.global_batch_size = global_batch_size
     self.local_batch_size = global_batch_size // process_count
@@ -101,9 +139,16 @@ class EvalBatches:
     positions = np.arange(start, start + self.local_batch_size)
     valid = positions < len(self.source)
     indices = np.where(valid, positions, 0)   # padding rows repeat example 0 and are masked out
+    if isinstance(self.source, ImageSource):
+      examples = [self.source.eval_example(int(i), self.image_size) for i in indices]
+      return {"images": np.stack([image for image, _ in examples]),
+              "labels": np.array([label for _, label in examples], np.int32), "mask": valid.astype(np.float32)}
     return {"images": self.source.images[indices], "labels": self.source.labels[indices],
             "mask": valid.astype(np.float32)}
 
-  def iterator(self, read_threads: int = 1, buffer: int = 4):
+  def iterator(self, read_threads: int = 1, buffer: int = 4, workers: int = 0):
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=buffer)
-    return iter(self.dataset.to_iter_dataset(options))
+    dataset = self.dataset.to_iter_dataset(options)
+    if workers > 0:
+      dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return iter(dataset)

@@ -1,0 +1,255 @@
+"""Encoded image records with random access, and the decoded caches built from them.
+
+Three kinds of record files, all read by index without TensorFlow:
+
+- ``TfdsRecords``: the TFDS ``imagenet2012`` dataset prepared in ArrayRecord format
+  (``scripts/prepare_imagenet.py``), read with ``tfds.data_source`` and the JPEG bytes left encoded.
+- ``FolderRecords``: an image folder (``split/class_name/*.jpg``) converted by ``convert_image_folder``
+  into one ArrayRecord file per split; each record is ``label, file name, encoded bytes``.
+- ``DecodedCache``: pixels already decoded and scaled to a shorter side of ``cache_size`` px, uint8,
+  one record per source record in the same order (an empty record where the source image is bad), on
+  local disk (ArrayRecord) or in memory. Built once, then read instead of the JPEGs: no decode at all.
+
+Each ``__getitem__`` returns ``(payload, label, file_name)``; the payload is encoded bytes, or for the
+cache a uint8 (h, w, 3) array (``None`` for a bad record).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import multiprocessing
+import os
+import struct
+import time
+
+import numpy as np
+from absl import logging
+
+from light_jax.data import transforms
+from light_jax.data.source import DataError
+
+_FOLDER_HEADER = struct.Struct("<iI")     # label, file-name length
+_CACHE_HEADER = struct.Struct("<iHH")     # label, height, width (0 x 0: bad source image)
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
+
+
+def _writer(path: str):
+  from array_record.python.array_record_module import ArrayRecordWriter
+  # group_size:1 keeps every record separately addressable (random access reads one record); no
+  # compression: decompressing pixels would cost the CPU time the decoded cache exists to save.
+  return ArrayRecordWriter(path, "group_size:1,uncompressed")
+
+
+def _reader(paths: list[str]):
+  import grain
+  return grain.sources.ArrayRecordDataSource(paths)
+
+
+class TfdsRecords:
+  """A split of a TFDS dataset prepared as ArrayRecord, images left as JPEG bytes."""
+
+  def __init__(self, name: str, split: str, data_dir: str):
+    import tensorflow_datasets as tfds
+    try:
+      self._source = tfds.data_source(name, split=split, data_dir=data_dir,
+                                      decoders={"image": tfds.decode.SkipDecoding()}, download=False)
+    except Exception as e:   # AssertionError / DatasetNotFoundError / FileNotFoundError
+      raise DataError(
+          f"TFDS dataset {name!r} ({split}) not found in {data_dir} as ArrayRecord ({type(e).__name__}: "
+          f"{str(e).splitlines()[0][:200]}). Prepare it once from the ILSVRC tar files with "
+          f"`python scripts/prepare_imagenet.py --manual_dir DIR_WITH_TARS --data_dir {data_dir}` "
+          f"(needs `pip install -e '.[prepare]'`), or point --config.data.data_dir at it.") from None
+    self.num_classes = self._source.dataset_info.features["label"].num_classes
+    self.fingerprint = f"tfds:{name}:{split}:{data_dir}:{len(self._source)}"
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> tuple[bytes, int, str]:
+    record = self._source[index]
+    name = record.get("file_name", b"")
+    return record["image"], int(record["label"]), name.decode() if isinstance(name, bytes) else str(name)
+
+
+class FolderRecords:
+  """A split of an image folder converted by ``convert_image_folder``."""
+
+  def __init__(self, data_dir: str, split: str):
+    info_path = os.path.join(data_dir, "info.json")
+    path = os.path.join(data_dir, f"{split}.array_record")
+    if not os.path.exists(info_path) or not os.path.exists(path):
+      raise DataError(f"no converted image folder in {data_dir} (missing info.json or {split}.array_record); "
+                      f"convert it once with `python scripts/prepare_image_folder.py --folder FOLDER "
+                      f"--out {data_dir}`.")
+    with open(info_path) as f:
+      info = json.load(f)
+    self.classes = info["classes"]
+    self.num_classes = len(self.classes)
+    self._source = _reader([path])
+    self.fingerprint = f"folder:{os.path.abspath(path)}:{os.path.getsize(path)}:{len(self._source)}"
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> tuple[bytes, int, str]:
+    record = self._source[index]
+    label, name_length = _FOLDER_HEADER.unpack_from(record)
+    start = _FOLDER_HEADER.size
+    return record[start + name_length:], label, record[start:start + name_length].decode()
+
+
+def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("train", "val")) -> dict:
+  """Writes ``out_dir/{split}.array_record`` and ``out_dir/info.json`` from ``folder/{split}/class/*``.
+
+  Classes are the sorted sub-folder names of the first split (every split uses that list). Files that
+  Pillow cannot decode are skipped, counted and named in the log and in info.json; an empty class
+  folder keeps its label (so labels follow the folder names) and is reported. No TensorFlow needed.
+  """
+  first = os.path.join(folder, splits[0])
+  if not os.path.isdir(first):
+    raise DataError(f"{first} does not exist: the folder must hold {'/'.join(splits)}/CLASS_NAME/*.jpg")
+  classes = sorted(d for d in os.listdir(first) if os.path.isdir(os.path.join(first, d)))
+  if not classes:
+    raise DataError(f"{first} has no class sub-folders (expected {first}/CLASS_NAME/*.jpg)")
+  os.makedirs(out_dir, exist_ok=True)
+  info = {"classes": classes, "splits": {}}
+  for split in splits:
+    root = os.path.join(folder, split)
+    if not os.path.isdir(root):
+      raise DataError(f"{root} does not exist: the folder must hold {'/'.join(splits)}/CLASS_NAME/*.jpg")
+    unknown = sorted(set(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))) - set(classes))
+    if unknown:
+      raise DataError(f"{root} has class folders that {first} lacks: {unknown[:5]}; every split needs the same classes")
+    written, skipped, empty = 0, [], []
+    writer = _writer(os.path.join(out_dir, f"{split}.array_record.tmp"))
+    for label, name in enumerate(classes):
+      class_dir = os.path.join(root, name)
+      files = sorted(f for f in os.listdir(class_dir) if f.lower().endswith(IMAGE_EXTENSIONS)) \
+          if os.path.isdir(class_dir) else []
+      if not files:
+        empty.append(name)
+        logging.warning("image folder: class %r has no images in %s", name, root)
+      for file_name in files:
+        with open(os.path.join(class_dir, file_name), "rb") as f:
+          data = f.read()
+        try:
+          transforms.decode_crop_resize(data, 8)   # a cheap full check: decodes at 1/8 scale
+        except transforms.BadImage as e:
+          skipped.append(f"{name}/{file_name}")
+          logging.warning("image folder: skipping %s/%s: %s", name, file_name, e)
+          continue
+        rel = f"{name}/{file_name}".encode()
+        writer.write(_FOLDER_HEADER.pack(label, len(rel)) + rel + data)
+        written += 1
+    writer.close()
+    os.replace(os.path.join(out_dir, f"{split}.array_record.tmp"), os.path.join(out_dir, f"{split}.array_record"))
+    info["splits"][split] = {"examples": written, "skipped": skipped, "empty_classes": empty}
+    logging.info("image folder %s: %d images written, %d skipped, %d empty classes", split, written,
+                 len(skipped), len(empty))
+  with open(os.path.join(out_dir, "info.json"), "w") as f:
+    json.dump(info, f, indent=1)
+  return info
+
+
+# --- Decoded caches ----------------------------------------------------------------------------------
+
+def _decode_for_cache(item: tuple[bytes, int, str], shorter: int) -> bytes:
+  data, label, _ = item
+  try:
+    image = transforms.decode_shorter_side(data, shorter)
+  except transforms.BadImage:
+    return _CACHE_HEADER.pack(label, 0, 0)
+  pixels = np.asarray(image, dtype=np.uint8)
+  return _CACHE_HEADER.pack(label, pixels.shape[0], pixels.shape[1]) + pixels.tobytes()
+
+
+def _parse_cache_record(record: bytes) -> tuple[np.ndarray | None, int]:
+  label, height, width = _CACHE_HEADER.unpack_from(record)
+  if height == 0:
+    return None, label
+  pixels = np.frombuffer(record, np.uint8, height * width * 3, _CACHE_HEADER.size)
+  return pixels.reshape(height, width, 3), label
+
+
+def cache_path(cache_dir: str, fingerprint: str, shorter: int) -> str:
+  key = hashlib.sha1(fingerprint.encode()).hexdigest()[:16]
+  return os.path.join(cache_dir, f"decoded_{shorter}px_{key}.array_record")
+
+
+def estimate_cache_bytes(records, shorter: int, sample: int = 32) -> int:
+  """Expected size of the decoded cache, from the shapes of a few images (headers only)."""
+  n = len(records)
+  picks = np.linspace(0, n - 1, min(sample, n)).astype(int)
+  per_image = []
+  for i in picks:
+    try:
+      width, height = transforms.open_image(records[int(i)][0]).size
+    except transforms.BadImage:
+      continue
+    factor = min(1.0, shorter / min(width, height))
+    per_image.append(round(width * factor) * round(height * factor) * 3 + _CACHE_HEADER.size)
+  return int(np.mean(per_image) * n) if per_image else 0
+
+
+def build_disk_cache(records, path: str, shorter: int, workers: int | None = None) -> None:
+  """Decodes every record once (``workers`` processes) and writes the cache atomically."""
+  workers = workers or os.cpu_count() or 1
+  tmp = f"{path}.tmp{os.getpid()}"
+  writer = _writer(tmp)
+  start, n = time.time(), len(records)
+  chunk = 256
+  # spawn, not fork: the caller is multithreaded (JAX), and forking it can deadlock.
+  context = multiprocessing.get_context("spawn")
+  with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) if workers > 1 else _Inline() as pool:
+    for first in range(0, n, chunk):
+      items = [records[i] for i in range(first, min(first + chunk, n))]
+      for record in pool.map(_decode_for_cache, items, [shorter] * len(items)):
+        writer.write(record)
+      if first // chunk % 20 == 0:
+        logging.info("building the decoded cache %s: %d / %d images (%.0f s)", path, first + len(items), n,
+                     time.time() - start)
+  writer.close()
+  os.replace(tmp, path)
+  logging.info("decoded cache %s built: %d images, %.1f MB, %.0f s", path, n, os.path.getsize(path) / 1e6,
+               time.time() - start)
+
+
+class _Inline:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+  def map(self, fn, *iterables):
+    return map(fn, *iterables)
+
+
+class DecodedCache:
+  """Decoded, shorter-side-scaled pixels of every record: from a disk file, optionally held in memory."""
+
+  def __init__(self, path: str, in_memory: bool = False):
+    self.path = path
+    self._source = _reader([path])
+    self._memory = [self._source[i] for i in range(len(self._source))] if in_memory else None
+    self.in_memory = in_memory
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> tuple[np.ndarray | None, int, str]:
+    record = self._memory[index] if self._memory is not None else self._source[index]
+    pixels, label = _parse_cache_record(record)
+    return pixels, label, f"{self.path}[{index}]"
+
+  def nbytes(self) -> int:
+    return os.path.getsize(self.path)
+
+  def __getstate__(self):
+    # Worker processes reopen the file instead of receiving a pickled copy of the memory cache.
+    return {"path": self.path, "in_memory": False}
+
+  def __setstate__(self, state):
+    self.__init__(state["path"], state["in_memory"])

@@ -1,0 +1,140 @@
+"""Prepares TFDS ``imagenet2012`` in ArrayRecord format from the two ILSVRC2012 tars.
+
+  python scripts/prepare_imagenet.py --manual_dir ~/ilsvrc --data_dir ~/tensorflow_datasets
+
+``--manual_dir`` must hold ``ILSVRC2012_img_train.tar`` and ``ILSVRC2012_img_val.tar`` as downloaded from
+image-net.org (registration needed); ``ILSVRC2012_img_test.tar``, if there, becomes an unlabelled ``test`` split.
+The result is ``DATA_DIR/imagenet2012/5.1.0/*.array_record-*``, which the training input reads with
+``tfds.data_source(..., decoders={"image": tfds.decode.SkipDecoding()})`` and no TensorFlow.
+
+TFDS's builder needs TensorFlow to write the dataset (tf.io.gfile and its JPEG fixes), so TensorFlow is an optional
+dependency used by this script only: ``pip install -e '.[prepare]'`` (TensorFlow and ``importlib_resources``). The
+records keep each file's bytes as they were in the tar (TFDS only re-encodes the CMYK and PNG files on its fixed list
+of known train images), so the reading side must cope with greyscale, CMYK, PNG and broken JPEGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import sys
+import tarfile
+import time
+
+DATASET = "imagenet2012"
+TRAIN_TAR = "ILSVRC2012_img_train.tar"
+VAL_TAR = "ILSVRC2012_img_val.tar"
+TEST_TAR = "ILSVRC2012_img_test.tar"
+_VAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})\.JPEG")
+
+
+class PrepareError(Exception):
+  """A problem with the inputs or the environment, reported as one message without a traceback."""
+
+
+def check_manual_dir(manual_dir: str) -> None:
+  """Fails early, naming every missing tar: TFDS itself would only log a warning and write a dataset without it."""
+  if not os.path.isdir(manual_dir):
+    raise PrepareError(f"--manual_dir {manual_dir} is not a directory. It must hold {TRAIN_TAR} and {VAL_TAR} "
+                       "(the ILSVRC2012 train and validation tars from image-net.org, unextracted).")
+  missing = [name for name in (TRAIN_TAR, VAL_TAR) if not os.path.isfile(os.path.join(manual_dir, name))]
+  if missing:
+    raise PrepareError(f"missing in --manual_dir {manual_dir}: {', '.join(missing)}. It must hold {TRAIN_TAR} "
+                       f"(a tar of 1000 per-class tars nXXXXXXXX.tar) and {VAL_TAR} (50000 flat "
+                       "ILSVRC2012_val_*.JPEG), as downloaded from image-net.org, unextracted.")
+
+
+def check_val_names(val_tar: str) -> int:
+  """Checks that the val tar holds validation images 1..N exactly, and returns N.
+
+  TFDS pairs the *sorted names in the tar* with its list of 50000 validation labels by position, so a tar missing
+  any image (a partial download, a subset) would silently shift every later label. The full tar passes.
+  """
+  try:
+    with tarfile.open(val_tar, mode="r:") as tar:
+      names = sorted(m.name for m in tar if m.isfile())
+  except tarfile.TarError as e:
+    raise PrepareError(f"{val_tar} is not a readable tar ({e}); is the download complete?") from e
+  numbers = []
+  for name in names:
+    match = _VAL_NAME.fullmatch(name)
+    if not match:
+      raise PrepareError(f"{val_tar}: unexpected member {name!r}; the validation tar holds only flat "
+                         "ILSVRC2012_val_NNNNNNNN.JPEG files")
+    numbers.append(int(match.group(1)))
+  if not numbers:
+    raise PrepareError(f"{val_tar}: holds no images")
+  if numbers != list(range(1, len(numbers) + 1)):
+    gap = next(i + 1 for i, n in enumerate(numbers) if n != i + 1)
+    raise PrepareError(f"{val_tar}: holds {len(numbers)} images but not "
+                       f"ILSVRC2012_val_00000001..{len(numbers):08d} (first missing or repeated: {gap:08d}). "
+                       "TFDS assigns validation labels by position in the sorted names, so the labels would be "
+                       "wrong; use the complete validation tar.")
+  return len(numbers)
+
+
+def check_prepare_deps() -> None:
+  """TensorFlow is an optional extra; say how to get it instead of failing deep inside TFDS.
+
+  ``importlib_resources`` is in the same extra: TFDS 4.9.10's builder imports it on Python >= 3.9 without declaring
+  it (tensorflow/datasets#11212), and only the preparation path reaches that import.
+  """
+  hint = ("TensorFlow is only needed to prepare the dataset (TFDS's imagenet2012 builder writes with it), not to "
+          "train on it. Install the preparation extra: pip install -e '.[prepare]'")
+  for module in ("tensorflow", "importlib_resources"):
+    if importlib.util.find_spec(module) is None:
+      raise PrepareError(f"{module} is not installed. {hint}")
+  try:
+    import tensorflow  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except ImportError as e:
+    raise PrepareError(f"TensorFlow is installed but does not import ({e}). {hint}") from e
+
+
+def prepare(manual_dir: str, data_dir: str):
+  """Runs TFDS's builder; returns it for the summary. Reuses a dataset already prepared in ``data_dir``."""
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  builder = tfds.builder(DATASET, data_dir=data_dir, file_format="array_record")
+  builder.download_and_prepare(
+      download_dir=os.path.join(data_dir, "downloads"),
+      download_config=tfds.download.DownloadConfig(
+          manual_dir=manual_dir,
+          try_download_gcs=False,  # imagenet2012 is not on the public GCS mirror; don't reach for it.
+      ),
+  )
+  return builder
+
+
+def summary(builder, data_dir: str, seconds: float) -> str:
+  lines = [f"{DATASET} {builder.version} prepared in {seconds:.0f}s: {builder.data_dir}"]
+  for name, split in sorted(builder.info.splits.items()):
+    lines.append(f"  {name:<10} {split.num_examples:>9,d} examples in {split.num_shards} shard(s), "
+                 f"{split.num_bytes / 2**20:,.1f} MiB")
+  lines.append(f"  format: {builder.info.file_format.value}; read with tfds.data_source({DATASET!r}, "
+               f"split=..., data_dir={data_dir!r}, download=False, decoders={{'image': tfds.decode.SkipDecoding()}})")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--manual_dir", required=True, help=f"directory holding {TRAIN_TAR} and {VAL_TAR}")
+  parser.add_argument("--data_dir", required=True, help="TFDS data dir to write imagenet2012/<version>/ into")
+  args = parser.parse_args(argv)
+  manual_dir = os.path.abspath(os.path.expanduser(args.manual_dir))
+  data_dir = os.path.abspath(os.path.expanduser(args.data_dir))
+  try:
+    check_manual_dir(manual_dir)
+    check_val_names(os.path.join(manual_dir, VAL_TAR))
+    check_prepare_deps()
+    start = time.time()
+    builder = prepare(manual_dir, data_dir)
+  except PrepareError as e:
+    print(f"prepare_imagenet: error: {e}", file=sys.stderr)
+    return 1
+  print(summary(builder, data_dir, time.time() - start))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,197 @@
+"""The JPEG input path: image-folder conversion, transforms, bad files, decoded caches, determinism."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from light_jax.data import DataError, ImageSource, TrainBatches, EvalBatches, records, transforms
+from tests.image_folder_fixture import DECODABLE, bad_files, class_image, jpeg_bytes, make_image_folder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+  root = tmp_path_factory.mktemp("folder")
+  written = make_image_folder(str(root / "raw"), num_classes=4, train_per_class=12, val_per_class=4)
+  info = records.convert_image_folder(str(root / "raw"), str(root / "converted"))
+  return {"root": root, "written": written, "info": info, "dir": str(root / "converted")}
+
+
+def test_image_folder_conversion_keeps_labels_and_reports_bad_files(folder):
+  info, written = folder["info"], folder["written"]
+  assert info["classes"] == ["class_00", "class_01", "class_02", "class_03", "class_zz_empty"]
+  for split in ("train", "val"):
+    good = [(path, label) for path, label, kind in written[split] if kind in DECODABLE]
+    assert info["splits"][split]["examples"] == len(good)
+    assert sorted(info["splits"][split]["skipped"]) == ["class_01/bad_corrupt.JPEG", "class_01/bad_truncated.JPEG"]
+    assert info["splits"][split]["empty_classes"] == ["class_zz_empty"]
+    source = records.FolderRecords(folder["dir"], split)
+    assert [(source[i][2], source[i][1]) for i in range(len(source))] == good   # never a wrong label
+
+
+def test_missing_converted_folder_says_how_to_make_it(tmp_path):
+  with pytest.raises(DataError, match="prepare_image_folder.py"):
+    records.FolderRecords(str(tmp_path), "train")
+
+
+def test_every_kind_of_image_decodes_to_rgb_or_is_refused():
+  rng = np.random.default_rng(0)
+  for kind, data in bad_files(rng, 3).items():
+    if kind in DECODABLE:
+      out = transforms.decode_crop_resize(data, 24, np.random.default_rng(1), flip=True)
+      assert out.shape == (24, 24, 3) and out.dtype == np.uint8
+    else:
+      with pytest.raises(transforms.BadImage):
+        transforms.decode_crop_resize(data, 24, np.random.default_rng(1))
+
+
+def test_reduced_size_decoding_matches_full_decoding():
+  """Decoding at 1/2..1/8 scale for a box much larger than the output changes pixels only slightly."""
+  rng = np.random.default_rng(2)
+  data = jpeg_bytes(class_image(5, rng, 500, 375))
+  reduced = transforms.decode_crop_resize(data, 64, reduced_decode=True).astype(np.float32)
+  full = transforms.decode_crop_resize(data, 64, reduced_decode=False).astype(np.float32)
+  image = transforms.open_image(data)
+  image.draft("RGB", (100, 75))
+  assert image.size[0] < 500            # the decoder really takes the reduced path for this image
+  assert np.abs(reduced - full).mean() < 6.0
+
+
+class ListRecords:
+  """Records held in a Python list: (payload, label, name)."""
+
+  def __init__(self, items):
+    self.items = items
+
+  def __len__(self):
+    return len(self.items)
+
+  def __getitem__(self, i):
+    return self.items[i]
+
+
+def test_bad_records_are_replaced_by_the_next_good_one_with_its_own_label():
+  rng = np.random.default_rng(3)
+  bad = bad_files(rng, 0)
+  items = [(jpeg_bytes(class_image(0, rng, 50, 40)), 0, "a.JPEG"),
+           (bad["truncated"], 1, "truncated.JPEG"),
+           (bad["corrupt"], 2, "corrupt.JPEG"),
+           (bad["cmyk"], 3, "cmyk.JPEG"),
+           (bad["png"], 4, "png.JPEG")]
+  source = ImageSource(ListRecords(items), 5, "test")
+  labels = [source.train_example(i, np.random.default_rng(i), 16)[1] for i in range(5)]
+  assert labels == [0, 3, 3, 3, 4]       # 1 and 2 are bad: record 3 stands in, with label 3
+  assert source.bad_records == {"truncated.JPEG", "corrupt.JPEG"}
+  assert source.eval_example(2, 16)[1] == 3
+  all_bad = ImageSource(ListRecords([(bad["corrupt"], 0, "x")] * 3), 1, "test")
+  with pytest.raises(DataError, match="cannot be decoded"):
+    all_bad.eval_example(0, 16)
+
+
+def test_decoded_cache_gives_the_jpeg_paths_pixels(folder, tmp_path):
+  source = records.FolderRecords(folder["dir"], "train")
+  # A record list with a bad file in it: the cache keeps the slot empty, so indices stay aligned.
+  items = [source[i] for i in range(len(source))]
+  items.insert(3, (bad_files(np.random.default_rng(4), 0)["truncated"], 0, "truncated.JPEG"))
+  jpegs = ListRecords(items)
+  path = str(tmp_path / "cache.array_record")
+  records.build_disk_cache(jpegs, path, shorter=40, workers=2)
+  disk, memory = records.DecodedCache(path), records.DecodedCache(path, in_memory=True)
+  assert len(disk) == len(memory) == len(jpegs)
+  for i in range(len(jpegs)):
+    data, label, _ = jpegs[i]
+    pixels, cached_label, _ = disk[i]
+    assert cached_label == label and np.array_equal(memory[i][0], pixels) if pixels is not None else True
+    if i == 3:
+      assert pixels is None
+      continue
+    reference = transforms.decode_shorter_side(data, 40)
+    assert np.array_equal(pixels, np.asarray(reference))
+    assert min(pixels.shape[:2]) == min(40, min(Image.open(__import__("io").BytesIO(data)).size))
+    # The same crop of the cached and of the freshly decoded image: the same pixels.
+    box = transforms.random_resized_crop_box(*reference.size, np.random.default_rng(i))
+    np.testing.assert_array_equal(transforms.crop_resize(Image.fromarray(pixels), box, 24),
+                                  transforms.crop_resize(reference, box, 24))
+  # Through ImageSource: same labels as the JPEG path, bad slot replaced the same way.
+  cached, direct = ImageSource(disk, 5, "cache"), ImageSource(jpegs, 5, "jpeg")
+  assert [cached.eval_example(i, 16)[1] for i in range(8)] == [direct.eval_example(i, 16)[1] for i in range(8)]
+
+
+def _batches(source, process_index=0, process_count=1):
+  return TrainBatches(source, 16, 2, seed=7, process_index=process_index, process_count=process_count,
+                      random_flip=True, resolution_schedule=((0, 16), (1, 24)))
+
+
+def test_batches_are_deterministic_across_threads_workers_and_processes(folder):
+  source = ImageSource(records.FolderRecords(folder["dir"], "train"), 5, "train")
+  one = _batches(source)
+  assert one.steps_per_epoch == len(source) // 16 and one.image_size_at(0) == 16
+  assert one.image_size_at(one.steps_per_epoch) == 24          # progressive resizing: epoch 1 -> 24 px
+  steps = [0, 1, one.steps_per_epoch]
+  reference = [one.load(s) for s in steps]
+  assert reference[0]["images"].shape == (16, 16, 16, 3) and reference[2]["images"].shape == (16, 24, 24, 3)
+  assert reference[0]["images"].dtype == np.uint8
+  threaded = list(one.iterator(0, read_threads=3))
+  for s, batch in zip(steps, reference):
+    for key in batch:
+      np.testing.assert_array_equal(threaded[s][key], batch[key])
+  # Two processes: each its half of every global batch, the two halves are the one-process batch.
+  halves = [_batches(source, p, 2) for p in range(2)]
+  for s, batch in zip(steps, reference):
+    for key in batch:
+      np.testing.assert_array_equal(np.concatenate([h.load(s)[key] for h in halves]), batch[key])
+  # An epoch's rows are disjoint between the processes and cover one permutation of the split.
+  shards = [np.concatenate([h.indices(s)[0] for s in range(one.steps_per_epoch)]) for h in halves]
+  assert not set(shards[0].tolist()) & set(shards[1].tolist())
+  assert len(set(np.concatenate(shards).tolist())) == one.steps_per_epoch * 16 <= len(source)
+
+
+def test_worker_processes_give_the_same_batches(folder):
+  from absl import flags
+  if not flags.FLAGS.is_parsed():   # grain's workers read absl flags; train.py parses them in app.run
+    flags.FLAGS.mark_as_parsed()
+  source = ImageSource(records.FolderRecords(folder["dir"], "train"), 5, "train")
+  batches = _batches(source)
+  in_process = [batches.load(s) for s in range(3)]
+  iterator = batches.iterator(0, workers=2)
+  try:
+    for expected in in_process:
+      got = next(iterator)
+      np.testing.assert_array_equal(got["images"], expected["images"])
+      np.testing.assert_array_equal(got["labels"], expected["labels"])
+  finally:
+    iterator.close()
+
+
+def test_eval_batches_cover_the_split_once(folder):
+  source = ImageSource(records.FolderRecords(folder["dir"], "val"), 5, "val")
+  batches = EvalBatches(source, 8, image_size=20)
+  out = [batches.load(b) for b in range(batches.num_batches)]
+  assert sum(int(b["mask"].sum()) for b in out) == len(source)
+  assert out[0]["images"].shape == (8, 20, 20, 3)
+
+
+def test_train_py_on_an_image_folder_with_a_disk_cache(folder, tmp_path):
+  """The CLI end to end: converted folder, decoded disk cache built on first use, two resolutions."""
+  workdir = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, "train.py", "--config", "configs/imagenet_resnet50.py:tiny", "--workdir", str(workdir),
+       "--config.data.dataset=image_folder", f"--config.data.data_dir={folder['dir']}",
+       f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.data.resolution_schedule=0:16,1:24",
+       "--config.data.image_size=24", "--config.global_batch_size=16", "--config.data.num_workers=-1"],
+      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert "decoded cache: building" in result.stderr
+  assert "every one of the 51 training images is read from" in result.stderr   # 48 + cmyk, grey, png
+  assert "input autotune: using" in result.stderr
+  assert "images 16x16x3" in result.stderr and "images 24x24x3" in result.stderr   # one compile per size
+  metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [m["epoch"] for m in metrics] == [1.0, 2.0]
+  assert metrics[-1]["eval_examples"] == 4 * 4 + 3          # val: 4 classes x 4 + the 3 decodable bad kinds
+  assert 0 <= metrics[-1]["input_wait_fraction"] < 1

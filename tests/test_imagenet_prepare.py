@@ -1,0 +1,225 @@
+"""scripts/prepare_imagenet.py on a tiny ILSVRC2012 download: what TFDS writes, and what the reading side gets back.
+
+The preparation runs in a subprocess (it needs TensorFlow, the optional ``prepare`` extra); the records are read back
+here with ``tfds.data_source`` and ``SkipDecoding``, the way the training input reads them, which must not import
+TensorFlow. The bad files of the real download (truncated, corrupt, CMYK, greyscale, PNG, an empty class) are in the
+fixture so the tests pin down what the reading side has to cope with: TFDS stores every file's bytes unchanged,
+except the CMYK and PNG train images on its fixed list, which it re-encodes as RGB JPEG.
+"""
+
+import importlib.util
+import io
+import os
+import re
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.ilsvrc_fixture import (CMYK_FIX_NAME, PNG_FIX_NAME, TRAIN_TAR, VAL_TAR, imagenet_synsets, make_ilsvrc_tars,
+                                  val_filename, val_synsets)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "prepare_imagenet.py")
+VAL_COUNT = 6
+TRAIN_PER_CLASS = 6
+# The CMYK/PNG fix-list classes first, then the classes of validation images 1..6; the last one (n01735189) is the
+# empty class: no train images, one validation image.
+SYNSETS = list(dict.fromkeys([CMYK_FIX_NAME.split("_")[0], PNG_FIX_NAME.split("_")[0], *val_synsets(VAL_COUNT)]))
+HAS_TF = importlib.util.find_spec("tensorflow") is not None
+
+
+def _run_script(*args, python_prelude=None, timeout=300):
+  """Runs the script with this interpreter; ``python_prelude`` is Python run first in the child (see the no-TF test)."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  if python_prelude is None:
+    cmd = [sys.executable, SCRIPT, *args]
+  else:
+    launcher = (f"{python_prelude}; import runpy, sys; sys.argv = {[SCRIPT, *args]!r}; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
+    cmd = [sys.executable, "-c", launcher]
+  return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def _tar_files(manual_dir):
+  """{file name: bytes} of every image in the two tars, read independently of TFDS."""
+  files = {}
+  with tarfile.open(os.path.join(manual_dir, TRAIN_TAR)) as train:
+    for member in train:
+      with tarfile.open(fileobj=io.BytesIO(train.extractfile(member).read())) as inner:
+        files.update({m.name: inner.extractfile(m).read() for m in inner})
+  with tarfile.open(os.path.join(manual_dir, VAL_TAR)) as val:
+    files.update({m.name: val.extractfile(m).read() for m in val})
+  return files
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+  """One preparation shared by the read-back tests (it costs a TensorFlow start and a TFDS build)."""
+  if not HAS_TF:
+    if os.environ.get("CI"):   # make test installs the test extra, which has TensorFlow: never skip there
+      pytest.fail("TensorFlow is not installed, but the test extra has it: pip install -e '.[test]'")
+    pytest.skip("TensorFlow is not installed (pip install -e '.[prepare]'); preparation needs it")
+  manual_dir = tmp_path_factory.mktemp("manual")
+  data_dir = tmp_path_factory.mktemp("tfds")
+  written = make_ilsvrc_tars(manual_dir, SYNSETS, TRAIN_PER_CLASS, VAL_COUNT, seed=0)
+  result = _run_script("--manual_dir", str(manual_dir), "--data_dir", str(data_dir))
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+  return {"written": written, "manual_dir": str(manual_dir), "data_dir": str(data_dir), "stdout": result.stdout}
+
+
+@pytest.fixture(scope="module")
+def records(prepared):
+  """{split: {file name: record}} read back with SkipDecoding, checking on the way that TensorFlow stays unloaded."""
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  tf_loaded_before = "tensorflow" in sys.modules
+  sources = tfds.data_source("imagenet2012", data_dir=prepared["data_dir"], download=False,
+                             decoders={"image": tfds.decode.SkipDecoding()})
+  out = {}
+  for split, source in sources.items():
+    out[split] = {}
+    for i in range(len(source)):
+      record = source[i]
+      out[split][record["file_name"].decode()] = record
+  if not tf_loaded_before:
+    assert "tensorflow" not in sys.modules, "reading back with SkipDecoding imported TensorFlow"
+  return out
+
+
+def test_splits_and_summary(prepared, records):
+  written = prepared["written"]
+  assert sorted(records) == ["train", "validation"]  # No test tar, no test split.
+  assert len(written["train"]) == (len(SYNSETS) - 1) * TRAIN_PER_CLASS + 5  # 5 bad files, one empty class.
+  for split in ("train", "validation"):
+    assert sorted(records[split]) == sorted(e.filename for e in written[split])
+  assert sorted(records["validation"]) == [val_filename(i) for i in range(1, VAL_COUNT + 1)]
+  stdout = prepared["stdout"]
+  for split in ("train", "validation"):
+    assert re.search(rf"{split}\s+{len(written[split])} examples", stdout), stdout
+  assert os.path.join(prepared["data_dir"], "imagenet2012", "5.1.0") in stdout
+  shards = os.listdir(os.path.join(prepared["data_dir"], "imagenet2012", "5.1.0"))
+  assert any(name.startswith("imagenet2012-train.array_record-") for name in shards), shards
+
+
+def test_labels_match_the_synset_of_each_file(prepared, records):
+  """Train labels come from the per-class tar's name, validation labels from TFDS's list by position."""
+  names = imagenet_synsets()
+  for split in ("train", "validation"):
+    for entry in prepared["written"][split]:
+      label = records[split][entry.filename]["label"]
+      assert names[label] == entry.synset, (split, entry)
+  empty = SYNSETS[-1]
+  assert not any(names[r["label"]] == empty for r in records["train"].values())
+  assert any(names[r["label"]] == empty for r in records["validation"].values())
+
+
+def test_bad_files_are_kept_raw_except_the_listed_fixes(prepared, records):
+  """Truncated, corrupt, greyscale and unlisted CMYK/PNG files reach the reader byte for byte; TFDS re-encodes only
+  the train CMYK/PNG images named in its fix lists, to RGB JPEGs of the same picture."""
+  raw = _tar_files(prepared["manual_dir"])
+  fixed = {CMYK_FIX_NAME: "cmyk", PNG_FIX_NAME: "png"}
+  kinds_seen = {"train": set(), "validation": set()}
+  for split in ("train", "validation"):
+    for entry in prepared["written"][split]:
+      image = records[split][entry.filename]["image"]
+      assert isinstance(image, bytes)
+      kinds_seen[split].add(entry.kind)
+      if split == "train" and entry.filename in fixed:
+        assert entry.kind == fixed[entry.filename]
+        assert image != raw[entry.filename]
+        decoded = Image.open(io.BytesIO(image))
+        assert (decoded.format, decoded.mode) == ("JPEG", "RGB")
+        original = Image.open(io.BytesIO(raw[entry.filename]))
+        assert decoded.size == original.size
+        diff = np.abs(np.asarray(decoded, np.float32) - np.asarray(original.convert("RGB"), np.float32)).mean()
+        assert diff < 12, f"{entry.filename}: re-encoded picture differs from the original by {diff:.1f}/255"
+      else:
+        assert image == raw[entry.filename], entry
+  assert kinds_seen["train"] == {"ok", "truncated", "corrupt", "cmyk", "grey", "png"}
+  assert kinds_seen["validation"] >= {"ok", "cmyk", "grey", "png"}
+  # What the reader will meet in validation: an unlisted CMYK JPEG and a PNG, untouched.
+  formats = {}
+  for entry in prepared["written"]["validation"]:
+    if entry.kind in ("cmyk", "png", "grey"):
+      opened = Image.open(io.BytesIO(records["validation"][entry.filename]["image"]))
+      formats[entry.kind] = (opened.format, opened.mode)
+  assert formats == {"cmyk": ("JPEG", "CMYK"), "png": ("PNG", "RGB"), "grey": ("JPEG", "L")}
+
+
+def test_missing_tar_is_named(tmp_path):
+  make_ilsvrc_tars(tmp_path, SYNSETS, 1, VAL_COUNT)
+  os.remove(tmp_path / TRAIN_TAR)
+  result = _run_script("--manual_dir", str(tmp_path), "--data_dir", str(tmp_path / "out"), timeout=60)
+  assert result.returncode != 0
+  assert TRAIN_TAR in result.stderr and VAL_TAR in result.stderr, result.stderr
+  assert "missing" in result.stderr and "Traceback" not in result.stderr, result.stderr
+  assert not (tmp_path / "out").exists()
+
+
+def test_partial_validation_tar_is_refused(tmp_path):
+  """TFDS would pair validation labels with the sorted names by position; a gap would shift every later label."""
+  make_ilsvrc_tars(tmp_path, SYNSETS, 1, VAL_COUNT)
+  with tarfile.open(tmp_path / VAL_TAR, "w") as tar:
+    info = tarfile.TarInfo(val_filename(2))
+    tar.addfile(info, io.BytesIO(b""))
+  result = _run_script("--manual_dir", str(tmp_path), "--data_dir", str(tmp_path / "out"), timeout=60)
+  assert result.returncode != 0
+  assert "00000001" in result.stderr and "by position" in result.stderr, result.stderr
+
+
+def test_without_tensorflow_says_how_to_install_it(tmp_path):
+  """Blocks ``import tensorflow`` in the child (a None entry in sys.modules is Python's way to make a module
+  unimportable), so this runs whether or not the prepare extra is installed."""
+  make_ilsvrc_tars(tmp_path, SYNSETS, 1, VAL_COUNT)
+  result = _run_script("--manual_dir", str(tmp_path), "--data_dir", str(tmp_path / "out"),
+                       python_prelude="import sys; sys.modules['tensorflow'] = None", timeout=60)
+  assert result.returncode != 0
+  assert "pip install -e '.[prepare]'" in result.stderr and "TensorFlow" in result.stderr, result.stderr
+  assert "Traceback" not in result.stderr, result.stderr
+
+
+# --- The training input on the prepared TFDS data ---------------------------------------------------------------
+
+def _data_config(data_dir, **overrides):
+  from configs import imagenet_resnet50
+  config = imagenet_resnet50.get_config("tiny").data
+  config.update(dataset="imagenet2012", data_dir=data_dir, cache="none", **overrides)
+  return config
+
+
+def test_pipeline_reads_every_record_with_its_label_and_skips_the_broken_ones(prepared):
+  from light_jax import data as data_lib
+  train, test, info = data_lib.load_dataset(_data_config(prepared["data_dir"]))
+  assert info.num_classes == 1000 and len(train) == len(prepared["written"]["train"])
+  kinds = {e.filename: e.kind for split in prepared["written"].values() for e in split}
+  synset_labels = {s: i for i, s in enumerate(imagenet_synsets())}
+  for source in (train, test):
+    for i in range(len(source)):
+      _, record_label, name = source.records[i]
+      image, label = source.eval_example(i, 32)
+      assert image.shape == (32, 32, 3) and image.dtype == np.uint8
+      if kinds[name] in ("ok", "cmyk", "grey", "png"):
+        assert label == record_label      # decoded: its own label
+      assert 0 <= label < 1000 and label in synset_labels.values()
+  # The two undecodable train files were replaced by their successors, counted and named once each.
+  broken = {e.filename for e in prepared["written"]["train"] if e.kind in ("truncated", "corrupt")}
+  assert train.bad_records == broken
+
+
+def test_train_py_on_prepared_imagenet(prepared, tmp_path):
+  """train.py end to end on TFDS imagenet2012 (the tiny prepared copy) with the decoded memory cache."""
+  import json
+  workdir = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, "train.py", "--config", "configs/imagenet_resnet50.py:tiny", "--workdir", str(workdir),
+       f"--config.data.data_dir={prepared['data_dir']}", "--config.data.cache=memory",
+       f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.global_batch_size=16",
+       "--config.data.eval_batch_size=8", "--config.data.resolution_schedule=", "--config.data.image_size=24"],
+      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert "held in memory" in result.stderr
+  metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert len(metrics) == 2 and metrics[-1]["eval_examples"] == VAL_COUNT
