@@ -75,11 +75,29 @@ def test_cli_reports_a_bad_config_without_traceback(tmp_path):
   assert not os.listdir(tmp_path)  # nothing written before validation
 
 
-def test_cli_imagenet_explains_the_missing_pipeline(tmp_path):
+def test_cli_imagenet_without_prepared_data_says_how_to_prepare_it(tmp_path):
   # 8 simulated CPU devices as 1 x 8 stand in for the 16 x 8 GPU mesh.
-  result = _train_py("--config", "configs/imagenet_resnet50.py", "--workdir", str(tmp_path),
+  result = _train_py("--config", "configs/imagenet_resnet50.py", "--workdir", str(tmp_path / "run"),
                      "--config.mesh.nodes=1", "--config.mesh.cpu_devices=8", "--config.global_batch_size=64",
-                     "--config.data.eval_batch_size=64")
+                     "--config.data.eval_batch_size=64", f"--config.data.data_dir={tmp_path / 'nothing'}")
   assert result.returncode == 2, result.stderr[-2000:]
-  assert "error: data.dataset='imagenet2012': the ImageNet input pipeline" in result.stderr
+  assert "error: TFDS dataset 'imagenet2012' (train) not found in" in result.stderr
+  assert "python scripts/prepare_imagenet.py --manual_dir" in result.stderr
   assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"data__cache": "ssd"}, r"data.cache='ssd' is unknown; use one of \['none', 'disk', 'memory'\]"),
+    ({"data__resolution_schedule": "0-128"}, r"data.resolution_schedule='0-128' is not 'first_epoch:size,...'"),
+    ({"data__resolution_schedule": "3:128"}, r"the first phase must start at epoch 0"),
+    ({"data__random_scale_min": 0.0}, r"data.random_scale_min=0.0 must be in \(0, 1\]"),
+    ({"data__image_size": 0}, r"data.image_size=0 must be > 0"),
+])
+def test_bad_image_data_config_gets_one_clear_error(overrides, message):
+  config = imagenet_resnet50.get_config("tiny")
+  for key, value in overrides.items():
+    section, field = key.split("__")
+    config[section][field] = value
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(config, 8)
+  assert config_lib.validate(imagenet_resnet50.get_config("tiny"), 8) == (2, 4)

@@ -89,12 +89,27 @@ def as_image(pixels: np.ndarray) -> Image.Image:
   return Image.frombuffer("RGB", (width, height), np.ascontiguousarray(pixels), "raw", "RGB", 0, 1)
 
 
-def _turbo_decode(data: bytes, min_width: int = 0, min_height: int = 0) -> np.ndarray | None:
-  """RGB pixels of a JPEG at the smallest DCT scale that keeps both minimums, or None when
-  simplejpeg cannot (not a JPEG, CMYK, damaged: Pillow then decides)."""
+def _power_of_two_scale(width: int, height: int, min_width: int, min_height: int) -> tuple[int, int]:
+  """The smallest of full, 1/2, 1/4, 1/8 size that keeps both minimums, as (width, height).
+
+  libjpeg-turbo also scales by 7/8, 3/4, 5/8, ..., but those are slower than decoding at full size
+  (measured: 1.7 ms against 1.1 ms for a 500 x 375 JPEG); only the power-of-two ones save time.
+  """
+  for denominator in (8, 4, 2):
+    w, h = -(-width // denominator), -(-height // denominator)
+    if w >= min_width and h >= min_height:
+      return w, h
+  return width, height
+
+
+def _turbo_decode(data: bytes, size: tuple[int, int], min_width: int = 0,
+                  min_height: int = 0) -> np.ndarray | None:
+  """RGB pixels of a JPEG of ``size`` at the smallest power-of-two DCT scale that keeps both minimums,
+  or None when simplejpeg cannot decode it (CMYK, damaged, not a JPEG: Pillow then decides)."""
+  width, height = _power_of_two_scale(*size, min_width, min_height)
   try:
-    return simplejpeg.decode_jpeg(data, "RGB", fastdct=True, fastupsample=True, min_width=min_width,
-                                  min_height=min_height, strict=True)
+    return simplejpeg.decode_jpeg(data, "RGB", fastdct=True, fastupsample=True, min_width=width,
+                                  min_height=height, strict=True)
   except ValueError:
     return None
 
@@ -128,7 +143,7 @@ def decode_crop_resize(data: bytes, size: int, rng: np.random.Generator | None =
   box = random_resized_crop_box(width, height, rng, scale) if rng is not None else center_crop_box(width, height)
   box_w, box_h = box[2] - box[0], box[3] - box[1]
   wanted = (math.ceil(width * size / box_w), math.ceil(height * size / box_h)) if reduced_decode else (0, 0)
-  pixels = _turbo_decode(data, *wanted) if jpeg_size else None
+  pixels = _turbo_decode(data, jpeg_size, *wanted) if jpeg_size else None
   if pixels is not None:
     image = as_image(pixels)
   else:
@@ -162,7 +177,7 @@ def decode_shorter_side(data: bytes, shorter: int) -> Image.Image:
   jpeg_size = _jpeg_size(data)
   if jpeg_size:
     factor = shorter / min(jpeg_size)
-    pixels = _turbo_decode(data, math.ceil(jpeg_size[0] * factor), math.ceil(jpeg_size[1] * factor))
+    pixels = _turbo_decode(data, jpeg_size, math.ceil(jpeg_size[0] * factor), math.ceil(jpeg_size[1] * factor))
     if pixels is not None:
       return resize_shorter_side(as_image(pixels), shorter)
   image = open_image(data)
