@@ -87,21 +87,23 @@ def main(argv):
   failure = "unexpected error (see its log)"   # what the peers are told if this process fails
   try:
     exit_code, failure = _run(jax, config, config_lib, data_lib, checkpoint_lib, train_lib)
-  except jax.errors.JaxRuntimeError as e:
+  except Exception as e:
     if jax.process_count() == 1:
       raise
-    # A collective whose peer is gone fails fast (gloo: connection reset) or hangs (the watchdog ends that).
-    failure = f"a collective failed ({str(e).splitlines()[0][:300]})"
-    liveness.report_stop(jax.process_index(), jax.process_count(),
-                         f"{failure}: another process probably died; see its log", _WORKDIR.value)
-    exit_code = liveness.EXIT_PEER_FAILURE
-  except Exception:
-    if jax.process_count() == 1:
-      raise
-    traceback.print_exc()
-    exit_code = 1
+    if isinstance(e, jax.errors.JaxRuntimeError) and liveness.is_connection_error(e):
+      # A collective whose peer is gone fails fast (gloo: connection reset) or hangs (the watchdog ends that).
+      failure = f"a collective failed ({str(e).splitlines()[0][:300]})"
+      liveness.report_stop(jax.process_index(), jax.process_count(),
+                           f"{failure}: another process probably died; see its log", _WORKDIR.value)
+      exit_code = liveness.EXIT_PEER_FAILURE
+    else:   # this process's own fault (a bug, out of memory, ...): the peers are told and stop too
+      traceback.print_exc()
+      failure = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''} (see its log)"
+      exit_code = 1
   finally:
     watchdog.close(failure)
+  if exit_code == 3:
+    sys.exit(3)   # every process stopped after the same step and save: leave through the shutdown barrier
   if exit_code:
     _exit(exit_code, jax.process_count())
 

@@ -21,7 +21,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.data = dict(
       dataset="imagenet2012",  # or "image_folder": a folder converted by scripts/prepare_image_folder.py
       data_dir="~/tensorflow_datasets",  # TFDS data dir prepared by scripts/prepare_imagenet.py
-      image_size=224,          # eval size, and the training size without a resolution schedule
+      image_size=288,          # eval size (= the last training phase's), and the training size without a schedule
       # Progressive resizing, "first_epoch:size,...": small images early, full size at the end (one
       # compilation per size). "" = image_size throughout.
       resolution_schedule="0:128,14:224,32:288",

@@ -75,16 +75,20 @@ class PeerWatchdog:
     client = _client()
     counter = 0
     last_seen = {}   # process index -> (value, time it last changed)
+    last_contact = time.monotonic()
     while not self._stop.wait(self.interval):
       now = time.monotonic()
       try:
         counter += 1
         client.key_value_set(self._key(self.process_index), str(counter), allow_overwrite=True)
         published = dict(client.key_value_dir_get(_PREFIX))
-      except Exception as e:   # the service lives in process 0
-        self._fail(f"lost contact with the coordination service in process 0 ({type(e).__name__}): "
-                   f"process 0 probably died; see its log")
-        return
+        last_contact = now
+      except Exception as e:   # the service lives in process 0; one failed call may be a transient
+        if now - last_contact > self.peer_timeout:
+          self._fail(f"lost contact with the coordination service in process 0 for {now - last_contact:.0f} s "
+                     f"({type(e).__name__}): process 0 probably died; see its log")
+          return
+        continue
       for index in range(self.process_count):
         if index == self.process_index:
           continue
@@ -106,6 +110,15 @@ class PeerWatchdog:
   def _fail(self, reason: str) -> None:
     report_stop(self.process_index, self.process_count, reason, self.workdir)
     os._exit(EXIT_PEER_FAILURE)
+
+
+_CONNECTION_MARKERS = ("UNAVAILABLE", "Connection reset", "Connection refused", "connection closed", "Gloo",
+                       "NCCL", "Socket closed", "DEADLINE_EXCEEDED", "heartbeat")
+
+
+def is_connection_error(error: BaseException) -> bool:
+  """Whether a runtime error looks like a lost peer (as opposed to, e.g., running out of memory here)."""
+  return any(marker.lower() in str(error).lower() for marker in _CONNECTION_MARKERS)
 
 
 def report_stop(process_index: int, process_count: int, reason: str, workdir: str) -> None:

@@ -333,6 +333,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if workers < 0:   # measured on this machine, in bounded time, with the batches the run will read
     workers = autotune.best_worker_count(
         lambda w: train_batches.iterator(start_step, read_threads=config.data.read_threads, workers=w))
+  if workers and config.data.get("cache") == "memory":
+    logging.warning("data.cache=memory with %d grain worker process(es): the workers read the cache file "
+                    "through the OS page cache; set data.num_workers=0 to read from this process's memory", workers)
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=start_step if restored else None)
   bar = metrics_lib.progress_bar(total_steps, enabled=is_main, initial=start_step)
   host_batches = train_batches.iterator(start_step, read_threads=config.data.read_threads, workers=workers)

@@ -2,7 +2,7 @@
 
 The best count depends on the cores, the decoder, the image sizes and whether a cache is hit, so it is
 measured at start-up on the batches the run is about to read: for each candidate, start the iterator,
-let the first batch through (worker start-up is not throughput), then count batches for
+let the first max(1, workers) batches through (worker start-up is not throughput), then count batches for
 ``seconds_each``. The fastest wins; a count within ``tolerance`` of it but smaller wins instead (fewer
 processes, less memory). The table is logged. ``data.num_workers`` >= 0 pins the count and skips this.
 """
@@ -31,10 +31,13 @@ def candidate_counts(cpus: int | None = None) -> list[int]:
 def measure(make_iterator: Callable[[int], Iterator], workers: int, seconds: float) -> float:
   """Batches per second from ``make_iterator(workers)`` after its first batch."""
   iterator = make_iterator(workers)
+  # W workers start together, so when the first batch arrives W - 1 more are nearly done: skip W
+  # batches (at least 1) before the clock starts, or more workers would look faster than they are.
+  warmup = max(1, workers)
   try:
     count, start = 0, None
-    for _ in iterator:   # a run shorter than the measurement just ends it early
-      if start is None:
+    for seen, _ in enumerate(iterator, 1):   # a run shorter than the measurement just ends it early
+      if seen <= warmup:
         start = time.perf_counter()
         continue
       count += 1

@@ -3,13 +3,15 @@
 ``ImageSource`` is what the pipeline (pipeline.py) asks for one example at a time:
 ``train_example(index, rng, size)`` (random-resized crop + flip) and ``eval_example(index, size)``
 (centre crop). Its records are encoded (JPEG bytes: decoded with reduced-size JPEG decoding) or a
-decoded cache (pixels: no decoding at all); the transforms are the same boxes either way.
+decoded cache (pixels: no decoding at all); the same transforms, with boxes drawn on the cached
+(smaller) image in the second case.
 
 Bad records: ImageNet has CMYK and greyscale JPEGs (converted to RGB), PNGs named .JPEG (decoded by
 content) and, in users' data, truncated or corrupt files. A record that cannot be decoded is replaced
 by the next record that can (index + 1, + 2, ...), with that record's own label, so a batch never holds
 a wrong label or a hole, and the choice depends only on the index: the same in every run, process and
-worker count. Each bad file is logged once (with its name) and counted in ``bad_records``.
+worker count. Each bad file is logged once, with its name, by the process or grain worker that meets
+it; ``bad_records`` holds the names this process has met.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import struct
 import time
+import uuid
 
 import numpy as np
 from absl import logging
@@ -196,7 +197,7 @@ def estimate_cache_bytes(records, shorter: int, sample: int = 32) -> int:
 def build_disk_cache(records, path: str, shorter: int, workers: int | None = None) -> None:
   """Decodes every record once (``workers`` processes) and writes the cache atomically."""
   workers = workers or os.cpu_count() or 1
-  tmp = f"{path}.tmp{os.getpid()}"
+  tmp = f"{path}.tmp-{uuid.uuid4().hex}"   # unique even when hosts sharing cache_dir have equal pids
   writer = _writer(tmp)
   start, n = time.time(), len(records)
   chunk = 256
@@ -228,7 +229,11 @@ class _Inline:
 
 
 class DecodedCache:
-  """Decoded, shorter-side-scaled pixels of every record: from a disk file, optionally held in memory."""
+  """Decoded, shorter-side-scaled pixels of every record: from a disk file, optionally held in memory.
+
+  The in-memory copy serves the process that loaded it; grain worker processes reopen the file (and
+  read it through the OS page cache) rather than receive a pickled copy each.
+  """
 
   def __init__(self, path: str, in_memory: bool = False):
     self.path = path

@@ -151,8 +151,9 @@ def decode_crop_resize(data: bytes, size: int, rng: np.random.Generator | None =
     if reduced_decode and image.format == "JPEG":
       image.draft("RGB", wanted)
     image = _to_rgb(image)
-  fx, fy = image.size[0] / width, image.size[1] / height    # the decoding scale (1 if none)
-  box = (box[0] * fx, box[1] * fy, min(box[2] * fx, image.size[0]), min(box[3] * fy, image.size[1]))
+  # The decoder's scale, 1, 1/2, 1/4 or 1/8 (its sizes are rounded up, so the exact ratio is not it).
+  scale = next((1 / d for d in (1, 2, 4, 8) if -(-width // d) == image.size[0]), image.size[0] / width)
+  box = (box[0] * scale, box[1] * scale, min(box[2] * scale, image.size[0]), min(box[3] * scale, image.size[1]))
   return crop_resize(image, box, size, flip)
 
 
