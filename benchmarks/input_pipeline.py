@@ -54,17 +54,6 @@ def imagenet_like_jpeg(rng: np.random.Generator) -> bytes:
   return buffer.getvalue()
 
 
-class ListRecords:
-  def __init__(self, items):
-    self.items = items
-
-  def __len__(self):
-    return len(self.items)
-
-  def __getitem__(self, i):
-    return self.items[i]
-
-
 def rate(fn, n: int, seconds: float) -> float:
   """Images per second of fn(i) over consecutive i, for about ``seconds``."""
   count, start = 0, time.perf_counter()
@@ -87,7 +76,7 @@ def main():
   sizes = [Image.open(io.BytesIO(j)).size for j in jpegs]
   print(f"{len(jpegs)} JPEGs: mean {np.mean([s[0] for s in sizes]):.0f} x {np.mean([s[1] for s in sizes]):.0f} px, "
         f"mean {np.mean([len(j) for j in jpegs]) / 1e3:.0f} KB, quality 90", file=sys.stderr)
-  encoded = ListRecords([(j, i % 10, f"img_{i}.JPEG") for i, j in enumerate(jpegs)])
+  encoded = records.ListRecords([(j, i % 10, f"img_{i}.JPEG") for i, j in enumerate(jpegs)])
   workdir = args.workdir or tempfile.mkdtemp(prefix="input_bench_")
 
   paths = {}

@@ -64,19 +64,6 @@ def test_reduced_size_decoding_matches_full_decoding():
   assert 0 < difference < 4.0
 
 
-class ListRecords:
-  """Records held in a Python list: (payload, label, name)."""
-
-  def __init__(self, items):
-    self.items = items
-
-  def __len__(self):
-    return len(self.items)
-
-  def __getitem__(self, i):
-    return self.items[i]
-
-
 def test_bad_records_are_replaced_by_the_next_good_one_with_its_own_label():
   rng = np.random.default_rng(3)
   bad = bad_files(rng, 0)
@@ -85,12 +72,12 @@ def test_bad_records_are_replaced_by_the_next_good_one_with_its_own_label():
            (bad["corrupt"], 2, "corrupt.JPEG"),
            (bad["cmyk"], 3, "cmyk.JPEG"),
            (bad["png"], 4, "png.JPEG")]
-  source = ImageSource(ListRecords(items), 5, "test")
+  source = ImageSource(records.ListRecords(items), 5, "test")
   labels = [source.train_example(i, np.random.default_rng(i), 16)[1] for i in range(5)]
   assert labels == [0, 3, 3, 3, 4]       # 1 and 2 are bad: record 3 stands in, with label 3
   assert source.bad_records == {"truncated.JPEG", "corrupt.JPEG"}
   assert source.eval_example(2, 16)[1] == 3
-  all_bad = ImageSource(ListRecords([(bad["corrupt"], 0, "x")] * 3), 1, "test")
+  all_bad = ImageSource(records.ListRecords([(bad["corrupt"], 0, "x")] * 3), 1, "test")
   with pytest.raises(DataError, match="cannot be decoded"):
     all_bad.eval_example(0, 16)
 
@@ -100,7 +87,7 @@ def test_decoded_cache_gives_the_jpeg_paths_pixels(folder, tmp_path):
   # A record list with a bad file in it: the cache keeps the slot empty, so indices stay aligned.
   items = [source[i] for i in range(len(source))]
   items.insert(3, (bad_files(np.random.default_rng(4), 0)["truncated"], 0, "truncated.JPEG"))
-  jpegs = ListRecords(items)
+  jpegs = records.ListRecords(items)
   path = str(tmp_path / "cache.array_record")
   records.build_disk_cache(jpegs, path, shorter=40, workers=2)
   disk, memory = records.DecodedCache(path), records.DecodedCache(path, in_memory=True)

@@ -101,6 +101,20 @@ class FolderRecords:
     return record[start + name_length:], label, record[start:start + name_length].decode()
 
 
+class ListRecords:
+  """Records held in a Python list of ``(payload, label, file_name)``: small or generated datasets."""
+
+  def __init__(self, items: list):
+    self.items = items
+    self.fingerprint = f"list:{len(items)}:{hashlib.sha1(b''.join(i[0][:64] for i in items)).hexdigest()[:16]}"
+
+  def __len__(self) -> int:
+    return len(self.items)
+
+  def __getitem__(self, index: int):
+    return self.items[index]
+
+
 def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("train", "val")) -> dict:
   """Writes ``out_dir/{split}.array_record`` and ``out_dir/info.json`` from ``folder/{split}/class/*``.
 
