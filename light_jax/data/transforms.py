@@ -142,7 +142,7 @@ def decode_crop_resize(data: bytes, size: int, rng: np.random.Generator | None =
   width, height = jpeg_size or image.size
   box = random_resized_crop_box(width, height, rng, scale) if rng is not None else center_crop_box(width, height)
   box_w, box_h = box[2] - box[0], box[3] - box[1]
-  wanted = (math.ceil(width * size / box_w), math.ceil(height * size / box_h)) if reduced_decode else (0, 0)
+  wanted = (math.ceil(width * size / box_w), math.ceil(height * size / box_h)) if reduced_decode else (width, height)
   pixels = _turbo_decode(data, jpeg_size, *wanted) if jpeg_size else None
   if pixels is not None:
     image = as_image(pixels)
