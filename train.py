@@ -75,18 +75,14 @@ def main(argv):
   config = _CONFIG.value
   jax = _start_jax(config)
 
-  from light_jax import checkpoint as checkpoint_lib
-  from light_jax import config as config_lib
-  from light_jax import data as data_lib
   from light_jax import liveness
-  from light_jax import train_lib
 
   # In a multi-process run, a process that dies or fails makes the others stop too, with a message.
   watchdog = liveness.PeerWatchdog(jax.process_index(), jax.process_count(), _PEER_TIMEOUT.value,
                                    _WORKDIR.value).start()
   failure = "unexpected error (see its log)"   # what the peers are told if this process fails
   try:
-    exit_code, failure = _run(jax, config, config_lib, data_lib, checkpoint_lib, train_lib)
+    exit_code, failure = _run(jax, config)
   except Exception as e:
     if jax.process_count() == 1:
       raise
@@ -108,8 +104,13 @@ def main(argv):
     _exit(exit_code, jax.process_count())
 
 
-def _run(jax, config, config_lib, data_lib, checkpoint_lib, train_lib) -> tuple[int, str | None]:
+def _run(jax, config) -> tuple[int, str | None]:
   """Validates and trains. Returns (exit code, reason to give the other processes or None)."""
+  from light_jax import checkpoint as checkpoint_lib
+  from light_jax import config as config_lib
+  from light_jax import data as data_lib
+  from light_jax import train_lib
+
   try:
     config_lib.validate(config, jax.device_count(), jax.process_count())
   except config_lib.ConfigError as e:

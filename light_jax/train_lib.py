@@ -296,7 +296,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logging.info("resumed from the checkpoint at step %d (epoch %.2f)", start_step, start_step / steps_per_epoch)
 
   # --- Compile ahead of time, so that images/s measures steps and not compilation -------------------
-  # k of top-k is a static shape: a density warm-up compiles the step once per density phase.
   # k of top-k and the image size of progressive resizing are static shapes: a density warm-up or a
   # resolution schedule compiles the step once per (density, size) phase.
   sharding = mesh_lib.batch_sharding(mesh)
@@ -333,7 +332,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if workers < 0:   # measured on this machine, in bounded time, with the batches the run will read
     workers = autotune.best_worker_count(
         lambda w: train_batches.iterator(start_step, read_threads=config.data.read_threads, workers=w))
-  if workers and config.data.get("cache") == "memory":
+  if workers and config.data.cache == "memory":
     logging.warning("data.cache=memory with %d grain worker process(es): the workers read the cache file "
                     "through the OS page cache; set data.num_workers=0 to read from this process's memory", workers)
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=start_step if restored else None)

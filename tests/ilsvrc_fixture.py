@@ -112,7 +112,11 @@ def _encode(image: Image.Image, fmt: str) -> bytes:
 
 def _image_bytes(kind: str, synset: str, rng: np.random.Generator) -> bytes:
   """File content for one image of ``kind``; the bad kinds mimic the broken files of the real download."""
-  image = _render(synset, rng)
+  return encode_as(kind, _render(synset, rng), rng)
+
+
+def encode_as(kind: str, image: Image.Image, rng: np.random.Generator) -> bytes:
+  """``image`` as a file of ``kind`` (one of ``KINDS``): a good JPEG or one of the download's bad files."""
   if kind == "ok":
     return _encode(image, "JPEG")
   if kind == "truncated":  # A valid header and the first half of the scan, as from an interrupted download.

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import os
 
 import numpy as np
 from PIL import Image
+
+from tests.ilsvrc_fixture import TRAIN_BAD_KINDS, encode_as
 
 
 def class_image(label: int, rng: np.random.Generator, width: int, height: int) -> Image.Image:
@@ -18,25 +19,14 @@ def class_image(label: int, rng: np.random.Generator, width: int, height: int) -
   return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
 
 
-def jpeg_bytes(image: Image.Image, quality: int = 90) -> bytes:
-  buffer = io.BytesIO()
-  image.save(buffer, "JPEG", quality=quality)
-  return buffer.getvalue()
+def jpeg_bytes(image: Image.Image) -> bytes:
+  return encode_as("ok", image, None)
 
 
 def bad_files(rng: np.random.Generator, label: int) -> dict[str, bytes]:
   """One of each kind of problem file ImageNet (or a user's folder) has, by kind."""
   good = class_image(label, rng, 64, 48)
-  full = jpeg_bytes(good)
-  png = io.BytesIO()
-  good.save(png, "PNG")
-  return {
-      "cmyk": jpeg_bytes(good.convert("CMYK")),       # decodable: converted to RGB
-      "grey": jpeg_bytes(good.convert("L")),           # decodable: converted to RGB
-      "png": png.getvalue(),                           # a PNG named .JPEG: decodable by content
-      "truncated": full[:len(full) // 2],              # header fine, data cut: skipped
-      "corrupt": bytes(rng.integers(0, 256, 3000, dtype=np.uint8)),   # not an image: skipped
-  }
+  return {kind: encode_as(kind, good, rng) for kind in TRAIN_BAD_KINDS}
 
 
 DECODABLE = ("ok", "cmyk", "grey", "png")

@@ -87,10 +87,9 @@ class TrainBatches:
     indices, rows = self.indices(step)
     if isinstance(self.source, ImageSource):
       size = self.image_size_at(step)
-      examples = [self.source.train_example(int(i), np.random.default_rng((self.seed, step, row)), size, self.random_flip)
-                  for i, row in zip(indices, range(rows.start, rows.stop))]
-      return {"images": np.stack([image for image, _ in examples]),
-              "labels": np.array([label for _, label in examples], np.int32)}
+      return _stack([self.source.train_example(int(i), np.random.default_rng((self.seed, step, row)), size,
+                                               self.random_flip)
+                     for i, row in zip(indices, range(rows.start, rows.stop))])
     images, labels = self.source.images[indices], self.source.labels[indices]
     rng = np.random.default_rng((self.seed, step))
     # Drawn for the whole global batch, then sliced: independent of the process count.
@@ -112,11 +111,7 @@ class TrainBatches:
   def iterator(self, start_step: int = 0, read_threads: int = 1, buffer: int = 4, workers: int = 0):
     """Batches from ``start_step`` on, assembled ahead of use by ``read_threads`` grain threads in each of
     ``workers`` worker processes (0: in this process)."""
-    options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=buffer)
-    dataset = self.dataset[start_step:].to_iter_dataset(options)
-    if workers > 0:
-      dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
-    return iter(dataset)
+    return _iterate(self.dataset[start_step:], read_threads, buffer, workers)
 
 
 class EvalBatches:
@@ -140,15 +135,24 @@ class EvalBatches:
     valid = positions < len(self.source)
     indices = np.where(valid, positions, 0)   # padding rows repeat example 0 and are masked out
     if isinstance(self.source, ImageSource):
-      examples = [self.source.eval_example(int(i), self.image_size) for i in indices]
-      return {"images": np.stack([image for image, _ in examples]),
-              "labels": np.array([label for _, label in examples], np.int32), "mask": valid.astype(np.float32)}
+      batch = _stack([self.source.eval_example(int(i), self.image_size) for i in indices])
+      return {**batch, "mask": valid.astype(np.float32)}
     return {"images": self.source.images[indices], "labels": self.source.labels[indices],
             "mask": valid.astype(np.float32)}
 
   def iterator(self, read_threads: int = 1, buffer: int = 4, workers: int = 0):
-    options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=buffer)
-    dataset = self.dataset.to_iter_dataset(options)
-    if workers > 0:
-      dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
-    return iter(dataset)
+    return _iterate(self.dataset, read_threads, buffer, workers)
+
+
+def _stack(examples: list[tuple[np.ndarray, int]]) -> dict[str, np.ndarray]:
+  """(image, label) pairs of an ImageSource as a batch."""
+  return {"images": np.stack([image for image, _ in examples]),
+          "labels": np.array([label for _, label in examples], np.int32)}
+
+
+def _iterate(dataset: grain.MapDataset, read_threads: int, buffer: int, workers: int):
+  """Iterates ``dataset`` with ``read_threads`` grain threads, in ``workers`` worker processes (0: here)."""
+  dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=buffer))
+  if workers > 0:
+    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+  return iter(dataset)

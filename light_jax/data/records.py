@@ -17,6 +17,7 @@ cache a uint8 (h, w, 3) array (``None`` for a bad record).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -203,8 +204,8 @@ def estimate_cache_bytes(records, shorter: int, sample: int = 32) -> int:
       width, height = transforms.open_image(records[int(i)][0]).size
     except transforms.BadImage:
       continue
-    factor = min(1.0, shorter / min(width, height))
-    per_image.append(round(width * factor) * round(height * factor) * 3 + _CACHE_HEADER.size)
+    cached_width, cached_height = transforms.shorter_side_size(width, height, shorter)
+    per_image.append(cached_width * cached_height * 3 + _CACHE_HEADER.size)
   return int(np.mean(per_image) * n) if per_image else 0
 
 
@@ -217,10 +218,11 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
   chunk = 256
   # spawn, not fork: the caller is multithreaded (JAX), and forking it can deadlock.
   context = multiprocessing.get_context("spawn")
-  with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) if workers > 1 else _Inline() as pool:
+  pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) if workers > 1 else None
+  with pool or contextlib.nullcontext():
     for first in range(0, n, chunk):
       items = [records[i] for i in range(first, min(first + chunk, n))]
-      for record in pool.map(_decode_for_cache, items, [shorter] * len(items)):
+      for record in (pool.map if pool else map)(_decode_for_cache, items, [shorter] * len(items)):
         writer.write(record)
       if first // chunk % 20 == 0:
         logging.info("building the decoded cache %s: %d / %d images (%.0f s)", path, first + len(items), n,
@@ -229,17 +231,6 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
   os.replace(tmp, path)
   logging.info("decoded cache %s built: %d images, %.1f MB, %.0f s", path, n, os.path.getsize(path) / 1e6,
                time.time() - start)
-
-
-class _Inline:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False
-
-  def map(self, fn, *iterables):
-    return map(fn, *iterables)
 
 
 class DecodedCache:

@@ -130,6 +130,27 @@ def crop_resize(image: Image.Image, box: Box, size: int, flip: bool = False) -> 
   return np.asarray(out, dtype=np.uint8)
 
 
+def _decode_at_least(data: bytes, size: tuple[int, int] | None, min_width: int, min_height: int) -> Image.Image:
+  """Decoded RGB image at the smallest power-of-two DCT scale that keeps both minimums.
+
+  ``size`` is the JPEG's (width, height) from its header, or None when it is not a JPEG simplejpeg
+  reads; simplejpeg decodes what it can, Pillow (with ``draft`` for JPEGs) everything else.
+  """
+  pixels = _turbo_decode(data, size, min_width, min_height) if size else None
+  if pixels is not None:
+    return as_image(pixels)
+  image = open_image(data)
+  if image.format == "JPEG":
+    image.draft("RGB", (min_width, min_height))
+  return _to_rgb(image)
+
+
+def _image_size(data: bytes) -> tuple[tuple[int, int], tuple[int, int] | None]:
+  """((width, height), the same if simplejpeg reads the header, else None)."""
+  jpeg_size = _jpeg_size(data)
+  return (jpeg_size or open_image(data).size), jpeg_size
+
+
 def decode_crop_resize(data: bytes, size: int, rng: np.random.Generator | None = None, flip: bool = False,
                        scale: tuple[float, float] = (0.08, 1.0), reduced_decode: bool = True) -> np.ndarray:
   """Training (``rng`` given: random box + ``flip``) or evaluation (centre box) transform of encoded bytes.
@@ -137,20 +158,11 @@ def decode_crop_resize(data: bytes, size: int, rng: np.random.Generator | None =
   With ``reduced_decode`` a JPEG is decoded at the smallest DCT scale (1, 1/2, 1/4, 1/8) that still
   leaves the box at least ``size`` pixels on each side, so the final resize only ever shrinks.
   """
-  jpeg_size = _jpeg_size(data)
-  image = None if jpeg_size else open_image(data)
-  width, height = jpeg_size or image.size
+  (width, height), jpeg_size = _image_size(data)
   box = random_resized_crop_box(width, height, rng, scale) if rng is not None else center_crop_box(width, height)
   box_w, box_h = box[2] - box[0], box[3] - box[1]
   wanted = (math.ceil(width * size / box_w), math.ceil(height * size / box_h)) if reduced_decode else (width, height)
-  pixels = _turbo_decode(data, jpeg_size, *wanted) if jpeg_size else None
-  if pixels is not None:
-    image = as_image(pixels)
-  else:
-    image = image or open_image(data)
-    if reduced_decode and image.format == "JPEG":
-      image.draft("RGB", wanted)
-    image = _to_rgb(image)
+  image = _decode_at_least(data, jpeg_size, *wanted)
   # The decoder's scale, 1, 1/2, 1/4 or 1/8 (its sizes are rounded up, so the exact ratio is not it).
   scale = next((1 / d for d in (1, 2, 4, 8) if -(-width // d) == image.size[0]), image.size[0] / width)
   box = (box[0] * scale, box[1] * scale, min(box[2] * scale, image.size[0]), min(box[3] * scale, image.size[1]))
@@ -162,31 +174,27 @@ def decode(data: bytes) -> Image.Image:
   return _to_rgb(open_image(data))
 
 
-def resize_shorter_side(image: Image.Image, shorter: int) -> Image.Image:
-  """Scaled so that its shorter side is ``shorter`` (never enlarged): what the decoded caches store."""
-  width, height = image.size
+def shorter_side_size(width: int, height: int, shorter: int) -> tuple[int, int]:
+  """(width, height) scaled so that the shorter side is ``shorter``, never enlarged: the cached size."""
   factor = shorter / min(width, height)
   if factor >= 1:
-    return image
-  return image.resize((max(1, round(width * factor)), max(1, round(height * factor))), RESAMPLE,
-                      reducing_gap=None)
+    return width, height
+  return max(1, round(width * factor)), max(1, round(height * factor))
+
+
+def resize_shorter_side(image: Image.Image, shorter: int) -> Image.Image:
+  """Scaled to ``shorter_side_size``: what the decoded caches store."""
+  target = shorter_side_size(*image.size, shorter)
+  return image if target == image.size else image.resize(target, RESAMPLE)
 
 
 def decode_shorter_side(data: bytes, shorter: int) -> Image.Image:
   """Decoded RGB image scaled to a shorter side of ``shorter`` px (JPEGs decoded at a reduced DCT scale
   that stays at least that large): what the decoded caches store."""
-  jpeg_size = _jpeg_size(data)
-  if jpeg_size:
-    factor = shorter / min(jpeg_size)
-    pixels = _turbo_decode(data, jpeg_size, math.ceil(jpeg_size[0] * factor), math.ceil(jpeg_size[1] * factor))
-    if pixels is not None:
-      return resize_shorter_side(as_image(pixels), shorter)
-  image = open_image(data)
-  if image.format == "JPEG":
-    width, height = image.size
-    factor = shorter / min(width, height)
-    image.draft("RGB", (math.ceil(width * factor), math.ceil(height * factor)))
-  return resize_shorter_side(_to_rgb(image), shorter)
+  (width, height), jpeg_size = _image_size(data)
+  factor = shorter / min(width, height)
+  image = _decode_at_least(data, jpeg_size, math.ceil(width * factor), math.ceil(height * factor))
+  return resize_shorter_side(image, shorter)
 
 
 def naive_train_transform(data: bytes, size: int, rng: np.random.Generator, flip: bool) -> np.ndarray:
