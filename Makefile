@@ -6,11 +6,12 @@ FASHION_MNIST_DIR := /usr/share/datasets/fashion-mnist
 WORKDIR ?= runs/fashion_mnist
 CONFIG ?= configs/fashion_mnist.py
 
-.PHONY: .venv train test bench data clean
+.PHONY: .venv train test bench data jpeg-build-deps clean
 
 .venv: $(VENV)/.installed data
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py light_jax/data/_jpeg_region.c
+	@$(MAKE) --no-print-directory jpeg-build-deps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e .
@@ -20,6 +21,18 @@ $(VENV)/.installed: pyproject.toml
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
+
+# The JPEG region decoder (light_jax/data/_jpeg_region.c) is compiled against libjpeg(-turbo): it needs a
+# C compiler and the headers. Without them the install still works and decodes whole JPEGs (slower).
+jpeg-build-deps:
+	@if printf '#include <stdio.h>\n#include <jpeglib.h>\n' | cc -E - >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing gcc and libjpeg-dev with apt-get (for the JPEG region decoder)"; \
+	  (apt-get install -y -qq gcc libjpeg-dev || (apt-get update -qq && apt-get install -y -qq gcc libjpeg-dev)) >/dev/null; \
+	else \
+	  echo "warning: no C compiler or libjpeg headers: the JPEG region decoder will not be built (whole JPEGs are" \
+	       "decoded, slower). To build it: sudo apt-get install -y gcc libjpeg-dev, then make again." >&2; \
+	fi
 
 # Fashion-MNIST from Debian's dataset-fashion-mnist package (IDX files in $(FASHION_MNIST_DIR)).
 data:

@@ -6,14 +6,17 @@ The benchmark writes its own ImageNet-like JPEGs (about 500 x 375, quality 90, a
 shapes, texture and noise), then measures one core (this process, one thread) per path and size:
 
 - naive: full-size Pillow decode, random-resized crop, bilinear resize, flip (what a first version does);
-- jpeg: our path, ``decode_crop_resize``: reduced-size JPEG decoding (DCT scaling) when the crop allows;
+- jpeg: our path, ``decode_crop_resize``: reduced-size JPEG decoding (DCT scaling) when the crop allows,
+  and only the rows down to the crop's last one (the region decoder, _jpeg_region.c);
+- jpeg_whole: the same without the region decoder (whole JPEGs through simplejpeg), same pixels;
 - disk_cache: pixels pre-decoded at a shorter side of ``cache_px[size]`` in an ArrayRecord file on local
   disk (built before timing), random-resized crop + resize + flip; no decoding;
 - memory_cache: the same records held in memory.
 
 All paths use random-resized crop with area scale 0.08-1 and a random flip. Rounds interleave the paths,
 so a noisy neighbour hits all of them alike; the median round counts. Last line: JSON
-{"128": {"naive": R, "jpeg": R, "disk_cache": R, "memory_cache": R}, "224": {...}}, R in images/s per core.
+{"128": {"naive": R, "jpeg": R, "jpeg_whole": R, "disk_cache": R, "memory_cache": R}, "224": {...}}, R in
+images/s per core.
 """
 
 import argparse
@@ -71,6 +74,8 @@ def main():
   parser.add_argument("--workdir", default="", help="where the cache files go (default: a temporary dir)")
   args = parser.parse_args()
 
+  if not transforms.region_decoding_available():
+    print("warning: the JPEG region decoder was not built (see setup.py): 'jpeg' decodes whole images", file=sys.stderr)
   rng = np.random.default_rng(0)
   jpegs = [imagenet_like_jpeg(rng) for _ in range(args.images)]
   sizes = [Image.open(io.BytesIO(j)).size for j in jpegs]
@@ -90,6 +95,9 @@ def main():
     paths[size] = {
         "naive": lambda i, s=size: transforms.naive_train_transform(jpegs[i], s, example_rng, example_rng.random() < 0.5),
         "jpeg": lambda i, s=size, src=jpeg_source: src.train_example(i, example_rng, s),
+        # Our path without the region decoder (whole JPEGs through simplejpeg): what stopping early buys.
+        "jpeg_whole": lambda i, s=size: transforms.decode_crop_resize(jpegs[i], s, example_rng, example_rng.random() < 0.5,
+                                                                      region_decode=False),
         "disk_cache": lambda i, s=size, src=disk_source: src.train_example(i, example_rng, s),
         "memory_cache": lambda i, s=size, src=memory_source: src.train_example(i, example_rng, s),
     }
@@ -108,10 +116,12 @@ def main():
   result = {str(size): {name: round(statistics.median(v), 1) for name, v in measured[size].items()} for size in measured}
   print(f"\nimages/s on one core (median of {args.rounds} interleaved rounds of {args.seconds:g} s), "
         f"random-resized crop 0.08-1 + flip")
-  print(f"{'size':>5}{'naive':>10}{'jpeg':>10}{'disk_cache':>12}{'memory_cache':>14}{'jpeg/naive':>12}{'cache px':>10}")
+  print(f"{'size':>5}{'naive':>10}{'jpeg':>10}{'jpeg_whole':>12}{'disk_cache':>12}{'memory_cache':>14}"
+        f"{'jpeg/naive':>12}{'jpeg/whole':>12}{'cache px':>10}")
   for size, row in result.items():
-    print(f"{size:>5}{row['naive']:>10.0f}{row['jpeg']:>10.0f}{row['disk_cache']:>12.0f}{row['memory_cache']:>14.0f}"
-          f"{row['jpeg'] / row['naive']:>11.2f}x{CACHE_PX[int(size)]:>10}")
+    print(f"{size:>5}{row['naive']:>10.0f}{row['jpeg']:>10.0f}{row['jpeg_whole']:>12.0f}{row['disk_cache']:>12.0f}"
+          f"{row['memory_cache']:>14.0f}{row['jpeg'] / row['naive']:>11.2f}x{row['jpeg'] / row['jpeg_whole']:>11.2f}x"
+          f"{CACHE_PX[int(size)]:>10}")
   print(json.dumps(result))
 
 

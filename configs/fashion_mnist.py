@@ -29,6 +29,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       eval_batch_size=1000,
       prefetch=2,            # batches placed on the devices ahead of the step
       read_threads=1,        # grain threads that assemble host batches
+      host_prefetch=4,       # batches grain assembles ahead (bounds its parallelism too; -1: measure)
       num_workers=0,         # grain worker processes (-1: measure a few counts at start-up, keep the best)
       # Fields of the JPEG datasets (imagenet2012, image_folder); unused for Fashion-MNIST:
       image_size=0, resolution_schedule="", random_scale_min=0.08, reduced_decode=True,

@@ -38,6 +38,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       eval_batch_size=16_384,
       prefetch=2,
       read_threads=16,
+      host_prefetch=-1,        # batches grain assembles ahead per worker (-1: measure 1, 2, 4, ... at start-up)
       num_workers=-1,          # -1: measure a few grain worker counts at start-up and keep the best
   )
   config.global_batch_size = 32_768
@@ -69,7 +70,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     config.mesh = dict(nodes=2, local=4, cpu_devices=8)
     config.model = dict(name="resnet8_small", width=16, dtype="float32")
     config.data.update(image_size=32, resolution_schedule="0:24,1:32", cache_size=40, cache_budget_gb=1.0,
-                       eval_batch_size=64, read_threads=2, num_workers=0, random_scale_min=0.35)
+                       eval_batch_size=64, read_threads=2, num_workers=0, host_prefetch=4, random_scale_min=0.35)
     config.global_batch_size = 32
     config.num_epochs = 2
     config.optimizer.update(name="sgd", base_lr=0.4, nesterov=True, warmup_epochs=0.5, decay="cosine",

@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 
 # Fields that may change between a run and its resumption: they do not change shapes or data order.
 SAFE_TO_CHANGE = ("num_epochs", "max_steps", "log_every_steps", "checkpoint", "train", "data.read_threads",
-                  "data.prefetch", "data.eval_batch_size", "data.eval_subset", "mesh.cpu_devices",
+                  "data.host_prefetch", "data.prefetch", "data.eval_batch_size", "data.eval_subset", "mesh.cpu_devices",
                   "data.num_workers", "data.cache", "data.cache_dir", "data.cache_budget_gb", "data.data_dir")
 
 

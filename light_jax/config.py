@@ -62,6 +62,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _choice("model.name", config.model.name, tuple(sorted(ARCHITECTURES)))
   _choice("model.dtype", config.model.dtype, DTYPES)
   _choice("data.dataset", config.data.dataset, DATASETS)
+  _positive("data.read_threads", config.data.read_threads)
+  _positive("data.prefetch", config.data.prefetch)
+  for field in ("num_workers", "host_prefetch"):
+    value = config.data[field]
+    if not isinstance(value, int) or value < -1 or (field == "host_prefetch" and value == 0):
+      raise ConfigError(f"data.{field}={value!r} must be -1 (measure at start-up) or "
+                        f"{'>= 0' if field == 'num_workers' else '>= 1'}.")
   if config.data.dataset != "fashion_mnist":
     _choice("data.cache", config.data.cache, CACHES)
     _positive("data.image_size", config.data.image_size)
@@ -69,9 +76,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       raise ConfigError(f"data.random_scale_min={config.data.random_scale_min!r} must be in (0, 1].")
     from light_jax import data as data_lib   # here: the data package imports grain and Pillow
     try:
-      data_lib.parse_resolution_schedule(config.data.resolution_schedule, config.data.image_size)
+      phases = data_lib.parse_resolution_schedule(config.data.resolution_schedule, config.data.image_size)
     except data_lib.DataError as e:
       raise ConfigError(str(e)) from None
+    phase_batches = {p.global_batch_size for p in phases if p.global_batch_size}
+  else:
+    phase_batches = set()
   _positive("optimizer.base_lr", config.optimizer.base_lr)
   _positive("optimizer.weight_decay", config.optimizer.weight_decay, allow_zero=True)
   _positive("optimizer.warmup_epochs", config.optimizer.warmup_epochs, allow_zero=True)
@@ -93,13 +103,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
                       f"count, not {nodes} x {local} = {devices}; use 'hitopk' or 'topk', or a mesh of "
                       f"{1 << (devices.bit_length() - 1)} devices.")
 
-  batch_sizes = {"global_batch_size": config.global_batch_size,
-                 "data.eval_batch_size": config.data.eval_batch_size}
+  _positive("global_batch_size", config.global_batch_size)
+  _positive("data.eval_batch_size", config.data.eval_batch_size)
+  batch_sizes = {f"global_batch_size={config.global_batch_size}": config.global_batch_size,
+                 f"data.eval_batch_size={config.data.eval_batch_size}": config.data.eval_batch_size,
+                 **{f"the batch {b} in data.resolution_schedule": b for b in sorted(phase_batches)}}
   for field, value in batch_sizes.items():
-    _positive(field, value)
     if value % num_devices:
       lower = value // num_devices * num_devices
       raise ConfigError(
-          f"{field}={value} does not divide over {num_devices} devices; use a multiple of {num_devices} "
+          f"{field} does not divide over {num_devices} devices; use a multiple of {num_devices} "
           f"(e.g. {max(lower, num_devices)} or {lower + num_devices}).")
   return nodes, local

@@ -1,8 +1,9 @@
 """Optimizers for large-batch training: SGD (momentum, Nesterov), LARS and LAMB, from optax.
 
-- Peak learning rate scales linearly with the global batch: ``lr = base_lr * batch / 256`` (Goyal et al.).
-- Schedule: linear warm-up from 0 to the peak, then polynomial (power 2, MLPerf) or cosine decay to
-  ``peak * end_lr_factor`` at the last step.
+- Peak learning rate scales linearly with the global batch: ``lr = base_lr * batch / 256`` (Goyal et al.),
+  per phase when the resolution schedule changes the batch size.
+- Schedule: linear warm-up from 0 to the peak over ``warmup_epochs``, then polynomial (power 2, MLPerf)
+  or cosine decay to ``peak * end_lr_factor`` at the last step.
 - Biases and BatchNorm parameters (every parameter with ndim <= 1) get no weight decay and, for LARS,
   no trust ratio: the MLPerf ResNet-50 convention.
 """
@@ -10,29 +11,44 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
-
-def peak_learning_rate(config: ml_collections.ConfigDict) -> float:
-  return config.optimizer.base_lr * config.global_batch_size / 256
+from light_jax.data.epochs import EpochPlan
 
 
-def learning_rate_schedule(config: ml_collections.ConfigDict, steps_per_epoch: int, total_steps: int) -> optax.Schedule:
-  """Warm-up then decay, as a function of the step; evaluated on the host for logging as well."""
+def peak_learning_rate(config: ml_collections.ConfigDict, global_batch_size: int | None = None) -> float:
+  return config.optimizer.base_lr * (global_batch_size or config.global_batch_size) / 256
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict, plan: EpochPlan) -> optax.Schedule:
+  """Warm-up then decay as a function of the step; evaluated on the host for logging as well.
+
+  The shape is laid out in epochs (``plan.epochs_done``), so phases with different batch sizes, hence
+  different steps per epoch, keep the warm-up and decay where the config puts them; the height
+  follows the linear scaling rule with each step's batch size. With one batch size throughout this is
+  the usual step schedule.
+  """
   opt = config.optimizer
-  peak = peak_learning_rate(config)
-  warmup_steps = min(int(round(opt.warmup_epochs * steps_per_epoch)), total_steps)
-  decay_steps = max(total_steps - warmup_steps, 1)
-  end = peak * opt.end_lr_factor
-  if opt.decay == "poly":
-    decay = optax.polynomial_schedule(peak, end, power=2, transition_steps=decay_steps)
-  else:
-    decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=opt.end_lr_factor)
-  if warmup_steps == 0:
-    return decay
-  warmup = optax.linear_schedule(0.0, peak, warmup_steps)
-  return optax.join_schedules([warmup, decay], [warmup_steps])
+  warmup, total = min(opt.warmup_epochs, plan.num_epochs), plan.num_epochs
+  first_steps = jnp.asarray(plan.first_steps, jnp.float32)
+  epoch_marks = jnp.arange(plan.num_epochs + 1, dtype=jnp.float32)
+  peaks = jnp.asarray([peak_learning_rate(config, b) for b in plan.batch_sizes], jnp.float32)
+
+  def schedule(step):
+    step = jnp.asarray(step, jnp.float32)
+    epochs = jnp.interp(step, first_steps, epoch_marks)   # plan.epochs_done, piecewise linear
+    epoch = jnp.clip(jnp.searchsorted(first_steps, step, side="right") - 1, 0, plan.num_epochs - 1)
+    progress = jnp.clip((epochs - warmup) / max(total - warmup, 1e-9), 0.0, 1.0)
+    if opt.decay == "poly":
+      decay = opt.end_lr_factor + (1 - opt.end_lr_factor) * (1 - progress) ** 2
+    else:
+      decay = opt.end_lr_factor + (1 - opt.end_lr_factor) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
+    shape = jnp.where(epochs < warmup, epochs / max(warmup, 1e-9), decay)
+    return peaks[epoch] * shape
+
+  return schedule
 
 
 def decay_mask(params):

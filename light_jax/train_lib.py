@@ -99,7 +99,7 @@ def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
                     reducer: collectives.GradientReducer, mesh: jax.sharding.Mesh,
                     info: data_lib.DatasetInfo, label_smoothing: float, inject_nan_at_step: int = -1,
-                    steps_per_epoch: int = 0) -> Callable:
+                    epoch_first_steps: tuple[int, ...] = ()) -> Callable:
   """Returns ``step(state, images, labels) -> (state, per_device_loss)``, jitted, donating ``state``.
 
   ``images`` (uint8) and ``labels`` are global arrays sharded over (node, local) on their first dim.
@@ -109,7 +109,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
   A non-finite loss or reduced gradient is caught on the device, without a host sync: the update is
   skipped (state unchanged but for ``step`` and ``nonfinite_steps``). ``inject_nan_at_step`` >= 0
   poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
-  ``steps_per_epoch`` > 0 resets the epoch loss accumulators at each epoch's first step.
+  ``epoch_first_steps`` (``EpochPlan.first_steps``) resets the epoch loss accumulators at each epoch's
+  first step.
   """
 
   def device_step(state: TrainState, images, labels):
@@ -134,7 +135,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
     updated = (optax.apply_updates(state.params, updates), lax.pmean(batch_stats, AXES), opt_state, comm_state)
     kept = (state.params, state.batch_stats, state.opt_state, state.comm_state)
     params, batch_stats, opt_state, comm_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, kept)
-    new_epoch = state.step % steps_per_epoch == 0 if steps_per_epoch else False
+    new_epoch = jnp.isin(state.step, jnp.asarray(epoch_first_steps, jnp.int32)) if epoch_first_steps else False
     loss_ok = jnp.isfinite(loss)
     new_state = state.replace(
         step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state, comm_state=comm_state,
@@ -169,10 +170,11 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.Dat
 
 
 def evaluate(eval_step: Callable, state: TrainState, batches: data_lib.EvalBatches,
-             sharding: NamedSharding, read_threads: int = 1, workers: int = 0) -> dict[str, float]:
+             sharding: NamedSharding, read_threads: int = 1, workers: int = 0, host_prefetch: int = 4) -> dict[str, float]:
   """Top-1, top-5 and mean loss over the whole split."""
   totals = None
-  for batch in data_lib.DevicePrefetcher(batches.iterator(read_threads, workers=workers), sharding):
+  host_batches = batches.iterator(read_threads, buffer=host_prefetch, workers=workers)
+  for batch in data_lib.DevicePrefetcher(host_batches, sharding):
     sums = eval_step(state, batch["images"], batch["labels"], batch["mask"])
     totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
   totals = jax.device_get(totals)
@@ -256,14 +258,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if jpeg_source else ())
   eval_batches = data_lib.EvalBatches(eval_source, config.data.eval_batch_size, jax.process_index(),
                                       jax.process_count(), info.image_shape[0] if jpeg_source else None)
-  steps_per_epoch = train_batches.steps_per_epoch
-  total_steps = train_batches.num_steps if not config.max_steps else min(config.max_steps, train_batches.num_steps)
-  logging.info("data %s: %d train / %d eval examples, %d steps per epoch, %d steps in all",
-               config.data.dataset, len(train_source), len(eval_source), steps_per_epoch, total_steps)
+  plan = train_batches.plan   # step -> epoch, image size, batch size
+  total_steps = plan.num_steps if not config.max_steps else min(config.max_steps, plan.num_steps)
+  logging.info("data %s: %d train / %d eval examples, %s steps per epoch, %d steps in all",
+               config.data.dataset, len(train_source), len(eval_source),
+               plan.steps_per_epoch[0] if plan.uniform else "/".join(map(str, sorted(set(plan.steps_per_epoch)))),
+               total_steps)
 
   # --- Model, optimizer, gradient reducer ----------------------------------------------------------
   model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
-  schedule = optim.learning_rate_schedule(config, steps_per_epoch, train_batches.num_steps)
+  schedule = optim.learning_rate_schedule(config, plan)
   tx = optim.build_optimizer(config, schedule)
   comm = config.comm
   profile = fusion_lib.profile_parameters(model, info.image_shape)   # backward order, FLOPs per tensor
@@ -273,7 +277,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       min_compress_elements=comm.min_compress_elements, wire_dtype=comm.dtype, order=profile.order)
   if comm.fusion == "adaptive":
     reducer = cost_model.plan_adaptive_fusion(reducer, profile, cost_model.load(comm.cost_model),
-                                              comm.device_tflops * 1e12, config.global_batch_size // mesh.size)
+                                              comm.device_tflops * 1e12, plan.batch_sizes[0] // mesh.size)
     logging.info("adaptive fusion (MG-WFBP, %s): %d buckets for %d tensors", comm.cost_model,
                  len(reducer.groups), len(profile.order))
   state = create_train_state(model, tx, reducer, info.image_shape, mesh, config.seed)
@@ -293,51 +297,51 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   start_step = 0
   if restored is not None:
     start_step, state, _ = restored
-    logging.info("resumed from the checkpoint at step %d (epoch %.2f)", start_step, start_step / steps_per_epoch)
+    logging.info("resumed from the checkpoint at step %d (epoch %.2f)", start_step, plan.epochs_done(start_step))
 
   # --- Compile ahead of time, so that images/s measures steps and not compilation -------------------
-  # k of top-k and the image size of progressive resizing are static shapes: a density warm-up or a
-  # resolution schedule compiles the step once per (density, size) phase.
+  # k of top-k and the batch shape of progressive resizing are static shapes: a density warm-up or a
+  # resolution schedule compiles the step once per (density, batch shape) phase.
   sharding = mesh_lib.batch_sharding(mesh)
-  density_warmup_steps = int(comm.density_warmup_epochs * steps_per_epoch)
+  density_warmup_steps = plan.step_at(comm.density_warmup_epochs)
   compiled_steps = {}
 
   def train_step_for(step: int):
-    """(compiled train step, its CommBytes) for the top-k density and image size of ``step``."""
+    """(compiled train step, its CommBytes) for the top-k density and batch shape of ``step``."""
     density = compression.density_at(step, comm.density, density_warmup_steps)
-    size = train_batches.image_size_at(step)
-    image_shape = (size, size, info.image_shape[2]) if size else info.image_shape
-    if (density, image_shape) not in compiled_steps:
+    size = plan.image_size_at(step)
+    batch_shape = (plan.batch_size_at(step), *((size, size, info.image_shape[2]) if size else info.image_shape))
+    if (density, batch_shape) not in compiled_steps:
       phase_reducer = dataclasses.replace(reducer, density=density)
-      batch_shape = (config.global_batch_size, *image_shape)
       abstract_args = (checkpoint_lib.abstract(state),
                        jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=sharding),
                        jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=sharding))
       start = time.time()
       compiled = make_train_step(model, tx, phase_reducer, mesh, info, config.optimizer.label_smoothing,
-                                 config.train.inject_nan_at_step, steps_per_epoch).lower(*abstract_args).compile()
+                                 config.train.inject_nan_at_step, tuple(plan.first_steps)).lower(*abstract_args).compile()
       comm_bytes = phase_reducer.bytes_per_step(abstract_args[0].params)
-      logging.info("train step compiled in %.1f s (images %s%s): %s intra-node and %s inter-node bytes per device "
-                   "per step", time.time() - start, "x".join(map(str, image_shape)),
+      logging.info("train step compiled in %.1f s (batch %s%s): %s intra-node and %s inter-node bytes per device "
+                   "per step", time.time() - start, "x".join(map(str, batch_shape)),
                    f", top-k density {density:.4g}" if comm.strategy in collectives.COMPRESSED_STRATEGIES else "",
                    f"{comm_bytes.intra_node:,}", f"{comm_bytes.inter_node:,}")
-      compiled_steps[density, image_shape] = compiled, comm_bytes
-    return compiled_steps[density, image_shape]
+      compiled_steps[density, batch_shape] = compiled, comm_bytes
+    return compiled_steps[density, batch_shape]
 
   train_step_for(start_step)
   eval_step = make_eval_step(model, mesh, info)
 
   # --- Loop ----------------------------------------------------------------------------------------
-  workers = config.data.num_workers
-  if workers < 0:   # measured on this machine, in bounded time, with the batches the run will read
-    workers = autotune.best_worker_count(
-        lambda w: train_batches.iterator(start_step, read_threads=config.data.read_threads, workers=w))
+  # -1: measured on this machine, in bounded time, with the batches the run will read.
+  read_threads = config.data.read_threads
+  workers, host_prefetch = autotune.best_input_settings(
+      lambda w, depth: train_batches.iterator(start_step, read_threads=read_threads, buffer=depth, workers=w),
+      config.data.num_workers, config.data.host_prefetch, read_threads)
   if workers and config.data.cache == "memory":
     logging.warning("data.cache=memory with %d grain worker process(es): the workers read the cache file "
                     "through the OS page cache; set data.num_workers=0 to read from this process's memory", workers)
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=start_step if restored else None)
   bar = metrics_lib.progress_bar(total_steps, enabled=is_main, initial=start_step)
-  host_batches = train_batches.iterator(start_step, read_threads=config.data.read_threads, workers=workers)
+  host_batches = train_batches.iterator(start_step, read_threads=read_threads, buffer=host_prefetch, workers=workers)
   prefetcher = data_lib.DevicePrefetcher(host_batches, sharding, size=config.data.prefetch)
   preemption = PreemptionGuard()
   images_since_record = 0
@@ -355,13 +359,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       train_step, comm_bytes = train_step_for(step)
       state, loss = train_step(state, batch["images"], batch["labels"])
       step += 1
-      images_since_record += config.global_batch_size
+      images_since_record += plan.batch_size_at(step - 1)
       bar.update(1)
       if step % config.log_every_steps == 0:
         # Reading step t's loss waits for step t only; the steps queued behind it keep running.
         bar.set_postfix(loss=f"{global_mean(loss):.4f}", lr=f"{float(schedule(step)):.3g}",
                         img_s=f"{images_since_record / (time.perf_counter() - segment_start):.0f}")
-      end_of_epoch = step % steps_per_epoch == 0 or step == total_steps
+      end_of_epoch = plan.ends_epoch(step) or step == total_steps
       if step % config.log_every_steps == 0 or end_of_epoch:
         nonfinite = int(state.nonfinite_steps.addressable_data(0))
         if nonfinite > nonfinite_seen:
@@ -375,10 +379,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if end_of_epoch:
         train_loss = epoch_mean_loss(state)
         train_seconds = time.perf_counter() - segment_start   # eval excluded
-        eval_metrics = evaluate(eval_step, state, eval_batches, sharding, config.data.read_threads, workers)
+        eval_metrics = evaluate(eval_step, state, eval_batches, sharding, read_threads, workers, host_prefetch)
         record = {
             "step": step,
-            "epoch": round(step / steps_per_epoch, 4),
+            "epoch": round(plan.epochs_done(step), 4),
             "train_loss": train_loss,
             **eval_metrics,
             "images_per_sec": images_since_record / train_seconds,
@@ -424,7 +428,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "final_train_loss": record.get("train_loss"),
       "wall_seconds": time.time() - wall_start,
       "steps": step,
-      "epochs": step / steps_per_epoch,
+      "epochs": plan.epochs_done(step),
       "num_params": num_params,
       "mesh": {"nodes": nodes, "local": local, "processes": jax.process_count(),
                "platform": mesh.devices.flat[0].platform},

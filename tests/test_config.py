@@ -88,8 +88,14 @@ def test_cli_imagenet_without_prepared_data_says_how_to_prepare_it(tmp_path):
 
 @pytest.mark.parametrize("overrides,message", [
     ({"data__cache": "ssd"}, r"data.cache='ssd' is unknown; use one of \['none', 'disk', 'memory'\]"),
-    ({"data__resolution_schedule": "0-128"}, r"data.resolution_schedule='0-128' is not 'first_epoch:size,...'"),
+    ({"data__resolution_schedule": "0-128"},
+     r"data.resolution_schedule='0-128' is not 'first_epoch:size\[:global_batch\],...'"),
     ({"data__resolution_schedule": "3:128"}, r"the first phase must start at epoch 0"),
+    ({"data__resolution_schedule": "0:24:64,1:32:36"},
+     r"the batch 36 in data.resolution_schedule does not divide over 8 devices; use a multiple of 8 \(e.g. 32 or 40\)"),
+    ({"data__resolution_schedule": "0:24,0:32"}, r"two phases start at the same epoch"),
+    ({"data__host_prefetch": 0}, r"data.host_prefetch=0 must be -1 \(measure at start-up\) or >= 1"),
+    ({"data__num_workers": -2}, r"data.num_workers=-2 must be -1 \(measure at start-up\) or >= 0"),
     ({"data__random_scale_min": 0.0}, r"data.random_scale_min=0.0 must be in \(0, 1\]"),
     ({"data__image_size": 0}, r"data.image_size=0 must be > 0"),
 ])

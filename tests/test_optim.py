@@ -6,6 +6,7 @@ import pytest
 
 from configs import fashion_mnist
 from light_jax import optim
+from light_jax.data import EpochPlan, Phase
 from light_jax.models import create_model
 
 
@@ -22,7 +23,8 @@ def test_peak_lr_scales_linearly_with_batch():
 
 @pytest.mark.parametrize("decay", ["poly", "cosine"])
 def test_schedule_warms_up_linearly_then_decays_to_the_end_value(decay):
-  schedule = optim.learning_rate_schedule(_config(decay=decay), steps_per_epoch=100, total_steps=1000)
+  # 10 epochs of 100 steps of 1024 examples.
+  schedule = optim.learning_rate_schedule(_config(decay=decay), EpochPlan(102_400, 10, (), 1024))
   peak = 2.0
   assert float(schedule(0)) == 0.0
   assert float(schedule(50)) == pytest.approx(peak / 4)
@@ -34,6 +36,23 @@ def test_schedule_warms_up_linearly_then_decays_to_the_end_value(decay):
     assert mid == pytest.approx(0.02 + (peak - 0.02) * 0.25)
   else:                      # end + (peak - end) * (1 + cos(pi/2)) / 2
     assert mid == pytest.approx(0.02 + (peak - 0.02) * 0.5)
+
+
+def test_schedule_with_a_batch_per_phase_keeps_its_shape_in_epochs_and_scales_the_peak():
+  """Epochs 0-3 in batches of 1024 (100 steps each), epochs 4-9 in batches of 512 (200 steps each)."""
+  plan = EpochPlan(102_400, 10, (Phase(0, 128), Phase(4, 224, 512)), 1024)
+  assert plan.steps_per_epoch == [100] * 4 + [200] * 6 and plan.num_steps == 1600
+  assert plan.epochs_done(450) == pytest.approx(4.25) and plan.step_at(4.25) == 450
+  assert plan.ends_epoch(400) and plan.ends_epoch(600) and not plan.ends_epoch(500)
+  config = _config(decay="poly")   # warm-up 2 epochs, peak 0.5 * batch / 256
+  schedule = optim.learning_rate_schedule(config, plan)
+  assert float(schedule(100)) == pytest.approx(2.0 / 2)            # 1 epoch into the warm-up at batch 1024
+  assert float(schedule(200)) == pytest.approx(2.0)                # peak at batch 1024
+  # Epoch 7 of 10 (step 400 + 3 * 200): 5/8 through the decay, at the batch-512 peak of 1.0.
+  assert float(schedule(1000)) == pytest.approx(1.0 * (0.01 + 0.99 * (1 - 5 / 8) ** 2))
+  assert float(schedule(1600)) == pytest.approx(1.0 * 0.01)
+  # Across the batch change the shape is continuous and the height halves with the batch.
+  assert float(schedule(400)) == pytest.approx(0.5 * float(schedule(399)), rel=1e-2)
 
 
 def test_no_weight_decay_or_trust_ratio_on_biases_and_batchnorm():

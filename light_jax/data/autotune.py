@@ -1,10 +1,16 @@
-"""Pick the number of grain worker processes for this machine by measuring, in bounded time.
+"""Pick grain's worker-process count and prefetch depth for this machine by measuring, in bounded time.
 
-The best count depends on the cores, the decoder, the image sizes and whether a cache is hit, so it is
-measured at start-up on the batches the run is about to read: for each candidate, start the iterator,
-let the first max(1, workers) batches through (worker start-up is not throughput), then count batches for
-``seconds_each``. The fastest wins; a count within ``tolerance`` of it but smaller wins instead (fewer
-processes, less memory). The table is logged. ``data.num_workers`` >= 0 pins the count and skips this.
+The best settings depend on the cores, the decoder, the image sizes and whether a cache is hit, so they
+are measured at start-up on the batches the run is about to read: for each candidate, start the
+iterator, let the first max(1, workers) batches through (worker start-up is not throughput), then count
+batches for ``seconds_each``. The fastest wins; a candidate within ``tolerance`` of it but smaller wins
+instead (fewer processes, fewer batches in memory). Tables are logged.
+
+Two knobs, tuned one after the other: the worker count (``data.num_workers``), then the prefetch depth
+(``data.host_prefetch``), grain's buffer of batches being assembled ahead of use in each iterator. The
+depth also bounds grain's parallelism: at most min(read_threads, depth) batches are in flight, so a
+depth below ``data.read_threads`` leaves threads idle. A config value >= 0 pins a knob and skips its
+measurement.
 """
 
 from __future__ import annotations
@@ -50,15 +56,41 @@ def measure(make_iterator: Callable[[int], Iterator], workers: int, seconds: flo
       close()
 
 
-def best_worker_count(make_iterator: Callable[[int], Iterator], candidates: list[int] | None = None,
-                      seconds_each: float = 3.0, tolerance: float = 0.05) -> int:
-  candidates = candidates or candidate_counts()
-  rates = {}
-  for workers in candidates:
-    rates[workers] = measure(make_iterator, workers, seconds_each)
-    logging.info("input autotune: %d worker process(es): %.2f batches/s", workers, rates[workers])
+def prefetch_candidates(read_threads: int) -> list[int]:
+  """1, 2, 4, ... up to twice the read threads (at least 4)."""
+  counts, depth = [], 1
+  while depth <= max(4, 2 * read_threads):
+    counts.append(depth)
+    depth *= 2
+  return counts
+
+
+def _pick(rates: dict[int, float], tolerance: float) -> int:
   fastest = max(rates.values())
-  best = min(w for w, r in rates.items() if r >= (1 - tolerance) * fastest)
-  logging.info("input autotune: using %d worker process(es) (%.2f batches/s; measured %s)", best, rates[best],
-               ", ".join(f"{w}: {r:.2f}" for w, r in rates.items()))
-  return best
+  return min(k for k, r in rates.items() if r >= (1 - tolerance) * fastest)
+
+
+def best_input_settings(make_iterator: Callable[[int, int], Iterator], workers: int, prefetch: int,
+                        read_threads: int, seconds_each: float = 3.0, tolerance: float = 0.05) -> tuple[int, int]:
+  """(worker processes, prefetch depth): each measured when it is -1, else kept.
+
+  ``make_iterator(workers, prefetch)`` starts the batches the run will read with those settings.
+  """
+  depth_for_workers = prefetch if prefetch >= 0 else max(read_threads, 2)
+  if workers < 0:
+    rates = {}
+    for count in candidate_counts():
+      rates[count] = measure(lambda w: make_iterator(w, depth_for_workers), count, seconds_each)
+      logging.info("input autotune: %d worker process(es): %.2f batches/s", count, rates[count])
+    workers = _pick(rates, tolerance)
+    logging.info("input autotune: using %d worker process(es) (%.2f batches/s; measured %s)", workers,
+                 rates[workers], ", ".join(f"{w}: {r:.2f}" for w, r in rates.items()))
+  if prefetch < 0:
+    rates = {}
+    for depth in prefetch_candidates(read_threads):
+      rates[depth] = measure(lambda w: make_iterator(w, depth), workers, seconds_each)
+      logging.info("input autotune: prefetch depth %d: %.2f batches/s", depth, rates[depth])
+    prefetch = _pick(rates, tolerance)
+    logging.info("input autotune: using prefetch depth %d with %d read thread(s) (%.2f batches/s; measured %s)",
+                 prefetch, read_threads, rates[prefetch], ", ".join(f"{d}: {r:.2f}" for d, r in rates.items()))
+  return workers, prefetch

@@ -13,7 +13,7 @@ Two kinds of source: an ``ArraySource`` (small datasets held as arrays: pad-crop
 ``ImageSource`` (JPEG records or a decoded cache: random-resized crop + flip per example, each example
 drawing from its own generator seeded by (seed, step, global row), so the pixels do not depend on the
 process or worker count either). Progressive resizing: ``resolution_schedule`` gives the training
-image size by epoch; the trainer compiles one step per size.
+image size (and optionally the global batch size) by epoch; the trainer compiles one step per shape.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import math
 import grain
 import numpy as np
 
+from light_jax.data.epochs import EpochPlan
 from light_jax.data.image_source import ImageSource
 from light_jax.data.source import ArraySource
 
@@ -46,40 +47,40 @@ def pad_crop_flip(images: np.ndarray, offsets: np.ndarray, flips: np.ndarray, pa
 class TrainBatches:
   """Process-local training batches, one per global step, for ``num_epochs`` epochs.
 
-  Each epoch is ``len(source) // global_batch_size`` steps (the last partial batch is dropped; the
+  ``resolution_schedule`` phases (``epochs.Phase``: first epoch, image size, optional global batch size)
+  give each epoch its image size and batch size; ``plan`` (``epochs.EpochPlan``) maps steps to epochs.
+  An epoch of batch size B is ``len(source) // B`` steps (the last partial batch is dropped; the
   reshuffle gives those examples a place in later epochs).
   """
 
   def __init__(self, source: ArraySource | ImageSource, global_batch_size: int, num_epochs: int, seed: int,
                process_index: int = 0, process_count: int = 1, crop_padding: int = 0,
-               random_flip: bool = False, resolution_schedule: tuple[tuple[int, int], ...] = ()):
-    if len(source) < global_batch_size:
-      raise ValueError(f"the training split has {len(source)} examples, fewer than one global batch "
-                       f"({global_batch_size}); lower global_batch_size.")
-    self.source = source
-    self.global_batch_size = global_batch_size
-    self.local_batch_size = global_batch_size // process_count
-    self.steps_per_epoch = len(source) // global_batch_size
-    self.num_steps = self.steps_per_epoch * num_epochs
-    self.seed = seed
-    self.process_index = process_index
-    self.crop_padding = crop_padding
-    self.random_flip = random_flip
+               random_flip: bool = False, resolution_schedule: tuple[tuple[int, ...], ...] = ()):
     if isinstance(source, ImageSource) and not resolution_schedule:
       raise ValueError("an ImageSource needs a resolution_schedule ((first epoch, image size), ...)")
-    self.resolution_schedule = tuple(sorted(resolution_schedule))
+    self.plan = EpochPlan(len(source), num_epochs, resolution_schedule, global_batch_size)
+    for batch in set(self.plan.batch_sizes):
+      if batch % process_count:
+        raise ValueError(f"global batch {batch} does not split over {process_count} processes")
+    self.source = source
+    self.num_steps = self.plan.num_steps
+    self.seed = seed
+    self.process_index, self.process_count = process_index, process_count
+    self.crop_padding = crop_padding
+    self.random_flip = random_flip
     # grain's index shuffle: a new permutation of the split every epoch, from one seed.
     self._order = grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat()
     self.dataset = grain.MapDataset.range(self.num_steps).map(self.load)
 
   def indices(self, step: int) -> tuple[np.ndarray, slice]:
     """(source indices of this process's examples in global batch ``step``, their rows in that batch)."""
-    epoch, batch_in_epoch = divmod(step, self.steps_per_epoch)
-    first = epoch * len(self.source) + batch_in_epoch * self.global_batch_size
-    rows = slice(self.process_index * self.local_batch_size, (self.process_index + 1) * self.local_batch_size)
+    epoch, batch_in_epoch = self.plan.batch_in_epoch(step)
+    global_batch = self.plan.batch_sizes[epoch]
+    local_batch = global_batch // self.process_count
+    first = epoch * len(self.source) + batch_in_epoch * global_batch
+    rows = slice(self.process_index * local_batch, (self.process_index + 1) * local_batch)
     start = first + rows.start
-    indices = np.fromiter((self._order[start + j] for j in range(self.local_batch_size)), np.int64,
-                          self.local_batch_size)
+    indices = np.fromiter((self._order[start + j] for j in range(local_batch)), np.int64, local_batch)
     return indices, rows
 
   def load(self, step: int) -> dict[str, np.ndarray]:
@@ -93,20 +94,16 @@ class TrainBatches:
     images, labels = self.source.images[indices], self.source.labels[indices]
     rng = np.random.default_rng((self.seed, step))
     # Drawn for the whole global batch, then sliced: independent of the process count.
-    offsets = rng.integers(0, 2 * self.crop_padding + 1, size=(self.global_batch_size, 2))[rows]
-    flips = (rng.random(self.global_batch_size) < 0.5)[rows] & self.random_flip
+    global_batch = self.plan.batch_size_at(step)
+    offsets = rng.integers(0, 2 * self.crop_padding + 1, size=(global_batch, 2))[rows]
+    flips = (rng.random(global_batch) < 0.5)[rows] & self.random_flip
     if self.crop_padding or self.random_flip:
       images = pad_crop_flip(images, offsets, flips, self.crop_padding)
     return {"images": images, "labels": labels}
 
   def image_size_at(self, step: int) -> int | None:
     """Training image size of ``step`` under the resolution schedule (None: the source's own size)."""
-    epoch = step // self.steps_per_epoch
-    size = None
-    for first_epoch, phase_size in self.resolution_schedule:
-      if epoch >= first_epoch or size is None:
-        size = phase_size
-    return size
+    return self.plan.image_size_at(step)
 
   def iterator(self, start_step: int = 0, read_threads: int = 1, buffer: int = 4, workers: int = 0):
     """Batches from ``start_step`` on, assembled ahead of use by ``read_threads`` grain threads in each of

@@ -1,4 +1,4 @@
-"""Image transforms on the host, NumPy/Pillow only (they run in grain threads and worker processes).
+"""Image transforms on the host: NumPy, Pillow and libjpeg-turbo (they run in grain threads and worker processes).
 
 Both transforms are "choose a box in the image, resize the box to ``size`` x ``size``":
 
@@ -8,12 +8,15 @@ Both transforms are "choose a box in the image, resize the box to ``size`` x ``s
   (the same pixels as "resize the shorter side to size / 0.875, then centre-crop size").
 
 ``decode_crop_resize`` works on JPEG bytes and decodes only what the box needs: a JPEG can be decoded
-at 1/2, 1/4 or 1/8 scale for less (libjpeg-turbo's DCT scaling), and a box much larger than ``size``
-never needs full resolution. JPEGs go through simplejpeg (libjpeg-turbo's TurboJPEG API, fast integer
-IDCT and upsampling: about 30% less time than Pillow's decoder for the same scale, measured in
-benchmarks/input_pipeline.py); anything it refuses (CMYK JPEGs, PNGs named .JPEG, other formats)
-goes through Pillow, which also converts greyscale, CMYK, palette and RGBA images to RGB. Bytes that
-neither can decode (corrupt, truncated) raise ``BadImage``. Output pixels are uint8 RGB.
+at 1/2, 1/4 or 1/8 scale for less (libjpeg-turbo's DCT scaling), a box much larger than ``size``
+never needs full resolution, and the rows below the box need no decoding at all. Entropy decoding is
+most of a JPEG's cost and runs top to bottom, so stopping at the box's last row is the larger saving;
+``_jpeg_region`` (a small C extension over the system's libjpeg-turbo, _jpeg_region.c) does both.
+Without it (no libjpeg headers at install time) whole JPEGs go through simplejpeg (libjpeg-turbo's
+TurboJPEG API with fast IDCT and upsampling, the same pixels). Anything libjpeg refuses (CMYK JPEGs,
+PNGs named .JPEG, other formats, damaged files) goes through Pillow, which also converts greyscale,
+CMYK, palette and RGBA images to RGB. Bytes that neither can decode (corrupt, truncated) raise
+``BadImage``. Output pixels are uint8 RGB. Measured in benchmarks/input_pipeline.py.
 """
 
 from __future__ import annotations
@@ -25,9 +28,19 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
+try:   # the C extension built by `pip install` when libjpeg's headers are there (see setup.py)
+  from light_jax.data import _jpeg_region
+except ImportError:
+  _jpeg_region = None
+
 RESAMPLE = Image.Resampling.BILINEAR
 EVAL_CROP_FRACTION = 0.875
 Box = tuple[float, float, float, float]   # (left, top, right, bottom) in pixels
+
+
+def region_decoding_available() -> bool:
+  """Whether the install built ``_jpeg_region`` (it needs a C compiler and libjpeg's headers)."""
+  return _jpeg_region is not None
 
 
 class BadImage(ValueError):
@@ -89,29 +102,47 @@ def as_image(pixels: np.ndarray) -> Image.Image:
   return Image.frombuffer("RGB", (width, height), np.ascontiguousarray(pixels), "raw", "RGB", 0, 1)
 
 
-def _power_of_two_scale(width: int, height: int, min_width: int, min_height: int) -> tuple[int, int]:
-  """The smallest of full, 1/2, 1/4, 1/8 size that keeps both minimums, as (width, height).
+def _dct_denominator(width: int, height: int, min_width: int, min_height: int) -> int:
+  """The largest of 1, 2, 4, 8 whose DCT-scaled size (1/denominator, rounded up) keeps both minimums.
 
   libjpeg-turbo also scales by 7/8, 3/4, 5/8, ..., but those are slower than decoding at full size
   (measured: 1.7 ms against 1.1 ms for a 500 x 375 JPEG); only the power-of-two ones save time.
   """
   for denominator in (8, 4, 2):
-    w, h = -(-width // denominator), -(-height // denominator)
-    if w >= min_width and h >= min_height:
-      return w, h
-  return width, height
+    if -(-width // denominator) >= min_width and -(-height // denominator) >= min_height:
+      return denominator
+  return 1
 
 
 def _turbo_decode(data: bytes, size: tuple[int, int], min_width: int = 0,
                   min_height: int = 0) -> np.ndarray | None:
-  """RGB pixels of a JPEG of ``size`` at the smallest power-of-two DCT scale that keeps both minimums,
-  or None when simplejpeg cannot decode it (CMYK, damaged, not a JPEG: Pillow then decides)."""
-  width, height = _power_of_two_scale(*size, min_width, min_height)
+  """RGB pixels of a whole JPEG of ``size`` at the smallest power-of-two DCT scale that keeps both
+  minimums, or None when simplejpeg cannot decode it (CMYK, damaged, not a JPEG: Pillow then decides)."""
+  denominator = _dct_denominator(*size, min_width, min_height)
   try:
-    return simplejpeg.decode_jpeg(data, "RGB", fastdct=True, fastupsample=True, min_width=width,
-                                  min_height=height, strict=True)
+    return simplejpeg.decode_jpeg(data, "RGB", fastdct=True, fastupsample=True, strict=True,
+                                  min_width=-(-size[0] // denominator), min_height=-(-size[1] // denominator))
   except ValueError:
     return None
+
+
+def _decode_region(data: bytes, size: tuple[int, int], denominator: int, box: Box,
+                   out_size: int) -> tuple[Image.Image, Box] | None:
+  """The rows of a JPEG of ``size`` that resizing ``box`` (in the 1/denominator image) to ``out_size``
+  reads, decoded by ``_jpeg_region`` (columns outside them left black), and the box in their
+  coordinates; None when libjpeg refuses the bytes (CMYK, damaged: Pillow then decides)."""
+  width, height = -(-size[0] // denominator), -(-size[1] // denominator)
+  # Pillow's bilinear filter reaches (box side / out_size) pixels beyond the box: with this margin
+  # the result is bit-identical to resizing the box of the whole decoded image (tested).
+  margin = math.ceil(max(box[2] - box[0], box[3] - box[1]) / out_size) + 1
+  left, top = max(0, math.floor(box[0]) - margin), max(0, math.floor(box[1]) - margin)
+  right, bottom = min(width, math.ceil(box[2]) + margin), min(height, math.ceil(box[3]) + margin)
+  try:
+    pixels = _jpeg_region.decode_region(data, denominator, left, top, right, bottom)
+  except ValueError:
+    return None
+  image = as_image(np.frombuffer(pixels, np.uint8).reshape(bottom - top, width, 3))
+  return image, (box[0], box[1] - top, box[2], box[3] - top)
 
 
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:
@@ -152,21 +183,37 @@ def _image_size(data: bytes) -> tuple[tuple[int, int], tuple[int, int] | None]:
 
 
 def decode_crop_resize(data: bytes, size: int, rng: np.random.Generator | None = None, flip: bool = False,
-                       scale: tuple[float, float] = (0.08, 1.0), reduced_decode: bool = True) -> np.ndarray:
+                       scale: tuple[float, float] = (0.08, 1.0), reduced_decode: bool = True,
+                       region_decode: bool = True) -> np.ndarray:
   """Training (``rng`` given: random box + ``flip``) or evaluation (centre box) transform of encoded bytes.
 
-  With ``reduced_decode`` a JPEG is decoded at the smallest DCT scale (1, 1/2, 1/4, 1/8) that still
-  leaves the box at least ``size`` pixels on each side, so the final resize only ever shrinks.
+  A JPEG is decoded only as far as the box needs: with ``reduced_decode`` at the smallest DCT scale
+  (1, 1/2, 1/4, 1/8) that still leaves the box at least ``size`` pixels on each side (the final resize
+  only ever shrinks), and with ``region_decode`` (if the decoder was built) only the rows down to the
+  box's last one; the output pixels are the same as from decoding the whole image.
   """
   (width, height), jpeg_size = _image_size(data)
   box = random_resized_crop_box(width, height, rng, scale) if rng is not None else center_crop_box(width, height)
   box_w, box_h = box[2] - box[0], box[3] - box[1]
   wanted = (math.ceil(width * size / box_w), math.ceil(height * size / box_h)) if reduced_decode else (width, height)
+  # Decoding stops at the box's last row, so damage below it would go unseen: a JPEG that does not end
+  # with its end-of-image marker (a cut-off download, the usual damage) is decoded whole, which rejects
+  # it, so that a damaged file is bad for every crop, not for some.
+  if region_decode and jpeg_size is not None and _jpeg_region is not None and data.endswith(b"\xff\xd9"):
+    denominator = _dct_denominator(width, height, *wanted)
+    scaled = _scale_box(box, 1 / denominator, (-(-width // denominator), -(-height // denominator)))
+    decoded = _decode_region(data, jpeg_size, denominator, scaled, size)
+    if decoded is not None:
+      return crop_resize(*decoded, size, flip)
   image = _decode_at_least(data, jpeg_size, *wanted)
   # The decoder's scale, 1, 1/2, 1/4 or 1/8 (its sizes are rounded up, so the exact ratio is not it).
-  scale = next((1 / d for d in (1, 2, 4, 8) if -(-width // d) == image.size[0]), image.size[0] / width)
-  box = (box[0] * scale, box[1] * scale, min(box[2] * scale, image.size[0]), min(box[3] * scale, image.size[1]))
-  return crop_resize(image, box, size, flip)
+  factor = next((1 / d for d in (1, 2, 4, 8) if -(-width // d) == image.size[0]), image.size[0] / width)
+  return crop_resize(image, _scale_box(box, factor, image.size), size, flip)
+
+
+def _scale_box(box: Box, factor: float, image_size: tuple[int, int]) -> Box:
+  """``box`` in an image scaled by ``factor`` whose size is ``image_size`` (rounded up, hence the clip)."""
+  return (box[0] * factor, box[1] * factor, min(box[2] * factor, image_size[0]), min(box[3] * factor, image_size[1]))
 
 
 def decode(data: bytes) -> Image.Image:

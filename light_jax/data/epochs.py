@@ -1,0 +1,105 @@
+"""Steps, epochs, image sizes and batch sizes: which epoch, size and batch a training step belongs to.
+
+Progressive resizing trains in phases, each from a first epoch on, at its own image size and, if
+given, its own global batch size (``data.resolution_schedule = "0:128:1024,14:224:512,32:288:256"``:
+small images in big batches early, full size in smaller batches at the end, as in the fast ImageNet
+recipes). An epoch of batch size B has ``len(split) // B`` steps, so with per-phase batches the steps
+per epoch change between phases; ``EpochPlan`` is the one place that maps a global step to its epoch,
+batch size and image size (and back), for the input pipeline, the learning-rate schedule, the top-k
+density warm-up and the trainer's epoch ends. Everything is a function of the config, so a resumed
+run finds the same plan.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple
+
+from light_jax.data.source import DataError
+
+
+class Phase(NamedTuple):
+  first_epoch: int
+  image_size: int | None          # None: the source's own size (array datasets)
+  global_batch_size: int | None = None   # None: the config's global_batch_size
+
+
+def parse_resolution_schedule(text: str, default_size: int) -> tuple[Phase, ...]:
+  """"0:128,14:224:512" -> (Phase(0, 128, None), Phase(14, 224, 512)); "" -> (Phase(0, default_size),)."""
+  if not text.strip():
+    return (Phase(0, default_size),)
+  try:
+    phases = []
+    for item in text.split(","):
+      fields = [int(f) for f in item.split(":")]
+      if len(fields) not in (2, 3):
+        raise ValueError
+      phases.append(Phase(*fields))
+  except ValueError:
+    raise DataError(f"data.resolution_schedule={text!r} is not 'first_epoch:size[:global_batch],...' "
+                    f"(e.g. '0:128,14:224' or '0:128:1024,14:224:512')") from None
+  phases.sort()
+  if phases[0].first_epoch != 0 or any(p.image_size < 8 for p in phases):
+    raise DataError(f"data.resolution_schedule={text!r}: the first phase must start at epoch 0 and sizes be >= 8")
+  if len({p.first_epoch for p in phases}) != len(phases):
+    raise DataError(f"data.resolution_schedule={text!r}: two phases start at the same epoch")
+  if any(p.global_batch_size is not None and p.global_batch_size <= 0 for p in phases):
+    raise DataError(f"data.resolution_schedule={text!r}: batch sizes must be positive")
+  return tuple(phases)
+
+
+class EpochPlan:
+  """Epoch by epoch: global batch size, image size and first step, for ``num_epochs`` epochs of
+  ``num_examples`` examples (the last partial batch of each epoch is dropped)."""
+
+  def __init__(self, num_examples: int, num_epochs: int, phases: tuple[Phase, ...], default_batch_size: int):
+    phases = tuple(sorted(Phase(*p) for p in phases)) or (Phase(0, None),)
+    self.num_examples, self.num_epochs = num_examples, num_epochs
+    self.batch_sizes, self.image_sizes = [], []
+    for epoch in range(num_epochs):
+      phase = phases[bisect.bisect_right([p.first_epoch for p in phases], epoch) - 1]
+      batch = phase.global_batch_size or default_batch_size
+      if batch > num_examples:
+        raise DataError(f"the training split has {num_examples} examples, fewer than one global batch ({batch}) "
+                        f"of epoch {epoch}; lower the batch size.")
+      self.batch_sizes.append(batch)
+      self.image_sizes.append(phase.image_size)
+    self.steps_per_epoch = [num_examples // b for b in self.batch_sizes]
+    self.first_steps = [0]   # first step of each epoch, then the total
+    for steps in self.steps_per_epoch:
+      self.first_steps.append(self.first_steps[-1] + steps)
+    self.num_steps = self.first_steps[-1]
+
+  def epoch_at(self, step: int) -> int:
+    """The epoch that ``step`` (0-based) belongs to (the last one for steps past the end)."""
+    return min(bisect.bisect_right(self.first_steps, step) - 1, self.num_epochs - 1)
+
+  def batch_in_epoch(self, step: int) -> tuple[int, int]:
+    epoch = self.epoch_at(step)
+    return epoch, step - self.first_steps[epoch]
+
+  def batch_size_at(self, step: int) -> int:
+    return self.batch_sizes[self.epoch_at(step)]
+
+  def image_size_at(self, step: int) -> int | None:
+    return self.image_sizes[self.epoch_at(step)]
+
+  def epochs_done(self, step: int) -> float:
+    """Epochs completed after ``step`` steps, fractional: 2.5 is halfway through the third epoch."""
+    epoch, batch = self.batch_in_epoch(step)
+    return epoch + batch / self.steps_per_epoch[epoch]
+
+  def step_at(self, epochs: float) -> int:
+    """The first step at or after ``epochs`` completed epochs (the inverse of ``epochs_done``)."""
+    if epochs >= self.num_epochs:
+      return self.num_steps
+    epoch = int(epochs)
+    return self.first_steps[epoch] + round((epochs - epoch) * self.steps_per_epoch[epoch])
+
+  def ends_epoch(self, step: int) -> bool:
+    """Whether ``step`` steps complete an epoch."""
+    return step > 0 and self.first_steps[self.epoch_at(step - 1) + 1] == step
+
+  @property
+  def uniform(self) -> bool:
+    return len(set(self.batch_sizes)) == 1
