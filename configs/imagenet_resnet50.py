@@ -22,8 +22,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
       dataset="imagenet2012",  # or "image_folder": a folder converted by scripts/prepare_image_folder.py
       data_dir="~/tensorflow_datasets",  # TFDS data dir prepared by scripts/prepare_imagenet.py
       image_size=288,          # eval size (= the last training phase's), and the training size without a schedule
-      # Progressive resizing, "first_epoch:size,...": small images early, full size at the end (one
-      # compilation per size). "" = image_size throughout.
+      # Progressive resizing, "first_epoch:size[:global_batch],...": small images early, full size at
+      # the end (one compilation per batch shape). A third field sets that phase's global batch (else
+      # global_batch_size), e.g. the DAWNBench record's "0:96,13:128,24:224,27:288:16384" with 28
+      # epochs; the learning rate scales with it. "" = image_size throughout.
       resolution_schedule="0:128,14:224,32:288",
       random_scale_min=0.08,   # random-resized-crop area from this fraction of the image to all of it
       reduced_decode=True,     # decode JPEGs at 1/2, 1/4, 1/8 scale when the crop allows it
