@@ -28,7 +28,8 @@ jpeg-build-deps:
 	@if printf '#include <stdio.h>\n#include <jpeglib.h>\n' | cc -E - >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  echo "installing gcc and libjpeg-dev with apt-get (for the JPEG region decoder)"; \
-	  (apt-get install -y -qq gcc libjpeg-dev || (apt-get update -qq && apt-get install -y -qq gcc libjpeg-dev)) >/dev/null; \
+	  (apt-get install -y -qq gcc libjpeg-dev || (apt-get update -qq && apt-get install -y -qq gcc libjpeg-dev)) >/dev/null \
+	    || echo "warning: apt-get could not install gcc libjpeg-dev: the JPEG region decoder will not be built" >&2; \
 	else \
 	  echo "warning: no C compiler or libjpeg headers: the JPEG region decoder will not be built (whole JPEGs are" \
 	       "decoded, slower). To build it: sudo apt-get install -y gcc libjpeg-dev, then make again." >&2; \

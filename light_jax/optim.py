@@ -28,7 +28,8 @@ def learning_rate_schedule(config: ml_collections.ConfigDict, plan: EpochPlan) -
   The shape is laid out in epochs (``plan.epochs_done``), so phases with different batch sizes, hence
   different steps per epoch, keep the warm-up and decay where the config puts them; the height
   follows the linear scaling rule with each step's batch size. With one batch size throughout this is
-  the usual step schedule.
+  the usual step schedule, except that the warm-up ends at exactly ``warmup_epochs`` (a step schedule
+  rounds it to a whole step).
   """
   opt = config.optimizer
   warmup, total = min(opt.warmup_epochs, plan.num_epochs), plan.num_epochs

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -282,8 +283,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                  len(reducer.groups), len(profile.order))
   state = create_train_state(model, tx, reducer, info.image_shape, mesh, config.seed)
   num_params = sum(p.size for p in jax.tree.leaves(state.params))
-  logging.info("model %s: %s parameters; optimizer %s, peak lr %.4g; comm %s, fusion %s",
-               config.model.name, f"{num_params:,}", config.optimizer.name, optim.peak_learning_rate(config),
+  logging.info("model %s: %s parameters; optimizer %s, peak lr %s; comm %s, fusion %s",
+               config.model.name, f"{num_params:,}", config.optimizer.name,
+               " / ".join(f"{optim.peak_learning_rate(config, b):.4g} (batch {b})"
+                          for b in dict.fromkeys(plan.batch_sizes)),
                comm.strategy, comm.fusion)
 
   # --- Checkpoint: resume from the newest good one in the workdir ------------------------------------
@@ -331,11 +334,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   eval_step = make_eval_step(model, mesh, info)
 
   # --- Loop ----------------------------------------------------------------------------------------
-  # -1: measured on this machine, in bounded time, with the batches the run will read.
+  # -1: measured on this machine, in bounded time, with the batches the run will read; the batches
+  # buffered ahead may take a quarter of the free memory at the largest batch shape.
   read_threads = config.data.read_threads
+  largest_batch_bytes = max(b // jax.process_count() * (s * s * info.image_shape[2] if s else math.prod(info.image_shape))
+                            for b, s in zip(plan.batch_sizes, plan.image_sizes))
   workers, host_prefetch = autotune.best_input_settings(
       lambda w, depth: train_batches.iterator(start_step, read_threads=read_threads, buffer=depth, workers=w),
-      config.data.num_workers, config.data.host_prefetch, read_threads)
+      config.data.num_workers, config.data.host_prefetch, read_threads, batch_bytes=largest_batch_bytes,
+      memory_budget=autotune.free_memory_bytes() // 4)
   if workers and config.data.cache == "memory":
     logging.warning("data.cache=memory with %d grain worker process(es): the workers read the cache file "
                     "through the OS page cache; set data.num_workers=0 to read from this process's memory", workers)

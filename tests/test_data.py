@@ -112,5 +112,10 @@ def test_autotune_finds_the_prefetch_depth_that_keeps_the_read_threads_busy():
       lambda w, d: pipeline._iterate(dataset, read_threads=4, buffer=d, workers=w), workers=0, prefetch=-1,
       read_threads=4, seconds_each=0.6)
   assert workers == 0 and depth in (4, 8)   # 8 may measure a hair faster: threads never wait for work
+  # A memory budget of two batches caps the depth at 2.
+  _, capped = autotune.best_input_settings(
+      lambda w, d: pipeline._iterate(dataset, read_threads=4, buffer=d, workers=w), workers=0, prefetch=-1,
+      read_threads=4, seconds_each=0.6, batch_bytes=1000, memory_budget=2000)
+  assert capped == 2
   # Pinned values are kept without measuring.
   assert autotune.best_input_settings(lambda w, d: iter(()), workers=3, prefetch=5, read_threads=4) == (3, 5)

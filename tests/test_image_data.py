@@ -78,7 +78,7 @@ def test_the_jpeg_region_decoder_was_built():
 
 def _region_test_jpegs():
   """JPEGs the region decoder must handle like whole-image decoding: 4:2:0 (the usual), 4:4:4, 4:2:2,
-  greyscale, progressive, odd sizes, tiny."""
+  greyscale, progressive, odd sizes, portrait (Pillow's pass order depends on the height), tiny."""
   rng = np.random.default_rng(7)
   def encode(image, **options):
     buffer = __import__("io").BytesIO()
@@ -87,15 +87,16 @@ def _region_test_jpegs():
   picture = class_image(3, rng, 333, 251)
   return {"420": encode(picture), "444": encode(picture, subsampling=0), "422": encode(picture, subsampling=1),
           "grey": encode(picture.convert("L")), "progressive": encode(picture, progressive=True),
-          "wide": encode(class_image(1, rng, 640, 97)), "tiny": encode(class_image(2, rng, 17, 9))}
+          "wide": encode(class_image(1, rng, 640, 97)), "portrait": encode(class_image(5, rng, 375, 500)),
+          "tiny": encode(class_image(2, rng, 17, 9))}
 
 
-@pytest.mark.parametrize("kind", ["420", "444", "422", "grey", "progressive", "wide", "tiny"])
+@pytest.mark.parametrize("kind", ["420", "444", "422", "grey", "progressive", "wide", "portrait", "tiny"])
 def test_region_decoding_gives_the_pixels_of_whole_image_decoding(kind):
   """Decoding only the rows (and columns) a box needs changes no pixel of the output, for training
   boxes at every DCT scale, evaluation boxes and full-size decoding."""
   data = _region_test_jpegs()[kind]
-  cases = [(size, seed, reduced) for size in (16, 48, 112, 224) for seed in range(6) for reduced in (True, False)]
+  cases = [(size, seed, reduced) for size in (16, 48, 112, 128, 224) for seed in range(6) for reduced in (True, False)]
   def outputs(region_decode):   # False: the whole image through simplejpeg
     train = [transforms.decode_crop_resize(data, size, np.random.default_rng(seed), seed % 2 == 0,
                                            reduced_decode=reduced, region_decode=region_decode)
@@ -121,6 +122,8 @@ def test_region_decoder_rows_are_the_rows_of_a_full_decode():
       np.testing.assert_array_equal(rows[:, left:right], full[top:bottom, left:right])
   with pytest.raises(ValueError, match="not inside"):
     _jpeg_region.decode_region(data, 2, 0, 0, 168, 10)   # 333 / 2 rounds up to 167 columns
+  with pytest.raises(ValueError, match="denominator must be 1, 2, 4 or 8, not 3"):
+    _jpeg_region.decode_region(data, 3, 0, 0, 8, 8)
   for kind, bad in bad_files(np.random.default_rng(5), 0).items():
     if kind in ("cmyk", "truncated", "corrupt", "png"):   # Pillow decides these, or they are refused
       with pytest.raises(ValueError, match="libjpeg"):

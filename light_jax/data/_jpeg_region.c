@@ -21,10 +21,15 @@
 
 #include <setjmp.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include <jpeglib.h>
+
+/* Before 2.1.3, jpeg_crop_scanline with fast upsampling could write past the end of a cropped row
+   (libjpeg-turbo ChangeLog 2.1.3); the build fails here, and setup.py then installs without this module. */
+#if !defined(LIBJPEG_TURBO_VERSION_NUMBER) || LIBJPEG_TURBO_VERSION_NUMBER < 2001003
+#error "the JPEG region decoder needs libjpeg-turbo 2.1.3 or newer"
+#endif
 
 #define ROWS_PER_CALL 16
 
@@ -51,15 +56,17 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
   Py_buffer data;
   int denominator, left, top, right, bottom;
   if (!PyArg_ParseTuple(args, "y*iiiii", &data, &denominator, &left, &top, &right, &bottom)) return NULL;
+  if (denominator != 1 && denominator != 2 && denominator != 4 && denominator != 8) {
+    PyBuffer_Release(&data);
+    return PyErr_Format(PyExc_ValueError, "denominator must be 1, 2, 4 or 8, not %d", denominator);
+  }
 
   struct jpeg_decompress_struct cinfo;
   ErrorManager err;
   /* volatile: read after a longjmp. */
   volatile int created = 0;
-  unsigned char *volatile out = NULL;
+  PyObject *volatile pixels = NULL;
   PyThreadState *volatile released = NULL;
-  JDIMENSION x = 0, width = 0;
-  size_t row_bytes = 0;
 
   cinfo.err = jpeg_std_error(&err.pub);
   err.pub.error_exit = on_error;
@@ -67,14 +74,14 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
   err.message[0] = '\0';
   if (setjmp(err.escape)) {
     if (created) jpeg_destroy_decompress(&cinfo);
-    free(out);
     if (released) PyEval_RestoreThread(released);
+    Py_XDECREF((PyObject *)pixels);
     PyBuffer_Release(&data);
     PyErr_Format(PyExc_ValueError, "libjpeg: %s", err.message);
     return NULL;
   }
-  /* libjpeg touches no Python state: grain's threads decode in parallel. */
-  released = PyEval_SaveThread();
+  /* The header, with the GIL held (it is quick), to size and check the region before any decoding
+     (for a progressive JPEG, jpeg_start_decompress decodes the whole file). */
   jpeg_create_decompress(&cinfo);
   created = 1;
   jpeg_mem_src(&cinfo, (const unsigned char *)data.buf, (unsigned long)data.len);
@@ -84,25 +91,32 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
   cinfo.scale_denom = (unsigned int)denominator;
   cinfo.dct_method = JDCT_IFAST;       /* as simplejpeg's fastdct */
   cinfo.do_fancy_upsampling = FALSE;   /* as simplejpeg's fastupsample */
-  jpeg_start_decompress(&cinfo);
+  jpeg_calc_output_dimensions(&cinfo);
   if (left < 0 || top < 0 || right <= left || bottom <= top || (JDIMENSION)right > cinfo.output_width ||
       (JDIMENSION)bottom > cinfo.output_height) {
     snprintf(err.message, sizeof err.message, "region (%d, %d, %d, %d) is not inside the %u x %u scaled image",
              left, top, right, bottom, cinfo.output_width, cinfo.output_height);
     longjmp(err.escape, 1);
   }
-  x = (JDIMENSION)left;
-  width = (JDIMENSION)(right - left);
-  /* Rows as wide as the whole scaled image (zeros outside the decoded columns; jpeg_crop_scanline
-     changes output_width), so that the caller can hand Pillow the same geometry as a full decode. */
-  row_bytes = (size_t)cinfo.output_width * 3;
-  if (width < cinfo.output_width) jpeg_crop_scanline(&cinfo, &x, &width);
-  if (top > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)top);
-  out = calloc((size_t)(bottom - top), row_bytes);
-  if (out == NULL) {
-    snprintf(err.message, sizeof err.message, "out of memory");
-    longjmp(err.escape, 1);
+  /* Rows as wide as the whole scaled image (zeros outside the decoded columns), so that the caller
+     can resample with the same geometry as after a full decode. */
+  const size_t row_bytes = (size_t)cinfo.output_width * 3;
+  pixels = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(row_bytes * (size_t)(bottom - top)));
+  if (pixels == NULL) {
+    jpeg_destroy_decompress(&cinfo);
+    PyBuffer_Release(&data);
+    return NULL;   /* MemoryError is set */
   }
+  unsigned char *out = (unsigned char *)PyBytes_AS_STRING((PyObject *)pixels);
+  memset(out, 0, row_bytes * (size_t)(bottom - top));
+
+  /* The decoding itself touches no Python state (pixels is not shared yet): grain's threads decode
+     in parallel. */
+  released = PyEval_SaveThread();
+  jpeg_start_decompress(&cinfo);
+  JDIMENSION x = (JDIMENSION)left, width = (JDIMENSION)(right - left);
+  if (width < cinfo.output_width) jpeg_crop_scanline(&cinfo, &x, &width);   /* x moves to an iMCU edge */
+  if (top > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)top);
   while (cinfo.output_scanline < (JDIMENSION)bottom) {
     /* Several rows per call: libjpeg produces a whole iMCU row (8-16 rows) at a time anyway. */
     JSAMPROW rows[ROWS_PER_CALL];
@@ -115,9 +129,7 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
   jpeg_destroy_decompress(&cinfo);
   PyEval_RestoreThread(released);
   PyBuffer_Release(&data);
-  PyObject *pixels = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)(row_bytes * (size_t)(bottom - top)));
-  free(out);
-  return pixels;
+  return (PyObject *)pixels;
 }
 
 static PyMethodDef methods[] = {

@@ -56,6 +56,16 @@ def measure(make_iterator: Callable[[int], Iterator], workers: int, seconds: flo
       close()
 
 
+def free_memory_bytes() -> int:
+  """Memory available to new allocations on this machine (Linux: free pages plus reclaimable cache)."""
+  try:
+    with open("/proc/meminfo") as f:
+      fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def prefetch_candidates(read_threads: int) -> list[int]:
   """1, 2, 4, ... up to twice the read threads (at least 4)."""
   counts, depth = [], 1
@@ -71,23 +81,35 @@ def _pick(rates: dict[int, float], tolerance: float) -> int:
 
 
 def best_input_settings(make_iterator: Callable[[int, int], Iterator], workers: int, prefetch: int,
-                        read_threads: int, seconds_each: float = 3.0, tolerance: float = 0.05) -> tuple[int, int]:
+                        read_threads: int, seconds_each: float = 3.0, tolerance: float = 0.05,
+                        batch_bytes: int = 0, memory_budget: int = 0) -> tuple[int, int]:
   """(worker processes, prefetch depth): each measured when it is -1, else kept.
 
   ``make_iterator(workers, prefetch)`` starts the batches the run will read with those settings.
+  Measured depths keep depth x max(1, workers) batches of ``batch_bytes`` (the run's largest) within
+  ``memory_budget`` bytes (0: no bound): every worker holds up to ``depth`` finished batches.
   """
-  depth_for_workers = prefetch if prefetch >= 0 else max(read_threads, 2)
+  def depth_cap(count: int) -> int:
+    if not (batch_bytes and memory_budget):
+      return 1 << 30
+    return max(1, memory_budget // (max(1, count) * batch_bytes))
+
   if workers < 0:
     rates = {}
     for count in candidate_counts():
-      rates[count] = measure(lambda w: make_iterator(w, depth_for_workers), count, seconds_each)
+      depth = prefetch if prefetch >= 0 else min(max(read_threads, 2), depth_cap(count))
+      rates[count] = measure(lambda w: make_iterator(w, depth), count, seconds_each)
       logging.info("input autotune: %d worker process(es): %.2f batches/s", count, rates[count])
     workers = _pick(rates, tolerance)
     logging.info("input autotune: using %d worker process(es) (%.2f batches/s; measured %s)", workers,
                  rates[workers], ", ".join(f"{w}: {r:.2f}" for w, r in rates.items()))
   if prefetch < 0:
     rates = {}
-    for depth in prefetch_candidates(read_threads):
+    candidates = [d for d in prefetch_candidates(read_threads) if d <= depth_cap(workers)] or [1]
+    if len(candidates) < len(prefetch_candidates(read_threads)):
+      logging.info("input autotune: prefetch depth at most %d (%d worker process(es) x depth x %.0f MB batches "
+                   "within %.1f GB)", candidates[-1], workers, batch_bytes / 1e6, memory_budget / 1e9)
+    for depth in candidates:
       rates[depth] = measure(lambda w: make_iterator(w, depth), workers, seconds_each)
       logging.info("input autotune: prefetch depth %d: %.2f batches/s", depth, rates[depth])
     prefetch = _pick(rates, tolerance)

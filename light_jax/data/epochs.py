@@ -13,6 +13,7 @@ run finds the same plan.
 from __future__ import annotations
 
 import bisect
+import math
 from typing import NamedTuple
 
 from light_jax.data.source import DataError
@@ -38,7 +39,7 @@ def parse_resolution_schedule(text: str, default_size: int) -> tuple[Phase, ...]
   except ValueError:
     raise DataError(f"data.resolution_schedule={text!r} is not 'first_epoch:size[:global_batch],...' "
                     f"(e.g. '0:128,14:224' or '0:128:1024,14:224:512')") from None
-  phases.sort()
+  phases.sort(key=lambda p: p.first_epoch)
   if phases[0].first_epoch != 0 or any(p.image_size < 8 for p in phases):
     raise DataError(f"data.resolution_schedule={text!r}: the first phase must start at epoch 0 and sizes be >= 8")
   if len({p.first_epoch for p in phases}) != len(phases):
@@ -53,7 +54,7 @@ class EpochPlan:
   ``num_examples`` examples (the last partial batch of each epoch is dropped)."""
 
   def __init__(self, num_examples: int, num_epochs: int, phases: tuple[Phase, ...], default_batch_size: int):
-    phases = tuple(sorted(Phase(*p) for p in phases)) or (Phase(0, None),)
+    phases = tuple(sorted((Phase(*p) for p in phases), key=lambda p: p.first_epoch)) or (Phase(0, None),)
     self.num_examples, self.num_epochs = num_examples, num_epochs
     self.batch_sizes, self.image_sizes = [], []
     for epoch in range(num_epochs):
@@ -90,11 +91,11 @@ class EpochPlan:
     return epoch + batch / self.steps_per_epoch[epoch]
 
   def step_at(self, epochs: float) -> int:
-    """The first step at or after ``epochs`` completed epochs (the inverse of ``epochs_done``)."""
+    """The step at which ``epochs`` epochs are completed, rounded down (the inverse of ``epochs_done``)."""
     if epochs >= self.num_epochs:
       return self.num_steps
     epoch = int(epochs)
-    return self.first_steps[epoch] + round((epochs - epoch) * self.steps_per_epoch[epoch])
+    return self.first_steps[epoch] + math.floor((epochs - epoch) * self.steps_per_epoch[epoch])
 
   def ends_epoch(self, step: int) -> bool:
     """Whether ``step`` steps complete an epoch."""

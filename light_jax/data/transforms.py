@@ -126,17 +126,22 @@ def _turbo_decode(data: bytes, size: tuple[int, int], min_width: int = 0,
     return None
 
 
+def _read_span(start: float, end: float, limit: int, out_size: int) -> tuple[int, int]:
+  """The pixels [first, last) along one axis that resampling [start, end) of an image ``limit`` pixels
+  long to ``out_size`` reads: Pillow's bilinear filter reaches (end - start) / out_size pixels (at
+  least 1) beyond the box; one more for rounding."""
+  margin = math.ceil(max((end - start) / out_size, 1.0)) + 1
+  return max(0, math.floor(start) - margin), min(limit, math.ceil(end) + margin)
+
+
 def _decode_region(data: bytes, size: tuple[int, int], denominator: int, box: Box,
                    out_size: int) -> tuple[Image.Image, Box] | None:
   """The rows of a JPEG of ``size`` that resizing ``box`` (in the 1/denominator image) to ``out_size``
-  reads, decoded by ``_jpeg_region`` (columns outside them left black), and the box in their
-  coordinates; None when libjpeg refuses the bytes (CMYK, damaged: Pillow then decides)."""
+  reads, decoded by ``_jpeg_region`` (only the columns it reads; the others stay black), and the box
+  in their coordinates; None when libjpeg refuses the bytes (CMYK, damaged: Pillow then decides)."""
   width, height = -(-size[0] // denominator), -(-size[1] // denominator)
-  # Pillow's bilinear filter reaches (box side / out_size) pixels beyond the box: with this margin
-  # the result is bit-identical to resizing the box of the whole decoded image (tested).
-  margin = math.ceil(max(box[2] - box[0], box[3] - box[1]) / out_size) + 1
-  left, top = max(0, math.floor(box[0]) - margin), max(0, math.floor(box[1]) - margin)
-  right, bottom = min(width, math.ceil(box[2]) + margin), min(height, math.ceil(box[3]) + margin)
+  left, right = _read_span(box[0], box[2], width, out_size)
+  top, bottom = _read_span(box[1], box[3], height, out_size)
   try:
     pixels = _jpeg_region.decode_region(data, denominator, left, top, right, bottom)
   except ValueError:
@@ -154,8 +159,18 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
 
 
 def crop_resize(image: Image.Image, box: Box, size: int, flip: bool = False) -> np.ndarray:
-  """uint8 (size, size, 3): ``box`` of a decoded RGB image, resized (bilinear), optionally mirrored."""
-  out = image.resize((size, size), RESAMPLE, box=box)
+  """uint8 (size, size, 3): ``box`` of a decoded RGB image, resized (bilinear), optionally mirrored.
+
+  Two one-axis Pillow resizes, rows first, over just the rows the filter reads. One two-axis resize
+  would let Pillow choose the order of its two passes from the image's size, and the order changes
+  the rounding (by 1 in a quarter of the pixels): an image decoded only as far as the box needs
+  (``_decode_region``) would then not give the pixels of the whole image.
+  """
+  top, bottom = _read_span(box[1], box[3], image.height, size)
+  if (top, bottom) != (0, image.height):
+    image = image.crop((0, top, image.width, bottom))
+  rows = image.resize((size, image.height), RESAMPLE, box=(box[0], 0, box[2], image.height))
+  out = rows.resize((size, size), RESAMPLE, box=(0, box[1] - top, size, box[3] - top))
   if flip:
     out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
   return np.asarray(out, dtype=np.uint8)
@@ -190,7 +205,7 @@ def decode_crop_resize(data: bytes, size: int, rng: np.random.Generator | None =
   A JPEG is decoded only as far as the box needs: with ``reduced_decode`` at the smallest DCT scale
   (1, 1/2, 1/4, 1/8) that still leaves the box at least ``size`` pixels on each side (the final resize
   only ever shrinks), and with ``region_decode`` (if the decoder was built) only the rows down to the
-  box's last one; the output pixels are the same as from decoding the whole image.
+  box's last one; for an intact JPEG the output pixels are the same as from decoding the whole image.
   """
   (width, height), jpeg_size = _image_size(data)
   box = random_resized_crop_box(width, height, rng, scale) if rng is not None else center_crop_box(width, height)
