@@ -276,11 +276,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       comm.strategy, nodes, local, "fixed" if comm.fusion == "adaptive" else comm.fusion, comm.bucket_bytes,
       density=comm.density, selector=comm.topk_selector, error_feedback=comm.error_feedback,
       min_compress_elements=comm.min_compress_elements, wire_dtype=comm.dtype, order=profile.order)
-  if comm.fusion == "adaptive":
+
+  def planned(reducer, batch_shape):
+    """``reducer`` with MG-WFBP buckets for this batch shape: backward time per tensor scales with the
+    examples per device and the pixels per example (the profile is at the eval image size)."""
+    pixels = math.prod(batch_shape[1:3]) / math.prod(info.image_shape[:2])
     reducer = cost_model.plan_adaptive_fusion(reducer, profile, cost_model.load(comm.cost_model),
-                                              comm.device_tflops * 1e12, plan.batch_sizes[0] // mesh.size)
-    logging.info("adaptive fusion (MG-WFBP, %s): %d buckets for %d tensors", comm.cost_model,
-                 len(reducer.groups), len(profile.order))
+                                              comm.device_tflops * 1e12, batch_shape[0] / mesh.size * pixels)
+    logging.info("adaptive fusion (MG-WFBP, %s) for batch %s: %d buckets for %d tensors", comm.cost_model,
+                 "x".join(map(str, batch_shape)), len(reducer.groups), len(profile.order))
+    return reducer
+
+  def batch_shape_at(step: int) -> tuple[int, ...]:
+    size = plan.image_size_at(step)
+    return (plan.batch_size_at(step), *((size, size, info.image_shape[2]) if size else info.image_shape))
+
+  # Buckets follow the batch shape (planned per phase when the step compiles), except for compressed
+  # strategies: they keep one residual per bucket in the train state, so theirs are planned once.
+  adaptive_per_phase = comm.fusion == "adaptive" and comm.strategy not in collectives.COMPRESSED_STRATEGIES
+  if comm.fusion == "adaptive" and not adaptive_per_phase:
+    reducer = planned(reducer, batch_shape_at(0))
   state = create_train_state(model, tx, reducer, info.image_shape, mesh, config.seed)
   num_params = sum(p.size for p in jax.tree.leaves(state.params))
   logging.info("model %s: %s parameters; optimizer %s, peak lr %s; comm %s, fusion %s",
@@ -312,10 +327,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   def train_step_for(step: int):
     """(compiled train step, its CommBytes) for the top-k density and batch shape of ``step``."""
     density = compression.density_at(step, comm.density, density_warmup_steps)
-    size = plan.image_size_at(step)
-    batch_shape = (plan.batch_size_at(step), *((size, size, info.image_shape[2]) if size else info.image_shape))
+    batch_shape = batch_shape_at(step)
     if (density, batch_shape) not in compiled_steps:
       phase_reducer = dataclasses.replace(reducer, density=density)
+      if adaptive_per_phase:
+        phase_reducer = planned(phase_reducer, batch_shape)
       abstract_args = (checkpoint_lib.abstract(state),
                        jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=sharding),
                        jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=sharding))

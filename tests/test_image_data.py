@@ -259,13 +259,16 @@ def test_train_py_on_an_image_folder_with_a_disk_cache(folder, tmp_path):
        "--config.data.dataset=image_folder", f"--config.data.data_dir={folder['dir']}",
        f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.data.resolution_schedule=0:16,1:24:8",
        "--config.data.image_size=24", "--config.global_batch_size=16", "--config.data.num_workers=-1",
-       "--config.data.host_prefetch=-1"],
+       "--config.data.host_prefetch=-1", "--config.comm.fusion=adaptive"],
       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-4000:]
   assert "decoded cache: building" in result.stderr
   assert "every one of the 51 training images is read from" in result.stderr   # 48 + cmyk, grey, png
   assert "input autotune: using" in result.stderr and "input autotune: using prefetch depth" in result.stderr
   assert "batch 16x16x16x3" in result.stderr and "batch 8x24x24x3" in result.stderr   # one compile per phase
+  # MG-WFBP buckets planned for each phase's batch shape (backward time scales with batch and pixels).
+  assert "adaptive fusion (MG-WFBP, v100_nvlink_25gbe) for batch 16x16x16x3" in result.stderr
+  assert "adaptive fusion (MG-WFBP, v100_nvlink_25gbe) for batch 8x24x24x3" in result.stderr
   metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [(m["epoch"], m["step"]) for m in metrics] == [(1.0, 51 // 16), (2.0, 51 // 16 + 51 // 8)]
   assert metrics[-1]["eval_examples"] == 4 * 4 + 3          # val: 4 classes x 4 + the 3 decodable bad kinds
