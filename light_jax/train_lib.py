@@ -353,8 +353,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # -1: measured on this machine, in bounded time, with the batches the run will read; the batches
   # buffered ahead may take a quarter of the free memory at the largest batch shape.
   read_threads = config.data.read_threads
-  largest_batch_bytes = max(b // jax.process_count() * (s * s * info.image_shape[2] if s else math.prod(info.image_shape))
-                            for b, s in zip(plan.batch_sizes, plan.image_sizes))
+  largest_batch_bytes = max(math.prod(batch_shape_at(s)) for s in plan.first_steps[:-1]) // jax.process_count()
   workers, host_prefetch = autotune.best_input_settings(
       lambda w, depth: train_batches.iterator(start_step, read_threads=read_threads, buffer=depth, workers=w),
       config.data.num_workers, config.data.host_prefetch, read_threads, batch_bytes=largest_batch_bytes,

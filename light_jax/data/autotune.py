@@ -105,8 +105,9 @@ def best_input_settings(make_iterator: Callable[[int, int], Iterator], workers: 
                  rates[workers], ", ".join(f"{w}: {r:.2f}" for w, r in rates.items()))
   if prefetch < 0:
     rates = {}
-    candidates = [d for d in prefetch_candidates(read_threads) if d <= depth_cap(workers)] or [1]
-    if len(candidates) < len(prefetch_candidates(read_threads)):
+    all_depths = prefetch_candidates(read_threads)
+    candidates = [d for d in all_depths if d <= depth_cap(workers)] or [1]
+    if len(candidates) < len(all_depths):
       logging.info("input autotune: prefetch depth at most %d (%d worker process(es) x depth x %.0f MB batches "
                    "within %.1f GB)", candidates[-1], workers, batch_bytes / 1e6, memory_budget / 1e9)
     for depth in candidates:

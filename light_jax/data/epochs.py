@@ -55,10 +55,11 @@ class EpochPlan:
 
   def __init__(self, num_examples: int, num_epochs: int, phases: tuple[Phase, ...], default_batch_size: int):
     phases = tuple(sorted((Phase(*p) for p in phases), key=lambda p: p.first_epoch)) or (Phase(0, None),)
-    self.num_examples, self.num_epochs = num_examples, num_epochs
+    first_epochs = [p.first_epoch for p in phases]
+    self.num_epochs = num_epochs
     self.batch_sizes, self.image_sizes = [], []
     for epoch in range(num_epochs):
-      phase = phases[bisect.bisect_right([p.first_epoch for p in phases], epoch) - 1]
+      phase = phases[bisect.bisect_right(first_epochs, epoch) - 1]
       batch = phase.global_batch_size or default_batch_size
       if batch > num_examples:
         raise DataError(f"the training split has {num_examples} examples, fewer than one global batch ({batch}) "

@@ -97,7 +97,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def as_image(pixels: np.ndarray) -> Image.Image:
-  """A Pillow view of a uint8 (h, w, 3) array, without a copy."""
+  """A Pillow image of a uint8 (h, w, 3) array (Pillow copies it: it keeps RGB at 4 bytes per pixel)."""
   height, width = pixels.shape[:2]
   return Image.frombuffer("RGB", (width, height), np.ascontiguousarray(pixels), "raw", "RGB", 0, 1)
 
@@ -136,10 +136,11 @@ def _read_span(start: float, end: float, limit: int, out_size: int) -> tuple[int
 
 def _decode_region(data: bytes, size: tuple[int, int], denominator: int, box: Box,
                    out_size: int) -> tuple[Image.Image, Box] | None:
-  """The rows of a JPEG of ``size`` that resizing ``box`` (in the 1/denominator image) to ``out_size``
-  reads, decoded by ``_jpeg_region`` (only the columns it reads; the others stay black), and the box
-  in their coordinates; None when libjpeg refuses the bytes (CMYK, damaged: Pillow then decides)."""
+  """The rows of a JPEG of ``size`` that resizing ``box`` to ``out_size`` reads, decoded at 1/denominator
+  by ``_jpeg_region`` (only the columns it reads; the others stay black), and the box in their
+  coordinates; None when libjpeg refuses the bytes (CMYK, damaged: Pillow then decides)."""
   width, height = -(-size[0] // denominator), -(-size[1] // denominator)
+  box = _scale_box(box, 1 / denominator, (width, height))
   left, right = _read_span(box[0], box[2], width, out_size)
   top, bottom = _read_span(box[1], box[3], height, out_size)
   try:
@@ -215,9 +216,7 @@ def decode_crop_resize(data: bytes, size: int, rng: np.random.Generator | None =
   # with its end-of-image marker (a cut-off download, the usual damage) is decoded whole, which rejects
   # it, so that a damaged file is bad for every crop, not for some.
   if region_decode and jpeg_size is not None and _jpeg_region is not None and data.endswith(b"\xff\xd9"):
-    denominator = _dct_denominator(width, height, *wanted)
-    scaled = _scale_box(box, 1 / denominator, (-(-width // denominator), -(-height // denominator)))
-    decoded = _decode_region(data, jpeg_size, denominator, scaled, size)
+    decoded = _decode_region(data, jpeg_size, _dct_denominator(width, height, *wanted), box, size)
     if decoded is not None:
       return crop_resize(*decoded, size, flip)
   image = _decode_at_least(data, jpeg_size, *wanted)
