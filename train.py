@@ -15,6 +15,8 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from light_jax.exit_codes import ExitCode   # imports nothing of JAX: devices are set up in main
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally with :VARIANT.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, plots and checkpoints.")
@@ -91,15 +93,15 @@ def main(argv):
       failure = f"a collective failed ({str(e).splitlines()[0][:300]})"
       liveness.report_stop(jax.process_index(), jax.process_count(),
                            f"{failure}: another process probably died; see its log", _WORKDIR.value)
-      exit_code = liveness.EXIT_PEER_FAILURE
+      exit_code = ExitCode.PEER_FAILURE
     else:   # this process's own fault (a bug, out of memory, ...): the peers are told and stop too
       traceback.print_exc()
       failure = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''} (see its log)"
-      exit_code = 1
+      exit_code = ExitCode.ERROR
   finally:
     watchdog.close(failure)
-  if exit_code == 3:
-    sys.exit(3)   # every process stopped after the same step and save: leave through the shutdown barrier
+  if exit_code == ExitCode.NONFINITE_STOP:
+    sys.exit(int(exit_code))   # every process stopped after the same step and save: leave through the shutdown barrier
   if exit_code:
     _exit(exit_code, jax.process_count())
 
@@ -109,29 +111,29 @@ def _run(jax, config) -> tuple[int, str | None]:
   from light_jax import checkpoint as checkpoint_lib
   from light_jax import config as config_lib
   from light_jax import data as data_lib
-  from light_jax import train_lib
+  from light_jax import schedules, train_lib
 
   try:
     config_lib.validate(config, jax.device_count(), jax.process_count())
   except config_lib.ConfigError as e:
     logging.error("invalid config: %s", e)
     print(f"error: invalid config: {e}", file=sys.stderr)
-    return 2, f"invalid config: {e}"
+    return ExitCode.BAD_INPUT, f"invalid config: {e}"
   logging.info("JAX %s, process %d of %d, %d devices (%d local)", jax.__version__, jax.process_index(),
                jax.process_count(), jax.device_count(), jax.local_device_count())
   logging.info("resolved config:\n%s", config)
   try:
     summary = train_lib.train_and_evaluate(config, _WORKDIR.value)
-  except (data_lib.DataError, checkpoint_lib.CheckpointError) as e:
+  except (data_lib.DataError, schedules.ScheduleError, checkpoint_lib.CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2, str(e)
+    return ExitCode.BAD_INPUT, str(e)
   except train_lib.NonFiniteError as e:
     print(f"stopped: {e}", file=sys.stderr)
-    return 3, None   # every process saw the same non-finite step and stopped after the same save
+    return ExitCode.NONFINITE_STOP, None   # every process saw the same non-finite step and stopped after the same save
   if summary.get("stopped") == "preempted":
     print(f"preempted after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "
           f"run the same command again to resume.", file=sys.stderr)
-  return 0, None
+  return ExitCode.OK, None
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def main():
   from jax import lax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from light_jax.parallel import collectives, cost_model
+  from light_jax.parallel import cost_model, strategies
   from light_jax.parallel import mesh as mesh_lib
 
   mesh = mesh_lib.make_mesh(args.nodes, args.local)
@@ -59,7 +59,7 @@ def main():
         start = time.perf_counter()
         jax.block_until_ready(f(x))
         times.append(time.perf_counter() - start)
-      sent.append(collectives.ring_allreduce_bytes(size, group))
+      sent.append(strategies.ring_allreduce_bytes(size, group))
       seconds.append(statistics.median(times))
       rows.append((level, size, sent[-1], seconds[-1]))
     fits[level] = cost_model.fit_link(sent, seconds)

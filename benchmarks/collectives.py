@@ -57,7 +57,8 @@ def main():
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from light_jax.models import create_model
-  from light_jax.parallel import collectives, cost_model
+  from light_jax.parallel import cost_model
+  from light_jax.parallel import reducer as reducer_lib
   from light_jax.parallel import fusion as fusion_lib
   from light_jax.parallel import mesh as mesh_lib
 
@@ -83,7 +84,7 @@ def main():
   rows = {}
   for name in names:
     strategy, fusion, density, selector = VARIANTS[name]
-    reducer = collectives.make_gradient_reducer(strategy, args.nodes, args.local,
+    reducer = reducer_lib.make_gradient_reducer(strategy, args.nodes, args.local,
                                                 "fixed" if fusion == "adaptive" else fusion, density=density,
                                                 selector=selector, order=profile.order)
     if fusion == "adaptive":

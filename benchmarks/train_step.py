@@ -39,10 +39,11 @@ def main():
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from light_jax import optim, train_lib
+  from light_jax import optim
+  from light_jax import train_step as step_lib
   from light_jax.data import DatasetInfo
   from light_jax.models import create_model
-  from light_jax.parallel import collectives
+  from light_jax.parallel import reducer as reducer_lib
   from light_jax.parallel import mesh as mesh_lib
 
   mesh = mesh_lib.make_mesh(args.nodes, args.local)
@@ -59,14 +60,14 @@ def main():
   ours = {"dense": ("dense", "fixed"), "hierarchical": ("hierarchical", "fixed"),
           "dense_unfused": ("dense", "none"), "hierarchical_unfused": ("hierarchical", "none")}
   for name, (strategy, fusion) in ours.items():
-    reducer = collectives.make_gradient_reducer(strategy, args.nodes, args.local, fusion)
-    state = train_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
-    step = train_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
+    reducer = reducer_lib.make_gradient_reducer(strategy, args.nodes, args.local, fusion)
+    state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
+    step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
     variants[name] = [step, state, lambda step, state: step(state, images, labels)]
 
   # Plain jit: XLA partitions the step and inserts the all-reduce itself.
-  reducer = collectives.make_gradient_reducer("dense", args.nodes, args.local)
-  state = train_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
+  reducer = reducer_lib.make_gradient_reducer("dense", args.nodes, args.local)
+  state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
   grouped = NamedSharding(mesh, P(mesh_lib.AXES))
   g_images = jax.device_put(images.reshape(devices, -1, *info.image_shape), grouped)
   g_labels = jax.device_put(labels.reshape(devices, -1), grouped)
@@ -75,7 +76,7 @@ def main():
     def loss_fn(params):
       def per_device(x, y):
         logits, upd = model.apply({"params": params, "batch_stats": state.batch_stats},
-                                  train_lib.normalize(x, info.mean, info.std), train=True, mutable=["batch_stats"])
+                                  step_lib.normalize(x, info.mean, info.std), train=True, mutable=["batch_stats"])
         return optim.cross_entropy(logits, y, info.num_classes, 0.1), upd["batch_stats"]
       losses, stats = jax.vmap(per_device)(images, labels)
       return losses.mean(), jax.tree.map(lambda s: s.mean(axis=0), stats)

@@ -23,29 +23,22 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-# Fields that may change between a run and its resumption: they do not change shapes or data order.
-SAFE_TO_CHANGE = ("num_epochs", "max_steps", "log_every_steps", "checkpoint", "train", "data.read_threads",
-                  "data.host_prefetch", "data.prefetch", "data.eval_batch_size", "data.eval_subset", "mesh.cpu_devices",
-                  "data.num_workers", "data.cache", "data.cache_dir", "data.cache_budget_gb", "data.data_dir")
-
+from light_jax.config import SAFE_TO_CHANGE
 
 class CheckpointError(RuntimeError):
   """No checkpoint can be used; the message says why and what to do."""
 
 
 class Checkpointer:
-  """Saves every ``every_steps`` steps (and when forced), keeps the newest ``keep``."""
+  """Saves when told (the trainer's hooks decide when), keeps the newest ``keep``."""
 
-  def __init__(self, workdir: str, every_steps: int, keep: int):
+  def __init__(self, workdir: str, keep: int):
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    self.every_steps = every_steps
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True))
 
-  def maybe_save(self, step: int, state, meta: dict[str, Any], force: bool = False) -> bool:
-    """Starts an asynchronous save of ``state`` at ``step`` when due (or ``force``); True if started."""
-    if not force and (self.every_steps <= 0 or step % self.every_steps):
-      return False
+  def save(self, step: int, state, meta: dict[str, Any]) -> bool:
+    """Starts an asynchronous save of ``state`` at ``step``; False if that step is saved already."""
     if step in self.manager.all_steps():
       return False
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),

@@ -1,25 +1,126 @@
-"""Validation of a resolved config, before anything heavy starts.
+"""The config schema (``base_config``), which fields may change on resume, and validation.
 
-Every mistake a user can make in a config file or a ``--config.FIELD=VALUE`` override should end here
-as one ``ConfigError`` that names the field, the bad value and what to change.
+Config files under ``configs/`` start from ``base_config()`` and state only what differs; every field,
+its default and its meaning are here. ``validate`` turns every mistake a user can make in a config file
+or a ``--config.FIELD=VALUE`` override into one ``ConfigError`` that names the field, the bad value and
+what to change, before anything heavy starts.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import ml_collections
 
+from light_jax import schedules
 from light_jax.models import ARCHITECTURES
-from light_jax.parallel import collectives, compression, cost_model
+from light_jax.parallel import compression, cost_model, strategies
 from light_jax.parallel import mesh as mesh_lib
+from light_jax.parallel.reducer import FUSIONS
 
-STRATEGIES = collectives.STRATEGIES
 SELECTORS = tuple(compression.SELECTORS)
 OPTIMIZERS = ("sgd", "lars", "lamb")
-FUSIONS = collectives.FUSIONS
 DECAYS = ("poly", "cosine")
 DTYPES = ("float32", "bfloat16")
 DATASETS = ("fashion_mnist", "imagenet2012", "image_folder")
 CACHES = ("none", "disk", "memory")
+
+
+# Fields that may change between a run and its resumption: they change neither shapes, nor the data
+# order, nor the maths of a step (a prefix covers its sub-fields).
+SAFE_TO_CHANGE = ("num_epochs", "max_steps", "log_every_steps", "checkpoint", "train", "mesh.cpu_devices",
+                  "data.read_threads", "data.host_prefetch", "data.prefetch", "data.eval_batch_size",
+                  "data.eval_subset", "data.num_workers", "data.cache", "data.cache_dir", "data.cache_budget_gb",
+                  "data.data_dir")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every field with its default: Fashion-MNIST on 8 simulated CPU devices as a 2 x 4 mesh."""
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+
+  # nodes x local devices; -1 fills one of them from the device count (both -1: one node per process).
+  # cpu_devices: CPU devices to simulate when running on the CPU (split over processes); no effect on GPUs.
+  config.mesh = dict(nodes=2, local=4, cpu_devices=8)
+
+  # ResNet v1.5 family (light_jax/models); width 0 = the architecture's own; dtype of the compute.
+  config.model = dict(name="resnet8_fast", width=0, dtype="float32")
+
+  config.data = dict(
+      dataset="fashion_mnist",   # fashion_mnist | imagenet2012 | image_folder
+      data_dir="/usr/share/datasets/fashion-mnist",
+      crop_padding=0,        # >0: random crop of the zero-padded image (array datasets)
+      random_flip=True,
+      train_subset=0,        # 0 = the whole training split; >0 = its first N examples
+      eval_subset=0,         # 0 = the whole evaluation split
+      eval_batch_size=1000,
+      prefetch=2,            # batches placed on the devices ahead of the step
+      read_threads=1,        # grain threads that assemble host batches
+      host_prefetch=4,       # batches grain assembles ahead (bounds its parallelism too; -1: measure)
+      num_workers=0,         # grain worker processes (-1: measure a few counts at start-up, keep the best)
+      # The JPEG datasets (imagenet2012, image_folder):
+      image_size=0,          # eval size, and the training size without a resolution schedule
+      # Progressive resizing, "first_epoch:size[:global_batch],...", e.g. "0:128,14:224:512"; "" = image_size.
+      resolution_schedule="",
+      random_scale_min=0.08,  # random-resized-crop area from this fraction of the image to all of it
+      reduced_decode=True,   # decode JPEGs at 1/2, 1/4, 1/8 scale, and only the rows, a crop needs
+      cache="none",          # none | disk (decoded, shorter side cache_size, in cache_dir) | memory
+      cache_dir="/tmp/light_jax_cache",
+      cache_size=160,        # shorter side of the cached images (>= the largest training size)
+      cache_budget_gb=64.0,  # the cache is skipped (JPEGs read instead) when it would be larger
+  )
+
+  config.global_batch_size = 256
+  config.num_epochs = 8
+  config.max_steps = 0       # 0 = no limit; otherwise stop after this many steps
+
+  config.optimizer = dict(
+      name="sgd",            # sgd | lars | lamb
+      base_lr=0.2,           # peak lr = base_lr * global_batch_size / 256 (per phase)
+      momentum=0.9,
+      nesterov=True,
+      weight_decay=5e-4,     # not on biases and BatchNorm parameters
+      warmup_epochs=1.0,     # linear warm-up from 0
+      decay="cosine",        # poly (power 2) | cosine
+      end_lr_factor=0.0,     # final lr = peak lr * end_lr_factor
+      lars_eta=0.001,        # LARS trust coefficient
+      label_smoothing=0.1,
+  )
+
+  config.comm = dict(
+      strategy="hierarchical",   # see light_jax/parallel/strategies.py: dense | hierarchical | hitopk | topk | gtopk
+      fusion="fixed",            # none | fixed (buckets of bucket_bytes) | adaptive (MG-WFBP)
+      bucket_bytes=25 * 2**20,
+      dtype="float32",           # wire dtype of the dense hops: bfloat16 halves them (float32 accumulation)
+      cost_model="v100_nvlink_25gbe",  # adaptive: a cost_model.PRESETS name or a calibrated JSON file
+      device_tflops=15.0,        # adaptive: sustained FLOP/s (x 1e12) for backward-time estimates
+      # The top-k strategies (hitopk, topk, gtopk):
+      density=0.01,              # fraction of entries kept (per local shard for hitopk)
+      error_feedback=True,       # what is not sent is kept and added to the next step's gradient
+      topk_selector="exact",     # exact (lax.top_k) | mstopk (sort-free threshold search)
+      min_compress_elements=512,  # smaller buckets / shards go to the strategy's dense fallback
+      density_warmup_epochs=0.0,  # >0: DGC-style warm-up from density 0.25 down to `density`
+  )
+
+  config.log_every_steps = 20
+  # Asynchronous orbax checkpoints in WORKDIR/checkpoints; a workdir with one resumes from it.
+  config.checkpoint = dict(every_steps=200, keep=3)
+  config.train = dict(
+      on_nonfinite="skip",    # skip: drop the update and go on; stop: save a checkpoint and stop
+      inject_nan_at_step=-1,  # fault drill: poison this step's loss (-1: off)
+  )
+  return config
+
+
+def apply_variant(config: ml_collections.ConfigDict, variant: str | None,
+                  variants: dict[str, Callable[[ml_collections.ConfigDict], None]], filename: str
+                  ) -> ml_collections.ConfigDict:
+  """Applies ``variants[variant]`` (a function that edits the config in place); None: no variant."""
+  if variant:
+    if variant not in variants:
+      raise ValueError(f"unknown variant {variant!r} of {filename}; known: {', '.join(variants)}")
+    variants[variant](config)
+  return config
 
 
 class ConfigError(ValueError):
@@ -42,7 +143,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   Raises:
     ConfigError: with a message that says what to change.
   """
-  _choice("comm.strategy", config.comm.strategy, STRATEGIES)
+  _choice("comm.strategy", config.comm.strategy, strategies.NAMES)
   _choice("comm.fusion", config.comm.fusion, FUSIONS)
   if config.comm.fusion == "adaptive":
     try:
@@ -74,10 +175,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     _positive("data.image_size", config.data.image_size)
     if not 0.0 < config.data.random_scale_min <= 1.0:
       raise ConfigError(f"data.random_scale_min={config.data.random_scale_min!r} must be in (0, 1].")
-    from light_jax import data as data_lib   # here: the data package imports grain and Pillow
     try:
-      phases = data_lib.parse_resolution_schedule(config.data.resolution_schedule, config.data.image_size)
-    except data_lib.DataError as e:
+      phases = schedules.parse_resolution_schedule(config.data.resolution_schedule, config.data.image_size)
+    except schedules.ScheduleError as e:
       raise ConfigError(str(e)) from None
     phase_batches = {p.global_batch_size for p in phases if p.global_batch_size}
   else:
@@ -98,10 +198,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   except mesh_lib.MeshError as e:
     raise ConfigError(str(e)) from None
   devices = nodes * local
-  if config.comm.strategy == "gtopk" and devices & (devices - 1):
-    raise ConfigError(f"comm.strategy='gtopk' merges by recursive doubling and needs a power-of-two device "
-                      f"count, not {nodes} x {local} = {devices}; use 'hitopk' or 'topk', or a mesh of "
-                      f"{1 << (devices.bit_length() - 1)} devices.")
+  if strategies.get(config.comm.strategy).needs_power_of_two_devices and devices & (devices - 1):
+    raise ConfigError(f"comm.strategy={config.comm.strategy!r} pairs devices by the bits of their index and needs "
+                      f"a power-of-two device count, not {nodes} x {local} = {devices}; use 'hitopk' or 'topk', "
+                      f"or a mesh of {1 << (devices.bit_length() - 1)} devices.")
 
   _positive("global_batch_size", config.global_batch_size)
   _positive("data.eval_batch_size", config.data.eval_batch_size)

@@ -24,7 +24,9 @@ import time
 
 from absl import logging
 
-EXIT_PEER_FAILURE = 4
+from light_jax.exit_codes import ExitCode
+
+EXIT_PEER_FAILURE = ExitCode.PEER_FAILURE
 _PREFIX = "light_jax/liveness/"
 
 

@@ -34,9 +34,9 @@ def main():
   import optax
 
   from light_jax import data as data_lib
-  from light_jax import train_lib
+  from light_jax import train_step as step_lib
   from light_jax.models import create_model
-  from light_jax.parallel import collectives
+  from light_jax.parallel import reducer as reducer_lib
   from light_jax.parallel import mesh as mesh_lib
   from tests.helpers import info_for, random_source
 
@@ -49,10 +49,10 @@ def main():
                                   process_count=jax.process_count(), crop_padding=2, random_flip=True)
   model = create_model("resnet8_small", num_classes=10, width=4)
   tx = optax.sgd(0.1, momentum=0.9)
-  reducer = collectives.make_gradient_reducer(args.strategy, 2, 4, fusion="fixed", bucket_bytes=4096,
+  reducer = reducer_lib.make_gradient_reducer(args.strategy, 2, 4, fusion="fixed", bucket_bytes=4096,
                                               density=args.density, min_compress_elements=64)
-  state = train_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
-  step = train_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
+  state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
+  step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
   for batch in data_lib.DevicePrefetcher(batches.iterator(), mesh_lib.batch_sharding(mesh)):
     state, loss = step(state, batch["images"], batch["labels"])
   leaves = jax.tree_util.tree_leaves_with_path({"params": state.params, "batch_stats": state.batch_stats})

@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from light_jax import optim
-from light_jax.parallel import collectives, fusion
+from light_jax.parallel import fusion, strategies
+from light_jax.parallel import reducer as reducer_lib
 from light_jax.parallel import mesh as mesh_lib
 from tests.helpers import TinyCNN
 
@@ -49,15 +50,15 @@ def reduce_on_mesh(reducer, mesh, model, params, images, labels, state=None):
       jax.device_put(labels, sharding))
 
 
-@pytest.mark.parametrize("strategy", collectives.STRATEGIES)
+@pytest.mark.parametrize("strategy", strategies.NAMES)
 @pytest.mark.parametrize("shape", MESH_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_reduced_gradient_equals_whole_batch_gradient(problem, strategy, shape):
   """Dense strategies exactly; top-k strategies at density 1.0 (every tensor compressed) as well."""
   model, params, images, labels, reference = problem
   mesh = mesh_lib.make_mesh(*shape)
-  reducer = collectives.make_gradient_reducer(strategy, *shape, density=1.0, min_compress_elements=1)
+  reducer = reducer_lib.make_gradient_reducer(strategy, *shape, density=1.0, min_compress_elements=1)
   reduced, state = reduce_on_mesh(reducer, mesh, model, params, images, labels)
-  if strategy in collectives.COMPRESSED_STRATEGIES:
+  if strategies.get(strategy).compressed:
     assert len(state) == len(jax.tree.leaves(params))   # every tensor went through top-k
     assert all(float(jnp.abs(r).max()) == 0.0 for r in state.values())  # density 1: nothing left behind
   for ours, ref in zip(jax.tree.leaves(reduced), jax.tree.leaves(reference)):
@@ -68,13 +69,13 @@ def test_reduced_gradient_equals_whole_batch_gradient(problem, strategy, shape):
   assert np.max(np.abs(8 * leaf - leaf)) > 1e-3
 
 
-@pytest.mark.parametrize("strategy", sorted(collectives.DENSE_STRATEGIES))
+@pytest.mark.parametrize("strategy", [s.name for s in strategies.REGISTRY.values() if not s.compressed])
 @pytest.mark.parametrize("size", [1, 7, 8, 1000, 4099])
 def test_allreduce_of_odd_sizes_sums_over_devices(strategy, size):
   """Shapes that do not split evenly over `local` (padding path) still give the exact sum."""
   mesh = mesh_lib.make_mesh(2, 4)
   x = jnp.arange(8 * size, dtype=jnp.float32).reshape(8, size) / 7.0
-  out = jax.jit(jax.shard_map(lambda v: collectives.DENSE_STRATEGIES[strategy](v[0]), mesh=mesh,
+  out = jax.jit(jax.shard_map(lambda v: strategies.get(strategy).reduce(v[0]), mesh=mesh,
                               in_specs=mesh_lib.BATCH_SPEC, out_specs=P(), check_vma=False))(
       jax.device_put(x, mesh_lib.batch_sharding(mesh)))
   np.testing.assert_allclose(np.asarray(out), np.asarray(x).sum(axis=0), rtol=1e-6)
@@ -83,22 +84,22 @@ def test_allreduce_of_odd_sizes_sums_over_devices(strategy, size):
 def test_byte_accounting_matches_the_ring_formulas():
   # d = 1,000,000 float32 on N=2 nodes x n=4 devices (light-techniques.md section 1).
   d, nodes, local = 1_000_000, 2, 4
-  hier = collectives.strategy_bytes("hierarchical", d, 4, nodes, local)
+  hier = strategies.strategy_bytes("hierarchical", d, 4, nodes, local)
   assert hier.inter_node == 2 * (nodes - 1) * (d // local) * 4 // nodes == 1_000_000
   assert hier.intra_node == 2 * (local - 1) * (d // local) * 4 == 6_000_000
-  dense = collectives.strategy_bytes("dense", d, 4, nodes, local)
+  dense = strategies.strategy_bytes("dense", d, 4, nodes, local)
   assert dense.inter_node == dense.intra_node == 2 * 7 * d * 4 // 8 == 7_000_000
   # Hierarchical sends n times fewer bytes across nodes than the flat ring (here 7x, from 2(P-1)/P).
   assert dense.inter_node / hier.inter_node == 7.0
   # Padding: 10 elements over 4 local devices are sent as 12.
-  assert collectives.strategy_bytes("hierarchical", 10, 4, 1, 4) == collectives.CommBytes(intra_node=2 * 3 * 3 * 4, inter_node=0)
-  assert collectives.strategy_bytes("dense", 10, 4, 1, 1) == collectives.CommBytes(0, 0)
+  assert strategies.strategy_bytes("hierarchical", 10, 4, 1, 4) == strategies.CommBytes(intra_node=2 * 3 * 3 * 4, inter_node=0)
+  assert strategies.strategy_bytes("dense", 10, 4, 1, 1) == strategies.CommBytes(0, 0)
 
 
 def test_reducer_bytes_sum_over_tensors(problem):
   _, params, *_ = problem
-  reducer = collectives.make_gradient_reducer("hierarchical", 2, 4)
-  expected = sum(collectives.strategy_bytes("hierarchical", p.size, 4, 2, 4).inter_node for p in jax.tree.leaves(params))
+  reducer = reducer_lib.make_gradient_reducer("hierarchical", 2, 4)
+  expected = sum(strategies.strategy_bytes("hierarchical", p.size, 4, 2, 4).inter_node for p in jax.tree.leaves(params))
   assert reducer.bytes_per_step(params).inter_node == expected > 0
 
 
@@ -110,7 +111,7 @@ def test_fixed_buckets_follow_the_threshold():
   assert plan([], 25) == []
 
 
-@pytest.mark.parametrize("strategy", collectives.STRATEGIES)
+@pytest.mark.parametrize("strategy", strategies.NAMES)
 @pytest.mark.parametrize("shape", [(1, 8), (2, 4), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("bucket_bytes", [0, 2000])
 def test_fused_reduction_equals_unfused(problem, strategy, shape, bucket_bytes):
@@ -118,7 +119,7 @@ def test_fused_reduction_equals_unfused(problem, strategy, shape, bucket_bytes):
   mesh = mesh_lib.make_mesh(*shape)
   results = {}
   for mode in ("none", "fixed"):
-    reducer = collectives.make_gradient_reducer(strategy, *shape, fusion=mode, bucket_bytes=bucket_bytes,
+    reducer = reducer_lib.make_gradient_reducer(strategy, *shape, fusion=mode, bucket_bytes=bucket_bytes,
                                                 density=1.0, min_compress_elements=1)
     if mode == "fixed":
       assert len(reducer.buckets(jax.tree.leaves(params))[1]) == (1 if bucket_bytes == 0 else 3)
@@ -130,8 +131,8 @@ def test_fused_reduction_equals_unfused(problem, strategy, shape, bucket_bytes):
 
 def test_fusion_cuts_padding_and_counts_bytes_per_bucket():
   params = {"a": jnp.zeros((5,)), "b": jnp.zeros((3, 3))}   # 5 + 9 = 14 elements
-  none = collectives.make_gradient_reducer("hierarchical", 2, 4, "none").bytes_per_step(params)
-  fixed = collectives.make_gradient_reducer("hierarchical", 2, 4, "fixed").bytes_per_step(params)
+  none = reducer_lib.make_gradient_reducer("hierarchical", 2, 4, "none").bytes_per_step(params)
+  fixed = reducer_lib.make_gradient_reducer("hierarchical", 2, 4, "fixed").bytes_per_step(params)
   # none: pads 5 -> 8 and 9 -> 12 (shards of 2 and 3); fixed: 14 -> 16 (shard of 4).
   assert none.intra_node == 2 * 3 * (2 + 3) * 4 and fixed.intra_node == 2 * 3 * 4 * 4
   assert none.inter_node == (2 + 3) * 4 and fixed.inter_node == 4 * 4
@@ -142,8 +143,8 @@ def test_fusion_cuts_padding_and_counts_bytes_per_bucket():
 def test_bfloat16_wire_is_close_to_float32_and_halves_dense_bytes(problem, strategy, shape):
   model, params, images, labels, reference = problem
   mesh = mesh_lib.make_mesh(*shape)
-  f32 = collectives.make_gradient_reducer(strategy, *shape, fusion="fixed", density=1.0, min_compress_elements=1)
-  bf16 = collectives.make_gradient_reducer(strategy, *shape, fusion="fixed", density=1.0, min_compress_elements=1,
+  f32 = reducer_lib.make_gradient_reducer(strategy, *shape, fusion="fixed", density=1.0, min_compress_elements=1)
+  bf16 = reducer_lib.make_gradient_reducer(strategy, *shape, fusion="fixed", density=1.0, min_compress_elements=1,
                                            wire_dtype="bfloat16")
   reduced = reduce_on_mesh(bf16, mesh, model, params, images, labels)[0]
   for ours, ref in zip(jax.tree.leaves(reduced), jax.tree.leaves(reference)):

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from light_jax.parallel import collectives, compression
+from light_jax import schedules
+from light_jax.parallel import compression, strategies
+from light_jax.parallel import reducer as reducer_lib
 from light_jax.parallel import mesh as mesh_lib
 
 
@@ -50,17 +52,17 @@ def test_mstopk_with_ties_still_gives_k():
 
 
 def test_density_warmup_phases():
-  assert compression.density_at(0, 0.001, 100) == 0.25
-  assert compression.density_at(99, 0.001, 100) == pytest.approx(0.25 * (0.001 / 0.25) ** 0.75)
-  assert compression.density_at(100, 0.001, 100) == 0.001
-  assert compression.density_at(0, 0.001, 0) == 0.001
-  assert len({compression.density_at(s, 0.001, 100) for s in range(200)}) == 5  # 4 phases + target
+  assert schedules.density_at(0, 0.001, 100) == 0.25
+  assert schedules.density_at(99, 0.001, 100) == pytest.approx(0.25 * (0.001 / 0.25) ** 0.75)
+  assert schedules.density_at(100, 0.001, 100) == 0.001
+  assert schedules.density_at(0, 0.001, 0) == 0.001
+  assert len({schedules.density_at(s, 0.001, 100) for s in range(200)}) == 5  # 4 phases + target
 
 
 def _run_steps(strategy, shape, grads, density, error_feedback=True, selector="exact"):
   """Reduces each step's per-device vectors (T, devices, d); returns (outputs (T, d), final state)."""
   mesh = mesh_lib.make_mesh(*shape)
-  reducer = collectives.make_gradient_reducer(strategy, *shape, density=density, selector=selector,
+  reducer = reducer_lib.make_gradient_reducer(strategy, *shape, density=density, selector=selector,
                                               error_feedback=error_feedback, min_compress_elements=1)
   per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
   params = {"w": jnp.zeros(grads.shape[-1])}
@@ -115,21 +117,21 @@ def test_hitopk_sends_at_most_k_entries_per_shard_per_node(selector):
 def test_compressed_byte_accounting_matches_the_formulas():
   # d = 25,600,000 float32 (ResNet-50-sized bucket), N=2 nodes x n=4, density 0.001 (light-techniques.md 1).
   d, nodes, local, density = 25_600_000, 2, 4, 0.001
-  reducer = collectives.make_gradient_reducer("hitopk", nodes, local, fusion="fixed", bucket_bytes=0, density=density)
+  reducer = reducer_lib.make_gradient_reducer("hitopk", nodes, local, fusion="fixed", bucket_bytes=0, density=density)
   params = {"w": jax.ShapeDtypeStruct((d,), jnp.float32)}
   got = reducer.bytes_per_step(params)
   k = int(np.ceil(density * d / local))
   assert k == 6400
   assert got.inter_node == (nodes - 1) * k * 8 == 51_200
   assert got.intra_node == 2 * (local - 1) * (d // local) * 4
-  dense_hier = collectives.make_gradient_reducer("hierarchical", nodes, local, "fixed", 0).bytes_per_step(params)
+  dense_hier = reducer_lib.make_gradient_reducer("hierarchical", nodes, local, "fixed", 0).bytes_per_step(params)
   assert dense_hier.inter_node == 2 * (nodes - 1) * (d // local) * 4 // nodes == 25_600_000
   assert dense_hier.inter_node / got.inter_node == 500.0     # the >= 50x bar of issue #3, from shapes
-  flat = collectives.make_gradient_reducer("topk", nodes, local, "fixed", 0, density=density).bytes_per_step(params)
+  flat = reducer_lib.make_gradient_reducer("topk", nodes, local, "fixed", 0, density=density).bytes_per_step(params)
   assert flat.inter_node == (nodes * local - 1) * 25_600 * 8
   # gTop-k: log2(N) = 1 round across nodes and log2(n) = 2 inside, k = 25,600 pairs each, then a ring
   # all-reduce of the k float32 sums over all 8 devices (2 x 7/8 x k x 4 bytes).
-  gtopk = collectives.make_gradient_reducer("gtopk", nodes, local, "fixed", 0, density=density).bytes_per_step(params)
+  gtopk = reducer_lib.make_gradient_reducer("gtopk", nodes, local, "fixed", 0, density=density).bytes_per_step(params)
   assert gtopk.inter_node == 1 * 25_600 * 8 + 2 * 7 * 25_600 * 4 // 8 == 384_000
   assert gtopk.intra_node == 2 * 25_600 * 8 + 2 * 7 * 25_600 * 4 // 8 == 588_800
 
@@ -159,8 +161,8 @@ def test_gtopk_keeps_one_global_set_with_exact_sums(shape):
 
 
 def test_small_buckets_go_dense():
-  reducer = collectives.make_gradient_reducer("hitopk", 2, 4, density=0.01, min_compress_elements=512)
+  reducer = reducer_lib.make_gradient_reducer("hitopk", 2, 4, density=0.01, min_compress_elements=512)
   params = {"bias": jnp.zeros(64), "kernel": jnp.zeros((64, 64))}
   state = reducer.init_state(params)
   assert [v.shape for v in state.values()] == [(2, 4, 1024)]   # only the kernel: 4096 / 4 local
-  assert reducer.bytes_per_step({"bias": params["bias"]}) == collectives.strategy_bytes("hierarchical", 64, 4, 2, 4)
+  assert reducer.bytes_per_step({"bias": params["bias"]}) == strategies.strategy_bytes("hierarchical", 64, 4, 2, 4)

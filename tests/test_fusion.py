@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from light_jax.models import create_model
-from light_jax.parallel import collectives, cost_model, fusion
+from light_jax.parallel import cost_model, fusion
+from light_jax.parallel import reducer as reducer_lib
 
 
 def test_mgwfbp_merges_everything_when_startup_dominates():
@@ -58,7 +59,7 @@ def test_profile_gives_backward_order_and_flops():
 def test_adaptive_plan_on_resnet50_is_between_per_tensor_and_one_bucket():
   model = create_model("resnet50", 1000)
   profile = fusion.profile_parameters(model, (224, 224, 3))
-  reducer = collectives.make_gradient_reducer("hierarchical", 16, 8, order=profile.order)
+  reducer = reducer_lib.make_gradient_reducer("hierarchical", 16, 8, order=profile.order)
   # 32 images per V100 at 15 TFLOP/s: about 17 ms of backward pass to hide the communication in.
   slow = cost_model.plan_adaptive_fusion(reducer, profile, cost_model.PRESETS["v100_nvlink_25gbe"], 15e12, 32)
   fast = cost_model.plan_adaptive_fusion(reducer, profile, cost_model.PRESETS["h100_nvlink_ib"], 15e12, 32)
@@ -72,7 +73,7 @@ def test_adaptive_plan_on_resnet50_is_between_per_tensor_and_one_bucket():
 def test_adaptive_reduction_equals_reference():
   model = create_model("resnet8_small", 10, width=4)
   profile = fusion.profile_parameters(model, (16, 16, 1))
-  reducer = collectives.make_gradient_reducer("hierarchical", 2, 4, order=profile.order)
+  reducer = reducer_lib.make_gradient_reducer("hierarchical", 2, 4, order=profile.order)
   adaptive = cost_model.plan_adaptive_fusion(reducer, profile, cost_model.PRESETS["v100_nvlink_25gbe"], 1e9, 4)
   leaves = jax.tree.leaves(profile.params)
   order, buckets = adaptive.buckets(leaves)

@@ -5,8 +5,8 @@ import optax
 import pytest
 
 from configs import fashion_mnist
-from light_jax import optim
-from light_jax.data import EpochPlan, Phase
+from light_jax import optim, schedules
+from light_jax.schedules import EpochPlan, Phase
 from light_jax.models import create_model
 
 
@@ -18,13 +18,13 @@ def _config(**opt):
 
 
 def test_peak_lr_scales_linearly_with_batch():
-  assert optim.peak_learning_rate(_config()) == pytest.approx(0.5 * 1024 / 256)
+  assert schedules.peak_learning_rate(_config().optimizer, 1024) == pytest.approx(0.5 * 1024 / 256)
 
 
 @pytest.mark.parametrize("decay", ["poly", "cosine"])
 def test_schedule_warms_up_linearly_then_decays_to_the_end_value(decay):
   # 10 epochs of 100 steps of 1024 examples.
-  schedule = optim.learning_rate_schedule(_config(decay=decay), EpochPlan(102_400, 10, (), 1024))
+  schedule = schedules.learning_rate_schedule(_config(decay=decay).optimizer, EpochPlan(102_400, 10, (), 1024))
   peak = 2.0
   assert float(schedule(0)) == 0.0
   assert float(schedule(50)) == pytest.approx(peak / 4)
@@ -45,7 +45,7 @@ def test_schedule_with_a_batch_per_phase_keeps_its_shape_in_epochs_and_scales_th
   assert plan.epochs_done(450) == pytest.approx(4.25) and plan.step_at(4.25) == 450
   assert plan.ends_epoch(400) and plan.ends_epoch(600) and not plan.ends_epoch(500)
   config = _config(decay="poly")   # warm-up 2 epochs, peak 0.5 * batch / 256
-  schedule = optim.learning_rate_schedule(config, plan)
+  schedule = schedules.learning_rate_schedule(config.optimizer, plan)
   assert float(schedule(100)) == pytest.approx(2.0 / 2)            # 1 epoch into the warm-up at batch 1024
   assert float(schedule(200)) == pytest.approx(2.0)                # peak at batch 1024
   # Epoch 7 of 10 (step 400 + 3 * 200): 5/8 through the decay, at the batch-512 peak of 1.0.
@@ -70,7 +70,7 @@ def test_masked_parameters_get_no_weight_decay(name):
   """With zero gradient, decayed kernels move and BatchNorm/bias parameters stay put."""
   params = {"kernel": jnp.ones((3, 3)), "bias": jnp.ones((3,)), "scale": jnp.ones((3,))}
   config = _config(name=name, weight_decay=0.1)
-  tx = optim.build_optimizer(config, optax.constant_schedule(0.1))
+  tx = optim.build_optimizer(config.optimizer, optax.constant_schedule(0.1))
   zeros = jax.tree.map(jnp.zeros_like, params)
   updates, _ = tx.update(zeros, tx.init(params), params)
   assert float(jnp.abs(updates["kernel"]).max()) > 0
@@ -80,7 +80,7 @@ def test_masked_parameters_get_no_weight_decay(name):
 def test_lars_trust_ratio_applies_to_kernels_only():
   params = {"kernel": jnp.full((4, 4), 2.0), "bias": jnp.full((4,), 2.0)}
   grads = {"kernel": jnp.full((4, 4), 0.5), "bias": jnp.full((4,), 0.5)}
-  tx = optim.build_optimizer(_config(name="lars", weight_decay=0.0, momentum=0.0, nesterov=False), optax.constant_schedule(1.0))
+  tx = optim.build_optimizer(_config(name="lars", weight_decay=0.0, momentum=0.0, nesterov=False).optimizer, optax.constant_schedule(1.0))
   updates, _ = tx.update(grads, tx.init(params), params)
   # kernel: eta * ||w|| / ||g|| * g = 0.001 * 8 / 2 * 0.5; bias: plain -lr * g.
   np.testing.assert_allclose(updates["kernel"], -0.001 * 8.0 / 2.0 * 0.5, rtol=1e-6)

@@ -7,9 +7,10 @@ import numpy as np
 import optax
 import pytest
 
-from light_jax import optim, train_lib
+from light_jax import optim
+from light_jax import train_step as step_lib
 from light_jax.models import create_model
-from light_jax.parallel import collectives
+from light_jax.parallel import reducer as reducer_lib
 from light_jax.parallel import mesh as mesh_lib
 from tests.helpers import TinyCNN, info_for, random_source
 
@@ -26,9 +27,9 @@ def _config(optimizer: str) -> ml_collections.ConfigDict:
 
 def _run_sharded(model, tx, info, batches, shape, strategy):
   mesh = mesh_lib.make_mesh(*shape)
-  reducer = collectives.make_gradient_reducer(strategy, *shape)
-  state = train_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
-  step = train_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
+  reducer = reducer_lib.make_gradient_reducer(strategy, *shape)
+  state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
+  step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
   sharding = mesh_lib.batch_sharding(mesh)
   for images, labels in batches:
     state, loss = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
@@ -43,7 +44,7 @@ def _run_reference(model, tx, info, batches, num_shards):
   opt_state = tx.init(params)
 
   def loss_fn(params, batch_stats, images, labels):
-    x = train_lib.normalize(images, info.mean, info.std)
+    x = step_lib.normalize(images, info.mean, info.std)
     losses, stats = [], []
     for xs, ys in zip(jnp.split(x, num_shards), jnp.split(labels, num_shards)):
       logits, upd = model.apply({"params": params, "batch_stats": batch_stats}, xs, train=True, mutable=["batch_stats"])
@@ -78,7 +79,7 @@ def _max_diff(a, b):
 ], ids=str)
 def test_step_without_batchnorm_matches_one_device(strategy, shape, optimizer):
   batches, info = _batches(3)
-  tx = optim.build_optimizer(_config(optimizer), optax.constant_schedule({"sgd": 0.1, "lars": 1.0, "lamb": 0.01}[optimizer]))
+  tx = optim.build_optimizer(_config(optimizer).optimizer, optax.constant_schedule({"sgd": 0.1, "lars": 1.0, "lamb": 0.01}[optimizer]))
   ours = _run_sharded(TinyCNN(), tx, info, batches, shape, strategy)
   ref_params, _ = _run_reference(TinyCNN(), tx, info, batches, num_shards=1)
   init = TinyCNN().init(jax.random.key(0), jnp.zeros((1, *info.image_shape)))["params"]
@@ -90,7 +91,7 @@ def test_step_without_batchnorm_matches_one_device(strategy, shape, optimizer):
 def test_resnet_step_with_per_device_batchnorm_matches_one_device():
   batches, info = _batches(2, shape=(16, 16, 1))
   model = create_model("resnet8_small", num_classes=10, width=4)
-  tx = optim.build_optimizer(_config("sgd"), optax.constant_schedule(0.1))
+  tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
   ours = _run_sharded(model, tx, info, batches, (2, 4), "hierarchical")
   ref_params, ref_stats = _run_reference(model, tx, info, batches, num_shards=8)
   assert _max_diff(ours.params, ref_params) < 1e-5
@@ -102,11 +103,11 @@ def test_resnet_step_with_per_device_batchnorm_matches_one_device():
 
 def test_train_state_is_donated():
   batches, info = _batches(1)
-  tx = optim.build_optimizer(_config("sgd"), optax.constant_schedule(0.1))
+  tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
   mesh = mesh_lib.make_mesh(2, 4)
-  reducer = collectives.make_gradient_reducer("dense", 2, 4)
-  state = train_lib.create_train_state(TinyCNN(), tx, reducer, info.image_shape, mesh, seed=0)
-  step = train_lib.make_train_step(TinyCNN(), tx, reducer, mesh, info, 0.1)
+  reducer = reducer_lib.make_gradient_reducer("dense", 2, 4)
+  state = step_lib.create_train_state(TinyCNN(), tx, reducer, info.image_shape, mesh, seed=0)
+  step = step_lib.make_train_step(TinyCNN(), tx, reducer, mesh, info, 0.1)
   sharding = mesh_lib.batch_sharding(mesh)
   images, labels = batches[0]
   step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))

@@ -14,7 +14,7 @@ import ml_collections
 from absl import logging
 
 from light_jax.data import fashion_mnist, records, transforms
-from light_jax.data.epochs import EpochPlan, Phase, parse_resolution_schedule
+from light_jax.schedules import EpochPlan, Phase, parse_resolution_schedule
 from light_jax.data.image_source import ImageSource
 from light_jax.data.pipeline import EvalBatches, TrainBatches
 from light_jax.data.prefetch import DevicePrefetcher

@@ -23,7 +23,7 @@ import math
 import grain
 import numpy as np
 
-from light_jax.data.epochs import EpochPlan
+from light_jax.schedules import EpochPlan
 from light_jax.data.image_source import ImageSource
 from light_jax.data.source import ArraySource
 
@@ -47,8 +47,8 @@ def pad_crop_flip(images: np.ndarray, offsets: np.ndarray, flips: np.ndarray, pa
 class TrainBatches:
   """Process-local training batches, one per global step, for ``num_epochs`` epochs.
 
-  ``resolution_schedule`` phases (``epochs.Phase``: first epoch, image size, optional global batch size)
-  give each epoch its image size and batch size; ``plan`` (``epochs.EpochPlan``) maps steps to epochs.
+  ``resolution_schedule`` phases (``schedules.Phase``: first epoch, image size, optional global batch size)
+  give each epoch its image size and batch size; ``plan`` (``schedules.EpochPlan``) maps steps to epochs.
   An epoch of batch size B is ``len(source) // B`` steps (the last partial batch is dropped; the
   reshuffle gives those examples a place in later epochs).
   """

@@ -86,15 +86,3 @@ def apply_error_feedback(x: jax.Array, residual: jax.Array, k: int, selector: st
   indices, values = SELECTORS[selector](corrected, k)
   new_residual = corrected.at[indices].set(0.0) if error_feedback else residual
   return indices, values, new_residual
-
-
-def density_at(step: int, target: float, warmup_steps: int, start: float = 0.25, phases: int = 4) -> float:
-  """DGC-style density warm-up: ``phases`` exponential steps from ``start`` down to ``target``.
-
-  Each phase keeps one density (k is a static shape, so each phase compiles once). With
-  ``warmup_steps`` = 0, or ``target >= start``, the density is ``target`` from the first step.
-  """
-  if warmup_steps <= 0 or target >= start or step >= warmup_steps:
-    return target
-  phase = step * phases // warmup_steps
-  return start * (target / start) ** (phase / phases)

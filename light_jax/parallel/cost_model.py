@@ -24,8 +24,9 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from light_jax.parallel import collectives, compression
 from light_jax.parallel import fusion as fusion_lib
+from light_jax.parallel import strategies
+from light_jax.parallel.reducer import GradientReducer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +46,9 @@ class ClusterCost:
   def reduction_seconds(self, strategy: str, num_elements: int, nodes: int, local: int, k: int = 0,
                         itemsize: int = 4) -> float:
     """Modelled time of reducing one flat buffer: each level's bytes at that level's cost, in sequence."""
-    b = collectives.strategy_bytes(strategy, num_elements, itemsize, nodes, local, k)
-    if strategy in ("dense", "topk") and nodes > 1:
+    spec = strategies.get(strategy)
+    b = spec.bytes(strategies.Buffer(num_elements, itemsize, nodes, local, k))
+    if spec.flat and nodes > 1:
       return self.inter.seconds(b.inter_node)   # a flat ring runs at the pace of its slowest link
     return self.intra.seconds(b.intra_node) + self.inter.seconds(b.inter_node)
 
@@ -87,24 +89,23 @@ def load(name_or_path: str) -> ClusterCost:
                      f"existing JSON file; run benchmarks/calibrate_links.py to write one.") from None
 
 
-def effective_link(cost: ClusterCost, reducer: "collectives.GradientReducer") -> LinkCost:
+def effective_link(cost: ClusterCost, reducer: GradientReducer) -> LinkCost:
   """alpha and beta of one fused collective of ``reducer``'s strategy on this cluster (all levels).
 
   The modelled time is linear in the buffer size (k grows with it for the top-k strategies), so two
   sizes give the line exactly.
   """
   def seconds(elements: int) -> float:
-    compressed = reducer.strategy in collectives.COMPRESSED_STRATEGIES
-    k = compression.num_selected(reducer.compressed_size(elements), reducer.density) if compressed else 0
-    return cost.reduction_seconds(reducer.strategy, elements, reducer.nodes, reducer.local, k)
+    return cost.reduction_seconds(reducer.bucket_strategy(elements).name, elements, reducer.nodes, reducer.local,
+                                  reducer.k_for(elements))
 
   small, large = 2**20, 2**26
   beta = (seconds(large) - seconds(small)) / ((large - small) * 4)
   return LinkCost(alpha=max(seconds(small) - beta * small * 4, 0.0), beta=beta)
 
 
-def plan_adaptive_fusion(reducer: "collectives.GradientReducer", profile: fusion_lib.ParameterProfile,
-                         cost: ClusterCost, device_flops: float, examples_per_device: int) -> "collectives.GradientReducer":
+def plan_adaptive_fusion(reducer: GradientReducer, profile: fusion_lib.ParameterProfile,
+                         cost: ClusterCost, device_flops: float, examples_per_device: int) -> GradientReducer:
   """``reducer`` with fusion="adaptive" and its MG-WFBP groups for the profiled parameters.
 
   Backward time of each tensor: its backward FLOPs per example x ``examples_per_device`` /

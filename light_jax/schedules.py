@@ -1,4 +1,10 @@
-"""Steps, epochs, image sizes and batch sizes: which epoch, size and batch a training step belongs to.
+"""Schedules: what changes with the training step, all computed from the config alone.
+
+- ``EpochPlan``: which epoch, image size and global batch size a step belongs to (progressive resizing);
+- ``learning_rate_schedule``: linear warm-up, then polynomial or cosine decay, laid out in epochs;
+- ``density_at``: the top-k density warm-up of the compressed strategies.
+
+Everything is a function of the config and the step, so a resumed run finds the same schedules.
 
 Progressive resizing trains in phases, each from a first epoch on, at its own image size and, if
 given, its own global batch size (``data.resolution_schedule = "0:128:1024,14:224:512,32:288:256"``:
@@ -6,8 +12,9 @@ small images in big batches early, full size in smaller batches at the end, as i
 recipes). An epoch of batch size B has ``len(split) // B`` steps, so with per-phase batches the steps
 per epoch change between phases; ``EpochPlan`` is the one place that maps a global step to its epoch,
 batch size and image size (and back), for the input pipeline, the learning-rate schedule, the top-k
-density warm-up and the trainer's epoch ends. Everything is a function of the config, so a resumed
-run finds the same plan.
+density warm-up and the trainer's epoch ends.
+
+The formulas and their sources: docs/techniques.md section 6.
 """
 
 from __future__ import annotations
@@ -16,7 +23,13 @@ import bisect
 import math
 from typing import NamedTuple
 
-from light_jax.data.source import DataError
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+
+class ScheduleError(ValueError):
+  """A schedule cannot be laid out (a malformed resolution schedule, a batch larger than the split)."""
 
 
 class Phase(NamedTuple):
@@ -37,15 +50,15 @@ def parse_resolution_schedule(text: str, default_size: int) -> tuple[Phase, ...]
         raise ValueError
       phases.append(Phase(*fields))
   except ValueError:
-    raise DataError(f"data.resolution_schedule={text!r} is not 'first_epoch:size[:global_batch],...' "
+    raise ScheduleError(f"data.resolution_schedule={text!r} is not 'first_epoch:size[:global_batch],...' "
                     f"(e.g. '0:128,14:224' or '0:128:1024,14:224:512')") from None
   phases.sort(key=lambda p: p.first_epoch)
   if phases[0].first_epoch != 0 or any(p.image_size < 8 for p in phases):
-    raise DataError(f"data.resolution_schedule={text!r}: the first phase must start at epoch 0 and sizes be >= 8")
+    raise ScheduleError(f"data.resolution_schedule={text!r}: the first phase must start at epoch 0 and sizes be >= 8")
   if len({p.first_epoch for p in phases}) != len(phases):
-    raise DataError(f"data.resolution_schedule={text!r}: two phases start at the same epoch")
+    raise ScheduleError(f"data.resolution_schedule={text!r}: two phases start at the same epoch")
   if any(p.global_batch_size is not None and p.global_batch_size <= 0 for p in phases):
-    raise DataError(f"data.resolution_schedule={text!r}: batch sizes must be positive")
+    raise ScheduleError(f"data.resolution_schedule={text!r}: batch sizes must be positive")
   return tuple(phases)
 
 
@@ -62,7 +75,7 @@ class EpochPlan:
       phase = phases[bisect.bisect_right(first_epochs, epoch) - 1]
       batch = phase.global_batch_size or default_batch_size
       if batch > num_examples:
-        raise DataError(f"the training split has {num_examples} examples, fewer than one global batch ({batch}) "
+        raise ScheduleError(f"the training split has {num_examples} examples, fewer than one global batch ({batch}) "
                         f"of epoch {epoch}; lower the batch size.")
       self.batch_sizes.append(batch)
       self.image_sizes.append(phase.image_size)
@@ -105,3 +118,50 @@ class EpochPlan:
   @property
   def uniform(self) -> bool:
     return len(set(self.batch_sizes)) == 1
+
+
+def peak_learning_rate(optimizer: ml_collections.ConfigDict, global_batch_size: int) -> float:
+  """The linear scaling rule: ``base_lr * global_batch_size / 256`` (Goyal et al. 2017)."""
+  return optimizer.base_lr * global_batch_size / 256
+
+
+def learning_rate_schedule(optimizer: ml_collections.ConfigDict, plan: EpochPlan) -> optax.Schedule:
+  """Warm-up then decay as a function of the step; evaluated on the host for logging as well.
+
+  ``optimizer`` is ``config.optimizer`` (base_lr, warmup_epochs, decay, end_lr_factor). The shape is laid
+  out in epochs (``plan.epochs_done``), so phases with different batch sizes, hence different steps per
+  epoch, keep the warm-up and decay where the config puts them; the height follows the linear scaling
+  rule with each step's batch size. With one batch size throughout this is the usual step schedule,
+  except that the warm-up ends at exactly ``warmup_epochs`` (a step schedule rounds it to a whole step).
+  """
+  warmup, total = min(optimizer.warmup_epochs, plan.num_epochs), plan.num_epochs
+  first_steps = jnp.asarray(plan.first_steps, jnp.float32)
+  epoch_marks = jnp.arange(plan.num_epochs + 1, dtype=jnp.float32)
+  peaks = jnp.asarray([peak_learning_rate(optimizer, b) for b in plan.batch_sizes], jnp.float32)
+  end = optimizer.end_lr_factor
+
+  def schedule(step):
+    step = jnp.asarray(step, jnp.float32)
+    epochs = jnp.interp(step, first_steps, epoch_marks)   # plan.epochs_done, piecewise linear
+    epoch = jnp.clip(jnp.searchsorted(first_steps, step, side="right") - 1, 0, plan.num_epochs - 1)
+    progress = jnp.clip((epochs - warmup) / max(total - warmup, 1e-9), 0.0, 1.0)
+    if optimizer.decay == "poly":
+      decay = end + (1 - end) * (1 - progress) ** 2
+    else:
+      decay = end + (1 - end) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
+    shape = jnp.where(epochs < warmup, epochs / max(warmup, 1e-9), decay)
+    return peaks[epoch] * shape
+
+  return schedule
+
+
+def density_at(step: int, target: float, warmup_steps: int, start: float = 0.25, phases: int = 4) -> float:
+  """DGC-style top-k density warm-up: ``phases`` exponential steps from ``start`` down to ``target``.
+
+  Each phase keeps one density (k is a static shape, so each phase compiles once). With
+  ``warmup_steps`` = 0, or ``target >= start``, the density is ``target`` from the first step.
+  """
+  if warmup_steps <= 0 or target >= start or step >= warmup_steps:
+    return target
+  phase = step * phases // warmup_steps
+  return start * (target / start) ** (phase / phases)

@@ -1,0 +1,108 @@
+"""The train step compiled ahead of time, once per phase of the run.
+
+Two things a step's shapes depend on change during a run: k of top-k (the density warm-up of the
+compressed strategies) and the batch shape (progressive resizing, with a batch size per phase). Each
+(density, batch shape) pair is a phase; ``CompiledSteps.for_step`` compiles a phase's step when the run
+first reaches it and keeps it, so images/s measures steps, not compilation.
+
+The gradient reducer is built here too: with ``comm.fusion="adaptive"`` its MG-WFBP buckets depend on
+the batch shape (backward time scales with the examples per device and the pixels per example), so
+they are planned per phase, except for compressed strategies, whose per-bucket residuals in the train
+state fix the buckets of the first phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from light_jax import schedules
+from light_jax import train_step as step_lib
+from light_jax.data import DatasetInfo
+from light_jax.parallel import cost_model
+from light_jax.parallel import fusion as fusion_lib
+from light_jax.parallel import mesh as mesh_lib
+from light_jax.parallel.reducer import GradientReducer, make_gradient_reducer
+from light_jax.parallel.strategies import CommBytes
+
+
+class CompiledSteps:
+  """``for_step(step, state)`` -> (compiled train step, its CommBytes) for the phase of ``step``."""
+
+  def __init__(self, config: ml_collections.ConfigDict, model: nn.Module, tx: optax.GradientTransformation,
+               mesh: jax.sharding.Mesh, info: DatasetInfo, plan: schedules.EpochPlan):
+    self.config, self.model, self.tx, self.mesh, self.info, self.plan = config, model, tx, mesh, info, plan
+    comm = config.comm
+    nodes, local = mesh.devices.shape
+    self.profile = fusion_lib.profile_parameters(model, info.image_shape)   # backward order, FLOPs per tensor
+    reducer = make_gradient_reducer(
+        comm.strategy, nodes, local, "fixed" if comm.fusion == "adaptive" else comm.fusion, comm.bucket_bytes,
+        density=comm.density, selector=comm.topk_selector, error_feedback=comm.error_feedback,
+        min_compress_elements=comm.min_compress_elements, wire_dtype=comm.dtype, order=self.profile.order)
+    self.adaptive_per_phase = comm.fusion == "adaptive" and not reducer.spec.compressed
+    if comm.fusion == "adaptive" and not self.adaptive_per_phase:
+      reducer = self._planned(reducer, self.batch_shape_at(0))
+    self.reducer = reducer   # the reducer of the first phase: its init_state is the train state's comm_state
+    self.density_warmup_steps = plan.step_at(comm.density_warmup_epochs)
+    self.sharding = mesh_lib.batch_sharding(mesh)
+    self._compiled: dict[tuple, tuple[Callable, CommBytes]] = {}
+
+  def batch_shape_at(self, step: int) -> tuple[int, ...]:
+    """Global (batch, height, width, channels) of ``step``."""
+    size = self.plan.image_size_at(step)
+    image_shape = (size, size, self.info.image_shape[2]) if size else self.info.image_shape
+    return (self.plan.batch_size_at(step), *image_shape)
+
+  def density_at(self, step: int) -> float:
+    return schedules.density_at(step, self.config.comm.density, self.density_warmup_steps)
+
+  def reducer_at(self, step: int) -> GradientReducer:
+    reducer = dataclasses.replace(self.reducer, density=self.density_at(step))
+    return self._planned(reducer, self.batch_shape_at(step)) if self.adaptive_per_phase else reducer
+
+  def for_step(self, step: int, state: step_lib.TrainState) -> tuple[Callable, CommBytes]:
+    key = (self.density_at(step), self.batch_shape_at(step))
+    if key not in self._compiled:
+      self._compiled[key] = self._compile(step, state)
+    return self._compiled[key]
+
+  def _compile(self, step: int, state: step_lib.TrainState) -> tuple[Callable, CommBytes]:
+    density, batch_shape = self.density_at(step), self.batch_shape_at(step)
+    reducer = self.reducer_at(step)
+    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    images = jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=self.sharding)
+    labels = jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=self.sharding)
+    start = time.time()
+    train = step_lib.make_train_step(self.model, self.tx, reducer, self.mesh, self.info,
+                                     self.config.optimizer.label_smoothing, self.config.train.inject_nan_at_step,
+                                     tuple(self.plan.first_steps))
+    compiled = train.lower(abstract_state, images, labels).compile()
+    comm_bytes = reducer.bytes_per_step(abstract_state.params)
+    logging.info("train step compiled in %.1f s (batch %s%s): %s intra-node and %s inter-node bytes per device "
+                 "per step", time.time() - start, "x".join(map(str, batch_shape)),
+                 f", top-k density {density:.4g}" if reducer.spec.compressed else "",
+                 f"{comm_bytes.intra_node:,}", f"{comm_bytes.inter_node:,}")
+    return compiled, comm_bytes
+
+  def comm_bytes_at(self, step: int, params) -> CommBytes:
+    """Bytes per device of ``step``'s reduction, without compiling."""
+    return self.reducer_at(step).bytes_per_step(params)
+
+  def _planned(self, reducer: GradientReducer, batch_shape: tuple[int, ...]) -> GradientReducer:
+    """``reducer`` with MG-WFBP buckets for this batch shape (the profile is at the eval image size)."""
+    comm, info = self.config.comm, self.info
+    pixels = math.prod(batch_shape[1:3]) / math.prod(info.image_shape[:2])
+    reducer = cost_model.plan_adaptive_fusion(reducer, self.profile, cost_model.load(comm.cost_model),
+                                              comm.device_tflops * 1e12, batch_shape[0] / self.mesh.size * pixels)
+    logging.info("adaptive fusion (MG-WFBP, %s) for batch %s: %d buckets for %d tensors", comm.cost_model,
+                 "x".join(map(str, batch_shape)), len(reducer.groups), len(self.profile.order))
+    return reducer

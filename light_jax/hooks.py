@@ -1,0 +1,168 @@
+"""Periodic actions of the training loop, registered with a period (as in levanter's trainer hooks).
+
+A hook is a function of ``StepInfo`` run after a step when it is due: every ``every`` steps, or when
+``when(step)`` holds (epoch ends, which are not periodic when the batch size changes between phases).
+It may return a reason to stop ("preempted", "nonfinite"); the loop stops after running every hook due
+at that step, so a stop still gets its evaluation record and its checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import jax
+
+from light_jax import checkpoint as checkpoint_lib
+from light_jax import metrics as metrics_lib
+from light_jax import schedules
+from light_jax import train_step as step_lib
+from light_jax.parallel.strategies import CommBytes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+  """What the hooks see after a step."""
+
+  step: int               # steps done, so the first step gives 1
+  state: Any              # the TrainState after the step
+  loss: jax.Array         # per-device training loss of the step, (num_devices,)
+  batch_size: int         # global batch size of the step
+  comm_bytes: CommBytes   # bytes per device of the step's gradient reduction
+
+
+Hook = Callable[[StepInfo], "str | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Registered:
+  fn: Hook
+  every: int
+  when: Callable[[int], bool] | None
+
+  def due(self, step: int) -> bool:
+    return (self.every > 0 and step % self.every == 0) or (self.when is not None and self.when(step))
+
+
+class Hooks:
+  """Hooks in registration order; ``run`` calls those due and returns the last stop reason given."""
+
+  def __init__(self):
+    self._hooks: list[_Registered] = []
+
+  def add(self, fn: Hook, every: int = 0, when: Callable[[int], bool] | None = None) -> None:
+    """Runs ``fn`` after every ``every``-th step (0: never by period) and after steps where ``when`` holds."""
+    self._hooks.append(_Registered(fn, every, when))
+
+  def run(self, info: StepInfo) -> str | None:
+    stop = None
+    for hook in self._hooks:
+      if hook.due(info.step):
+        stop = hook.fn(info) or stop
+    return stop
+
+
+# --- The trainer's hooks ----------------------------------------------------------------------------
+
+
+class ProgressBar:
+  """Every step: advance the bar; every ``log_every`` steps: show loss, learning rate and images/s.
+
+  Reading step t's loss waits for step t only; the steps queued behind it keep running.
+  """
+
+  def __init__(self, bar, schedule: Callable[[int], Any], log_every: int):
+    self.bar, self.schedule, self.log_every = bar, schedule, log_every
+    self._images, self._since = 0, time.perf_counter()
+
+  def __call__(self, info: StepInfo) -> None:
+    self.bar.update(1)
+    self._images += info.batch_size
+    if info.step % self.log_every == 0:
+      now = time.perf_counter()
+      self.bar.set_postfix(loss=f"{step_lib.global_mean(info.loss):.4f}", lr=f"{float(self.schedule(info.step)):.3g}",
+                           img_s=f"{self._images / (now - self._since):.0f}")
+      self._images, self._since = 0, now
+
+
+class NonFiniteCheck:
+  """Warns when steps with a non-finite loss or gradient were skipped; policy "stop" stops the run."""
+
+  def __init__(self, policy: str):
+    self.policy = policy
+    self.seen = 0
+
+  def __call__(self, info: StepInfo) -> str | None:
+    count = int(info.state.nonfinite_steps.addressable_data(0))   # replicated: any device's copy
+    if count <= self.seen:
+      return None
+    self.seen = count
+    logging.warning("%d step(s) with a non-finite loss or gradient so far (update skipped); policy: %s",
+                    count, self.policy)
+    return "nonfinite" if self.policy == "stop" else None
+
+
+class CheckpointSaver:
+  """Starts an asynchronous save; counts the seconds the loop was blocked doing so."""
+
+  def __init__(self, checkpointer: checkpoint_lib.Checkpointer, meta: dict[str, Any]):
+    self.checkpointer, self.meta = checkpointer, meta
+    self.blocking_seconds = 0.0
+
+  def __call__(self, info: StepInfo) -> None:
+    start = time.perf_counter()
+    if self.checkpointer.save(info.step, info.state, self.meta):
+      self.blocking_seconds += time.perf_counter() - start
+
+
+class EpochEvaluation:
+  """At each epoch end (and the last step): evaluate, write one record to metrics.jsonl, print a line.
+
+  Images/s and the input-wait fraction cover the training steps since the previous record, without the
+  evaluation. A checkpoint saved at step s comes after this hook, so metrics.jsonl then holds every
+  record up to s.
+  """
+
+  def __init__(self, evaluate: Callable[[Any], dict[str, float]], writer: metrics_lib.MetricsWriter,
+               plan: schedules.EpochPlan, schedule: Callable[[int], Any], prefetcher, bar, start_step: int,
+               total_steps: int):
+    self.evaluate, self.writer, self.plan, self.schedule = evaluate, writer, plan, schedule
+    self.prefetcher, self.bar, self.total_steps = prefetcher, bar, total_steps
+    self.last_record: dict[str, Any] | None = None
+    self._start_step, self._start_time, self._start_wait = start_step, time.perf_counter(), prefetcher.wait_seconds
+
+  def __call__(self, info: StepInfo) -> None:
+    train_seconds = time.perf_counter() - self._start_time
+    images = sum(self.plan.batch_size_at(s) for s in range(self._start_step, info.step))
+    train_loss = step_lib.epoch_mean_loss(info.state)
+    record = epoch_record(
+        info.step, self.plan, train_loss, self.evaluate(info.state), images / train_seconds,
+        (self.prefetcher.wait_seconds - self._start_wait) / train_seconds, float(self.schedule(info.step)),
+        info.comm_bytes, int(info.state.nonfinite_steps.addressable_data(0)), info.step == self.total_steps)
+    self.writer.write(record)
+    self.bar.write(f"epoch {record['epoch']:.2f} step {info.step}: train loss {train_loss:.4f}, test top-1 "
+                   f"{100 * record['eval_top1']:.2f}% top-5 {100 * record['eval_top5']:.2f}%, "
+                   f"{record['images_per_sec']:.0f} images/s, input wait {100 * record['input_wait_fraction']:.1f}%")
+    self.last_record = record
+    self._start_step, self._start_time, self._start_wait = info.step, time.perf_counter(), self.prefetcher.wait_seconds
+
+
+def epoch_record(step: int, plan: schedules.EpochPlan, train_loss: float, eval_metrics: dict[str, float],
+                 images_per_sec: float, input_wait_fraction: float, learning_rate: float, comm_bytes: CommBytes,
+                 nonfinite_steps: int, final: bool) -> dict[str, Any]:
+  """One line of metrics.jsonl (its keys are an interface, listed in README.md)."""
+  return {
+      "step": step,
+      "epoch": round(plan.epochs_done(step), 4),
+      "train_loss": train_loss,
+      **eval_metrics,
+      "images_per_sec": images_per_sec,
+      "input_wait_fraction": input_wait_fraction,
+      "learning_rate": learning_rate,
+      "inter_node_bytes_per_step": comm_bytes.inter_node,
+      "intra_node_bytes_per_step": comm_bytes.intra_node,
+      "nonfinite_steps": nonfinite_steps,
+      "final": final,
+  }

@@ -1,0 +1,156 @@
+"""``GradientReducer``: a strategy (``strategies.py``) applied to a whole gradient pytree, bucket by bucket.
+
+Local gradients are packed into buckets (``fusion.py``), each bucket is reduced by the strategy's
+collective (or its dense fallback when too small to compress), and the sums are divided by the device
+count, so the result is the mean gradient over the global batch. The residuals of the compressed
+strategies are ``comm_state``: one float32 vector per compressed bucket per device, carried in the train
+state with leading dims (nodes, local), sharded over both mesh axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from light_jax.parallel import compression, strategies
+from light_jax.parallel import fusion as fusion_lib
+from light_jax.parallel.strategies import CommBytes
+
+PyTree = Any
+FUSIONS = ("none", "fixed", "adaptive")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientReducer:
+  """Turns local gradients into the mean gradient over all devices, bucket by bucket.
+
+  ``reduce`` runs inside shard_map; ``init_state`` gives the per-device residuals of the compressed
+  buckets (empty for the dense strategies); ``bytes_per_step`` is the exact traffic per device.
+
+  Attributes:
+    strategy: a name in ``strategies.REGISTRY``.
+    nodes, local: the mesh shape.
+    fusion: ``"none"`` (a collective per tensor), ``"fixed"`` (buckets up to ``bucket_bytes``) or
+      ``"adaptive"`` (the MG-WFBP ``groups``, planned by ``cost_model.plan_adaptive_fusion``).
+    density: fraction of entries kept by the compressed strategies (k per ``topk_unit``).
+    selector: ``"exact"`` or ``"mstopk"`` (compression.py).
+    error_feedback: keep what top-k did not send and add it to the next step's gradient.
+    min_compress_elements: buckets whose top-k unit is smaller than this go to the strategy's dense
+      fallback: top-k would save little and cost a selection.
+    wire_dtype: dtype of the dense hops on the wire (``comm.dtype``): "bfloat16" halves their bytes;
+      hierarchical and hitopk still accumulate in float32 (dense's psum accumulates in the wire dtype).
+    order: leaf indices in backward order (``fusion.profile_parameters``); None = reversed pytree order.
+    groups: for ``"adaptive"``, the buckets as positions in ``order``.
+  """
+
+  strategy: str
+  nodes: int
+  local: int
+  fusion: str = "none"
+  bucket_bytes: int = fusion_lib.DEFAULT_BUCKET_BYTES
+  density: float = 1.0
+  selector: str = "exact"
+  error_feedback: bool = True
+  min_compress_elements: int = 512
+  wire_dtype: str = "float32"
+  order: tuple[int, ...] | None = None
+  groups: tuple[tuple[int, ...], ...] | None = None
+
+  @property
+  def spec(self) -> strategies.Strategy:
+    return strategies.get(self.strategy)
+
+  # --- planning (static, from shapes) ---------------------------------------------------------------
+  def buckets(self, leaves) -> tuple[list[int], list[list[int]]]:
+    """(backward order of the leaves, buckets as lists of positions in that order)."""
+    order = list(self.order) if self.order is not None else fusion_lib.backward_order(leaves)
+    if self.fusion == "none":
+      return order, [[i] for i in range(len(order))]
+    if self.fusion == "adaptive":
+      if self.groups is None:
+        raise ValueError("fusion='adaptive' needs groups: build the reducer with cost_model.plan_adaptive_fusion")
+      return order, [list(g) for g in self.groups]
+    sizes = [math.prod(leaves[i].shape) * jnp.dtype(leaves[i].dtype).itemsize for i in order]
+    return order, fusion_lib.plan_fixed_buckets(sizes, self.bucket_bytes)
+
+  def compressed_size(self, elements: int) -> int:
+    """Entries of the vector top-k runs on (and of its residual) for a bucket of ``elements``."""
+    return self.spec.topk_unit(elements, self.local)
+
+  def is_compressed(self, elements: int) -> bool:
+    return self.spec.compressed and self.compressed_size(elements) >= self.min_compress_elements
+
+  def k_for(self, elements: int) -> int:
+    """Entries top-k keeps of a bucket of ``elements`` (0 when the bucket goes dense)."""
+    if not self.is_compressed(elements):
+      return 0
+    return compression.num_selected(self.compressed_size(elements), self.density)
+
+  def bucket_strategy(self, elements: int) -> strategies.Strategy:
+    """The strategy that reduces a bucket of ``elements``: this one, or its dense fallback."""
+    spec = self.spec
+    return spec if not spec.compressed or self.is_compressed(elements) else strategies.get(spec.dense_fallback)
+
+  def _bucket_sizes(self, leaves) -> tuple[list[int], list[list[int]], list[int]]:
+    order, buckets = self.buckets(leaves)
+    sizes = [sum(math.prod(leaves[order[i]].shape) for i in bucket) for bucket in buckets]
+    return order, buckets, sizes
+
+  # --- state -------------------------------------------------------------------------------------
+  def init_state(self, params: PyTree) -> dict[str, jax.Array]:
+    """Zero residuals, {"bucket_i": float32 (nodes, local, compressed size)}, for compressed buckets."""
+    _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
+    return {_key(b): jnp.zeros((self.nodes, self.local, self.compressed_size(n)), jnp.float32)
+            for b, n in enumerate(sizes) if self.is_compressed(n)}
+
+  # --- the reduction (inside shard_map) ----------------------------------------------------------
+  def reduce(self, local_grads: PyTree, comm_state: dict[str, jax.Array]) -> tuple[PyTree, dict[str, jax.Array]]:
+    leaves, treedef = jax.tree.flatten(local_grads)
+    order, buckets, sizes = self._bucket_sizes(leaves)
+    wire_dtype = jnp.dtype(self.wire_dtype)
+    new_state = {}
+    summed: list[jax.Array | None] = [None] * len(leaves)
+    for b, (bucket, size) in enumerate(zip(buckets, sizes)):
+      members = [order[i] for i in bucket]
+      flat = fusion_lib.pack([leaves[m] for m in members])
+      spec = self.bucket_strategy(size)
+      if spec.compressed:
+        residual = comm_state[_key(b)][0, 0]   # this device's block of the (nodes, local, ...) array
+        flat, residual = spec.reduce(flat, residual, self.k_for(size), self.selector, self.error_feedback,
+                                     wire_dtype)
+        new_state[_key(b)] = residual[None, None]
+      else:
+        flat = spec.reduce(flat, wire_dtype)
+      for m, g in zip(members, fusion_lib.unpack(flat, [leaves[m] for m in members])):
+        summed[m] = g
+    num_devices = self.nodes * self.local
+    return jax.tree.unflatten(treedef, [g / num_devices for g in summed]), new_state
+
+  def bytes_per_step(self, params: PyTree) -> CommBytes:
+    leaves = jax.tree.leaves(params)
+    _, _, sizes = self._bucket_sizes(leaves)
+    itemsize = jnp.dtype(leaves[0].dtype).itemsize
+    wire = jnp.dtype(self.wire_dtype).itemsize
+    total = CommBytes()
+    for n in sizes:
+      buffer = strategies.Buffer(n, itemsize, self.nodes, self.local, self.k_for(n), wire)
+      total += self.bucket_strategy(n).bytes(buffer)
+    return total
+
+
+def make_gradient_reducer(strategy: str, nodes: int, local: int, fusion: str = "none",
+                          bucket_bytes: int = fusion_lib.DEFAULT_BUCKET_BYTES, **compression_options) -> GradientReducer:
+  """A reducer for ``strategy``; ``compression_options`` are density, selector, error_feedback, ..."""
+  strategies.get(strategy)   # a clear error for an unknown name
+  if fusion not in FUSIONS:
+    raise ValueError(f"unknown comm.fusion {fusion!r}; known: {', '.join(FUSIONS)}")
+  return GradientReducer(strategy=strategy, nodes=nodes, local=local, fusion=fusion, bucket_bytes=bucket_bytes,
+                         **compression_options)
+
+
+def _key(bucket: int) -> str:
+  return f"bucket_{bucket:03d}"

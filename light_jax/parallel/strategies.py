@@ -1,0 +1,182 @@
+"""The gradient-reduction strategies (``comm.strategy``): one record each, in one registry.
+
+A ``Strategy`` holds everything the rest of the system knows about a strategy, so that the reducer,
+the byte accounting, the cost model and the config validation never test a strategy's name:
+
+- ``reduce``: its collective (``collectives.py``), run inside ``shard_map`` on one flat bucket;
+- ``bytes``: what one device sends per step, per link level, for one bucket (the ring model);
+- for the compressed (top-k) strategies: ``topk_unit`` (the vector top-k runs on, which is also the
+  size of the per-device error-feedback residual) and ``dense_fallback`` (the dense strategy for a
+  bucket too small to compress);
+- ``flat``: one collective spanning every device, so it runs at the pace of the slowest link;
+- ``needs_power_of_two_devices``.
+
+To add a strategy: write its collective in ``collectives.py``, its byte count here, and one
+``Strategy(...)`` entry in ``REGISTRY``. The formulas: docs/techniques.md sections 1 and 4.
+
+Byte accounting (``CommBytes``): bytes one device *sends* per step over each link level, from the shapes
+alone, for ring algorithms (the ones NCCL and gloo use at these sizes). For a flat ring or all-gather
+that spans several nodes, the devices at node boundaries send their whole traffic over the slow link and
+set the pace, so that worst case is what ``dense`` and ``topk`` report as inter-node bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from light_jax.parallel import collectives
+
+INDEX_BYTES = 4  # int32 indices
+
+
+@dataclasses.dataclass(frozen=True)
+class CommBytes:
+  """Bytes one device sends per training step, by link level."""
+
+  intra_node: int = 0
+  inter_node: int = 0
+
+  def __add__(self, other: CommBytes) -> CommBytes:
+    return CommBytes(self.intra_node + other.intra_node, self.inter_node + other.inter_node)
+
+
+def ring_allreduce_bytes(num_bytes: int, group: int) -> int:
+  """Bytes each member sends in a ring all-reduce of ``num_bytes`` over ``group`` members: 2(g-1)/g x M."""
+  return 2 * (group - 1) * num_bytes // group if group > 1 else 0
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+  """One flat bucket as the byte formulas see it: ``elements`` of ``itemsize`` bytes (``wire_itemsize``
+  on the dense hops), on a ``nodes`` x ``local`` mesh; ``k`` entries kept by a top-k strategy."""
+
+  elements: int
+  itemsize: int
+  nodes: int
+  local: int
+  k: int = 0
+  wire_itemsize: int | None = None
+
+  @property
+  def wire(self) -> int:
+    return self.wire_itemsize or self.itemsize
+
+  @property
+  def sparse_pair_bytes(self) -> int:
+    """k (value, int32 index) pairs; the values travel in the gradient's dtype."""
+    return self.k * (self.itemsize + INDEX_BYTES)
+
+  def local_scatter_gather(self, multiple: int) -> tuple[int, int]:
+    """(elements of a device's local shard, bytes of the reduce-scatter + all-gather over ``local``)."""
+    shard = round_up(self.elements, multiple) // self.local
+    return shard, 2 * (self.local - 1) * shard * self.wire
+
+
+def _on_both_levels(b: Buffer, per_device: int) -> CommBytes:
+  """A flat collective over every device: its traffic crosses whichever levels the mesh has."""
+  return CommBytes(intra_node=per_device if b.local > 1 else 0, inter_node=per_device if b.nodes > 1 else 0)
+
+
+def dense_bytes(b: Buffer) -> CommBytes:
+  return _on_both_levels(b, ring_allreduce_bytes(b.elements * b.wire, b.nodes * b.local))
+
+
+def hierarchical_bytes(b: Buffer) -> CommBytes:
+  # A narrower wire dtype pads to local x nodes: the node all-reduce becomes reduce-scatter + all-gather.
+  narrow = b.wire != b.itemsize
+  shard, intra = b.local_scatter_gather(b.local * b.nodes if narrow else b.local)
+  return CommBytes(intra_node=intra, inter_node=ring_allreduce_bytes(shard * b.wire, b.nodes))
+
+
+def hitopk_bytes(b: Buffer) -> CommBytes:
+  # All-gather over `node` of k (value, index) pairs: (N-1) x k x 8 bytes per device.
+  _, intra = b.local_scatter_gather(b.local)
+  return CommBytes(intra_node=intra, inter_node=(b.nodes - 1) * b.sparse_pair_bytes)
+
+
+def topk_bytes(b: Buffer) -> CommBytes:
+  return _on_both_levels(b, (b.nodes * b.local - 1) * b.sparse_pair_bytes)
+
+
+def gtopk_bytes(b: Buffer) -> CommBytes:
+  # log2(local) rounds inside the node and log2(nodes) across, k pairs each (both are powers of two),
+  # then a ring all-reduce of k exact sums over every device.
+  sums = dense_bytes(Buffer(b.k, b.itemsize, b.nodes, b.local))
+  return CommBytes(intra_node=(b.local.bit_length() - 1) * b.sparse_pair_bytes + sums.intra_node,
+                   inter_node=(b.nodes.bit_length() - 1) * b.sparse_pair_bytes + sums.inter_node)
+
+
+def whole_bucket(elements: int, local: int) -> int:
+  del local
+  return elements
+
+
+def local_shard(elements: int, local: int) -> int:
+  return round_up(elements, local) // local
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """One gradient-reduction strategy.
+
+  Attributes:
+    name: the ``comm.strategy`` value.
+    reduce: dense: ``(flat, wire_dtype) -> flat sum``; compressed: ``(flat, residual, k, selector,
+      error_feedback, wire_dtype) -> (approximate flat sum, new residual)``. Inside shard_map.
+    bytes: ``Buffer -> CommBytes``, per device per step for one bucket.
+    compressed: keeps k entries per ``topk_unit`` and a per-device residual of that size.
+    topk_unit: ``(bucket elements, local) -> elements`` top-k runs on.
+    dense_fallback: compressed strategies: the strategy for buckets below ``comm.min_compress_elements``.
+    flat: one collective over every device, paced by the slowest link (not a sum of the two levels).
+    needs_power_of_two_devices: the algorithm pairs devices by the bits of their index.
+    summary: one line for help texts and tables.
+  """
+
+  name: str
+  reduce: Callable
+  bytes: Callable[[Buffer], CommBytes]
+  summary: str
+  compressed: bool = False
+  topk_unit: Callable[[int, int], int] = whole_bucket
+  dense_fallback: str | None = None
+  flat: bool = False
+  needs_power_of_two_devices: bool = False
+
+
+REGISTRY: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("dense", collectives.dense_allreduce, dense_bytes, flat=True,
+             summary="one psum over (node, local)"),
+    Strategy("hierarchical", collectives.hierarchical_allreduce, hierarchical_bytes,
+             summary="reduce-scatter local, all-reduce node, all-gather local"),
+    Strategy("hitopk", collectives.hierarchical_topk_allreduce, hitopk_bytes, compressed=True,
+             topk_unit=local_shard, dense_fallback="hierarchical",
+             summary="hierarchical with top-k of the local shard across nodes (HiTopKComm)"),
+    Strategy("topk", collectives.topk_allreduce, topk_bytes, compressed=True, dense_fallback="dense", flat=True,
+             summary="top-k of the whole gradient, all-gather over every device"),
+    Strategy("gtopk", collectives.gtopk_allreduce, gtopk_bytes, compressed=True, dense_fallback="dense",
+             needs_power_of_two_devices=True,
+             summary="top-k merged by recursive doubling, exact sums at the global set (gTop-k)"),
+)}
+NAMES = tuple(REGISTRY)
+
+
+def get(name: str) -> Strategy:
+  try:
+    return REGISTRY[name]
+  except KeyError:
+    raise ValueError(f"unknown comm.strategy {name!r}; known: {list(NAMES)}") from None
+
+
+def strategy_bytes(name: str, elements: int, itemsize: int, nodes: int, local: int, k: int = 0,
+                   wire_itemsize: int | None = None) -> CommBytes:
+  """Exact per-device bytes of reducing one flat buffer of ``elements`` with strategy ``name`` (ring model).
+
+  ``k`` is the number of entries a compressed strategy keeps per ``topk_unit``; ``wire_itemsize`` is the
+  element size on the dense hops (default ``itemsize``).
+  """
+  return get(name).bytes(Buffer(elements, itemsize, nodes, local, k, wire_itemsize))

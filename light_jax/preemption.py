@@ -1,0 +1,46 @@
+"""Preemption: SIGTERM / SIGINT finish the current step, save a checkpoint and exit 0.
+
+A second signal exits at once. In a multi-process run ``requested`` is a collective (an all-gather of
+the flag), so every process must call it at the same steps; the trainer does so every
+``log_every_steps`` steps, and all processes then stop after the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+class PreemptionGuard:
+  """Installs the signal handlers on creation (main thread only); ``uninstall`` restores the old ones."""
+
+  def __init__(self):
+    self.signal = None
+    self._previous = {}
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.signal is not None:
+      os._exit(128 + signum)   # second signal: no save, no cleanup
+    self.signal = signum
+    logging.warning("received %s: finishing the current step, saving a checkpoint, then exiting "
+                    "(send it again to exit at once)", signal.Signals(signum).name)
+
+  def requested(self) -> bool:
+    """Whether any process received a signal (a collective when there are several processes)."""
+    if jax.process_count() == 1:
+      return self.signal is not None
+    return bool(np.any(multihost_utils.process_allgather(np.array(self.signal is not None))))
+
+  def uninstall(self):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)

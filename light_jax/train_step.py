@@ -1,0 +1,185 @@
+"""One training step and one evaluation step over the (node, local) device mesh, as jitted functions.
+
+One step, on every device at once, inside ``jax.jit`` + ``jax.shard_map``:
+
+  1. normalise the device's shard of the uint8 batch (on the device, not the host);
+  2. forward and backward on that shard alone -> the device's *local* gradient;
+  3. the gradient reducer of ``comm.strategy`` (``parallel/reducer.py``) turns local gradients into the
+     mean gradient of the global batch (dense psum, hierarchical, or a compressed strategy);
+  4. the optimizer applies it, identically on every device, so parameters stay replicated;
+  5. BatchNorm running statistics (computed per device) are averaged over the mesh.
+
+The loop that drives these steps is ``train_lib.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from light_jax import data as data_lib
+from light_jax import optim
+from light_jax.parallel.mesh import AXES, BATCH_SPEC, LOCAL, NODE
+from light_jax.parallel.reducer import GradientReducer
+
+PyTree = Any
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything that changes from step to step.
+
+  All fields are replicated over the mesh except ``comm_state`` (per-device state of the gradient
+  reducer, e.g. error-feedback residuals), whose leaves have leading dims (nodes, local).
+  ``nonfinite_steps`` counts the steps whose update was skipped for a non-finite loss or gradient.
+  ``loss_sum`` / ``loss_count`` (per device, (nodes, local)) accumulate the training loss of the current
+  epoch, so the epoch's mean loss survives a resume from a mid-epoch checkpoint.
+  """
+
+  step: jax.Array
+  params: PyTree
+  batch_stats: PyTree
+  opt_state: PyTree
+  comm_state: PyTree
+  nonfinite_steps: jax.Array
+  loss_sum: jax.Array
+  loss_count: jax.Array
+
+
+# Partition specs of TrainState, as a pytree prefix usable by shard_map and NamedSharding.
+STATE_SPECS = TrainState(step=P(), params=P(), batch_stats=P(), opt_state=P(), comm_state=P(NODE, LOCAL),
+                         nonfinite_steps=P(), loss_sum=P(NODE, LOCAL), loss_count=P(NODE, LOCAL))
+
+
+def create_train_state(model: nn.Module, tx: optax.GradientTransformation,
+                       reducer: GradientReducer, image_shape: tuple[int, ...],
+                       mesh: jax.sharding.Mesh, seed: int) -> TrainState:
+  """Initialises parameters and optimizer state directly on the mesh (replicated)."""
+
+  def init():
+    variables = model.init(jax.random.key(seed), jnp.zeros((1, *image_shape), jnp.float32), train=False)
+    params = variables["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=variables.get("batch_stats", {}),
+                      opt_state=tx.init(params), comm_state=reducer.init_state(params),
+                      nonfinite_steps=jnp.zeros((), jnp.int32), loss_sum=jnp.zeros(mesh.devices.shape),
+                      loss_count=jnp.zeros(mesh.devices.shape, jnp.int32))
+
+  shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS,
+                           is_leaf=lambda x: isinstance(x, P))
+  return jax.jit(init, out_shardings=shardings)()
+
+
+def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]) -> jax.Array:
+  """uint8 (B, H, W, C) -> float32 with per-channel zero mean and unit variance."""
+  return (images.astype(jnp.float32) - jnp.asarray(mean)) / jnp.asarray(std)
+
+
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
+                    reducer: GradientReducer, mesh: jax.sharding.Mesh,
+                    info: data_lib.DatasetInfo, label_smoothing: float, inject_nan_at_step: int = -1,
+                    epoch_first_steps: tuple[int, ...] = ()) -> Callable:
+  """Returns ``step(state, images, labels) -> (state, per_device_loss)``, jitted, donating ``state``.
+
+  ``images`` (uint8) and ``labels`` are global arrays sharded over (node, local) on their first dim.
+  ``per_device_loss`` has shape (num_devices,): averaging it on the host when logging costs no
+  collective in the step.
+
+  A non-finite loss or reduced gradient is caught on the device, without a host sync: the update is
+  skipped (state unchanged but for ``step`` and ``nonfinite_steps``). ``inject_nan_at_step`` >= 0
+  poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
+  ``epoch_first_steps`` (``EpochPlan.first_steps``) resets the epoch loss accumulators at each epoch's
+  first step.
+  """
+
+  def device_step(state: TrainState, images, labels):
+    x = normalize(images, info.mean, info.std)
+
+    def loss_fn(params):
+      logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, x, train=True,
+                                    mutable=["batch_stats"])
+      loss = optim.cross_entropy(logits, labels, info.num_classes, label_smoothing)
+      if inject_nan_at_step >= 0:
+        loss = loss * jnp.where(state.step == inject_nan_at_step, jnp.nan, 1.0)
+      return loss, updates.get("batch_stats", {})
+
+    # check_vma=False below: grad of replicated params is the *local* gradient, not JAX's implicit
+    # psum of it, so the reducer is the only reduction (no silent double sum; tested).
+    (loss, batch_stats), local_grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grads, comm_state = reducer.reduce(local_grads, state.comm_state)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    # The reduced gradient is identical on every device, so every device takes the same decision.
+    finite = jnp.logical_and(lax.pmin(jnp.isfinite(loss).astype(jnp.int32), AXES) > 0,
+                             jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])))
+    updated = (optax.apply_updates(state.params, updates), lax.pmean(batch_stats, AXES), opt_state, comm_state)
+    kept = (state.params, state.batch_stats, state.opt_state, state.comm_state)
+    params, batch_stats, opt_state, comm_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, kept)
+    new_epoch = jnp.isin(state.step, jnp.asarray(epoch_first_steps, jnp.int32)) if epoch_first_steps else False
+    loss_ok = jnp.isfinite(loss)
+    new_state = state.replace(
+        step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state, comm_state=comm_state,
+        nonfinite_steps=state.nonfinite_steps + (1 - finite.astype(jnp.int32)),
+        loss_sum=jnp.where(new_epoch, 0.0, state.loss_sum) + jnp.where(loss_ok, loss, 0.0),
+        loss_count=jnp.where(new_epoch, 0, state.loss_count) + loss_ok.astype(jnp.int32))
+    return new_state, loss[None]
+
+  sharded = jax.shard_map(device_step, mesh=mesh, in_specs=(STATE_SPECS, BATCH_SPEC, BATCH_SPEC),
+                          out_specs=(STATE_SPECS, BATCH_SPEC), check_vma=False)
+  return jax.jit(sharded, donate_argnums=0)
+
+
+def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.DatasetInfo) -> Callable:
+  """Returns ``eval_step(state, images, labels, mask) -> {top1, top5, loss, count}`` summed over the batch.
+
+  Padding rows (mask 0) count for nothing, so every example of the split counts exactly once.
+  """
+
+  def device_eval(state: TrainState, images, labels, mask):
+    logits = model.apply({"params": state.params, "batch_stats": state.batch_stats},
+                         normalize(images, info.mean, info.std), train=False)
+    top5 = lax.top_k(logits, min(5, info.num_classes))[1]
+    hits = top5 == labels[:, None]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    sums = {"top1": hits[:, 0], "top5": hits.any(axis=1), "loss": loss, "count": jnp.ones_like(loss)}
+    return {k: lax.psum(jnp.sum(v * mask), AXES) for k, v in sums.items()}
+
+  sharded = jax.shard_map(device_eval, mesh=mesh, in_specs=(STATE_SPECS, BATCH_SPEC, BATCH_SPEC, BATCH_SPEC),
+                          out_specs=P(), check_vma=False)
+  return jax.jit(sharded)
+
+
+def evaluate(eval_step: Callable, state: TrainState, batches: data_lib.EvalBatches,
+             sharding: NamedSharding, read_threads: int = 1, workers: int = 0, host_prefetch: int = 4) -> dict[str, float]:
+  """Top-1, top-5 and mean loss over the whole split."""
+  totals = None
+  host_batches = batches.iterator(read_threads, buffer=host_prefetch, workers=workers)
+  for batch in data_lib.DevicePrefetcher(host_batches, sharding):
+    sums = eval_step(state, batch["images"], batch["labels"], batch["mask"])
+    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+  totals = jax.device_get(totals)
+  count = float(totals["count"])
+  return {"eval_top1": float(totals["top1"]) / count, "eval_top5": float(totals["top5"]) / count,
+          "eval_loss": float(totals["loss"]) / count, "eval_examples": int(count)}
+
+
+def epoch_mean_loss(state: TrainState) -> float:
+  """Mean training loss of the current epoch's steps so far, over all devices (a collective: all call it)."""
+  total, count = (np.sum(multihost_utils.process_allgather(x, tiled=True)) for x in (state.loss_sum, state.loss_count))
+  return float(total / count) if count else float("nan")
+
+
+def global_mean(per_device_values) -> float:
+  """Mean of per-device arrays that may live on other processes' devices too (a collective: all call it).
+
+  Non-finite values (the losses of skipped steps) are left out.
+  """
+  values = np.asarray(multihost_utils.process_allgather(per_device_values, tiled=True))
+  return float(np.mean(values[np.isfinite(values)])) if np.isfinite(values).any() else float("nan")
