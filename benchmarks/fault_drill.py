@@ -87,7 +87,7 @@ def main():
     # Steps lost: the run kept going for a moment after the checkpoint that triggered the kill; the
     # stdout tail shows the last step the bar reached.
     text = proc.stdout.read()
-    reached = max([int(m) for m in re.findall(r"\| *(\d+)/%d \[" % total_steps, text)] or [0])
+    reached = max([int(m) for m in re.findall(rf"\| *(\d+)/{total_steps} \[", text)] or [0])
     saved = progress(drill)
     lost.append(max(reached - saved, 0))
     print(f"kill {kills}: resumed from {resumed_from}, killed after checkpoint {saved} (bar at {reached})",

@@ -75,7 +75,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   bar = metrics_lib.progress_bar(total_steps, enabled=is_main, initial=start_step)
   preemption = PreemptionGuard()
 
-  ends_record = lambda step: plan.ends_epoch(step) or step == total_steps
+  def ends_record(step: int) -> bool:   # an epoch's last step, or the run's
+    return plan.ends_epoch(step) or step == total_steps
+
   hooks = Hooks()
   for hook, every in extra_hooks:
     hooks.add(hook, every=every)

@@ -51,6 +51,14 @@ def test_mstopk_with_ties_still_gives_k():
   assert len(set(np.asarray(indices).tolist())) == 7
 
 
+def test_num_selected_takes_the_density_as_written():
+  # 0.07 * 100 is 7.000000000000001 in binary floating point: a plain ceil kept 8.
+  assert compression.num_selected(100, 0.07) == 7
+  assert compression.num_selected(25_600_000, 0.07) == 1_792_000
+  assert compression.num_selected(1000, 0.001) == 1 and compression.num_selected(1001, 0.001) == 2
+  assert compression.num_selected(10, 1e-9) == 1 and compression.num_selected(10, 1.0) == 10
+
+
 def test_density_warmup_phases():
   assert schedules.density_at(0, 0.001, 100) == 0.25
   assert schedules.density_at(99, 0.001, 100) == pytest.approx(0.25 * (0.001 / 0.25) ** 0.75)

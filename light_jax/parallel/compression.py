@@ -22,6 +22,7 @@ delayed. ``apply_error_feedback`` is that bookkeeping for one flat vector.
 
 from __future__ import annotations
 
+import fractions
 import math
 from typing import Callable
 
@@ -33,8 +34,12 @@ MSTOPK_ROUNDS = 24
 
 
 def num_selected(size: int, density: float) -> int:
-  """k for a vector of ``size`` entries at ``density`` (at least 1, at most size)."""
-  return min(size, max(1, int(math.ceil(density * size))))
+  """k for a vector of ``size`` entries at ``density`` (at least 1, at most size).
+
+  The density is taken as the decimal the user wrote (``Fraction(repr(0.07))`` is exactly 7/100): in
+  binary floating point 0.07 * 100 is 7.000000000000001, and its ceiling would keep 8.
+  """
+  return min(size, max(1, math.ceil(fractions.Fraction(repr(float(density))) * size)))
 
 
 def exact_topk(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -49,7 +54,10 @@ def mstopk(x: jax.Array, k: int, rounds: int = MSTOPK_ROUNDS) -> tuple[jax.Array
   Indices come out in increasing order (a masked, static-size ``nonzero``).
   """
   a = jnp.abs(x)
-  count_at_least = lambda t: jnp.sum(a >= t)
+
+  def count_at_least(t):
+    return jnp.sum(a >= t)
+
   mean = jnp.mean(a)
   lo = jnp.where(count_at_least(mean) >= k, mean, jnp.min(a))   # count(a >= lo) >= k
   hi = jnp.max(a) * (1 + 1e-6) + 1e-30                            # count(a >= hi) == 0 <= k
