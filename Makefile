@@ -6,7 +6,7 @@ FASHION_MNIST_DIR := /usr/share/datasets/fashion-mnist
 WORKDIR ?= runs/fashion_mnist
 CONFIG ?= configs/fashion_mnist.py
 
-.PHONY: .venv train test bench data jpeg-build-deps clean
+.PHONY: .venv train test lint format bench data jpeg-build-deps clean
 
 .venv: $(VENV)/.installed data
 
@@ -50,6 +50,19 @@ train: .venv
 
 test: .venv $(VENV)/.installed-test
 	$(PY) -m pytest -q tests
+
+# ruff's formatter (check only) and linter, configured in pyproject.toml; `make format` applies the formatter.
+$(VENV)/.installed-lint: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[lint]'
+	touch $@
+
+lint: $(VENV)/.installed-lint
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: $(VENV)/.installed-lint
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 bench: .venv
 	$(PY) benchmarks/train_step.py

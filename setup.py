@@ -8,5 +8,8 @@ build warning, and whole JPEGs are decoded instead (light_jax logs this when it 
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("light_jax.data._jpeg_region", ["light_jax/data/_jpeg_region.c"],
-                             libraries=["jpeg"], optional=True)])
+setup(
+  ext_modules=[
+    Extension("light_jax.data._jpeg_region", ["light_jax/data/_jpeg_region.c"], libraries=["jpeg"], optional=True)
+  ]
+)

@@ -15,19 +15,22 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from light_jax.exit_codes import ExitCode   # imports nothing of JAX: devices are set up in main
+from light_jax.exit_codes import ExitCode  # imports nothing of JAX: devices are set up in main
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally with :VARIANT.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally with :VARIANT.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, plots and checkpoints.")
 _COORDINATOR = flags.DEFINE_string("coordinator", None, "host:port of process 0, for multi-process runs.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in a multi-process run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in a multi-process run.")
 _PEER_TIMEOUT = flags.DEFINE_float(
-    "peer_timeout", 60.0, "Multi-process: seconds without a sign of life from another process before every "
-    "process stops with an error (JAX's own heartbeat timeout is set to twice this, as a backstop).")
-_INIT_TIMEOUT = flags.DEFINE_integer("init_timeout", 300, "Multi-process: seconds to wait for every process to "
-                                     "join at start-up.")
+  "peer_timeout",
+  60.0,
+  "Multi-process: seconds without a sign of life from another process before every "
+  "process stops with an error (JAX's own heartbeat timeout is set to twice this, as a backstop).",
+)
+_INIT_TIMEOUT = flags.DEFINE_integer(
+  "init_timeout", 300, "Multi-process: seconds to wait for every process to join at start-up."
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 # Environment variables by which cluster managers that jax.distributed can auto-detect announce a job.
@@ -44,11 +47,13 @@ def _start_jax(config):
   if config.mesh.cpu_devices:
     # Simulated CPU devices (tests, laptops): the total is split over the processes. No effect on GPUs.
     jax.config.update("jax_num_cpu_devices", max(config.mesh.cpu_devices // num_processes, 1))
-  timeouts = dict(initialization_timeout=_INIT_TIMEOUT.value,
-                  heartbeat_timeout_seconds=max(int(2 * _PEER_TIMEOUT.value), 1))
+  timeouts = dict(
+    initialization_timeout=_INIT_TIMEOUT.value, heartbeat_timeout_seconds=max(int(2 * _PEER_TIMEOUT.value), 1)
+  )
   if explicit:
-    jax.distributed.initialize(_COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value,
-                               **timeouts)
+    jax.distributed.initialize(
+      _COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value, **timeouts
+    )
   elif detected:
     jax.distributed.initialize(**timeouts)
   return jax
@@ -80,9 +85,10 @@ def main(argv):
   from light_jax import liveness
 
   # In a multi-process run, a process that dies or fails makes the others stop too, with a message.
-  watchdog = liveness.PeerWatchdog(jax.process_index(), jax.process_count(), _PEER_TIMEOUT.value,
-                                   _WORKDIR.value).start()
-  failure = "unexpected error (see its log)"   # what the peers are told if this process fails
+  watchdog = liveness.PeerWatchdog(
+    jax.process_index(), jax.process_count(), _PEER_TIMEOUT.value, _WORKDIR.value
+  ).start()
+  failure = "unexpected error (see its log)"  # what the peers are told if this process fails
   try:
     exit_code, failure = _run(jax, config)
   except Exception as e:
@@ -91,17 +97,21 @@ def main(argv):
     if isinstance(e, jax.errors.JaxRuntimeError) and liveness.is_connection_error(e):
       # A collective whose peer is gone fails fast (gloo: connection reset) or hangs (the watchdog ends that).
       failure = f"a collective failed ({str(e).splitlines()[0][:300]})"
-      liveness.report_stop(jax.process_index(), jax.process_count(),
-                           f"{failure}: another process probably died; see its log", _WORKDIR.value)
+      liveness.report_stop(
+        jax.process_index(),
+        jax.process_count(),
+        f"{failure}: another process probably died; see its log",
+        _WORKDIR.value,
+      )
       exit_code = ExitCode.PEER_FAILURE
-    else:   # this process's own fault (a bug, out of memory, ...): the peers are told and stop too
+    else:  # this process's own fault (a bug, out of memory, ...): the peers are told and stop too
       traceback.print_exc()
       failure = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''} (see its log)"
       exit_code = ExitCode.ERROR
   finally:
     watchdog.close(failure)
   if exit_code == ExitCode.NONFINITE_STOP:
-    sys.exit(int(exit_code))   # every process stopped after the same step and save: leave through the shutdown barrier
+    sys.exit(int(exit_code))  # every process stopped after the same step and save: leave through the shutdown barrier
   if exit_code:
     _exit(exit_code, jax.process_count())
 
@@ -119,8 +129,14 @@ def _run(jax, config) -> tuple[int, str | None]:
     logging.error("invalid config: %s", e)
     print(f"error: invalid config: {e}", file=sys.stderr)
     return ExitCode.BAD_INPUT, f"invalid config: {e}"
-  logging.info("JAX %s, process %d of %d, %d devices (%d local)", jax.__version__, jax.process_index(),
-               jax.process_count(), jax.device_count(), jax.local_device_count())
+  logging.info(
+    "JAX %s, process %d of %d, %d devices (%d local)",
+    jax.__version__,
+    jax.process_index(),
+    jax.process_count(),
+    jax.device_count(),
+    jax.local_device_count(),
+  )
   logging.info("resolved config:\n%s", config)
   try:
     summary = train_lib.train_and_evaluate(config, _WORKDIR.value)
@@ -129,10 +145,13 @@ def _run(jax, config) -> tuple[int, str | None]:
     return ExitCode.BAD_INPUT, str(e)
   except train_lib.NonFiniteError as e:
     print(f"stopped: {e}", file=sys.stderr)
-    return ExitCode.NONFINITE_STOP, None   # every process saw the same non-finite step and stopped after the same save
+    return ExitCode.NONFINITE_STOP, None  # every process saw the same non-finite step and stopped after the same save
   if summary.get("stopped") == "preempted":
-    print(f"preempted after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "
-          f"run the same command again to resume.", file=sys.stderr)
+    print(
+      f"preempted after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "
+      f"run the same command again to resume.",
+      file=sys.stderr,
+    )
   return ExitCode.OK, None
 
 

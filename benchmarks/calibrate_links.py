@@ -30,11 +30,13 @@ def main():
   args = parser.parse_args()
 
   import jax
+
   if jax.config.jax_num_cpu_devices in (None, -1, 1):
     jax.config.update("jax_num_cpu_devices", args.nodes * args.local)
   import jax.numpy as jnp
   from jax import lax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   from light_jax.parallel import cost_model, strategies
   from light_jax.parallel import mesh as mesh_lib
@@ -51,8 +53,11 @@ def main():
       continue
     for size in sizes:
       x = jax.device_put(jnp.ones((args.nodes, args.local, size // 4), jnp.float32), NamedSharding(mesh, per_device))
-      f = jax.jit(jax.shard_map(lambda v: lax.psum(v, axis), mesh=mesh, in_specs=per_device, out_specs=per_device,
-                                check_vma=False))
+      f = jax.jit(
+        jax.shard_map(
+          lambda v: lax.psum(v, axis), mesh=mesh, in_specs=per_device, out_specs=per_device, check_vma=False
+        )
+      )
       jax.block_until_ready(f(x))
       times = []
       for _ in range(args.repeats):
@@ -68,7 +73,9 @@ def main():
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     f.write(cost.to_json())
-  print(f"\nmesh {args.nodes} x {args.local} ({mesh.size} {jax.devices()[0].platform} devices), median of {args.repeats}")
+  print(
+    f"\nmesh {args.nodes} x {args.local} ({mesh.size} {jax.devices()[0].platform} devices), median of {args.repeats}"
+  )
   print(f"{'level':<7}{'buffer (B)':>14}{'sent/dev (B)':>14}{'seconds':>11}{'fit (s)':>11}")
   for level, size, s, t in rows:
     print(f"{level:<7}{size:>14,}{s:>14,}{t:>11.6f}{fits[level].seconds(s):>11.6f}")

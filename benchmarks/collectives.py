@@ -22,21 +22,21 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = {
-    # name: (strategy, fusion, density, selector)
-    "dense": ("dense", "fixed", 1.0, "exact"),
-    "hierarchical": ("hierarchical", "fixed", 1.0, "exact"),
-    "hierarchical/unfused": ("hierarchical", "none", 1.0, "exact"),
-    "topk@0.01": ("topk", "fixed", 0.01, "exact"),
-    "topk@0.001": ("topk", "fixed", 0.001, "exact"),
-    "gtopk@0.01": ("gtopk", "fixed", 0.01, "exact"),
-    "gtopk@0.001": ("gtopk", "fixed", 0.001, "exact"),
-    "hitopk@0.01": ("hitopk", "fixed", 0.01, "exact"),
-    "hitopk@0.001": ("hitopk", "fixed", 0.001, "exact"),
-    "hitopk@0.01/mstopk": ("hitopk", "fixed", 0.01, "mstopk"),
-    "hitopk@0.001/mstopk": ("hitopk", "fixed", 0.001, "mstopk"),
-    "hitopk@0.001/unfused": ("hitopk", "none", 0.001, "exact"),
-    "hierarchical/adaptive": ("hierarchical", "adaptive", 1.0, "exact"),
-    "hitopk@0.001/adaptive": ("hitopk", "adaptive", 0.001, "exact"),
+  # name: (strategy, fusion, density, selector)
+  "dense": ("dense", "fixed", 1.0, "exact"),
+  "hierarchical": ("hierarchical", "fixed", 1.0, "exact"),
+  "hierarchical/unfused": ("hierarchical", "none", 1.0, "exact"),
+  "topk@0.01": ("topk", "fixed", 0.01, "exact"),
+  "topk@0.001": ("topk", "fixed", 0.001, "exact"),
+  "gtopk@0.01": ("gtopk", "fixed", 0.01, "exact"),
+  "gtopk@0.001": ("gtopk", "fixed", 0.001, "exact"),
+  "hitopk@0.01": ("hitopk", "fixed", 0.01, "exact"),
+  "hitopk@0.001": ("hitopk", "fixed", 0.001, "exact"),
+  "hitopk@0.01/mstopk": ("hitopk", "fixed", 0.01, "mstopk"),
+  "hitopk@0.001/mstopk": ("hitopk", "fixed", 0.001, "mstopk"),
+  "hitopk@0.001/unfused": ("hitopk", "none", 0.001, "exact"),
+  "hierarchical/adaptive": ("hierarchical", "adaptive", 1.0, "exact"),
+  "hitopk@0.001/adaptive": ("hitopk", "adaptive", 0.001, "exact"),
 }
 
 
@@ -52,20 +52,22 @@ def main():
   args = parser.parse_args()
 
   import jax
+
   jax.config.update("jax_num_cpu_devices", args.nodes * args.local)
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   from light_jax.models import create_model
   from light_jax.parallel import cost_model
-  from light_jax.parallel import reducer as reducer_lib
   from light_jax.parallel import fusion as fusion_lib
   from light_jax.parallel import mesh as mesh_lib
+  from light_jax.parallel import reducer as reducer_lib
 
   mesh = mesh_lib.make_mesh(args.nodes, args.local)
   devices = mesh.size
   model = create_model("resnet50", 1000)
-  profile = fusion_lib.profile_parameters(model, (224, 224, 3))   # real backward order, FLOPs per tensor
+  profile = fusion_lib.profile_parameters(model, (224, 224, 3))  # real backward order, FLOPs per tensor
   shapes = profile.params
   num_elements = sum(s.size for s in jax.tree.leaves(shapes))
   per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
@@ -75,25 +77,43 @@ def main():
   def make_grads(key):
     keys = jax.random.split(key, len(jax.tree.leaves(shapes)))
     # A log-normal scale mixture of normals: heavy tails, and cheap to draw (unlike Student-t).
-    leaves = [jax.random.normal(k, (devices, *s.shape)) * jnp.exp(jax.random.normal(jax.random.fold_in(k, 1), (devices, *s.shape))) * 1e-3
-              for k, s in zip(keys, jax.tree.leaves(shapes))]
+    leaves = [
+      jax.random.normal(k, (devices, *s.shape))
+      * jnp.exp(jax.random.normal(jax.random.fold_in(k, 1), (devices, *s.shape)))
+      * 1e-3
+      for k, s in zip(keys, jax.tree.leaves(shapes))
+    ]
     return jax.tree.unflatten(jax.tree.structure(shapes), leaves)
+
   grads = jax.jit(make_grads, out_shardings=batch_sharding)(jax.random.key(0))
 
   names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
   rows = {}
   for name in names:
     strategy, fusion, density, selector = VARIANTS[name]
-    reducer = reducer_lib.make_gradient_reducer(strategy, args.nodes, args.local,
-                                                "fixed" if fusion == "adaptive" else fusion, density=density,
-                                                selector=selector, order=profile.order)
+    reducer = reducer_lib.make_gradient_reducer(
+      strategy,
+      args.nodes,
+      args.local,
+      "fixed" if fusion == "adaptive" else fusion,
+      density=density,
+      selector=selector,
+      order=profile.order,
+    )
     if fusion == "adaptive":
-      reducer = cost_model.plan_adaptive_fusion(reducer, profile, cost_model.PRESETS[args.cost_model],
-                                                args.device_tflops * 1e12, args.examples_per_device)
+      reducer = cost_model.plan_adaptive_fusion(
+        reducer, profile, cost_model.PRESETS[args.cost_model], args.device_tflops * 1e12, args.examples_per_device
+      )
     state = jax.device_put(reducer.init_state(shapes), NamedSharding(mesh, per_device))
-    reduce = jax.jit(jax.shard_map(
-        lambda g, s: reducer.reduce(jax.tree.map(lambda x: x[0], g), s), mesh=mesh,
-        in_specs=(mesh_lib.BATCH_SPEC, per_device), out_specs=(P(), per_device), check_vma=False))
+    reduce = jax.jit(
+      jax.shard_map(
+        lambda g, s: reducer.reduce(jax.tree.map(lambda x: x[0], g), s),
+        mesh=mesh,
+        in_specs=(mesh_lib.BATCH_SPEC, per_device),
+        out_specs=(P(), per_device),
+        check_vma=False,
+      )
+    )
     start = time.perf_counter()
     out, state = reduce(grads, state)
     jax.block_until_ready(out)
@@ -105,22 +125,34 @@ def main():
       jax.block_until_ready(out)
       times.append(time.perf_counter() - start)
     nbytes = reducer.bytes_per_step(shapes)
-    rows[name] = {"seconds": statistics.median(times), "inter_node_bytes": nbytes.inter_node,
-                  "intra_node_bytes": nbytes.intra_node, "compile_seconds": compile_seconds}
+    rows[name] = {
+      "seconds": statistics.median(times),
+      "inter_node_bytes": nbytes.inter_node,
+      "intra_node_bytes": nbytes.intra_node,
+      "compile_seconds": compile_seconds,
+    }
     rows[name]["buckets"] = len(reducer.buckets(jax.tree.leaves(shapes))[1])
     print(f"  measured {name}: {rows[name]['seconds']:.3f} s", file=sys.stderr)
     del out, state
 
   base = rows.get("hierarchical")
-  print(f"\nResNet-50 gradients ({num_elements:,} float32), mesh {args.nodes} x {args.local} "
-        f"({devices} {jax.devices()[0].platform} devices), median of {args.repeats}")
-  print(f"{'variant':<24}{'buckets':>8}{'seconds':>9}{'inter-node B/dev':>18}{'intra-node B/dev':>18}"
-        f"{'hier. / this (inter)':>22}")
+  print(
+    f"\nResNet-50 gradients ({num_elements:,} float32), mesh {args.nodes} x {args.local} "
+    f"({devices} {jax.devices()[0].platform} devices), median of {args.repeats}"
+  )
+  print(
+    f"{'variant':<24}{'buckets':>8}{'seconds':>9}{'inter-node B/dev':>18}{'intra-node B/dev':>18}"
+    f"{'hier. / this (inter)':>22}"
+  )
   for name, r in rows.items():
     ratio = f"{base['inter_node_bytes'] / r['inter_node_bytes']:.2f}x" if base and r["inter_node_bytes"] else "-"
-    print(f"{name:<24}{r['buckets']:>8}{r['seconds']:>9.3f}{r['inter_node_bytes']:>18,}{r['intra_node_bytes']:>18,}"
-          f"{ratio:>22}")
-  print(json.dumps({n: {k: r[k] for k in ("seconds", "inter_node_bytes", "intra_node_bytes")} for n, r in rows.items()}))
+    print(
+      f"{name:<24}{r['buckets']:>8}{r['seconds']:>9.3f}{r['inter_node_bytes']:>18,}{r['intra_node_bytes']:>18,}"
+      f"{ratio:>22}"
+    )
+  print(
+    json.dumps({n: {k: r[k] for k in ("seconds", "inter_node_bytes", "intra_node_bytes")} for n, r in rows.items()})
+  )
 
 
 if __name__ == "__main__":

@@ -36,21 +36,35 @@ def main():
   args = parser.parse_args()
 
   import jax
-  jax.config.update("jax_num_cpu_devices", 8)   # the checkpoints hold arrays sharded over 8 devices
+
+  jax.config.update("jax_num_cpu_devices", 8)  # the checkpoints hold arrays sharded over 8 devices
   import orbax.checkpoint as ocp
 
   # 4096 images / 128 = 32 steps per epoch, 6 epochs = 192 steps.
-  config = ["--config", "configs/fashion_mnist.py:hitopk", "--config.data.train_subset=4096",
-            "--config.data.eval_subset=1000", "--config.num_epochs=6", "--config.global_batch_size=128",
-            "--config.data.eval_batch_size=200", f"--config.checkpoint.every_steps={args.every_steps}",
-            "--config.log_every_steps=4"]
+  config = [
+    "--config",
+    "configs/fashion_mnist.py:hitopk",
+    "--config.data.train_subset=4096",
+    "--config.data.eval_subset=1000",
+    "--config.num_epochs=6",
+    "--config.global_batch_size=128",
+    "--config.data.eval_batch_size=200",
+    f"--config.checkpoint.every_steps={args.every_steps}",
+    "--config.log_every_steps=4",
+  ]
   total_steps = 192
   root = args.workdir or tempfile.mkdtemp(prefix="fault_drill_")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
 
   def start(workdir):
-    return subprocess.Popen([sys.executable, "train.py", "--workdir", workdir, *config], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+      [sys.executable, "train.py", "--workdir", workdir, *config],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
 
   def progress(workdir):
     d = os.path.join(workdir, "checkpoints")
@@ -90,8 +104,9 @@ def main():
     reached = max([int(m) for m in re.findall(rf"\| *(\d+)/{total_steps} \[", text)] or [0])
     saved = progress(drill)
     lost.append(max(reached - saved, 0))
-    print(f"kill {kills}: resumed from {resumed_from}, killed after checkpoint {saved} (bar at {reached})",
-          file=sys.stderr)
+    print(
+      f"kill {kills}: resumed from {resumed_from}, killed after checkpoint {saved} (bar at {reached})", file=sys.stderr
+    )
   start(drill).communicate()
 
   def final_state(workdir):
@@ -102,25 +117,37 @@ def main():
   step_b, state_b = final_state(drill)
   leaves_a = jax.tree_util.tree_leaves_with_path(state_a)
   leaves_b = dict((jax.tree_util.keystr(k), np.asarray(v)) for k, v in jax.tree_util.tree_leaves_with_path(state_b))
-  mismatched = [jax.tree_util.keystr(k) for k, v in leaves_a if not np.array_equal(np.asarray(v), leaves_b.get(jax.tree_util.keystr(k)))]
+  mismatched = [
+    jax.tree_util.keystr(k)
+    for k, v in leaves_a
+    if not np.array_equal(np.asarray(v), leaves_b.get(jax.tree_util.keystr(k)))
+  ]
   rec_a = [json.loads(line) for line in open(os.path.join(clean, "metrics.jsonl"))]
   rec_b = [json.loads(line) for line in open(os.path.join(drill, "metrics.jsonl"))]
   keys = ("step", "train_loss", "eval_top1", "eval_top5", "eval_loss")
   metrics_match = [{k: r[k] for k in keys} for r in rec_a] == [{k: r[k] for k in keys} for r in rec_b]
   result = {
-      "kills": kills, "kills_survived": kills if step_b == total_steps else 0,
-      "steps_lost_max": max(lost, default=0), "steps_lost_mean": float(np.mean(lost)) if lost else 0.0,
-      "every_steps": args.every_steps, "final_step": step_b, "params_mismatches": len(mismatched),
-      "metrics_match": metrics_match, "final_eval_top1": rec_b[-1]["eval_top1"] if rec_b else None,
-      "checkpoint_overhead_fraction": summary["checkpoint_overhead_fraction"],
+    "kills": kills,
+    "kills_survived": kills if step_b == total_steps else 0,
+    "steps_lost_max": max(lost, default=0),
+    "steps_lost_mean": float(np.mean(lost)) if lost else 0.0,
+    "every_steps": args.every_steps,
+    "final_step": step_b,
+    "params_mismatches": len(mismatched),
+    "metrics_match": metrics_match,
+    "final_eval_top1": rec_b[-1]["eval_top1"] if rec_b else None,
+    "checkpoint_overhead_fraction": summary["checkpoint_overhead_fraction"],
   }
-  print(f"\nfault drill: {kills} kill -9 at random steps, checkpoint every {args.every_steps} steps, {total_steps} steps")
+  print(
+    f"\nfault drill: {kills} kill -9 at random steps, checkpoint every {args.every_steps} steps, {total_steps} steps"
+  )
   print(f"{'kills survived':<32}{result['kills_survived']}")
   print(f"{'steps lost per kill (max, mean)':<32}{result['steps_lost_max']}, {result['steps_lost_mean']:.1f}")
   print(f"{'final step':<32}{step_b} (uninterrupted: {step_a})")
   print(f"{'state arrays that differ':<32}{len(mismatched)} {mismatched[:3]}")
   print(f"{'metrics.jsonl equal':<32}{metrics_match}")
-  print(f"{'checkpoint overhead':<32}{100 * result['checkpoint_overhead_fraction']:.2f}% of the loop time (uninterrupted run)")
+  overhead = 100 * result["checkpoint_overhead_fraction"]
+  print(f"{'checkpoint overhead':<32}{overhead:.2f}% of the loop time (uninterrupted run)")
   print(json.dumps(result))
 
 

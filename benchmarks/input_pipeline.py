@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from light_jax.data import ImageSource, records, transforms  # noqa: E402
 
-CACHE_PX = {128: 160, 224: 256}   # shorter side of the cached copy for each training size
+CACHE_PX = {128: 160, 224: 256}  # shorter side of the cached copy for each training size
 
 
 def imagenet_like_jpeg(rng: np.random.Generator) -> bytes:
@@ -79,8 +79,11 @@ def main():
   rng = np.random.default_rng(0)
   jpegs = [imagenet_like_jpeg(rng) for _ in range(args.images)]
   sizes = [Image.open(io.BytesIO(j)).size for j in jpegs]
-  print(f"{len(jpegs)} JPEGs: mean {np.mean([s[0] for s in sizes]):.0f} x {np.mean([s[1] for s in sizes]):.0f} px, "
-        f"mean {np.mean([len(j) for j in jpegs]) / 1e3:.0f} KB, quality 90", file=sys.stderr)
+  print(
+    f"{len(jpegs)} JPEGs: mean {np.mean([s[0] for s in sizes]):.0f} x {np.mean([s[1] for s in sizes]):.0f} px, "
+    f"mean {np.mean([len(j) for j in jpegs]) / 1e3:.0f} KB, quality 90",
+    file=sys.stderr,
+  )
   encoded = records.ListRecords([(j, i % 10, f"img_{i}.JPEG") for i, j in enumerate(jpegs)])
   workdir = args.workdir or tempfile.mkdtemp(prefix="input_bench_")
 
@@ -93,15 +96,16 @@ def main():
     memory_source = ImageSource(records.DecodedCache(cache_file, in_memory=True), 10, "memory")
     example_rng = np.random.default_rng(1)
     paths[size] = {
-        "naive": lambda i, s=size: transforms.naive_train_transform(jpegs[i], s, example_rng, example_rng.random() < 0.5),
-        "jpeg": lambda i, s=size, src=jpeg_source: src.train_example(i, example_rng, s),
-        # Our path without the region decoder (whole JPEGs through simplejpeg): what stopping early buys.
-        "jpeg_whole": lambda i, s=size: transforms.decode_crop_resize(jpegs[i], s, example_rng, example_rng.random() < 0.5,
-                                                                      region_decode=False),
-        "disk_cache": lambda i, s=size, src=disk_source: src.train_example(i, example_rng, s),
-        "memory_cache": lambda i, s=size, src=memory_source: src.train_example(i, example_rng, s),
+      "naive": lambda i, s=size: transforms.naive_train_transform(jpegs[i], s, example_rng, example_rng.random() < 0.5),
+      "jpeg": lambda i, s=size, src=jpeg_source: src.train_example(i, example_rng, s),
+      # Our path without the region decoder (whole JPEGs through simplejpeg): what stopping early buys.
+      "jpeg_whole": lambda i, s=size: transforms.decode_crop_resize(
+        jpegs[i], s, example_rng, example_rng.random() < 0.5, region_decode=False
+      ),
+      "disk_cache": lambda i, s=size, src=disk_source: src.train_example(i, example_rng, s),
+      "memory_cache": lambda i, s=size, src=memory_source: src.train_example(i, example_rng, s),
     }
-  for size in paths:   # every path produces the right thing before it is timed
+  for size in paths:  # every path produces the right thing before it is timed
     for name, fn in paths[size].items():
       out = fn(0)
       assert out[0].shape == (size, size, 3) if isinstance(out, tuple) else out.shape == (size, size, 3), name
@@ -113,15 +117,23 @@ def main():
         measured[size][name].append(rate(fn, len(jpegs), args.seconds))
     print(f"  round {r + 1}/{args.rounds} done", file=sys.stderr)
 
-  result = {str(size): {name: round(statistics.median(v), 1) for name, v in measured[size].items()} for size in measured}
-  print(f"\nimages/s on one core (median of {args.rounds} interleaved rounds of {args.seconds:g} s), "
-        f"random-resized crop 0.08-1 + flip")
-  print(f"{'size':>5}{'naive':>10}{'jpeg':>10}{'jpeg_whole':>12}{'disk_cache':>12}{'memory_cache':>14}"
-        f"{'jpeg/naive':>12}{'jpeg/whole':>12}{'cache px':>10}")
+  result = {
+    str(size): {name: round(statistics.median(v), 1) for name, v in measured[size].items()} for size in measured
+  }
+  print(
+    f"\nimages/s on one core (median of {args.rounds} interleaved rounds of {args.seconds:g} s), "
+    f"random-resized crop 0.08-1 + flip"
+  )
+  print(
+    f"{'size':>5}{'naive':>10}{'jpeg':>10}{'jpeg_whole':>12}{'disk_cache':>12}{'memory_cache':>14}"
+    f"{'jpeg/naive':>12}{'jpeg/whole':>12}{'cache px':>10}"
+  )
   for size, row in result.items():
-    print(f"{size:>5}{row['naive']:>10.0f}{row['jpeg']:>10.0f}{row['jpeg_whole']:>12.0f}{row['disk_cache']:>12.0f}"
-          f"{row['memory_cache']:>14.0f}{row['jpeg'] / row['naive']:>11.2f}x{row['jpeg'] / row['jpeg_whole']:>11.2f}x"
-          f"{CACHE_PX[int(size)]:>10}")
+    print(
+      f"{size:>5}{row['naive']:>10.0f}{row['jpeg']:>10.0f}{row['jpeg_whole']:>12.0f}{row['disk_cache']:>12.0f}"
+      f"{row['memory_cache']:>14.0f}{row['jpeg'] / row['naive']:>11.2f}x{row['jpeg'] / row['jpeg_whole']:>11.2f}x"
+      f"{CACHE_PX[int(size)]:>10}"
+    )
   print(json.dumps(result))
 
 

@@ -34,17 +34,19 @@ def main():
   args = parser.parse_args()
 
   import jax
+
   jax.config.update("jax_num_cpu_devices", args.nodes * args.local)
   import numpy as np
   import optax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   from light_jax import optim
   from light_jax import train_step as step_lib
   from light_jax.data import DatasetInfo
   from light_jax.models import create_model
-  from light_jax.parallel import reducer as reducer_lib
   from light_jax.parallel import mesh as mesh_lib
+  from light_jax.parallel import reducer as reducer_lib
 
   mesh = mesh_lib.make_mesh(args.nodes, args.local)
   devices = mesh.size
@@ -57,8 +59,12 @@ def main():
   labels = jax.device_put(rng.integers(0, 10, args.batch).astype(np.int32), sharding)
 
   variants = {}
-  ours = {"dense": ("dense", "fixed"), "hierarchical": ("hierarchical", "fixed"),
-          "dense_unfused": ("dense", "none"), "hierarchical_unfused": ("hierarchical", "none")}
+  ours = {
+    "dense": ("dense", "fixed"),
+    "hierarchical": ("hierarchical", "fixed"),
+    "dense_unfused": ("dense", "none"),
+    "hierarchical_unfused": ("hierarchical", "none"),
+  }
   for name, (strategy, fusion) in ours.items():
     reducer = reducer_lib.make_gradient_reducer(strategy, args.nodes, args.local, fusion)
     state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
@@ -75,15 +81,25 @@ def main():
   def plain_step(state, images, labels):
     def loss_fn(params):
       def per_device(x, y):
-        logits, upd = model.apply({"params": params, "batch_stats": state.batch_stats},
-                                  step_lib.normalize(x, info.mean, info.std), train=True, mutable=["batch_stats"])
+        logits, upd = model.apply(
+          {"params": params, "batch_stats": state.batch_stats},
+          step_lib.normalize(x, info.mean, info.std),
+          train=True,
+          mutable=["batch_stats"],
+        )
         return optim.cross_entropy(logits, y, info.num_classes, 0.1), upd["batch_stats"]
+
       losses, stats = jax.vmap(per_device)(images, labels)
       return losses.mean(), jax.tree.map(lambda s: s.mean(axis=0), stats)
+
     (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                         batch_stats=batch_stats, opt_state=opt_state), loss
+    return state.replace(
+      step=state.step + 1,
+      params=optax.apply_updates(state.params, updates),
+      batch_stats=batch_stats,
+      opt_state=opt_state,
+    ), loss
 
   replicated = mesh_lib.replicated(mesh)
   plain = jax.jit(plain_step, donate_argnums=0, out_shardings=(jax.tree.map(lambda _: replicated, state), replicated))
@@ -108,8 +124,10 @@ def main():
       times[name].append((time.perf_counter() - start) / args.steps)
 
   base = statistics.median(times["plain_jit"])
-  print(f"\n{args.model}, global batch {args.batch}, mesh {args.nodes} x {args.local} "
-        f"({devices} {jax.devices()[0].platform} devices), {args.rounds} rounds x {args.steps} steps, interleaved")
+  print(
+    f"\n{args.model}, global batch {args.batch}, mesh {args.nodes} x {args.local} "
+    f"({devices} {jax.devices()[0].platform} devices), {args.rounds} rounds x {args.steps} steps, interleaved"
+  )
   print(f"{'variant':<22}{'median step (ms)':>18}{'min (ms)':>10}{'images/s':>10}{'vs plain jit':>14}")
   result = {}
   for name in ("plain_jit", *ours):

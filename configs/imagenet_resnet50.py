@@ -19,47 +19,55 @@ from light_jax.config import apply_variant, base_config
 def tiny(config: ml_collections.ConfigDict) -> None:
   config.mesh.update(nodes=2, local=4, cpu_devices=8)
   config.model.update(name="resnet8_small", width=16, dtype="float32")
-  config.data.update(image_size=32, resolution_schedule="0:24,1:32", cache_size=40, cache_budget_gb=1.0,
-                     eval_batch_size=64, read_threads=2, num_workers=0, host_prefetch=4, random_scale_min=0.35)
+  config.data.update(
+    image_size=32,
+    resolution_schedule="0:24,1:32",
+    cache_size=40,
+    cache_budget_gb=1.0,
+    eval_batch_size=64,
+    read_threads=2,
+    num_workers=0,
+    host_prefetch=4,
+    random_scale_min=0.35,
+  )
   config.global_batch_size = 32
   config.num_epochs = 2
-  config.optimizer.update(name="sgd", base_lr=0.4, nesterov=True, warmup_epochs=0.5, decay="cosine",
-                          weight_decay=5e-4)
+  config.optimizer.update(name="sgd", base_lr=0.4, nesterov=True, warmup_epochs=0.5, decay="cosine", weight_decay=5e-4)
   config.log_every_steps = 5
   config.checkpoint.update(every_steps=0, keep=1)
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config = base_config()
-  config.mesh.update(nodes=16, local=8, cpu_devices=0)   # one process per node (jax.distributed)
+  config.mesh.update(nodes=16, local=8, cpu_devices=0)  # one process per node (jax.distributed)
   config.model.update(name="resnet50", dtype="bfloat16")
   config.data.update(
-      dataset="imagenet2012",  # or "image_folder": a folder converted by scripts/prepare_image_folder.py
-      data_dir="~/tensorflow_datasets",  # TFDS data dir prepared by scripts/prepare_imagenet.py
-      image_size=288,
-      # A third field sets a phase's global batch, e.g. the DAWNBench record's "0:96,13:128,24:224,27:288:16384"
-      # with 28 epochs; the learning rate scales with it.
-      resolution_schedule="0:128,14:224,32:288",
-      cache="disk",            # on local SSD
-      cache_size=288,          # >= the largest training size: ~425 GB
-      cache_budget_gb=500.0,
-      eval_batch_size=16_384,
-      read_threads=16,
-      host_prefetch=-1,
-      num_workers=-1,
+    dataset="imagenet2012",  # or "image_folder": a folder converted by scripts/prepare_image_folder.py
+    data_dir="~/tensorflow_datasets",  # TFDS data dir prepared by scripts/prepare_imagenet.py
+    image_size=288,
+    # A third field sets a phase's global batch, e.g. the DAWNBench record's "0:96,13:128,24:224,27:288:16384"
+    # with 28 epochs; the learning rate scales with it.
+    resolution_schedule="0:128,14:224,32:288",
+    cache="disk",  # on local SSD
+    cache_size=288,  # >= the largest training size: ~425 GB
+    cache_budget_gb=500.0,
+    eval_batch_size=16_384,
+    read_threads=16,
+    host_prefetch=-1,
+    num_workers=-1,
   )
   config.global_batch_size = 32_768
   config.num_epochs = 37
   config.optimizer.update(
-      name="lars",
-      # Peak lr 25, as Google's MLPerf LARS submission for batches below 32k (docs/techniques.md section 6;
-      # its next bracket, 29 with 18 warm-up epochs, starts at 32k: which applies at 32,768 is not settled).
-      base_lr=25.0 * 256 / 32_768,
-      nesterov=False,
-      weight_decay=5e-5,
-      warmup_epochs=5.0,
-      decay="poly",
-      end_lr_factor=1e-4,
+    name="lars",
+    # Peak lr 25, as Google's MLPerf LARS submission for batches below 32k (docs/techniques.md section 6;
+    # its next bracket, 29 with 18 warm-up epochs, starts at 32k: which applies at 32,768 is not settled).
+    base_lr=25.0 * 256 / 32_768,
+    nesterov=False,
+    weight_decay=5e-5,
+    warmup_epochs=5.0,
+    decay="poly",
+    end_lr_factor=1e-4,
   )
   config.comm.update(device_tflops=100.0, density=0.001)
   config.log_every_steps = 10

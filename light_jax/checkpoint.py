@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 
 from light_jax.config import SAFE_TO_CHANGE
 
+
 class CheckpointError(RuntimeError):
   """No checkpoint can be used; the message says why and what to do."""
 
@@ -35,14 +36,16 @@ class Checkpointer:
   def __init__(self, workdir: str, keep: int):
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self.manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True))
+      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
+    )
 
   def save(self, step: int, state, meta: dict[str, Any]) -> bool:
     """Starts an asynchronous save of ``state`` at ``step``; False if that step is saved already."""
     if step in self.manager.all_steps():
       return False
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
+    self.manager.save(
+      step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
+    )
     return True
 
   def restore_latest(self, abstract_state, config: dict[str, Any]) -> tuple[int, Any, dict[str, Any]] | None:
@@ -61,24 +64,34 @@ class Checkpointer:
       breaking, safe = config_changes(meta["config"], config)
       if breaking:
         raise CheckpointError(
-            f"the checkpoint at step {step} in {self.directory} was written with a config that differs where "
-            f"it matters: {'; '.join(breaking)}. Use a new --workdir, or restore those values.")
+          f"the checkpoint at step {step} in {self.directory} was written with a config that differs where "
+          f"it matters: {'; '.join(breaking)}. Use a new --workdir, or restore those values."
+        )
       for change in safe:
         logging.warning("config changed since the checkpoint (accepted): %s", change)
       try:
-        state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))).state
+        state = self.manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+        ).state
       except Exception as e:
         self._damaged(step, e)
         continue
       return step, state, meta
     if steps:
-      raise CheckpointError(f"none of the checkpoints in {self.directory} (steps {steps}) can be restored; "
-                            f"move the directory away to start over.")
+      raise CheckpointError(
+        f"none of the checkpoints in {self.directory} (steps {steps}) can be restored; "
+        f"move the directory away to start over."
+      )
     return None
 
   def _damaged(self, step: int, error: Exception) -> None:
-    logging.warning("checkpoint at step %d in %s cannot be restored (%s: %s); falling back to the previous one",
-                    step, self.directory, type(error).__name__, str(error)[:300])
+    logging.warning(
+      "checkpoint at step %d in %s cannot be restored (%s: %s); falling back to the previous one",
+      step,
+      self.directory,
+      type(error).__name__,
+      str(error)[:300],
+    )
 
   def close(self) -> None:
     self.manager.wait_until_finished()
@@ -87,6 +100,7 @@ class Checkpointer:
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
   """(breaking, safe) differences between a checkpoint's config and the current one, as "field: a -> b"."""
+
   def flatten(d, prefix=""):
     out = {}
     for k, v in d.items():

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -38,20 +38,36 @@ from light_jax.parallel.strategies import CommBytes
 class CompiledSteps:
   """``for_step(step, state)`` -> (compiled train step, its CommBytes) for the phase of ``step``."""
 
-  def __init__(self, config: ml_collections.ConfigDict, model: nn.Module, tx: optax.GradientTransformation,
-               mesh: jax.sharding.Mesh, info: DatasetInfo, plan: schedules.EpochPlan):
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    info: DatasetInfo,
+    plan: schedules.EpochPlan,
+  ):
     self.config, self.model, self.tx, self.mesh, self.info, self.plan = config, model, tx, mesh, info, plan
     comm = config.comm
     nodes, local = mesh.devices.shape
-    self.profile = fusion_lib.profile_parameters(model, info.image_shape)   # backward order, FLOPs per tensor
+    self.profile = fusion_lib.profile_parameters(model, info.image_shape)  # backward order, FLOPs per tensor
     reducer = make_gradient_reducer(
-        comm.strategy, nodes, local, "fixed" if comm.fusion == "adaptive" else comm.fusion, comm.bucket_bytes,
-        density=comm.density, selector=comm.topk_selector, error_feedback=comm.error_feedback,
-        min_compress_elements=comm.min_compress_elements, wire_dtype=comm.dtype, order=self.profile.order)
+      comm.strategy,
+      nodes,
+      local,
+      "fixed" if comm.fusion == "adaptive" else comm.fusion,
+      comm.bucket_bytes,
+      density=comm.density,
+      selector=comm.topk_selector,
+      error_feedback=comm.error_feedback,
+      min_compress_elements=comm.min_compress_elements,
+      wire_dtype=comm.dtype,
+      order=self.profile.order,
+    )
     self.adaptive_per_phase = comm.fusion == "adaptive" and not reducer.spec.compressed
     if comm.fusion == "adaptive" and not self.adaptive_per_phase:
       reducer = self._planned(reducer, self.batch_shape_at(0))
-    self.reducer = reducer   # the reducer of the first phase: its init_state is the train state's comm_state
+    self.reducer = reducer  # the reducer of the first phase: its init_state is the train state's comm_state
     self.density_warmup_steps = plan.step_at(comm.density_warmup_epochs)
     self.sharding = mesh_lib.batch_sharding(mesh)
     self._compiled: dict[tuple, tuple[Callable, CommBytes]] = {}
@@ -82,15 +98,26 @@ class CompiledSteps:
     images = jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=self.sharding)
     labels = jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=self.sharding)
     start = time.time()
-    train = step_lib.make_train_step(self.model, self.tx, reducer, self.mesh, self.info,
-                                     self.config.optimizer.label_smoothing, self.config.train.inject_nan_at_step,
-                                     tuple(self.plan.first_steps))
+    train = step_lib.make_train_step(
+      self.model,
+      self.tx,
+      reducer,
+      self.mesh,
+      self.info,
+      self.config.optimizer.label_smoothing,
+      self.config.train.inject_nan_at_step,
+      tuple(self.plan.first_steps),
+    )
     compiled = train.lower(abstract_state, images, labels).compile()
     comm_bytes = reducer.bytes_per_step(abstract_state.params)
-    logging.info("train step compiled in %.1f s (batch %s%s): %s intra-node and %s inter-node bytes per device "
-                 "per step", time.time() - start, "x".join(map(str, batch_shape)),
-                 f", top-k density {density:.4g}" if reducer.spec.compressed else "",
-                 f"{comm_bytes.intra_node:,}", f"{comm_bytes.inter_node:,}")
+    logging.info(
+      "train step compiled in %.1f s (batch %s%s): %s intra-node and %s inter-node bytes per device per step",
+      time.time() - start,
+      "x".join(map(str, batch_shape)),
+      f", top-k density {density:.4g}" if reducer.spec.compressed else "",
+      f"{comm_bytes.intra_node:,}",
+      f"{comm_bytes.inter_node:,}",
+    )
     return compiled, comm_bytes
 
   def comm_bytes_at(self, step: int, params) -> CommBytes:
@@ -101,8 +128,18 @@ class CompiledSteps:
     """``reducer`` with MG-WFBP buckets for this batch shape (the profile is at the eval image size)."""
     comm, info = self.config.comm, self.info
     pixels = math.prod(batch_shape[1:3]) / math.prod(info.image_shape[:2])
-    reducer = cost_model.plan_adaptive_fusion(reducer, self.profile, cost_model.load(comm.cost_model),
-                                              comm.device_tflops * 1e12, batch_shape[0] / self.mesh.size * pixels)
-    logging.info("adaptive fusion (MG-WFBP, %s) for batch %s: %d buckets for %d tensors", comm.cost_model,
-                 "x".join(map(str, batch_shape)), len(reducer.groups), len(self.profile.order))
+    reducer = cost_model.plan_adaptive_fusion(
+      reducer,
+      self.profile,
+      cost_model.load(comm.cost_model),
+      comm.device_tflops * 1e12,
+      batch_shape[0] / self.mesh.size * pixels,
+    )
+    logging.info(
+      "adaptive fusion (MG-WFBP, %s) for batch %s: %d buckets for %d tensors",
+      comm.cost_model,
+      "x".join(map(str, batch_shape)),
+      len(reducer.groups),
+      len(self.profile.order),
+    )
     return reducer

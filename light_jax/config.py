@@ -8,7 +8,7 @@ what to change, before anything heavy starts.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import ml_collections
 
@@ -28,10 +28,24 @@ CACHES = ("none", "disk", "memory")
 
 # Fields that may change between a run and its resumption: they change neither shapes, nor the data
 # order, nor the maths of a step (a prefix covers its sub-fields).
-SAFE_TO_CHANGE = ("num_epochs", "max_steps", "log_every_steps", "checkpoint", "train", "mesh.cpu_devices",
-                  "data.read_threads", "data.host_prefetch", "data.prefetch", "data.eval_batch_size",
-                  "data.eval_subset", "data.num_workers", "data.cache", "data.cache_dir", "data.cache_budget_gb",
-                  "data.data_dir")
+SAFE_TO_CHANGE = (
+  "num_epochs",
+  "max_steps",
+  "log_every_steps",
+  "checkpoint",
+  "train",
+  "mesh.cpu_devices",
+  "data.read_threads",
+  "data.host_prefetch",
+  "data.prefetch",
+  "data.eval_batch_size",
+  "data.eval_subset",
+  "data.num_workers",
+  "data.cache",
+  "data.cache_dir",
+  "data.cache_budget_gb",
+  "data.data_dir",
+)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -47,74 +61,77 @@ def base_config() -> ml_collections.ConfigDict:
   config.model = dict(name="resnet8_fast", width=0, dtype="float32")
 
   config.data = dict(
-      dataset="fashion_mnist",   # fashion_mnist | imagenet2012 | image_folder
-      data_dir="/usr/share/datasets/fashion-mnist",
-      crop_padding=0,        # >0: random crop of the zero-padded image (array datasets)
-      random_flip=True,
-      train_subset=0,        # 0 = the whole training split; >0 = its first N examples
-      eval_subset=0,         # 0 = the whole evaluation split
-      eval_batch_size=1000,
-      prefetch=2,            # batches placed on the devices ahead of the step
-      read_threads=1,        # grain threads that assemble host batches
-      host_prefetch=4,       # batches grain assembles ahead (bounds its parallelism too; -1: measure)
-      num_workers=0,         # grain worker processes (-1: measure a few counts at start-up, keep the best)
-      # The JPEG datasets (imagenet2012, image_folder):
-      image_size=0,          # eval size, and the training size without a resolution schedule
-      # Progressive resizing, "first_epoch:size[:global_batch],...", e.g. "0:128,14:224:512"; "" = image_size.
-      resolution_schedule="",
-      random_scale_min=0.08,  # random-resized-crop area from this fraction of the image to all of it
-      reduced_decode=True,   # decode JPEGs at 1/2, 1/4, 1/8 scale, and only the rows, a crop needs
-      cache="none",          # none | disk (decoded, shorter side cache_size, in cache_dir) | memory
-      cache_dir="/tmp/light_jax_cache",
-      cache_size=160,        # shorter side of the cached images (>= the largest training size)
-      cache_budget_gb=64.0,  # the cache is skipped (JPEGs read instead) when it would be larger
+    dataset="fashion_mnist",  # fashion_mnist | imagenet2012 | image_folder
+    data_dir="/usr/share/datasets/fashion-mnist",
+    crop_padding=0,  # >0: random crop of the zero-padded image (array datasets)
+    random_flip=True,
+    train_subset=0,  # 0 = the whole training split; >0 = its first N examples
+    eval_subset=0,  # 0 = the whole evaluation split
+    eval_batch_size=1000,
+    prefetch=2,  # batches placed on the devices ahead of the step
+    read_threads=1,  # grain threads that assemble host batches
+    host_prefetch=4,  # batches grain assembles ahead (bounds its parallelism too; -1: measure)
+    num_workers=0,  # grain worker processes (-1: measure a few counts at start-up, keep the best)
+    # The JPEG datasets (imagenet2012, image_folder):
+    image_size=0,  # eval size, and the training size without a resolution schedule
+    # Progressive resizing, "first_epoch:size[:global_batch],...", e.g. "0:128,14:224:512"; "" = image_size.
+    resolution_schedule="",
+    random_scale_min=0.08,  # random-resized-crop area from this fraction of the image to all of it
+    reduced_decode=True,  # decode JPEGs at 1/2, 1/4, 1/8 scale, and only the rows, a crop needs
+    cache="none",  # none | disk (decoded, shorter side cache_size, in cache_dir) | memory
+    cache_dir="/tmp/light_jax_cache",
+    cache_size=160,  # shorter side of the cached images (>= the largest training size)
+    cache_budget_gb=64.0,  # the cache is skipped (JPEGs read instead) when it would be larger
   )
 
   config.global_batch_size = 256
   config.num_epochs = 8
-  config.max_steps = 0       # 0 = no limit; otherwise stop after this many steps
+  config.max_steps = 0  # 0 = no limit; otherwise stop after this many steps
 
   config.optimizer = dict(
-      name="sgd",            # sgd | lars | lamb
-      base_lr=0.2,           # peak lr = base_lr * global_batch_size / 256 (per phase)
-      momentum=0.9,
-      nesterov=True,
-      weight_decay=5e-4,     # not on biases and BatchNorm parameters
-      warmup_epochs=1.0,     # linear warm-up from 0
-      decay="cosine",        # poly (power 2) | cosine
-      end_lr_factor=0.0,     # final lr = peak lr * end_lr_factor
-      lars_eta=0.001,        # LARS trust coefficient
-      label_smoothing=0.1,
+    name="sgd",  # sgd | lars | lamb
+    base_lr=0.2,  # peak lr = base_lr * global_batch_size / 256 (per phase)
+    momentum=0.9,
+    nesterov=True,
+    weight_decay=5e-4,  # not on biases and BatchNorm parameters
+    warmup_epochs=1.0,  # linear warm-up from 0
+    decay="cosine",  # poly (power 2) | cosine
+    end_lr_factor=0.0,  # final lr = peak lr * end_lr_factor
+    lars_eta=0.001,  # LARS trust coefficient
+    label_smoothing=0.1,
   )
 
   config.comm = dict(
-      strategy="hierarchical",   # see light_jax/parallel/strategies.py: dense | hierarchical | hitopk | topk | gtopk
-      fusion="fixed",            # none | fixed (buckets of bucket_bytes) | adaptive (MG-WFBP)
-      bucket_bytes=25 * 2**20,
-      dtype="float32",           # wire dtype of the dense hops: bfloat16 halves them (float32 accumulation)
-      cost_model="v100_nvlink_25gbe",  # adaptive: a cost_model.PRESETS name or a calibrated JSON file
-      device_tflops=15.0,        # adaptive: sustained FLOP/s (x 1e12) for backward-time estimates
-      # The top-k strategies (hitopk, topk, gtopk):
-      density=0.01,              # fraction of entries kept (per local shard for hitopk)
-      error_feedback=True,       # what is not sent is kept and added to the next step's gradient
-      topk_selector="exact",     # exact (lax.top_k) | mstopk (sort-free threshold search)
-      min_compress_elements=512,  # smaller buckets / shards go to the strategy's dense fallback
-      density_warmup_epochs=0.0,  # >0: DGC-style warm-up from density 0.25 down to `density`
+    strategy="hierarchical",  # see light_jax/parallel/strategies.py: dense | hierarchical | hitopk | topk | gtopk
+    fusion="fixed",  # none | fixed (buckets of bucket_bytes) | adaptive (MG-WFBP)
+    bucket_bytes=25 * 2**20,
+    dtype="float32",  # wire dtype of the dense hops: bfloat16 halves them (float32 accumulation)
+    cost_model="v100_nvlink_25gbe",  # adaptive: a cost_model.PRESETS name or a calibrated JSON file
+    device_tflops=15.0,  # adaptive: sustained FLOP/s (x 1e12) for backward-time estimates
+    # The top-k strategies (hitopk, topk, gtopk):
+    density=0.01,  # fraction of entries kept (per local shard for hitopk)
+    error_feedback=True,  # what is not sent is kept and added to the next step's gradient
+    topk_selector="exact",  # exact (lax.top_k) | mstopk (sort-free threshold search)
+    min_compress_elements=512,  # smaller buckets / shards go to the strategy's dense fallback
+    density_warmup_epochs=0.0,  # >0: DGC-style warm-up from density 0.25 down to `density`
   )
 
   config.log_every_steps = 20
   # Asynchronous orbax checkpoints in WORKDIR/checkpoints; a workdir with one resumes from it.
   config.checkpoint = dict(every_steps=200, keep=3)
   config.train = dict(
-      on_nonfinite="skip",    # skip: drop the update and go on; stop: save a checkpoint and stop
-      inject_nan_at_step=-1,  # fault drill: poison this step's loss (-1: off)
+    on_nonfinite="skip",  # skip: drop the update and go on; stop: save a checkpoint and stop
+    inject_nan_at_step=-1,  # fault drill: poison this step's loss (-1: off)
   )
   return config
 
 
-def apply_variant(config: ml_collections.ConfigDict, variant: str | None,
-                  variants: dict[str, Callable[[ml_collections.ConfigDict], None]], filename: str
-                  ) -> ml_collections.ConfigDict:
+def apply_variant(
+  config: ml_collections.ConfigDict,
+  variant: str | None,
+  variants: dict[str, Callable[[ml_collections.ConfigDict], None]],
+  filename: str,
+) -> ml_collections.ConfigDict:
   """Applies ``variants[variant]`` (a function that edits the config in place); None: no variant."""
   if variant:
     if variant not in variants:
@@ -168,8 +185,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   for field in ("num_workers", "host_prefetch"):
     value = config.data[field]
     if not isinstance(value, int) or value < -1 or (field == "host_prefetch" and value == 0):
-      raise ConfigError(f"data.{field}={value!r} must be -1 (measure at start-up) or "
-                        f"{'>= 0' if field == 'num_workers' else '>= 1'}.")
+      raise ConfigError(
+        f"data.{field}={value!r} must be -1 (measure at start-up) or {'>= 0' if field == 'num_workers' else '>= 1'}."
+      )
   if config.data.dataset != "fashion_mnist":
     _choice("data.cache", config.data.cache, CACHES)
     _positive("data.image_size", config.data.image_size)
@@ -199,19 +217,24 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     raise ConfigError(str(e)) from None
   devices = nodes * local
   if strategies.get(config.comm.strategy).needs_power_of_two_devices and devices & (devices - 1):
-    raise ConfigError(f"comm.strategy={config.comm.strategy!r} pairs devices by the bits of their index and needs "
-                      f"a power-of-two device count, not {nodes} x {local} = {devices}; use 'hitopk' or 'topk', "
-                      f"or a mesh of {1 << (devices.bit_length() - 1)} devices.")
+    raise ConfigError(
+      f"comm.strategy={config.comm.strategy!r} pairs devices by the bits of their index and needs "
+      f"a power-of-two device count, not {nodes} x {local} = {devices}; use 'hitopk' or 'topk', "
+      f"or a mesh of {1 << (devices.bit_length() - 1)} devices."
+    )
 
   _positive("global_batch_size", config.global_batch_size)
   _positive("data.eval_batch_size", config.data.eval_batch_size)
-  batch_sizes = {f"global_batch_size={config.global_batch_size}": config.global_batch_size,
-                 f"data.eval_batch_size={config.data.eval_batch_size}": config.data.eval_batch_size,
-                 **{f"the batch {b} in data.resolution_schedule": b for b in sorted(phase_batches)}}
+  batch_sizes = {
+    f"global_batch_size={config.global_batch_size}": config.global_batch_size,
+    f"data.eval_batch_size={config.data.eval_batch_size}": config.data.eval_batch_size,
+    **{f"the batch {b} in data.resolution_schedule": b for b in sorted(phase_batches)},
+  }
   for field, value in batch_sizes.items():
     if value % num_devices:
       lower = value // num_devices * num_devices
       raise ConfigError(
-          f"{field} does not divide over {num_devices} devices; use a multiple of {num_devices} "
-          f"(e.g. {max(lower, num_devices)} or {lower + num_devices}).")
+        f"{field} does not divide over {num_devices} devices; use a multiple of {num_devices} "
+        f"(e.g. {max(lower, num_devices)} or {lower + num_devices})."
+      )
   return nodes, local

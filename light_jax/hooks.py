@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -26,11 +27,11 @@ from light_jax.parallel.strategies import CommBytes
 class StepInfo:
   """What the hooks see after a step."""
 
-  step: int               # steps done, so the first step gives 1
-  state: Any              # the TrainState after the step
-  loss: jax.Array         # per-device training loss of the step, (num_devices,)
-  batch_size: int         # global batch size of the step
-  comm_bytes: CommBytes   # bytes per device of the step's gradient reduction
+  step: int  # steps done, so the first step gives 1
+  state: Any  # the TrainState after the step
+  loss: jax.Array  # per-device training loss of the step, (num_devices,)
+  batch_size: int  # global batch size of the step
+  comm_bytes: CommBytes  # bytes per device of the step's gradient reduction
 
 
 Hook = Callable[[StepInfo], "str | None"]
@@ -82,8 +83,11 @@ class ProgressBar:
     self._images += info.batch_size
     if info.step % self.log_every == 0:
       now = time.perf_counter()
-      self.bar.set_postfix(loss=f"{step_lib.global_mean(info.loss):.4f}", lr=f"{float(self.schedule(info.step)):.3g}",
-                           img_s=f"{self._images / (now - self._since):.0f}")
+      self.bar.set_postfix(
+        loss=f"{step_lib.global_mean(info.loss):.4f}",
+        lr=f"{float(self.schedule(info.step)):.3g}",
+        img_s=f"{self._images / (now - self._since):.0f}",
+      )
       self._images, self._since = 0, now
 
 
@@ -95,12 +99,13 @@ class NonFiniteCheck:
     self.seen = 0
 
   def __call__(self, info: StepInfo) -> str | None:
-    count = int(info.state.nonfinite_steps.addressable_data(0))   # replicated: any device's copy
+    count = int(info.state.nonfinite_steps.addressable_data(0))  # replicated: any device's copy
     if count <= self.seen:
       return None
     self.seen = count
-    logging.warning("%d step(s) with a non-finite loss or gradient so far (update skipped); policy: %s",
-                    count, self.policy)
+    logging.warning(
+      "%d step(s) with a non-finite loss or gradient so far (update skipped); policy: %s", count, self.policy
+    )
     return "nonfinite" if self.policy == "stop" else None
 
 
@@ -125,9 +130,17 @@ class EpochEvaluation:
   record up to s.
   """
 
-  def __init__(self, evaluate: Callable[[Any], dict[str, float]], writer: metrics_lib.MetricsWriter,
-               plan: schedules.EpochPlan, schedule: Callable[[int], Any], prefetcher, bar, start_step: int,
-               total_steps: int):
+  def __init__(
+    self,
+    evaluate: Callable[[Any], dict[str, float]],
+    writer: metrics_lib.MetricsWriter,
+    plan: schedules.EpochPlan,
+    schedule: Callable[[int], Any],
+    prefetcher,
+    bar,
+    start_step: int,
+    total_steps: int,
+  ):
     self.evaluate, self.writer, self.plan, self.schedule = evaluate, writer, plan, schedule
     self.prefetcher, self.bar, self.total_steps = prefetcher, bar, total_steps
     self.last_record: dict[str, Any] | None = None
@@ -138,31 +151,50 @@ class EpochEvaluation:
     images = sum(self.plan.batch_size_at(s) for s in range(self._start_step, info.step))
     train_loss = step_lib.epoch_mean_loss(info.state)
     record = epoch_record(
-        info.step, self.plan, train_loss, self.evaluate(info.state), images / train_seconds,
-        (self.prefetcher.wait_seconds - self._start_wait) / train_seconds, float(self.schedule(info.step)),
-        info.comm_bytes, int(info.state.nonfinite_steps.addressable_data(0)), info.step == self.total_steps)
+      info.step,
+      self.plan,
+      train_loss,
+      self.evaluate(info.state),
+      images / train_seconds,
+      (self.prefetcher.wait_seconds - self._start_wait) / train_seconds,
+      float(self.schedule(info.step)),
+      info.comm_bytes,
+      int(info.state.nonfinite_steps.addressable_data(0)),
+      info.step == self.total_steps,
+    )
     self.writer.write(record)
-    self.bar.write(f"epoch {record['epoch']:.2f} step {info.step}: train loss {train_loss:.4f}, test top-1 "
-                   f"{100 * record['eval_top1']:.2f}% top-5 {100 * record['eval_top5']:.2f}%, "
-                   f"{record['images_per_sec']:.0f} images/s, input wait {100 * record['input_wait_fraction']:.1f}%")
+    self.bar.write(
+      f"epoch {record['epoch']:.2f} step {info.step}: train loss {train_loss:.4f}, test top-1 "
+      f"{100 * record['eval_top1']:.2f}% top-5 {100 * record['eval_top5']:.2f}%, "
+      f"{record['images_per_sec']:.0f} images/s, input wait {100 * record['input_wait_fraction']:.1f}%"
+    )
     self.last_record = record
     self._start_step, self._start_time, self._start_wait = info.step, time.perf_counter(), self.prefetcher.wait_seconds
 
 
-def epoch_record(step: int, plan: schedules.EpochPlan, train_loss: float, eval_metrics: dict[str, float],
-                 images_per_sec: float, input_wait_fraction: float, learning_rate: float, comm_bytes: CommBytes,
-                 nonfinite_steps: int, final: bool) -> dict[str, Any]:
+def epoch_record(
+  step: int,
+  plan: schedules.EpochPlan,
+  train_loss: float,
+  eval_metrics: dict[str, float],
+  images_per_sec: float,
+  input_wait_fraction: float,
+  learning_rate: float,
+  comm_bytes: CommBytes,
+  nonfinite_steps: int,
+  final: bool,
+) -> dict[str, Any]:
   """One line of metrics.jsonl (its keys are an interface, listed in README.md)."""
   return {
-      "step": step,
-      "epoch": round(plan.epochs_done(step), 4),
-      "train_loss": train_loss,
-      **eval_metrics,
-      "images_per_sec": images_per_sec,
-      "input_wait_fraction": input_wait_fraction,
-      "learning_rate": learning_rate,
-      "inter_node_bytes_per_step": comm_bytes.inter_node,
-      "intra_node_bytes_per_step": comm_bytes.intra_node,
-      "nonfinite_steps": nonfinite_steps,
-      "final": final,
+    "step": step,
+    "epoch": round(plan.epochs_done(step), 4),
+    "train_loss": train_loss,
+    **eval_metrics,
+    "images_per_sec": images_per_sec,
+    "input_wait_fraction": input_wait_fraction,
+    "learning_rate": learning_rate,
+    "inter_node_bytes_per_step": comm_bytes.inter_node,
+    "intra_node_bytes_per_step": comm_bytes.intra_node,
+    "nonfinite_steps": nonfinite_steps,
+    "final": final,
   }

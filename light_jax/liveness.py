@@ -33,6 +33,7 @@ _PREFIX = "light_jax/liveness/"
 def _client():
   # The distributed runtime client jax.distributed.initialize created; orbax reaches it the same way.
   from jax._src import distributed
+
   return distributed.global_state.client
 
 
@@ -62,9 +63,10 @@ class PeerWatchdog:
     self._thread.join()
     self._thread = None
     try:
-      _client().key_value_set(self._key(self.process_index), f"failed: {failure}" if failure else "done",
-                              allow_overwrite=True)
-    except Exception:   # the coordinator is gone already: nothing left to tell
+      _client().key_value_set(
+        self._key(self.process_index), f"failed: {failure}" if failure else "done", allow_overwrite=True
+      )
+    except Exception:  # the coordinator is gone already: nothing left to tell
       return
     if failure and self.process_index == 0:
       # The key-value store lives in this process: keep it up until the peers have read the reason.
@@ -76,7 +78,7 @@ class PeerWatchdog:
   def _run(self) -> None:
     client = _client()
     counter = 0
-    last_seen = {}   # process index -> (value, time it last changed)
+    last_seen = {}  # process index -> (value, time it last changed)
     last_contact = time.monotonic()
     while not self._stop.wait(self.interval):
       now = time.monotonic()
@@ -85,10 +87,12 @@ class PeerWatchdog:
         client.key_value_set(self._key(self.process_index), str(counter), allow_overwrite=True)
         published = dict(client.key_value_dir_get(_PREFIX))
         last_contact = now
-      except Exception as e:   # the service lives in process 0; one failed call may be a transient
+      except Exception as e:  # the service lives in process 0; one failed call may be a transient
         if now - last_contact > self.peer_timeout:
-          self._fail(f"lost contact with the coordination service in process 0 for {now - last_contact:.0f} s "
-                     f"({type(e).__name__}): process 0 probably died; see its log")
+          self._fail(
+            f"lost contact with the coordination service in process 0 for {now - last_contact:.0f} s "
+            f"({type(e).__name__}): process 0 probably died; see its log"
+          )
           return
         continue
       for index in range(self.process_count):
@@ -96,7 +100,7 @@ class PeerWatchdog:
           continue
         value = published.get(self._key(index), "")
         if value.startswith("failed: "):
-          self._fail(f"process {index} failed: {value[len('failed: '):]}")
+          self._fail(f"process {index} failed: {value[len('failed: ') :]}")
           return
         if value == "done":
           continue
@@ -105,8 +109,10 @@ class PeerWatchdog:
           since = now
         last_seen[index] = (value, since)
         if now - since > self.peer_timeout:
-          self._fail(f"process {index} has given no sign of life for {now - since:.0f} s "
-                     f"(peer_timeout {self.peer_timeout:g} s): it probably died; see its log")
+          self._fail(
+            f"process {index} has given no sign of life for {now - since:.0f} s "
+            f"(peer_timeout {self.peer_timeout:g} s): it probably died; see its log"
+          )
           return
 
   def _fail(self, reason: str) -> None:
@@ -114,8 +120,17 @@ class PeerWatchdog:
     os._exit(EXIT_PEER_FAILURE)
 
 
-_CONNECTION_MARKERS = ("UNAVAILABLE", "Connection reset", "Connection refused", "connection closed", "Gloo",
-                       "NCCL", "Socket closed", "DEADLINE_EXCEEDED", "heartbeat")
+_CONNECTION_MARKERS = (
+  "UNAVAILABLE",
+  "Connection reset",
+  "Connection refused",
+  "connection closed",
+  "Gloo",
+  "NCCL",
+  "Socket closed",
+  "DEADLINE_EXCEEDED",
+  "heartbeat",
+)
 
 
 def is_connection_error(error: BaseException) -> bool:
@@ -125,7 +140,9 @@ def is_connection_error(error: BaseException) -> bool:
 
 def report_stop(process_index: int, process_count: int, reason: str, workdir: str) -> None:
   """One line on stderr (and in the log): which process stops, why, and how to resume."""
-  message = (f"error: stopping process {process_index} of {process_count}: {reason}. Committed checkpoints in "
-             f"{workdir}/checkpoints are intact: rerun the same command on every machine to resume from the newest.")
+  message = (
+    f"error: stopping process {process_index} of {process_count}: {reason}. Committed checkpoints in "
+    f"{workdir}/checkpoints are intact: rerun the same command on every machine to resume from the newest."
+  )
   logging.error("%s", message)
   print(f"\n{message}", file=sys.stderr, flush=True)

@@ -29,12 +29,18 @@ class MetricsWriter:
         old = read_metrics(workdir)
         self.records = [r for r in old if resume_step is not None and r["step"] <= resume_step]
         if len(self.records) < len(old):
-          logging.warning("%s: dropping %d record(s) %s", path, len(old) - len(self.records),
-                          f"after step {resume_step} (resumed there)" if resume_step is not None
-                          else "of a previous run without a checkpoint (starting over)")
+          logging.warning(
+            "%s: dropping %d record(s) %s",
+            path,
+            len(old) - len(self.records),
+            f"after step {resume_step} (resumed there)"
+            if resume_step is not None
+            else "of a previous run without a checkpoint (starting over)",
+          )
         with open(path, "w") as f:
           f.writelines(json.dumps(r) + "\n" for r in self.records)
       from tensorboardX import SummaryWriter  # imported here: only process 0 needs it
+
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, record: dict[str, Any]) -> None:
@@ -63,6 +69,7 @@ class MetricsWriter:
 def plot_history(records: list[dict[str, Any]], path: str, title: str = "") -> None:
   """Training loss and test top-1/top-5 accuracy against epoch, side by side, as a PNG."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -85,8 +92,7 @@ def plot_history(records: list[dict[str, Any]], path: str, title: str = "") -> N
 
 def progress_bar(total: int, enabled: bool, initial: int = 0) -> tqdm.tqdm:
   """Steps bar with ETA; the trainer sets loss and images/s as its postfix."""
-  return tqdm.tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True,
-                   mininterval=1.0)
+  return tqdm.tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, mininterval=1.0)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
@@ -97,6 +103,7 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
 def plot_comparison(runs: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> None:
   """Test top-1 and training loss against epoch for several runs (label -> records) in one PNG."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 

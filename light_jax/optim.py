@@ -21,18 +21,18 @@ def build_optimizer(opt: ml_collections.ConfigDict, schedule: optax.Schedule) ->
   """The optimizer named by ``opt.name`` (``config.optimizer``), applied to the reduced mean gradient."""
   if opt.name == "sgd":
     return optax.chain(
-        optax.add_decayed_weights(opt.weight_decay, mask=decay_mask),
-        optax.sgd(schedule, momentum=opt.momentum, nesterov=opt.nesterov),
+      optax.add_decayed_weights(opt.weight_decay, mask=decay_mask),
+      optax.sgd(schedule, momentum=opt.momentum, nesterov=opt.nesterov),
     )
   if opt.name == "lars":
     return optax.lars(
-        schedule,
-        weight_decay=opt.weight_decay,
-        weight_decay_mask=decay_mask,
-        trust_coefficient=opt.lars_eta,
-        trust_ratio_mask=decay_mask,
-        momentum=opt.momentum,
-        nesterov=opt.nesterov,
+      schedule,
+      weight_decay=opt.weight_decay,
+      weight_decay_mask=decay_mask,
+      trust_coefficient=opt.lars_eta,
+      trust_ratio_mask=decay_mask,
+      momentum=opt.momentum,
+      nesterov=opt.nesterov,
     )
   if opt.name == "lamb":
     return optax.lamb(schedule, weight_decay=opt.weight_decay, mask=decay_mask)

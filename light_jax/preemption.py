@@ -30,10 +30,12 @@ class PreemptionGuard:
   def _handle(self, signum, frame):
     del frame
     if self.signal is not None:
-      os._exit(128 + signum)   # second signal: no save, no cleanup
+      os._exit(128 + signum)  # second signal: no save, no cleanup
     self.signal = signum
-    logging.warning("received %s: finishing the current step, saving a checkpoint, then exiting "
-                    "(send it again to exit at once)", signal.Signals(signum).name)
+    logging.warning(
+      "received %s: finishing the current step, saving a checkpoint, then exiting (send it again to exit at once)",
+      signal.Signals(signum).name,
+    )
 
   def requested(self) -> bool:
     """Whether any process received a signal (a collective when there are several processes)."""

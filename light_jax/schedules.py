@@ -34,12 +34,12 @@ class ScheduleError(ValueError):
 
 class Phase(NamedTuple):
   first_epoch: int
-  image_size: int | None          # None: the source's own size (array datasets)
-  global_batch_size: int | None = None   # None: the config's global_batch_size
+  image_size: int | None  # None: the source's own size (array datasets)
+  global_batch_size: int | None = None  # None: the config's global_batch_size
 
 
 def parse_resolution_schedule(text: str, default_size: int) -> tuple[Phase, ...]:
-  """"0:128,14:224:512" -> (Phase(0, 128, None), Phase(14, 224, 512)); "" -> (Phase(0, default_size),)."""
+  """ "0:128,14:224:512" -> (Phase(0, 128, None), Phase(14, 224, 512)); "" -> (Phase(0, default_size),)."""
   if not text.strip():
     return (Phase(0, default_size),)
   try:
@@ -50,8 +50,10 @@ def parse_resolution_schedule(text: str, default_size: int) -> tuple[Phase, ...]
         raise ValueError
       phases.append(Phase(*fields))
   except ValueError:
-    raise ScheduleError(f"data.resolution_schedule={text!r} is not 'first_epoch:size[:global_batch],...' "
-                    f"(e.g. '0:128,14:224' or '0:128:1024,14:224:512')") from None
+    raise ScheduleError(
+      f"data.resolution_schedule={text!r} is not 'first_epoch:size[:global_batch],...' "
+      f"(e.g. '0:128,14:224' or '0:128:1024,14:224:512')"
+    ) from None
   phases.sort(key=lambda p: p.first_epoch)
   if phases[0].first_epoch != 0 or any(p.image_size < 8 for p in phases):
     raise ScheduleError(f"data.resolution_schedule={text!r}: the first phase must start at epoch 0 and sizes be >= 8")
@@ -75,12 +77,14 @@ class EpochPlan:
       phase = phases[bisect.bisect_right(first_epochs, epoch) - 1]
       batch = phase.global_batch_size or default_batch_size
       if batch > num_examples:
-        raise ScheduleError(f"the training split has {num_examples} examples, fewer than one global batch ({batch}) "
-                        f"of epoch {epoch}; lower the batch size.")
+        raise ScheduleError(
+          f"the training split has {num_examples} examples, fewer than one global batch ({batch}) "
+          f"of epoch {epoch}; lower the batch size."
+        )
       self.batch_sizes.append(batch)
       self.image_sizes.append(phase.image_size)
     self.steps_per_epoch = [num_examples // b for b in self.batch_sizes]
-    self.first_steps = [0]   # first step of each epoch, then the total
+    self.first_steps = [0]  # first step of each epoch, then the total
     for steps in self.steps_per_epoch:
       self.first_steps.append(self.first_steps[-1] + steps)
     self.num_steps = self.first_steps[-1]
@@ -142,7 +146,7 @@ def learning_rate_schedule(optimizer: ml_collections.ConfigDict, plan: EpochPlan
 
   def schedule(step):
     step = jnp.asarray(step, jnp.float32)
-    epochs = jnp.interp(step, first_steps, epoch_marks)   # plan.epochs_done, piecewise linear
+    epochs = jnp.interp(step, first_steps, epoch_marks)  # plan.epochs_done, piecewise linear
     epoch = jnp.clip(jnp.searchsorted(first_steps, step, side="right") - 1, 0, plan.num_epochs - 1)
     progress = jnp.clip((epochs - warmup) / max(total - warmup, 1e-9), 0.0, 1.0)
     if optimizer.decay == "poly":

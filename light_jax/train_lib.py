@@ -9,12 +9,14 @@ the periodic actions ``hooks.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import math
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -27,8 +29,7 @@ from light_jax import optim, schedules
 from light_jax import train_step as step_lib
 from light_jax.compiled_steps import CompiledSteps
 from light_jax.data import autotune
-from light_jax.hooks import (CheckpointSaver, EpochEvaluation, Hook, Hooks, NonFiniteCheck, ProgressBar,
-                             StepInfo)
+from light_jax.hooks import CheckpointSaver, EpochEvaluation, Hook, Hooks, NonFiniteCheck, ProgressBar, StepInfo
 from light_jax.models import create_model
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.preemption import PreemptionGuard
@@ -38,8 +39,9 @@ class NonFiniteError(RuntimeError):
   """Training stopped on a non-finite loss or gradient (policy ``stop``) after saving a checkpoint."""
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       extra_hooks: Sequence[tuple[Hook, int]] = ()) -> dict[str, Any]:
+def train_and_evaluate(
+  config: ml_collections.ConfigDict, workdir: str, extra_hooks: Sequence[tuple[Hook, int]] = ()
+) -> dict[str, Any]:
   """Trains ``config`` on the current devices, evaluating each epoch; returns the summary.
 
   ``extra_hooks``: (hook, every) pairs run after each due step, before the trainer's own hooks.
@@ -48,7 +50,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   mesh = mesh_lib.make_mesh(config.mesh.nodes, config.mesh.local)
   logging.info("%s", mesh_lib.describe(mesh))
   train_batches, eval_batches, info = make_input(config)
-  plan = train_batches.plan   # step -> epoch, image size, batch size
+  plan = train_batches.plan  # step -> epoch, image size, batch size
   total_steps = min(config.max_steps, plan.num_steps) if config.max_steps else plan.num_steps
 
   model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
@@ -61,21 +63,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   checkpointer = checkpoint_lib.Checkpointer(workdir, config.checkpoint.keep)
   meta = {"config": json.loads(config.to_json_best_effort()), "mesh": list(mesh.devices.shape)}
   start_step, state = restore(checkpointer, state, meta["config"], plan)
-  steps.for_step(start_step, state)   # compile before the clock starts
+  steps.for_step(start_step, state)  # compile before the clock starts
 
-  workers, host_prefetch = tune_input(config, train_batches, start_step, steps)
+  input_settings = tune_input(config, train_batches, start_step, steps)  # grain threads, workers, buffer
+  eval_step = step_lib.make_eval_step(model, mesh, info)
   evaluate = functools.partial(
-      step_lib.evaluate, step_lib.make_eval_step(model, mesh, info), batches=eval_batches,
-      sharding=steps.sharding, read_threads=config.data.read_threads, workers=workers, host_prefetch=host_prefetch)
-  host_batches = train_batches.iterator(start_step, read_threads=config.data.read_threads, buffer=host_prefetch,
-                                        workers=workers)
+    step_lib.evaluate, eval_step, batches=eval_batches, sharding=steps.sharding, **input_settings
+  )
+  host_batches = train_batches.iterator(start_step, **input_settings)
   prefetcher = data_lib.DevicePrefetcher(host_batches, steps.sharding, size=config.data.prefetch)
   is_main = jax.process_index() == 0
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=start_step or None)
   bar = metrics_lib.progress_bar(total_steps, enabled=is_main, initial=start_step)
   preemption = PreemptionGuard()
 
-  def ends_record(step: int) -> bool:   # an epoch's last step, or the run's
+  def ends_record(step: int) -> bool:  # an epoch's last step, or the run's
     return plan.ends_epoch(step) or step == total_steps
 
   hooks = Hooks()
@@ -85,75 +87,119 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   nonfinite = NonFiniteCheck(config.train.on_nonfinite)
   hooks.add(nonfinite, every=config.log_every_steps, when=ends_record)
   # In a multi-process run the check is a collective: every process makes it at the same steps.
-  hooks.add(lambda _: "preempted" if preemption.requested() else None,
-            every=1 if jax.process_count() == 1 else config.log_every_steps)
+  preemption_every = 1 if jax.process_count() == 1 else config.log_every_steps
+  hooks.add(lambda _: "preempted" if preemption.requested() else None, every=preemption_every)
   evaluation = EpochEvaluation(evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps)
   hooks.add(evaluation, when=ends_record)
   saver = CheckpointSaver(checkpointer, meta)
   hooks.add(saver, every=config.checkpoint.every_steps)
 
-  loop_start = time.perf_counter()
   try:
-    state, step, stop = train_loop(state, start_step, total_steps, prefetcher, steps, hooks)
-    checkpointer.save(step, state, meta)   # the last step (no-op when its hook just saved it)
-    loop_seconds = time.perf_counter() - loop_start
+    loop = train_loop(state, start_step, total_steps, prefetcher, steps, hooks)
+    checkpointer.save(loop.step, loop.state, meta)  # the last step (no-op when its hook just saved it)
   finally:
     prefetcher.close()
     bar.close()
     preemption.uninstall()
-    checkpointer.close()   # waits for saves in flight
+    checkpointer.close()  # waits for saves in flight
+  if loop.stop:
+    return stopped(loop)
 
-  if stop == "preempted":
-    logging.warning("stopped by a signal after step %d; checkpoint saved, rerun the same command to resume", step)
-    return {"stopped": "preempted", "steps": step}
-  if stop == "nonfinite":
-    raise NonFiniteError(f"non-finite loss or gradient at or before step {step} (train.on_nonfinite='stop'); "
-                         f"the bad update was skipped and a checkpoint saved at step {step}. Lower the learning "
-                         f"rate or set --config.train.on_nonfinite=skip, then rerun to resume.")
   # A finished run resumed ran no step: evaluate what it restored (every process alike) to report again.
-  final = evaluation.last_record or {**evaluate(state), "train_loss": step_lib.epoch_mean_loss(state)}
-  summary = run_summary(config, final, writer.records, step, plan, start_step, mesh, state,
-                        steps.comm_bytes_at(step - 1, state.params), saver.blocking_seconds, loop_seconds,
-                        nonfinite.seen, time.time() - wall_start)
+  final = evaluation.last_record or final_metrics(evaluate, loop, steps)
+  summary = run_summary(
+    config, final, writer.records, plan, mesh, loop, start_step, nonfinite.seen, saver.blocking_seconds, wall_start
+  )
   writer.write_summary(summary)
   writer.close()
-  logging.info("done: %d steps in %.1f s, final test top-1 %.2f%%, top-5 %.2f%%", step,
-               summary["wall_seconds"], 100 * summary["final_eval_top1"], 100 * summary["final_eval_top5"])
   return summary
 
 
-def train_loop(state: step_lib.TrainState, start_step: int, total_steps: int, batches: Iterator[dict],
-               steps: CompiledSteps, hooks: Hooks) -> tuple[step_lib.TrainState, int, str | None]:
-  """Runs steps ``start_step`` .. ``total_steps`` - 1; returns (state, steps done, stop reason or None)."""
-  step = start_step
-  while step < total_steps:
+@dataclasses.dataclass(frozen=True)
+class LoopResult:
+  state: step_lib.TrainState
+  step: int  # steps done
+  stop: str | None  # why the loop stopped early: "preempted", "nonfinite" (None: it ran to the end)
+  seconds: float
+
+
+def train_loop(
+  state: step_lib.TrainState,
+  start_step: int,
+  total_steps: int,
+  batches: Iterator[dict],
+  steps: CompiledSteps,
+  hooks: Hooks,
+) -> LoopResult:
+  """Runs steps ``start_step`` .. ``total_steps`` - 1, each followed by the hooks due, until one says stop."""
+  start = time.perf_counter()
+  step, stop = start_step, None
+  while step < total_steps and not stop:
     batch = next(batches)
     train_step, comm_bytes = steps.for_step(step, state)
     state, loss = train_step(state, batch["images"], batch["labels"])
     step += 1
     stop = hooks.run(StepInfo(step, state, loss, batch["labels"].shape[0], comm_bytes))
-    if stop:
-      return state, step, stop
-  return state, step, None
+  return LoopResult(state, step, stop, time.perf_counter() - start)
 
 
-def make_input(config: ml_collections.ConfigDict) -> tuple[data_lib.TrainBatches, data_lib.EvalBatches,
-                                                            data_lib.DatasetInfo]:
+def stopped(loop: LoopResult) -> dict[str, Any]:
+  """Preempted: a short summary (the caller tells the user to rerun). Non-finite with policy stop: raises."""
+  if loop.stop == "nonfinite":
+    raise NonFiniteError(
+      f"non-finite loss or gradient at or before step {loop.step} (train.on_nonfinite='stop'); the bad update "
+      f"was skipped and a checkpoint saved at step {loop.step}. Lower the learning rate or set "
+      f"--config.train.on_nonfinite=skip, then rerun to resume."
+    )
+  logging.warning("stopped by a signal after step %d; checkpoint saved, rerun the same command to resume", loop.step)
+  return {"stopped": loop.stop, "steps": loop.step}
+
+
+def final_metrics(evaluate, loop: LoopResult, steps: CompiledSteps) -> dict[str, Any]:
+  """The last record's metrics for a run that ran no step: evaluation, epoch loss and bytes from the state."""
+  comm_bytes = steps.comm_bytes_at(loop.step - 1, loop.state.params)
+  return {
+    **evaluate(loop.state),
+    "train_loss": step_lib.epoch_mean_loss(loop.state),
+    "inter_node_bytes_per_step": comm_bytes.inter_node,
+    "intra_node_bytes_per_step": comm_bytes.intra_node,
+  }
+
+
+def make_input(
+  config: ml_collections.ConfigDict,
+) -> tuple[data_lib.TrainBatches, data_lib.EvalBatches, data_lib.DatasetInfo]:
   """This process's training and evaluation batches, and the dataset's facts."""
   train_source, eval_source, info = data_lib.load_dataset(config.data)
-  jpeg = isinstance(train_source, data_lib.ImageSource)   # array datasets have one size and no schedule
+  jpeg = isinstance(train_source, data_lib.ImageSource)  # array datasets have one size and no schedule
   phases = schedules.parse_resolution_schedule(config.data.resolution_schedule, info.image_shape[0]) if jpeg else ()
   train_batches = data_lib.TrainBatches(
-      train_source, config.global_batch_size, config.num_epochs, config.seed, process_index=jax.process_index(),
-      process_count=jax.process_count(), crop_padding=config.data.crop_padding,
-      random_flip=config.data.random_flip, resolution_schedule=phases)
-  eval_batches = data_lib.EvalBatches(eval_source, config.data.eval_batch_size, jax.process_index(),
-                                      jax.process_count(), info.image_shape[0] if jpeg else None)
+    train_source,
+    config.global_batch_size,
+    config.num_epochs,
+    config.seed,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+    crop_padding=config.data.crop_padding,
+    random_flip=config.data.random_flip,
+    resolution_schedule=phases,
+  )
+  eval_batches = data_lib.EvalBatches(
+    eval_source,
+    config.data.eval_batch_size,
+    jax.process_index(),
+    jax.process_count(),
+    info.image_shape[0] if jpeg else None,
+  )
   return train_batches, eval_batches, info
 
 
-def restore(checkpointer: checkpoint_lib.Checkpointer, state: step_lib.TrainState, config: dict[str, Any],
-            plan: schedules.EpochPlan) -> tuple[int, step_lib.TrainState]:
+def restore(
+  checkpointer: checkpoint_lib.Checkpointer,
+  state: step_lib.TrainState,
+  config: dict[str, Any],
+  plan: schedules.EpochPlan,
+) -> tuple[int, step_lib.TrainState]:
   """(step, state) of the newest checkpoint that restores, or (0, ``state``) when there is none."""
   try:
     restored = checkpointer.restore_latest(checkpoint_lib.abstract(state), config)
@@ -167,58 +213,104 @@ def restore(checkpointer: checkpoint_lib.Checkpointer, state: step_lib.TrainStat
   return step, state
 
 
-def tune_input(config: ml_collections.ConfigDict, train_batches: data_lib.TrainBatches, start_step: int,
-               steps: CompiledSteps) -> tuple[int, int]:
-  """(grain workers, host prefetch depth): the config's, or for -1 measured on this machine in bounded time
-  with the batches the run will read; the batches buffered ahead may take a quarter of the free memory
-  at the largest batch shape."""
+def tune_input(
+  config: ml_collections.ConfigDict, train_batches: data_lib.TrainBatches, start_step: int, steps: CompiledSteps
+) -> dict[str, int]:
+  """Grain's settings for the run, ``{read_threads, workers, buffer}``: the config's worker count and prefetch
+  depth, or for -1 measured on this machine in bounded time with the batches the run will read; the
+  batches buffered ahead may take a quarter of the free memory at the largest batch shape."""
   read_threads = config.data.read_threads
   largest = max(math.prod(steps.batch_shape_at(s)) for s in train_batches.plan.first_steps[:-1])
   workers, depth = autotune.best_input_settings(
-      lambda w, d: train_batches.iterator(start_step, read_threads=read_threads, buffer=d, workers=w),
-      config.data.num_workers, config.data.host_prefetch, read_threads,
-      batch_bytes=largest // jax.process_count(), memory_budget=autotune.free_memory_bytes() // 4)
+    lambda w, d: train_batches.iterator(start_step, read_threads=read_threads, buffer=d, workers=w),
+    config.data.num_workers,
+    config.data.host_prefetch,
+    read_threads,
+    batch_bytes=largest // jax.process_count(),
+    memory_budget=autotune.free_memory_bytes() // 4,
+  )
   if workers and config.data.cache == "memory":
-    logging.warning("data.cache=memory with %d grain worker process(es): the workers read the cache file "
-                    "through the OS page cache; set data.num_workers=0 to read from this process's memory", workers)
-  return workers, depth
+    logging.warning(
+      "data.cache=memory with %d grain worker process(es): the workers read the cache file "
+      "through the OS page cache; set data.num_workers=0 to read from this process's memory",
+      workers,
+    )
+  return {"read_threads": read_threads, "workers": workers, "buffer": depth}
 
 
-def run_summary(config: ml_collections.ConfigDict, final: dict[str, Any], records: list[dict[str, Any]], step: int,
-                plan: schedules.EpochPlan, start_step: int, mesh: jax.sharding.Mesh, state: step_lib.TrainState,
-                comm_bytes, checkpoint_seconds: float, loop_seconds: float, nonfinite_steps: int,
-                wall_seconds: float) -> dict[str, Any]:
-  """summary.json: the final metrics, the run's facts and the resolved config."""
+def run_summary(
+  config: ml_collections.ConfigDict,
+  final: dict[str, Any],
+  records: list[dict[str, Any]],
+  plan: schedules.EpochPlan,
+  mesh: jax.sharding.Mesh,
+  loop: LoopResult,
+  start_step: int,
+  nonfinite_steps: int,
+  checkpoint_seconds: float,
+  wall_start: float,
+) -> dict[str, Any]:
+  """summary.json: the final metrics, the run's facts and the resolved config; logs a one-line report."""
   nodes, local = mesh.devices.shape
-  return {
-      "final_eval_top1": final["eval_top1"],
-      "final_eval_top5": final["eval_top5"],
-      "final_train_loss": final["train_loss"],
-      "wall_seconds": wall_seconds,
-      "steps": step,
-      "epochs": plan.epochs_done(step),
-      "num_params": sum(p.size for p in jax.tree.leaves(state.params)),
-      "mesh": {"nodes": nodes, "local": local, "processes": jax.process_count(),
-               "platform": mesh.devices.flat[0].platform},
-      "images_per_sec_mean": float(np.mean([r["images_per_sec"] for r in records])) if records else None,
-      "nonfinite_steps": nonfinite_steps,
-      "resumed_from_step": start_step,
-      "checkpoint_blocking_seconds": checkpoint_seconds,
-      "checkpoint_overhead_fraction": checkpoint_seconds / loop_seconds if loop_seconds else 0.0,
-      "inter_node_bytes_per_step": comm_bytes.inter_node,
-      "intra_node_bytes_per_step": comm_bytes.intra_node,
-      "config": json.loads(config.to_json_best_effort()),
+  summary = {
+    "final_eval_top1": final["eval_top1"],
+    "final_eval_top5": final["eval_top5"],
+    "final_train_loss": final["train_loss"],
+    "wall_seconds": time.time() - wall_start,
+    "steps": loop.step,
+    "epochs": plan.epochs_done(loop.step),
+    "num_params": sum(p.size for p in jax.tree.leaves(loop.state.params)),
+    "mesh": {
+      "nodes": nodes,
+      "local": local,
+      "processes": jax.process_count(),
+      "platform": mesh.devices.flat[0].platform,
+    },
+    "images_per_sec_mean": float(np.mean([r["images_per_sec"] for r in records])) if records else None,
+    "nonfinite_steps": nonfinite_steps,
+    "resumed_from_step": start_step,
+    "checkpoint_blocking_seconds": checkpoint_seconds,
+    "checkpoint_overhead_fraction": checkpoint_seconds / loop.seconds if loop.seconds else 0.0,
+    "inter_node_bytes_per_step": final["inter_node_bytes_per_step"],
+    "intra_node_bytes_per_step": final["intra_node_bytes_per_step"],
+    "config": json.loads(config.to_json_best_effort()),
   }
+  logging.info(
+    "done: %d steps in %.1f s, final test top-1 %.2f%%, top-5 %.2f%%",
+    loop.step,
+    summary["wall_seconds"],
+    100 * summary["final_eval_top1"],
+    100 * summary["final_eval_top5"],
+  )
+  return summary
 
 
-def _log_setup(config: ml_collections.ConfigDict, plan: schedules.EpochPlan, state: step_lib.TrainState,
-               total_steps: int, num_train: int, num_eval: int) -> None:
-  steps_per_epoch = (plan.steps_per_epoch[0] if plan.uniform
-                     else "/".join(map(str, sorted(set(plan.steps_per_epoch)))))
-  logging.info("data %s: %d train / %d eval examples, %s steps per epoch, %d steps in all",
-               config.data.dataset, num_train, num_eval, steps_per_epoch, total_steps)
-  peaks = " / ".join(f"{schedules.peak_learning_rate(config.optimizer, b):.4g} (batch {b})"
-                     for b in dict.fromkeys(plan.batch_sizes))
-  logging.info("model %s: %s parameters; optimizer %s, peak lr %s; comm %s, fusion %s", config.model.name,
-               f"{sum(p.size for p in jax.tree.leaves(state.params)):,}", config.optimizer.name, peaks,
-               config.comm.strategy, config.comm.fusion)
+def _log_setup(
+  config: ml_collections.ConfigDict,
+  plan: schedules.EpochPlan,
+  state: step_lib.TrainState,
+  total_steps: int,
+  num_train: int,
+  num_eval: int,
+) -> None:
+  steps_per_epoch = plan.steps_per_epoch[0] if plan.uniform else "/".join(map(str, sorted(set(plan.steps_per_epoch))))
+  logging.info(
+    "data %s: %d train / %d eval examples, %s steps per epoch, %d steps in all",
+    config.data.dataset,
+    num_train,
+    num_eval,
+    steps_per_epoch,
+    total_steps,
+  )
+  peaks = " / ".join(
+    f"{schedules.peak_learning_rate(config.optimizer, b):.4g} (batch {b})" for b in dict.fromkeys(plan.batch_sizes)
+  )
+  logging.info(
+    "model %s: %s parameters; optimizer %s, peak lr %s; comm %s, fusion %s",
+    config.model.name,
+    f"{sum(p.size for p in jax.tree.leaves(state.params)):,}",
+    config.optimizer.name,
+    peaks,
+    config.comm.strategy,
+    config.comm.fusion,
+  )

@@ -14,7 +14,8 @@ The loop that drives these steps is ``train_lib.py``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -24,7 +25,8 @@ import numpy as np
 import optax
 from jax import lax
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from light_jax import data as data_lib
 from light_jax import optim
@@ -56,25 +58,43 @@ class TrainState:
 
 
 # Partition specs of TrainState, as a pytree prefix usable by shard_map and NamedSharding.
-STATE_SPECS = TrainState(step=P(), params=P(), batch_stats=P(), opt_state=P(), comm_state=P(NODE, LOCAL),
-                         nonfinite_steps=P(), loss_sum=P(NODE, LOCAL), loss_count=P(NODE, LOCAL))
+STATE_SPECS = TrainState(
+  step=P(),
+  params=P(),
+  batch_stats=P(),
+  opt_state=P(),
+  comm_state=P(NODE, LOCAL),
+  nonfinite_steps=P(),
+  loss_sum=P(NODE, LOCAL),
+  loss_count=P(NODE, LOCAL),
+)
 
 
-def create_train_state(model: nn.Module, tx: optax.GradientTransformation,
-                       reducer: GradientReducer, image_shape: tuple[int, ...],
-                       mesh: jax.sharding.Mesh, seed: int) -> TrainState:
+def create_train_state(
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  reducer: GradientReducer,
+  image_shape: tuple[int, ...],
+  mesh: jax.sharding.Mesh,
+  seed: int,
+) -> TrainState:
   """Initialises parameters and optimizer state directly on the mesh (replicated)."""
 
   def init():
     variables = model.init(jax.random.key(seed), jnp.zeros((1, *image_shape), jnp.float32), train=False)
     params = variables["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=variables.get("batch_stats", {}),
-                      opt_state=tx.init(params), comm_state=reducer.init_state(params),
-                      nonfinite_steps=jnp.zeros((), jnp.int32), loss_sum=jnp.zeros(mesh.devices.shape),
-                      loss_count=jnp.zeros(mesh.devices.shape, jnp.int32))
+    return TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      batch_stats=variables.get("batch_stats", {}),
+      opt_state=tx.init(params),
+      comm_state=reducer.init_state(params),
+      nonfinite_steps=jnp.zeros((), jnp.int32),
+      loss_sum=jnp.zeros(mesh.devices.shape),
+      loss_count=jnp.zeros(mesh.devices.shape, jnp.int32),
+    )
 
-  shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS,
-                           is_leaf=lambda x: isinstance(x, P))
+  shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS, is_leaf=lambda x: isinstance(x, P))
   return jax.jit(init, out_shardings=shardings)()
 
 
@@ -83,10 +103,16 @@ def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]
   return (images.astype(jnp.float32) - jnp.asarray(mean)) / jnp.asarray(std)
 
 
-def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
-                    reducer: GradientReducer, mesh: jax.sharding.Mesh,
-                    info: data_lib.DatasetInfo, label_smoothing: float, inject_nan_at_step: int = -1,
-                    epoch_first_steps: tuple[int, ...] = ()) -> Callable:
+def make_train_step(
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  reducer: GradientReducer,
+  mesh: jax.sharding.Mesh,
+  info: data_lib.DatasetInfo,
+  label_smoothing: float,
+  inject_nan_at_step: int = -1,
+  epoch_first_steps: tuple[int, ...] = (),
+) -> Callable:
   """Returns ``step(state, images, labels) -> (state, per_device_loss)``, jitted, donating ``state``.
 
   ``images`` (uint8) and ``labels`` are global arrays sharded over (node, local) on their first dim.
@@ -104,8 +130,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
     x = normalize(images, info.mean, info.std)
 
     def loss_fn(params):
-      logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, x, train=True,
-                                    mutable=["batch_stats"])
+      logits, updates = model.apply(
+        {"params": params, "batch_stats": state.batch_stats}, x, train=True, mutable=["batch_stats"]
+      )
       loss = optim.cross_entropy(logits, labels, info.num_classes, label_smoothing)
       if inject_nan_at_step >= 0:
         loss = loss * jnp.where(state.step == inject_nan_at_step, jnp.nan, 1.0)
@@ -117,22 +144,36 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
     grads, comm_state = reducer.reduce(local_grads, state.comm_state)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     # The reduced gradient is identical on every device, so every device takes the same decision.
-    finite = jnp.logical_and(lax.pmin(jnp.isfinite(loss).astype(jnp.int32), AXES) > 0,
-                             jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])))
+    finite = jnp.logical_and(
+      lax.pmin(jnp.isfinite(loss).astype(jnp.int32), AXES) > 0,
+      jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])),
+    )
     updated = (optax.apply_updates(state.params, updates), lax.pmean(batch_stats, AXES), opt_state, comm_state)
     kept = (state.params, state.batch_stats, state.opt_state, state.comm_state)
-    params, batch_stats, opt_state, comm_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, kept)
+    params, batch_stats, opt_state, comm_state = jax.tree.map(
+      lambda new, old: jnp.where(finite, new, old), updated, kept
+    )
     new_epoch = jnp.isin(state.step, jnp.asarray(epoch_first_steps, jnp.int32)) if epoch_first_steps else False
     loss_ok = jnp.isfinite(loss)
     new_state = state.replace(
-        step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state, comm_state=comm_state,
-        nonfinite_steps=state.nonfinite_steps + (1 - finite.astype(jnp.int32)),
-        loss_sum=jnp.where(new_epoch, 0.0, state.loss_sum) + jnp.where(loss_ok, loss, 0.0),
-        loss_count=jnp.where(new_epoch, 0, state.loss_count) + loss_ok.astype(jnp.int32))
+      step=state.step + 1,
+      params=params,
+      batch_stats=batch_stats,
+      opt_state=opt_state,
+      comm_state=comm_state,
+      nonfinite_steps=state.nonfinite_steps + (1 - finite.astype(jnp.int32)),
+      loss_sum=jnp.where(new_epoch, 0.0, state.loss_sum) + jnp.where(loss_ok, loss, 0.0),
+      loss_count=jnp.where(new_epoch, 0, state.loss_count) + loss_ok.astype(jnp.int32),
+    )
     return new_state, loss[None]
 
-  sharded = jax.shard_map(device_step, mesh=mesh, in_specs=(STATE_SPECS, BATCH_SPEC, BATCH_SPEC),
-                          out_specs=(STATE_SPECS, BATCH_SPEC), check_vma=False)
+  sharded = jax.shard_map(
+    device_step,
+    mesh=mesh,
+    in_specs=(STATE_SPECS, BATCH_SPEC, BATCH_SPEC),
+    out_specs=(STATE_SPECS, BATCH_SPEC),
+    check_vma=False,
+  )
   return jax.jit(sharded, donate_argnums=0)
 
 
@@ -143,31 +184,44 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.Dat
   """
 
   def device_eval(state: TrainState, images, labels, mask):
-    logits = model.apply({"params": state.params, "batch_stats": state.batch_stats},
-                         normalize(images, info.mean, info.std), train=False)
+    logits = model.apply(
+      {"params": state.params, "batch_stats": state.batch_stats}, normalize(images, info.mean, info.std), train=False
+    )
     top5 = lax.top_k(logits, min(5, info.num_classes))[1]
     hits = top5 == labels[:, None]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     sums = {"top1": hits[:, 0], "top5": hits.any(axis=1), "loss": loss, "count": jnp.ones_like(loss)}
     return {k: lax.psum(jnp.sum(v * mask), AXES) for k, v in sums.items()}
 
-  sharded = jax.shard_map(device_eval, mesh=mesh, in_specs=(STATE_SPECS, BATCH_SPEC, BATCH_SPEC, BATCH_SPEC),
-                          out_specs=P(), check_vma=False)
+  sharded = jax.shard_map(
+    device_eval, mesh=mesh, in_specs=(STATE_SPECS, BATCH_SPEC, BATCH_SPEC, BATCH_SPEC), out_specs=P(), check_vma=False
+  )
   return jax.jit(sharded)
 
 
-def evaluate(eval_step: Callable, state: TrainState, batches: data_lib.EvalBatches,
-             sharding: NamedSharding, read_threads: int = 1, workers: int = 0, host_prefetch: int = 4) -> dict[str, float]:
-  """Top-1, top-5 and mean loss over the whole split."""
+def evaluate(
+  eval_step: Callable,
+  state: TrainState,
+  batches: data_lib.EvalBatches,
+  sharding: NamedSharding,
+  read_threads: int = 1,
+  workers: int = 0,
+  buffer: int = 4,
+) -> dict[str, float]:
+  """Top-1, top-5 and mean loss over the whole split (``read_threads``, ``workers``, ``buffer``: grain's)."""
   totals = None
-  host_batches = batches.iterator(read_threads, buffer=host_prefetch, workers=workers)
+  host_batches = batches.iterator(read_threads, buffer=buffer, workers=workers)
   for batch in data_lib.DevicePrefetcher(host_batches, sharding):
     sums = eval_step(state, batch["images"], batch["labels"], batch["mask"])
     totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
   totals = jax.device_get(totals)
   count = float(totals["count"])
-  return {"eval_top1": float(totals["top1"]) / count, "eval_top5": float(totals["top5"]) / count,
-          "eval_loss": float(totals["loss"]) / count, "eval_examples": int(count)}
+  return {
+    "eval_top1": float(totals["top1"]) / count,
+    "eval_top5": float(totals["top5"]) / count,
+    "eval_loss": float(totals["loss"]) / count,
+    "eval_examples": int(count),
+  }
 
 
 def epoch_mean_loss(state: TrainState) -> float:

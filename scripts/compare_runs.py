@@ -1,6 +1,7 @@
 """Plot several runs' curves in one figure and print their final accuracies.
 
-  python scripts/compare_runs.py --out docs/hitopk_vs_dense.png hierarchical=runs/fashion_mnist hitopk=runs/fashion_mnist_hitopk
+python scripts/compare_runs.py --out docs/hitopk_vs_dense.png \
+    hierarchical=runs/fashion_mnist hitopk=runs/fashion_mnist_hitopk
 """
 
 import argparse
@@ -27,10 +28,22 @@ def main():
   finals = {label: records[-1] for label, records in runs.items()}
   print(f"{'run':<16}{'epochs':>8}{'test top-1':>12}{'test top-5':>12}{'inter-node B/step':>20}")
   for label, r in finals.items():
-    print(f"{label:<16}{r['epoch']:>8.2f}{100 * r['eval_top1']:>11.2f}%{100 * r['eval_top5']:>11.2f}%"
-          f"{r['inter_node_bytes_per_step']:>20,}")
-  print(json.dumps({label: {"eval_top1": r["eval_top1"], "eval_top5": r["eval_top5"],
-                            "inter_node_bytes_per_step": r["inter_node_bytes_per_step"]} for label, r in finals.items()}))
+    print(
+      f"{label:<16}{r['epoch']:>8.2f}{100 * r['eval_top1']:>11.2f}%{100 * r['eval_top5']:>11.2f}%"
+      f"{r['inter_node_bytes_per_step']:>20,}"
+    )
+  print(
+    json.dumps(
+      {
+        label: {
+          "eval_top1": r["eval_top1"],
+          "eval_top5": r["eval_top5"],
+          "inter_node_bytes_per_step": r["inter_node_bytes_per_step"],
+        }
+        for label, r in finals.items()
+      }
+    )
+  )
 
 
 if __name__ == "__main__":

@@ -30,15 +30,18 @@ def main():
   args = parser.parse_args()
   logging.set_verbosity(logging.INFO)
   try:
-    info = records.convert_image_folder(os.path.expanduser(args.folder), os.path.expanduser(args.out),
-                                        tuple(args.splits.split(",")))
+    info = records.convert_image_folder(
+      os.path.expanduser(args.folder), os.path.expanduser(args.out), tuple(args.splits.split(","))
+    )
   except DataError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   print(f"{len(info['classes'])} classes -> {args.out}")
   for split, counts in info["splits"].items():
-    print(f"  {split:<6} {counts['examples']:>9,} images, {len(counts['skipped'])} skipped, "
-          f"{len(counts['empty_classes'])} empty classes")
+    print(
+      f"  {split:<6} {counts['examples']:>9,} images, {len(counts['skipped'])} skipped, "
+      f"{len(counts['empty_classes'])} empty classes"
+    )
 
 
 if __name__ == "__main__":

@@ -37,13 +37,17 @@ class PrepareError(Exception):
 def check_manual_dir(manual_dir: str) -> None:
   """Fails early, naming every missing tar: TFDS itself would only log a warning and write a dataset without it."""
   if not os.path.isdir(manual_dir):
-    raise PrepareError(f"--manual_dir {manual_dir} is not a directory. It must hold {TRAIN_TAR} and {VAL_TAR} "
-                       "(the ILSVRC2012 train and validation tars from image-net.org, unextracted).")
+    raise PrepareError(
+      f"--manual_dir {manual_dir} is not a directory. It must hold {TRAIN_TAR} and {VAL_TAR} "
+      "(the ILSVRC2012 train and validation tars from image-net.org, unextracted)."
+    )
   missing = [name for name in (TRAIN_TAR, VAL_TAR) if not os.path.isfile(os.path.join(manual_dir, name))]
   if missing:
-    raise PrepareError(f"missing in --manual_dir {manual_dir}: {', '.join(missing)}. It must hold {TRAIN_TAR} "
-                       f"(a tar of 1000 per-class tars nXXXXXXXX.tar) and {VAL_TAR} (50000 flat "
-                       "ILSVRC2012_val_*.JPEG), as downloaded from image-net.org, unextracted.")
+    raise PrepareError(
+      f"missing in --manual_dir {manual_dir}: {', '.join(missing)}. It must hold {TRAIN_TAR} "
+      f"(a tar of 1000 per-class tars nXXXXXXXX.tar) and {VAL_TAR} (50000 flat "
+      "ILSVRC2012_val_*.JPEG), as downloaded from image-net.org, unextracted."
+    )
 
 
 def check_val_names(val_tar: str) -> int:
@@ -61,17 +65,20 @@ def check_val_names(val_tar: str) -> int:
   for name in names:
     match = _VAL_NAME.fullmatch(name)
     if not match:
-      raise PrepareError(f"{val_tar}: unexpected member {name!r}; the validation tar holds only flat "
-                         "ILSVRC2012_val_NNNNNNNN.JPEG files")
+      raise PrepareError(
+        f"{val_tar}: unexpected member {name!r}; the validation tar holds only flat ILSVRC2012_val_NNNNNNNN.JPEG files"
+      )
     numbers.append(int(match.group(1)))
   if not numbers:
     raise PrepareError(f"{val_tar}: holds no images")
   if numbers != list(range(1, len(numbers) + 1)):
     gap = next(i + 1 for i, n in enumerate(numbers) if n != i + 1)
-    raise PrepareError(f"{val_tar}: holds {len(numbers)} images but not "
-                       f"ILSVRC2012_val_00000001..{len(numbers):08d} (first missing or repeated: {gap:08d}). "
-                       "TFDS assigns validation labels by position in the sorted names, so the labels would be "
-                       "wrong; use the complete validation tar.")
+    raise PrepareError(
+      f"{val_tar}: holds {len(numbers)} images but not "
+      f"ILSVRC2012_val_00000001..{len(numbers):08d} (first missing or repeated: {gap:08d}). "
+      "TFDS assigns validation labels by position in the sorted names, so the labels would be "
+      "wrong; use the complete validation tar."
+    )
   return len(numbers)
 
 
@@ -81,8 +88,10 @@ def check_prepare_deps() -> None:
   ``importlib_resources`` is in the same extra: TFDS 4.9.10's builder imports it on Python >= 3.9 without declaring
   it (tensorflow/datasets#11212), and only the preparation path reaches that import.
   """
-  hint = ("TensorFlow is only needed to prepare the dataset (TFDS's imagenet2012 builder writes with it), not to "
-          "train on it. Install the preparation extra: pip install -e '.[prepare]'")
+  hint = (
+    "TensorFlow is only needed to prepare the dataset (TFDS's imagenet2012 builder writes with it), not to "
+    "train on it. Install the preparation extra: pip install -e '.[prepare]'"
+  )
   for module in ("tensorflow", "importlib_resources"):
     if importlib.util.find_spec(module) is None:
       raise PrepareError(f"{module} is not installed. {hint}")
@@ -95,13 +104,14 @@ def check_prepare_deps() -> None:
 def prepare(manual_dir: str, data_dir: str):
   """Runs TFDS's builder; returns it for the summary. Reuses a dataset already prepared in ``data_dir``."""
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+
   builder = tfds.builder(DATASET, data_dir=data_dir, file_format="array_record")
   builder.download_and_prepare(
-      download_dir=os.path.join(data_dir, "downloads"),
-      download_config=tfds.download.DownloadConfig(
-          manual_dir=manual_dir,
-          try_download_gcs=False,  # imagenet2012 is not on the public GCS mirror; don't reach for it.
-      ),
+    download_dir=os.path.join(data_dir, "downloads"),
+    download_config=tfds.download.DownloadConfig(
+      manual_dir=manual_dir,
+      try_download_gcs=False,  # imagenet2012 is not on the public GCS mirror; don't reach for it.
+    ),
   )
   return builder
 
@@ -109,10 +119,14 @@ def prepare(manual_dir: str, data_dir: str):
 def summary(builder, data_dir: str, seconds: float) -> str:
   lines = [f"{DATASET} {builder.version} prepared in {seconds:.0f}s: {builder.data_dir}"]
   for name, split in sorted(builder.info.splits.items()):
-    lines.append(f"  {name:<10} {split.num_examples:>9,d} examples in {split.num_shards} shard(s), "
-                 f"{split.num_bytes / 2**20:,.1f} MiB")
-  lines.append(f"  format: {builder.info.file_format.value}; read with tfds.data_source({DATASET!r}, "
-               f"split=..., data_dir={data_dir!r}, download=False, decoders={{'image': tfds.decode.SkipDecoding()}})")
+    lines.append(
+      f"  {name:<10} {split.num_examples:>9,d} examples in {split.num_shards} shard(s), "
+      f"{split.num_bytes / 2**20:,.1f} MiB"
+    )
+  lines.append(
+    f"  format: {builder.info.file_format.value}; read with tfds.data_source({DATASET!r}, "
+    f"split=..., data_dir={data_dir!r}, download=False, decoders={{'image': tfds.decode.SkipDecoding()}})"
+  )
   return "\n".join(lines)
 
 

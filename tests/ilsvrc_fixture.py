@@ -53,6 +53,7 @@ class Entry(NamedTuple):
 def _read_tfds_text(relative_path: str) -> list[str]:
   """Lines of a text file shipped in tensorflow_datasets (imported lazily: it is only needed to pick names)."""
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+
   return tfds.core.tfds_path(relative_path).read_text().split()
 
 
@@ -121,7 +122,7 @@ def encode_as(kind: str, image: Image.Image, rng: np.random.Generator) -> bytes:
     return _encode(image, "JPEG")
   if kind == "truncated":  # A valid header and the first half of the scan, as from an interrupted download.
     data = _encode(image, "JPEG")
-    return data[:len(data) // 2]
+    return data[: len(data) // 2]
   if kind == "corrupt":  # Not an image at all, under a .JPEG name.
     return rng.integers(0, 256, size=int(rng.integers(500, 2000)), dtype=np.uint8).tobytes()
   if kind == "cmyk":  # 4-component JPEG (PIL writes Adobe-inverted CMYK, as Photoshop does).
@@ -146,8 +147,9 @@ def _tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
   return buffer.getvalue()
 
 
-def make_ilsvrc_tars(manual_dir: str | os.PathLike, synsets: list[str], train_per_class: int, val_count: int,
-                     seed: int = 0) -> dict[str, list[Entry]]:
+def make_ilsvrc_tars(
+  manual_dir: str | os.PathLike, synsets: list[str], train_per_class: int, val_count: int, seed: int = 0
+) -> dict[str, list[Entry]]:
   """Writes ``ILSVRC2012_img_train.tar`` and ``ILSVRC2012_img_val.tar`` into ``manual_dir``.
 
   Train: one per-class tar per synset, in the order given; the last synset's tar is empty (an empty class folder);
@@ -167,9 +169,11 @@ def make_ilsvrc_tars(manual_dir: str | os.PathLike, synsets: list[str], train_pe
     raise ValueError(f"need at least 2 distinct synsets (the last one is the empty class), got {synsets}")
   missing = [s for s in val_synsets(val_count) if s not in synsets]
   if missing:
-    raise ValueError(f"the first {val_count} validation images have synsets {missing} that are not in `synsets`; "
-                     f"TFDS labels validation images by position, so the val tar must hold images 1..{val_count} "
-                     f"and `synsets` must include val_synsets({val_count})")
+    raise ValueError(
+      f"the first {val_count} validation images have synsets {missing} that are not in `synsets`; "
+      f"TFDS labels validation images by position, so the val tar must hold images 1..{val_count} "
+      f"and `synsets` must include val_synsets({val_count})"
+    )
   rng = np.random.default_rng(seed)
   manual_dir = os.fspath(manual_dir)
   os.makedirs(manual_dir, exist_ok=True)

@@ -32,8 +32,15 @@ def bad_files(rng: np.random.Generator, label: int) -> dict[str, bytes]:
 DECODABLE = ("ok", "cmyk", "grey", "png")
 
 
-def make_image_folder(root: str, num_classes: int = 4, train_per_class: int = 12, val_per_class: int = 4,
-                      seed: int = 0, bad: bool = True, empty_class: bool = True) -> dict:
+def make_image_folder(
+  root: str,
+  num_classes: int = 4,
+  train_per_class: int = 12,
+  val_per_class: int = 4,
+  seed: int = 0,
+  bad: bool = True,
+  empty_class: bool = True,
+) -> dict:
   """Writes ``root/{train,val}/class_NN/*.JPEG``; returns {split: [(relative path, label, kind)]} in the
   order the converter reads them (classes sorted, files sorted)."""
   rng = np.random.default_rng(seed)

@@ -26,18 +26,20 @@ def main():
   args = parser.parse_args()
 
   import jax
+
   jax.config.update("jax_num_cpu_devices", 8 // args.num_processes)
   if args.num_processes > 1:
-    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-                               process_id=args.process_id, initialization_timeout=120)
+    jax.distributed.initialize(
+      f"127.0.0.1:{args.port}", num_processes=args.num_processes, process_id=args.process_id, initialization_timeout=120
+    )
   import numpy as np
   import optax
 
   from light_jax import data as data_lib
   from light_jax import train_step as step_lib
   from light_jax.models import create_model
-  from light_jax.parallel import reducer as reducer_lib
   from light_jax.parallel import mesh as mesh_lib
+  from light_jax.parallel import reducer as reducer_lib
   from tests.helpers import info_for, random_source
 
   assert jax.device_count() == 8, jax.devices()
@@ -45,12 +47,21 @@ def main():
   assert mesh.devices.shape == (2, 4)
   source = random_source(32 * args.steps, shape=(16, 16, 1))
   info = info_for(source)
-  batches = data_lib.TrainBatches(source, 32, num_epochs=1, seed=0, process_index=jax.process_index(),
-                                  process_count=jax.process_count(), crop_padding=2, random_flip=True)
+  batches = data_lib.TrainBatches(
+    source,
+    32,
+    num_epochs=1,
+    seed=0,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+    crop_padding=2,
+    random_flip=True,
+  )
   model = create_model("resnet8_small", num_classes=10, width=4)
   tx = optax.sgd(0.1, momentum=0.9)
-  reducer = reducer_lib.make_gradient_reducer(args.strategy, 2, 4, fusion="fixed", bucket_bytes=4096,
-                                              density=args.density, min_compress_elements=64)
+  reducer = reducer_lib.make_gradient_reducer(
+    args.strategy, 2, 4, fusion="fixed", bucket_bytes=4096, density=args.density, min_compress_elements=64
+  )
   state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
   step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
   for batch in data_lib.DevicePrefetcher(batches.iterator(), mesh_lib.batch_sharding(mesh)):
@@ -60,7 +71,9 @@ def main():
   arrays = {jax.tree_util.keystr(k): np.asarray(v.addressable_data(0)) for k, v in leaves}
   # Residuals are per device: gather them all (node-major) to compare with the one-process run.
   for key, residual in state.comm_state.items():
-    arrays[f"residual/{key}"] = np.asarray(jax.jit(lambda r: r, out_shardings=mesh_lib.replicated(mesh))(residual).addressable_data(0))
+    arrays[f"residual/{key}"] = np.asarray(
+      jax.jit(lambda r: r, out_shardings=mesh_lib.replicated(mesh))(residual).addressable_data(0)
+    )
   arrays["__loss"] = np.asarray(jax.device_get(loss.addressable_data(0)))
   if jax.process_index() == 0:
     np.savez(args.out, **arrays)

@@ -26,8 +26,15 @@ from tests.test_train_loop import small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 1024 images / 128 = 8 steps per epoch, 3 epochs = 24 steps; a checkpoint every 4 steps.
-FIELDS = dict(data__train_subset=1024, data__eval_subset=256, num_epochs=3, global_batch_size=128,
-              data__eval_batch_size=128, checkpoint__every_steps=4, log_every_steps=2)
+FIELDS = dict(
+  data__train_subset=1024,
+  data__eval_subset=256,
+  num_epochs=3,
+  global_batch_size=128,
+  data__eval_batch_size=128,
+  checkpoint__every_steps=4,
+  log_every_steps=2,
+)
 # The kill step is drawn once per seed (override with KILL_SEED=n to try others), so a failure reproduces.
 KILL_SEED = int(os.environ.get("KILL_SEED", "0"))
 KILL_AFTER = random.Random(KILL_SEED).choice([4, 8, 12, 16])
@@ -40,10 +47,19 @@ def _config(**fields):
 def _train_py(workdir, **fields):
   """The train.py command line of ``_config(**fields)``: the fields that differ from fashion_mnist.py:hitopk."""
   default, config = fashion_mnist.get_config("hitopk"), _config(**fields)
-  overrides = [f"--config.{section}.{key}={value}" if key else f"--config.{section}={value}"
-               for section, key, value in _differences(default, config)]
-  return [sys.executable, "train.py", "--config", "configs/fashion_mnist.py:hitopk", "--workdir", str(workdir),
-          *overrides]
+  overrides = [
+    f"--config.{section}.{key}={value}" if key else f"--config.{section}={value}"
+    for section, key, value in _differences(default, config)
+  ]
+  return [
+    sys.executable,
+    "train.py",
+    "--config",
+    "configs/fashion_mnist.py:hitopk",
+    "--workdir",
+    str(workdir),
+    *overrides,
+  ]
 
 
 def _differences(default, config):
@@ -55,8 +71,14 @@ def _differences(default, config):
 
 
 def _run_cli(workdir, expect, **fields):
-  result = subprocess.run(_train_py(workdir, **fields), cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                          capture_output=True, text=True, timeout=600)
+  result = subprocess.run(
+    _train_py(workdir, **fields),
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode == expect, result.stderr[-4000:]
   return result.stderr
 
@@ -81,10 +103,10 @@ def _assert_same_run(a, b):
   assert step_a == step_b == 24
   flat_a, flat_b = _flatten(state_a), _flatten(state_b)
   assert flat_a.keys() == flat_b.keys()
-  for key in flat_a:   # bitwise: the CPU computation is deterministic and the data order is a function of the step
+  for key in flat_a:  # bitwise: the CPU computation is deterministic and the data order is a function of the step
     np.testing.assert_array_equal(flat_a[key], flat_b[key], err_msg=key)
   ra, rb = read_metrics(a), read_metrics(b)
-  assert [r["step"] for r in rb] == [r["step"] for r in ra] == [8, 16, 24]   # no duplicates, none missing
+  assert [r["step"] for r in rb] == [r["step"] for r in ra] == [8, 16, 24]  # no duplicates, none missing
   for x, y in zip(ra, rb):
     for key in ("train_loss", "eval_top1", "eval_top5", "eval_loss"):
       assert x[key] == y[key], (x["step"], key, x[key], y[key])
@@ -98,15 +120,21 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_kill9_after_a_checkpoint_then_resume_gives_the_same_run(uninterrupted, tmp_path, caplog):
-  proc = subprocess.Popen(_train_py(tmp_path), cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    _train_py(tmp_path),
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   deadline = time.time() + 300
   while not any(s >= KILL_AFTER for s in _steps(tmp_path)):
     assert proc.poll() is None and time.time() < deadline, f"no checkpoint at step >= {KILL_AFTER} appeared"
     time.sleep(0.05)
   proc.kill()
   proc.communicate()
-  assert proc.returncode == -signal.SIGKILL   # killed, not finished: there is something to resume
+  assert proc.returncode == -signal.SIGKILL  # killed, not finished: there is something to resume
   with caplog.at_level(logging.INFO):
     train_lib.train_and_evaluate(_config(), str(tmp_path))
   assert "resumed from the checkpoint at step" in caplog.text
@@ -116,13 +144,13 @@ def test_kill9_after_a_checkpoint_then_resume_gives_the_same_run(uninterrupted, 
 def test_sigterm_saves_at_that_step_and_the_run_resumes_the_same(uninterrupted, tmp_path, caplog):
   def send_sigterm(info):
     if info.step == 6:
-      os.kill(os.getpid(), signal.SIGTERM)   # caught by the trainer's PreemptionGuard
+      os.kill(os.getpid(), signal.SIGTERM)  # caught by the trainer's PreemptionGuard
 
   with caplog.at_level(logging.WARNING):
     stopped = train_lib.train_and_evaluate(_config(), str(tmp_path), extra_hooks=[(send_sigterm, 1)])
   assert stopped == {"stopped": "preempted", "steps": 6}
   assert "received SIGTERM" in caplog.text
-  assert _steps(tmp_path) == [4, 6]   # the periodic save and the one where it stopped
+  assert _steps(tmp_path) == [4, 6]  # the periodic save and the one where it stopped
   train_lib.train_and_evaluate(_config(), str(tmp_path))
   _assert_same_run(uninterrupted, tmp_path)
 
@@ -152,15 +180,15 @@ def test_incompatible_config_is_refused_with_exit_code_2(tmp_path):
 def test_nan_skip_policy_skips_the_step_and_goes_on(tmp_path):
   summary = train_lib.train_and_evaluate(_config(train__inject_nan_at_step=5, max_steps=10), str(tmp_path))
   assert summary["nonfinite_steps"] == 1 and summary["steps"] == 10
-  assert np.isfinite(summary["final_train_loss"])   # the skipped step's NaN loss is left out of the mean
+  assert np.isfinite(summary["final_train_loss"])  # the skipped step's NaN loss is left out of the mean
   assert summary["final_eval_top1"] > 0.1
 
 
 def test_nan_stop_policy_saves_and_stops_with_exit_code_3(tmp_path):
   err = _run_cli(tmp_path, ExitCode.NONFINITE_STOP, train__inject_nan_at_step=5, train__on_nonfinite="stop")
   assert "stopped: non-finite loss or gradient" in err
-  assert _steps(tmp_path)[-1] == 6               # noticed at the next log point (every 2 steps)
+  assert _steps(tmp_path)[-1] == 6  # noticed at the next log point (every 2 steps)
   _, state = _final_state(tmp_path)
   assert int(state["nonfinite_steps"]) == 1
   assert all(np.isfinite(v).all() for v in _flatten(state["params"]).values())
-  assert not (tmp_path / "summary.json").exists()   # a stopped run has no summary
+  assert not (tmp_path / "summary.json").exists()  # a stopped run has no summary

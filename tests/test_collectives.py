@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from light_jax import optim
 from light_jax.parallel import fusion, strategies
-from light_jax.parallel import reducer as reducer_lib
 from light_jax.parallel import mesh as mesh_lib
+from light_jax.parallel import reducer as reducer_lib
 from tests.helpers import TinyCNN
 
 MESH_SHAPES = [(1, 8), (2, 4), (4, 2), (8, 1)]
@@ -44,10 +45,20 @@ def reduce_on_mesh(reducer, mesh, model, params, images, labels, state=None):
     return reducer.reduce(local, state)
 
   sharding = mesh_lib.batch_sharding(mesh)
-  return jax.jit(jax.shard_map(device_grad, mesh=mesh, in_specs=(P(), per_device, mesh_lib.BATCH_SPEC, mesh_lib.BATCH_SPEC),
-                               out_specs=(P(), per_device), check_vma=False))(
-      params, jax.device_put(state, NamedSharding(mesh, per_device)), jax.device_put(images, sharding),
-      jax.device_put(labels, sharding))
+  return jax.jit(
+    jax.shard_map(
+      device_grad,
+      mesh=mesh,
+      in_specs=(P(), per_device, mesh_lib.BATCH_SPEC, mesh_lib.BATCH_SPEC),
+      out_specs=(P(), per_device),
+      check_vma=False,
+    )
+  )(
+    params,
+    jax.device_put(state, NamedSharding(mesh, per_device)),
+    jax.device_put(images, sharding),
+    jax.device_put(labels, sharding),
+  )
 
 
 @pytest.mark.parametrize("strategy", strategies.NAMES)
@@ -59,7 +70,7 @@ def test_reduced_gradient_equals_whole_batch_gradient(problem, strategy, shape):
   reducer = reducer_lib.make_gradient_reducer(strategy, *shape, density=1.0, min_compress_elements=1)
   reduced, state = reduce_on_mesh(reducer, mesh, model, params, images, labels)
   if strategies.get(strategy).compressed:
-    assert len(state) == len(jax.tree.leaves(params))   # every tensor went through top-k
+    assert len(state) == len(jax.tree.leaves(params))  # every tensor went through top-k
     assert all(float(jnp.abs(r).max()) == 0.0 for r in state.values())  # density 1: nothing left behind
   for ours, ref in zip(jax.tree.leaves(reduced), jax.tree.leaves(reference)):
     assert ours.shape == ref.shape
@@ -75,14 +86,20 @@ def test_allreduce_of_odd_sizes_sums_over_devices(strategy, size):
   """Shapes that do not split evenly over `local` (padding path) still give the exact sum."""
   mesh = mesh_lib.make_mesh(2, 4)
   x = jnp.arange(8 * size, dtype=jnp.float32).reshape(8, size) / 7.0
-  out = jax.jit(jax.shard_map(lambda v: strategies.get(strategy).reduce(v[0]), mesh=mesh,
-                              in_specs=mesh_lib.BATCH_SPEC, out_specs=P(), check_vma=False))(
-      jax.device_put(x, mesh_lib.batch_sharding(mesh)))
+  out = jax.jit(
+    jax.shard_map(
+      lambda v: strategies.get(strategy).reduce(v[0]),
+      mesh=mesh,
+      in_specs=mesh_lib.BATCH_SPEC,
+      out_specs=P(),
+      check_vma=False,
+    )
+  )(jax.device_put(x, mesh_lib.batch_sharding(mesh)))
   np.testing.assert_allclose(np.asarray(out), np.asarray(x).sum(axis=0), rtol=1e-6)
 
 
 def test_byte_accounting_matches_the_ring_formulas():
-  # d = 1,000,000 float32 on N=2 nodes x n=4 devices (light-techniques.md section 1).
+  # d = 1,000,000 float32 on N=2 nodes x n=4 devices (docs/techniques.md section 1).
   d, nodes, local = 1_000_000, 2, 4
   hier = strategies.strategy_bytes("hierarchical", d, 4, nodes, local)
   assert hier.inter_node == 2 * (nodes - 1) * (d // local) * 4 // nodes == 1_000_000
@@ -92,7 +109,9 @@ def test_byte_accounting_matches_the_ring_formulas():
   # Hierarchical sends n times fewer bytes across nodes than the flat ring (here 7x, from 2(P-1)/P).
   assert dense.inter_node / hier.inter_node == 7.0
   # Padding: 10 elements over 4 local devices are sent as 12.
-  assert strategies.strategy_bytes("hierarchical", 10, 4, 1, 4) == strategies.CommBytes(intra_node=2 * 3 * 3 * 4, inter_node=0)
+  assert strategies.strategy_bytes("hierarchical", 10, 4, 1, 4) == strategies.CommBytes(
+    intra_node=2 * 3 * 3 * 4, inter_node=0
+  )
   assert strategies.strategy_bytes("dense", 10, 4, 1, 1) == strategies.CommBytes(0, 0)
 
 
@@ -106,8 +125,8 @@ def test_reducer_bytes_sum_over_tensors(problem):
 def test_fixed_buckets_follow_the_threshold():
   plan = fusion.plan_fixed_buckets
   assert plan([10, 10, 10, 10], 25) == [[0, 1], [2, 3]]
-  assert plan([10, 30, 5, 5, 5], 25) == [[0], [1], [2, 3, 4]]   # an oversized tensor stands alone
-  assert plan([10, 10, 10], 0) == [[0, 1, 2]]                   # 0: one bucket
+  assert plan([10, 30, 5, 5, 5], 25) == [[0], [1], [2, 3, 4]]  # an oversized tensor stands alone
+  assert plan([10, 10, 10], 0) == [[0, 1, 2]]  # 0: one bucket
   assert plan([], 25) == []
 
 
@@ -119,8 +138,9 @@ def test_fused_reduction_equals_unfused(problem, strategy, shape, bucket_bytes):
   mesh = mesh_lib.make_mesh(*shape)
   results = {}
   for mode in ("none", "fixed"):
-    reducer = reducer_lib.make_gradient_reducer(strategy, *shape, fusion=mode, bucket_bytes=bucket_bytes,
-                                                density=1.0, min_compress_elements=1)
+    reducer = reducer_lib.make_gradient_reducer(
+      strategy, *shape, fusion=mode, bucket_bytes=bucket_bytes, density=1.0, min_compress_elements=1
+    )
     if mode == "fixed":
       assert len(reducer.buckets(jax.tree.leaves(params))[1]) == (1 if bucket_bytes == 0 else 3)
     results[mode] = reduce_on_mesh(reducer, mesh, model, params, images, labels)[0]
@@ -130,7 +150,7 @@ def test_fused_reduction_equals_unfused(problem, strategy, shape, bucket_bytes):
 
 
 def test_fusion_cuts_padding_and_counts_bytes_per_bucket():
-  params = {"a": jnp.zeros((5,)), "b": jnp.zeros((3, 3))}   # 5 + 9 = 14 elements
+  params = {"a": jnp.zeros((5,)), "b": jnp.zeros((3, 3))}  # 5 + 9 = 14 elements
   none = reducer_lib.make_gradient_reducer("hierarchical", 2, 4, "none").bytes_per_step(params)
   fixed = reducer_lib.make_gradient_reducer("hierarchical", 2, 4, "fixed").bytes_per_step(params)
   # none: pads 5 -> 8 and 9 -> 12 (shards of 2 and 3); fixed: 14 -> 16 (shard of 4).
@@ -144,16 +164,17 @@ def test_bfloat16_wire_is_close_to_float32_and_halves_dense_bytes(problem, strat
   model, params, images, labels, reference = problem
   mesh = mesh_lib.make_mesh(*shape)
   f32 = reducer_lib.make_gradient_reducer(strategy, *shape, fusion="fixed", density=1.0, min_compress_elements=1)
-  bf16 = reducer_lib.make_gradient_reducer(strategy, *shape, fusion="fixed", density=1.0, min_compress_elements=1,
-                                           wire_dtype="bfloat16")
+  bf16 = reducer_lib.make_gradient_reducer(
+    strategy, *shape, fusion="fixed", density=1.0, min_compress_elements=1, wire_dtype="bfloat16"
+  )
   reduced = reduce_on_mesh(bf16, mesh, model, params, images, labels)[0]
   for ours, ref in zip(jax.tree.leaves(reduced), jax.tree.leaves(reference)):
     assert ours.dtype == jnp.float32
     # bfloat16 keeps 8 bits of mantissa: each summand is off by at most 2^-8 of itself.
-    np.testing.assert_allclose(ours, ref, atol=2 ** -7 * float(np.abs(np.asarray(ref)).max()) + 1e-7)
+    np.testing.assert_allclose(ours, ref, atol=2**-7 * float(np.abs(np.asarray(ref)).max()) + 1e-7)
   wide, narrow = f32.bytes_per_step(params), bf16.bytes_per_step(params)
   assert narrow.intra_node <= wide.intra_node // 2 + 64
-  if strategy != "hitopk":   # hitopk's sparse (value, index) pairs cross nodes in float32 either way
+  if strategy != "hitopk":  # hitopk's sparse (value, index) pairs cross nodes in float32 either way
     assert narrow.inter_node <= wide.inter_node // 2 + 64
   else:
     assert narrow.inter_node == wide.inter_node

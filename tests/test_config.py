@@ -30,11 +30,19 @@ def test_default_configs_validate():
   assert config_lib.validate(imagenet_resnet50.get_config(), 128, num_processes=16) == (16, 8)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"comm__strategy": "ring"}, r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical', 'hitopk', 'topk', 'gtopk'\]"),
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
+    (
+      {"comm__strategy": "ring"},
+      r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical', 'hitopk', 'topk', 'gtopk'\]",
+    ),
     ({"comm__topk_selector": "sort"}, r"comm.topk_selector='sort' is unknown; use one of \['exact', 'mstopk'\]"),
     ({"comm__fusion": "bucketed"}, r"comm.fusion='bucketed' is unknown; use one of \['none', 'fixed', 'adaptive'\]"),
-    ({"comm__fusion": "adaptive", "comm__cost_model": "/nope.json"}, r"comm.cost_model='/nope.json' is neither a preset"),
+    (
+      {"comm__fusion": "adaptive", "comm__cost_model": "/nope.json"},
+      r"comm.cost_model='/nope.json' is neither a preset",
+    ),
     ({"comm__density": 0.0}, r"comm.density=0.0 must be in \(0, 1\]"),
     ({"comm__dtype": "float16"}, r"comm.dtype='float16' is unknown; use one of \['float32', 'bfloat16'\]"),
     ({"optimizer__name": "adam"}, r"optimizer.name='adam' is unknown; use one of \['sgd', 'lars', 'lamb'\]"),
@@ -44,12 +52,16 @@ def test_default_configs_validate():
     ({"data__dataset": "cifar10"}, r"data.dataset='cifar10' is unknown"),
     ({"mesh__nodes": 4}, r"mesh 4 x 4 = 16 devices, but 8 are available"),
     ({"mesh__local": 3, "mesh__nodes": -1}, r"mesh.local=3 does not divide the 8 devices"),
-    ({"global_batch_size": 100}, r"global_batch_size=100 does not divide over 8 devices; use a multiple of 8 \(e.g. 96 or 104\)"),
+    (
+      {"global_batch_size": 100},
+      r"global_batch_size=100 does not divide over 8 devices; use a multiple of 8 \(e.g. 96 or 104\)",
+    ),
     ({"data__eval_batch_size": 4}, r"data.eval_batch_size=4 does not divide over 8 devices"),
     ({"global_batch_size": 0}, r"global_batch_size=0 must be > 0"),
     ({"max_steps": -1}, r"max_steps=-1 must be >= 0"),
     ({"optimizer__label_smoothing": 1.0}, r"label_smoothing=1.0 must be in \[0, 1\)"),
-])
+  ],
+)
 def test_bad_config_gets_one_clear_error(overrides, message):
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.validate(_config(**overrides), 8)
@@ -64,7 +76,9 @@ def test_gtopk_needs_a_power_of_two_device_count():
 
 def _train_py(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  return subprocess.run(
+    [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+  )
 
 
 def test_cli_reports_a_bad_config_without_traceback(tmp_path):
@@ -77,28 +91,43 @@ def test_cli_reports_a_bad_config_without_traceback(tmp_path):
 
 def test_cli_imagenet_without_prepared_data_says_how_to_prepare_it(tmp_path):
   # 8 simulated CPU devices as 1 x 8 stand in for the 16 x 8 GPU mesh.
-  result = _train_py("--config", "configs/imagenet_resnet50.py", "--workdir", str(tmp_path / "run"),
-                     "--config.mesh.nodes=1", "--config.mesh.cpu_devices=8", "--config.global_batch_size=64",
-                     "--config.data.eval_batch_size=64", f"--config.data.data_dir={tmp_path / 'nothing'}")
+  result = _train_py(
+    "--config",
+    "configs/imagenet_resnet50.py",
+    "--workdir",
+    str(tmp_path / "run"),
+    "--config.mesh.nodes=1",
+    "--config.mesh.cpu_devices=8",
+    "--config.global_batch_size=64",
+    "--config.data.eval_batch_size=64",
+    f"--config.data.data_dir={tmp_path / 'nothing'}",
+  )
   assert result.returncode == 2, result.stderr[-2000:]
   assert "error: TFDS dataset 'imagenet2012' (train) not found in" in result.stderr
   assert "python scripts/prepare_imagenet.py --manual_dir" in result.stderr
   assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("overrides,message", [
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
     ({"data__cache": "ssd"}, r"data.cache='ssd' is unknown; use one of \['none', 'disk', 'memory'\]"),
-    ({"data__resolution_schedule": "0-128"},
-     r"data.resolution_schedule='0-128' is not 'first_epoch:size\[:global_batch\],...'"),
+    (
+      {"data__resolution_schedule": "0-128"},
+      r"data.resolution_schedule='0-128' is not 'first_epoch:size\[:global_batch\],...'",
+    ),
     ({"data__resolution_schedule": "3:128"}, r"the first phase must start at epoch 0"),
-    ({"data__resolution_schedule": "0:24:64,1:32:36"},
-     r"the batch 36 in data.resolution_schedule does not divide over 8 devices; use a multiple of 8 \(e.g. 32 or 40\)"),
+    (
+      {"data__resolution_schedule": "0:24:64,1:32:36"},
+      r"the batch 36 in data.resolution_schedule does not divide over 8 devices; use a multiple of 8 \(e.g. 32 or 40\)",
+    ),
     ({"data__resolution_schedule": "0:24,0:32"}, r"two phases start at the same epoch"),
     ({"data__host_prefetch": 0}, r"data.host_prefetch=0 must be -1 \(measure at start-up\) or >= 1"),
     ({"data__num_workers": -2}, r"data.num_workers=-2 must be -1 \(measure at start-up\) or >= 0"),
     ({"data__random_scale_min": 0.0}, r"data.random_scale_min=0.0 must be in \(0, 1\]"),
     ({"data__image_size": 0}, r"data.image_size=0 must be > 0"),
-])
+  ],
+)
 def test_bad_image_data_config_gets_one_clear_error(overrides, message):
   config = imagenet_resnet50.get_config("tiny")
   for key, value in overrides.items():

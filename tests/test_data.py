@@ -16,7 +16,7 @@ def test_pad_crop_flip_matches_a_per_image_loop():
   out = pad_crop_flip(images, offsets, flips, padding=2)
   for i in range(6):
     padded = np.pad(images[i], ((2, 2), (2, 2), (0, 0)))
-    crop = padded[offsets[i, 0]:offsets[i, 0] + 5, offsets[i, 1]:offsets[i, 1] + 7]
+    crop = padded[offsets[i, 0] : offsets[i, 0] + 5, offsets[i, 1] : offsets[i, 1] + 7]
     np.testing.assert_array_equal(out[i], crop[:, ::-1] if flips[i] else crop)
 
 
@@ -27,8 +27,10 @@ def _all_batches(batches, start=0):
 def test_train_batches_are_the_same_for_any_process_count():
   source = random_source(200)
   one = TrainBatches(source, 32, num_epochs=2, seed=3, crop_padding=2, random_flip=True)
-  halves = [TrainBatches(source, 32, num_epochs=2, seed=3, process_index=p, process_count=2, crop_padding=2,
-                         random_flip=True) for p in range(2)]
+  halves = [
+    TrainBatches(source, 32, num_epochs=2, seed=3, process_index=p, process_count=2, crop_padding=2, random_flip=True)
+    for p in range(2)
+  ]
   assert one.num_steps == 12 == halves[0].num_steps
   for step, (whole, a, b) in enumerate(zip(_all_batches(one), _all_batches(halves[0]), _all_batches(halves[1]))):
     for key in ("images", "labels"):
@@ -40,7 +42,7 @@ def test_each_epoch_is_a_new_permutation_without_repeats():
   source = random_source(n)
   source = type(source)(source.images, np.arange(n, dtype=np.int32))  # label = example index
   batches = _all_batches(TrainBatches(source, 16, num_epochs=3, seed=0))
-  epochs = [np.concatenate([b["labels"] for b in batches[e * 4:(e + 1) * 4]]) for e in range(3)]
+  epochs = [np.concatenate([b["labels"] for b in batches[e * 4 : (e + 1) * 4]]) for e in range(3)]
   for e in epochs:
     assert sorted(e) == list(range(n))
   assert not np.array_equal(epochs[0], epochs[1])
@@ -99,7 +101,9 @@ def test_autotune_finds_the_prefetch_depth_that_keeps_the_read_threads_busy():
   """grain keeps at most min(read_threads, depth) batches in flight: with 4 threads on batches that
   take 20 ms each (sleeping, like I/O), depths 1 and 2 are 4x and 2x slower than 4."""
   import time as time_lib
+
   import grain
+
   from light_jax.data import autotune, pipeline
 
   def slow_batch(i):
@@ -109,13 +113,23 @@ def test_autotune_finds_the_prefetch_depth_that_keeps_the_read_threads_busy():
   dataset = grain.MapDataset.range(100_000).map(slow_batch)
   assert autotune.prefetch_candidates(4) == [1, 2, 4, 8]
   workers, depth = autotune.best_input_settings(
-      lambda w, d: pipeline._iterate(dataset, read_threads=4, buffer=d, workers=w), workers=0, prefetch=-1,
-      read_threads=4, seconds_each=0.6)
-  assert workers == 0 and depth in (4, 8)   # 8 may measure a hair faster: threads never wait for work
+    lambda w, d: pipeline._iterate(dataset, read_threads=4, buffer=d, workers=w),
+    workers=0,
+    prefetch=-1,
+    read_threads=4,
+    seconds_each=0.6,
+  )
+  assert workers == 0 and depth in (4, 8)  # 8 may measure a hair faster: threads never wait for work
   # A memory budget of two batches caps the depth at 2.
   _, capped = autotune.best_input_settings(
-      lambda w, d: pipeline._iterate(dataset, read_threads=4, buffer=d, workers=w), workers=0, prefetch=-1,
-      read_threads=4, seconds_each=0.6, batch_bytes=1000, memory_budget=2000)
+    lambda w, d: pipeline._iterate(dataset, read_threads=4, buffer=d, workers=w),
+    workers=0,
+    prefetch=-1,
+    read_threads=4,
+    seconds_each=0.6,
+    batch_bytes=1000,
+    memory_budget=2000,
+  )
   assert capped == 2
   # Pinned values are kept without measuring.
   assert autotune.best_input_settings(lambda w, d: iter(()), workers=3, prefetch=5, read_threads=4) == (3, 5)

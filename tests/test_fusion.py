@@ -47,8 +47,8 @@ def test_profile_gives_backward_order_and_flops():
   profile = fusion.profile_parameters(model, (28, 28, 1))
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(profile.params)]
   backward = [paths[i] for i in profile.order]
-  assert backward[0].startswith("['Dense_0']")            # the head's gradient is ready first
-  assert backward[-1] == "['conv_init']['kernel']"          # the stem's last
+  assert backward[0].startswith("['Dense_0']")  # the head's gradient is ready first
+  assert backward[-1] == "['conv_init']['kernel']"  # the stem's last
   assert sorted(profile.order) == list(range(len(paths)))
   flops = dict(zip(paths, profile.backward_flops))
   # conv_init: 3x3x1x4 kernel at 28x28 output positions, x 4 (forward 2, backward 2 x forward... x 2).
@@ -79,12 +79,20 @@ def test_adaptive_reduction_equals_reference():
   order, buckets = adaptive.buckets(leaves)
   assert order == list(profile.order) and sorted(i for b in buckets for i in b) == list(range(len(leaves)))
   from jax.sharding import PartitionSpec as P
+
   from light_jax.parallel import mesh as mesh_lib
+
   mesh = mesh_lib.make_mesh(2, 4)
   grads = jax.tree.map(lambda s: jax.random.normal(jax.random.key(s.size), (8, *s.shape)), profile.params)
-  out = jax.jit(jax.shard_map(lambda g: adaptive.reduce(jax.tree.map(lambda x: x[0], g), {})[0], mesh=mesh,
-                              in_specs=mesh_lib.BATCH_SPEC, out_specs=P(), check_vma=False))(
-      jax.device_put(grads, mesh_lib.batch_sharding(mesh)))
+  out = jax.jit(
+    jax.shard_map(
+      lambda g: adaptive.reduce(jax.tree.map(lambda x: x[0], g), {})[0],
+      mesh=mesh,
+      in_specs=mesh_lib.BATCH_SPEC,
+      out_specs=P(),
+      check_vma=False,
+    )
+  )(jax.device_put(grads, mesh_lib.batch_sharding(mesh)))
   for got, g in zip(jax.tree.leaves(out), jax.tree.leaves(grads)):
     np.testing.assert_allclose(got, np.asarray(g).mean(axis=0), atol=1e-5)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from light_jax.data import DataError, ImageSource, TrainBatches, EvalBatches, records, transforms
+from light_jax.data import DataError, EvalBatches, ImageSource, TrainBatches, records, transforms
 from tests.image_folder_fixture import DECODABLE, bad_files, class_image, jpeg_bytes, make_image_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,7 +32,7 @@ def test_image_folder_conversion_keeps_labels_and_reports_bad_files(folder):
     assert sorted(info["splits"][split]["skipped"]) == ["class_01/bad_corrupt.JPEG", "class_01/bad_truncated.JPEG"]
     assert info["splits"][split]["empty_classes"] == ["class_zz_empty"]
     source = records.FolderRecords(folder["dir"], split)
-    assert [(source[i][2], source[i][1]) for i in range(len(source))] == good   # never a wrong label
+    assert [(source[i][2], source[i][1]) for i in range(len(source))] == good  # never a wrong label
 
 
 def test_missing_converted_folder_says_how_to_make_it(tmp_path):
@@ -72,23 +72,32 @@ def test_reduced_size_decoding_matches_full_decoding():
 
 def test_the_jpeg_region_decoder_was_built():
   assert transforms.region_decoding_available(), (
-      "light_jax/data/_jpeg_region.c was not compiled: install gcc and libjpeg-dev, then pip install -e . "
-      "(make does both)")
+    "light_jax/data/_jpeg_region.c was not compiled: install gcc and libjpeg-dev, then pip install -e . "
+    "(make does both)"
+  )
 
 
 def _region_test_jpegs():
   """JPEGs the region decoder must handle like whole-image decoding: 4:2:0 (the usual), 4:4:4, 4:2:2,
   greyscale, progressive, odd sizes, portrait (Pillow's pass order depends on the height), tiny."""
   rng = np.random.default_rng(7)
+
   def encode(image, **options):
     buffer = __import__("io").BytesIO()
     image.save(buffer, "JPEG", quality=90, **options)
     return buffer.getvalue()
+
   picture = class_image(3, rng, 333, 251)
-  return {"420": encode(picture), "444": encode(picture, subsampling=0), "422": encode(picture, subsampling=1),
-          "grey": encode(picture.convert("L")), "progressive": encode(picture, progressive=True),
-          "wide": encode(class_image(1, rng, 640, 97)), "portrait": encode(class_image(5, rng, 375, 500)),
-          "tiny": encode(class_image(2, rng, 17, 9))}
+  return {
+    "420": encode(picture),
+    "444": encode(picture, subsampling=0),
+    "422": encode(picture, subsampling=1),
+    "grey": encode(picture.convert("L")),
+    "progressive": encode(picture, progressive=True),
+    "wide": encode(class_image(1, rng, 640, 97)),
+    "portrait": encode(class_image(5, rng, 375, 500)),
+    "tiny": encode(class_image(2, rng, 17, 9)),
+  }
 
 
 @pytest.mark.parametrize("kind", ["420", "444", "422", "grey", "progressive", "wide", "portrait", "tiny"])
@@ -97,35 +106,47 @@ def test_region_decoding_gives_the_pixels_of_whole_image_decoding(kind):
   boxes at every DCT scale, evaluation boxes and full-size decoding."""
   data = _region_test_jpegs()[kind]
   cases = [(size, seed, reduced) for size in (16, 48, 112, 128, 224) for seed in range(6) for reduced in (True, False)]
-  def outputs(region_decode):   # False: the whole image through simplejpeg
-    train = [transforms.decode_crop_resize(data, size, np.random.default_rng(seed), seed % 2 == 0,
-                                           reduced_decode=reduced, region_decode=region_decode)
-             for size, seed, reduced in cases]
+
+  def outputs(region_decode):  # False: the whole image through simplejpeg
+    train = [
+      transforms.decode_crop_resize(
+        data, size, np.random.default_rng(seed), seed % 2 == 0, reduced_decode=reduced, region_decode=region_decode
+      )
+      for size, seed, reduced in cases
+    ]
     evaluation = [transforms.decode_crop_resize(data, size, region_decode=region_decode) for size in (16, 48, 112, 224)]
     return train + evaluation
+
   for region, whole in zip(outputs(True), outputs(False), strict=True):
     np.testing.assert_array_equal(region, whole)
 
 
 def test_region_decoder_rows_are_the_rows_of_a_full_decode():
   import simplejpeg
+
   from light_jax.data import _jpeg_region
+
   data = _region_test_jpegs()["420"]
   for denominator in (1, 2, 4, 8):
-    full = simplejpeg.decode_jpeg(data, "RGB", fastdct=True, fastupsample=True, min_width=-(-333 // denominator),
-                                  min_height=-(-251 // denominator))
+    full = simplejpeg.decode_jpeg(
+      data, "RGB", fastdct=True, fastupsample=True, min_width=-(-333 // denominator), min_height=-(-251 // denominator)
+    )
     height, width = full.shape[:2]
-    for left, top, right, bottom in [(0, 0, width, height), (3, 5, width // 2, height // 2), (width // 3, 1, width, 7),
-                                     (width - 2, height - 1, width, height)]:
+    for left, top, right, bottom in [
+      (0, 0, width, height),
+      (3, 5, width // 2, height // 2),
+      (width // 3, 1, width, 7),
+      (width - 2, height - 1, width, height),
+    ]:
       rows = np.frombuffer(_jpeg_region.decode_region(data, denominator, left, top, right, bottom), np.uint8)
       rows = rows.reshape(bottom - top, width, 3)
       np.testing.assert_array_equal(rows[:, left:right], full[top:bottom, left:right])
   with pytest.raises(ValueError, match="not inside"):
-    _jpeg_region.decode_region(data, 2, 0, 0, 168, 10)   # 333 / 2 rounds up to 167 columns
+    _jpeg_region.decode_region(data, 2, 0, 0, 168, 10)  # 333 / 2 rounds up to 167 columns
   with pytest.raises(ValueError, match="denominator must be 1, 2, 4 or 8, not 3"):
     _jpeg_region.decode_region(data, 3, 0, 0, 8, 8)
   for kind, bad in bad_files(np.random.default_rng(5), 0).items():
-    if kind in ("cmyk", "truncated", "corrupt", "png"):   # Pillow decides these, or they are refused
+    if kind in ("cmyk", "truncated", "corrupt", "png"):  # Pillow decides these, or they are refused
       with pytest.raises(ValueError, match="libjpeg"):
         _jpeg_region.decode_region(bad, 1, 0, 0, 8, 8)
 
@@ -133,7 +154,7 @@ def test_region_decoder_rows_are_the_rows_of_a_full_decode():
 def test_a_cut_off_jpeg_is_refused_even_when_the_box_lies_above_the_cut():
   """Damage below a box would go unseen by a decoder that stops at the box: a file is bad for every box."""
   data = jpeg_bytes(class_image(4, np.random.default_rng(6), 256, 768))
-  cut = data[:len(data) // 2]   # about the top 384 rows remain
+  cut = data[: len(data) // 2]  # about the top 384 rows remain
   boxes_above_the_cut = 0
   for seed in range(20):
     box = transforms.random_resized_crop_box(256, 768, np.random.default_rng(seed), (0.01, 0.03))
@@ -146,14 +167,16 @@ def test_a_cut_off_jpeg_is_refused_even_when_the_box_lies_above_the_cut():
 def test_bad_records_are_replaced_by_the_next_good_one_with_its_own_label():
   rng = np.random.default_rng(3)
   bad = bad_files(rng, 0)
-  items = [(jpeg_bytes(class_image(0, rng, 50, 40)), 0, "a.JPEG"),
-           (bad["truncated"], 1, "truncated.JPEG"),
-           (bad["corrupt"], 2, "corrupt.JPEG"),
-           (bad["cmyk"], 3, "cmyk.JPEG"),
-           (bad["png"], 4, "png.JPEG")]
+  items = [
+    (jpeg_bytes(class_image(0, rng, 50, 40)), 0, "a.JPEG"),
+    (bad["truncated"], 1, "truncated.JPEG"),
+    (bad["corrupt"], 2, "corrupt.JPEG"),
+    (bad["cmyk"], 3, "cmyk.JPEG"),
+    (bad["png"], 4, "png.JPEG"),
+  ]
   source = ImageSource(records.ListRecords(items), 5, "test")
   labels = [source.train_example(i, np.random.default_rng(i), 16)[1] for i in range(5)]
-  assert labels == [0, 3, 3, 3, 4]       # 1 and 2 are bad: record 3 stands in, with label 3
+  assert labels == [0, 3, 3, 3, 4]  # 1 and 2 are bad: record 3 stands in, with label 3
   assert source.bad_records == {"truncated.JPEG", "corrupt.JPEG"}
   assert source.eval_example(2, 16)[1] == 3
   all_bad = ImageSource(records.ListRecords([(bad["corrupt"], 0, "x")] * 3), 1, "test")
@@ -183,8 +206,10 @@ def test_decoded_cache_gives_the_jpeg_paths_pixels(folder, tmp_path):
     assert np.array_equal(pixels, np.asarray(reference))
     assert min(pixels.shape[:2]) == min(40, min(Image.open(__import__("io").BytesIO(data)).size))
     # ImageSource's cache path gives the crop of the freshly decoded and scaled JPEG.
-    np.testing.assert_array_equal(ImageSource(disk, 5, "cache").eval_example(i, 24)[0],
-                                  transforms.crop_resize(reference, transforms.center_crop_box(*reference.size), 24))
+    np.testing.assert_array_equal(
+      ImageSource(disk, 5, "cache").eval_example(i, 24)[0],
+      transforms.crop_resize(reference, transforms.center_crop_box(*reference.size), 24),
+    )
   # Through ImageSource: same labels as the JPEG path, bad slot replaced the same way.
   cached, direct = ImageSource(disk, 5, "cache"), ImageSource(jpegs, 5, "jpeg")
   assert [cached.eval_example(i, 16)[1] for i in range(8)] == [direct.eval_example(i, 16)[1] for i in range(8)]
@@ -192,8 +217,16 @@ def test_decoded_cache_gives_the_jpeg_paths_pixels(folder, tmp_path):
 
 def _batches(source, process_index=0, process_count=1):
   """Epoch 0: 16 px images in global batches of 16; epoch 1: 24 px in batches of 8."""
-  return TrainBatches(source, 16, 2, seed=7, process_index=process_index, process_count=process_count,
-                      random_flip=True, resolution_schedule=((0, 16), (1, 24, 8)))
+  return TrainBatches(
+    source,
+    16,
+    2,
+    seed=7,
+    process_index=process_index,
+    process_count=process_count,
+    random_flip=True,
+    resolution_schedule=((0, 16), (1, 24, 8)),
+  )
 
 
 def test_batches_are_deterministic_across_threads_workers_and_processes(folder):
@@ -202,7 +235,7 @@ def test_batches_are_deterministic_across_threads_workers_and_processes(folder):
   first_epoch_steps = len(source) // 16
   assert one.plan.steps_per_epoch == [first_epoch_steps, len(source) // 8]
   assert one.num_steps == first_epoch_steps + len(source) // 8 and one.image_size_at(0) == 16
-  assert one.image_size_at(first_epoch_steps) == 24          # progressive resizing: epoch 1 -> 24 px, batch 8
+  assert one.image_size_at(first_epoch_steps) == 24  # progressive resizing: epoch 1 -> 24 px, batch 8
   steps = [0, 1, first_epoch_steps, one.num_steps - 1]
   reference = [one.load(s) for s in steps]
   assert reference[0]["images"].shape == (16, 16, 16, 3) and reference[2]["images"].shape == (8, 24, 24, 3)
@@ -227,7 +260,8 @@ def test_batches_are_deterministic_across_threads_workers_and_processes(folder):
 
 def test_worker_processes_give_the_same_batches(folder):
   from absl import flags
-  if not flags.FLAGS.is_parsed():   # grain's workers read absl flags; train.py parses them in app.run
+
+  if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; train.py parses them in app.run
     flags.FLAGS.mark_as_parsed()
   source = ImageSource(records.FolderRecords(folder["dir"], "train"), 5, "train")
   batches = _batches(source)
@@ -255,21 +289,38 @@ def test_train_py_on_an_image_folder_with_a_disk_cache(folder, tmp_path):
   a batch size each."""
   workdir = tmp_path / "run"
   result = subprocess.run(
-      [sys.executable, "train.py", "--config", "configs/imagenet_resnet50.py:tiny", "--workdir", str(workdir),
-       "--config.data.dataset=image_folder", f"--config.data.data_dir={folder['dir']}",
-       f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.data.resolution_schedule=0:16,1:24:8",
-       "--config.data.image_size=24", "--config.global_batch_size=16", "--config.data.num_workers=-1",
-       "--config.data.host_prefetch=-1", "--config.comm.fusion=adaptive"],
-      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      "train.py",
+      "--config",
+      "configs/imagenet_resnet50.py:tiny",
+      "--workdir",
+      str(workdir),
+      "--config.data.dataset=image_folder",
+      f"--config.data.data_dir={folder['dir']}",
+      f"--config.data.cache_dir={tmp_path / 'cache'}",
+      "--config.data.resolution_schedule=0:16,1:24:8",
+      "--config.data.image_size=24",
+      "--config.global_batch_size=16",
+      "--config.data.num_workers=-1",
+      "--config.data.host_prefetch=-1",
+      "--config.comm.fusion=adaptive",
+    ],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode == 0, result.stderr[-4000:]
   assert "decoded cache: building" in result.stderr
-  assert "every one of the 51 training images is read from" in result.stderr   # 48 + cmyk, grey, png
+  assert "every one of the 51 training images is read from" in result.stderr  # 48 + cmyk, grey, png
   assert "input autotune: using" in result.stderr and "input autotune: using prefetch depth" in result.stderr
-  assert "batch 16x16x16x3" in result.stderr and "batch 8x24x24x3" in result.stderr   # one compile per phase
+  assert "batch 16x16x16x3" in result.stderr and "batch 8x24x24x3" in result.stderr  # one compile per phase
   # MG-WFBP buckets planned for each phase's batch shape (backward time scales with batch and pixels).
   assert "adaptive fusion (MG-WFBP, v100_nvlink_25gbe) for batch 16x16x16x3" in result.stderr
   assert "adaptive fusion (MG-WFBP, v100_nvlink_25gbe) for batch 8x24x24x3" in result.stderr
   metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [(m["epoch"], m["step"]) for m in metrics] == [(1.0, 51 // 16), (2.0, 51 // 16 + 51 // 8)]
-  assert metrics[-1]["eval_examples"] == 4 * 4 + 3          # val: 4 classes x 4 + the 3 decodable bad kinds
+  assert metrics[-1]["eval_examples"] == 4 * 4 + 3  # val: 4 classes x 4 + the 3 decodable bad kinds
   assert 0 <= metrics[-1]["input_wait_fraction"] < 1

@@ -19,8 +19,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.ilsvrc_fixture import (CMYK_FIX_NAME, PNG_FIX_NAME, TRAIN_TAR, VAL_TAR, imagenet_synsets, make_ilsvrc_tars,
-                                  val_filename, val_synsets)
+from tests.ilsvrc_fixture import (
+  CMYK_FIX_NAME,
+  PNG_FIX_NAME,
+  TRAIN_TAR,
+  VAL_TAR,
+  imagenet_synsets,
+  make_ilsvrc_tars,
+  val_filename,
+  val_synsets,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "prepare_imagenet.py")
@@ -38,8 +46,10 @@ def _run_script(*args, python_prelude=None, timeout=300):
   if python_prelude is None:
     cmd = [sys.executable, SCRIPT, *args]
   else:
-    launcher = (f"{python_prelude}; import runpy, sys; sys.argv = {[SCRIPT, *args]!r}; "
-                "runpy.run_path(sys.argv[0], run_name='__main__')")
+    launcher = (
+      f"{python_prelude}; import runpy, sys; sys.argv = {[SCRIPT, *args]!r}; "
+      "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
     cmd = [sys.executable, "-c", launcher]
   return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
@@ -60,7 +70,7 @@ def _tar_files(manual_dir):
 def prepared(tmp_path_factory):
   """One preparation shared by the read-back tests (it costs a TensorFlow start and a TFDS build)."""
   if not HAS_TF:
-    if os.environ.get("CI"):   # make test installs the test extra, which has TensorFlow: never skip there
+    if os.environ.get("CI"):  # make test installs the test extra, which has TensorFlow: never skip there
       pytest.fail("TensorFlow is not installed, but the test extra has it: pip install -e '.[test]'")
     pytest.skip("TensorFlow is not installed (pip install -e '.[prepare]'); preparation needs it")
   manual_dir = tmp_path_factory.mktemp("manual")
@@ -75,9 +85,11 @@ def prepared(tmp_path_factory):
 def records(prepared):
   """{split: {file name: record}} read back with SkipDecoding, checking on the way that TensorFlow stays unloaded."""
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+
   tf_loaded_before = "tensorflow" in sys.modules
-  sources = tfds.data_source("imagenet2012", data_dir=prepared["data_dir"], download=False,
-                             decoders={"image": tfds.decode.SkipDecoding()})
+  sources = tfds.data_source(
+    "imagenet2012", data_dir=prepared["data_dir"], download=False, decoders={"image": tfds.decode.SkipDecoding()}
+  )
   out = {}
   for split, source in sources.items():
     out[split] = {}
@@ -174,8 +186,14 @@ def test_without_tensorflow_says_how_to_install_it(tmp_path):
   """Blocks ``import tensorflow`` in the child (a None entry in sys.modules is Python's way to make a module
   unimportable), so this runs whether or not the prepare extra is installed."""
   make_ilsvrc_tars(tmp_path, SYNSETS, 1, VAL_COUNT)
-  result = _run_script("--manual_dir", str(tmp_path), "--data_dir", str(tmp_path / "out"),
-                       python_prelude="import sys; sys.modules['tensorflow'] = None", timeout=60)
+  result = _run_script(
+    "--manual_dir",
+    str(tmp_path),
+    "--data_dir",
+    str(tmp_path / "out"),
+    python_prelude="import sys; sys.modules['tensorflow'] = None",
+    timeout=60,
+  )
   assert result.returncode != 0
   assert "pip install -e '.[prepare]'" in result.stderr and "TensorFlow" in result.stderr, result.stderr
   assert "Traceback" not in result.stderr, result.stderr
@@ -183,8 +201,10 @@ def test_without_tensorflow_says_how_to_install_it(tmp_path):
 
 # --- The training input on the prepared TFDS data ---------------------------------------------------------------
 
+
 def _data_config(data_dir, **overrides):
   from configs import imagenet_resnet50
+
   config = imagenet_resnet50.get_config("tiny").data
   config.update(dataset="imagenet2012", data_dir=data_dir, cache="none", **overrides)
   return config
@@ -192,6 +212,7 @@ def _data_config(data_dir, **overrides):
 
 def test_pipeline_reads_every_record_with_its_label_and_skips_the_broken_ones(prepared):
   from light_jax import data as data_lib
+
   train, test, info = data_lib.load_dataset(_data_config(prepared["data_dir"]))
   assert info.num_classes == 1000 and len(train) == len(prepared["written"]["train"])
   kinds = {e.filename: e.kind for split in prepared["written"].values() for e in split}
@@ -202,7 +223,7 @@ def test_pipeline_reads_every_record_with_its_label_and_skips_the_broken_ones(pr
       image, label = source.eval_example(i, 32)
       assert image.shape == (32, 32, 3) and image.dtype == np.uint8
       if kinds[name] in ("ok", "cmyk", "grey", "png"):
-        assert label == record_label      # decoded: its own label
+        assert label == record_label  # decoded: its own label
       assert 0 <= label < 1000 and label in synset_labels.values()
   # The two undecodable train files were replaced by their successors, counted and named once each.
   broken = {e.filename for e in prepared["written"]["train"] if e.kind in ("truncated", "corrupt")}
@@ -212,13 +233,30 @@ def test_pipeline_reads_every_record_with_its_label_and_skips_the_broken_ones(pr
 def test_train_py_on_prepared_imagenet(prepared, tmp_path):
   """train.py end to end on TFDS imagenet2012 (the tiny prepared copy) with the decoded memory cache."""
   import json
+
   workdir = tmp_path / "run"
   result = subprocess.run(
-      [sys.executable, "train.py", "--config", "configs/imagenet_resnet50.py:tiny", "--workdir", str(workdir),
-       f"--config.data.data_dir={prepared['data_dir']}", "--config.data.cache=memory",
-       f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.global_batch_size=16",
-       "--config.data.eval_batch_size=8", "--config.data.resolution_schedule=", "--config.data.image_size=24"],
-      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      "train.py",
+      "--config",
+      "configs/imagenet_resnet50.py:tiny",
+      "--workdir",
+      str(workdir),
+      f"--config.data.data_dir={prepared['data_dir']}",
+      "--config.data.cache=memory",
+      f"--config.data.cache_dir={tmp_path / 'cache'}",
+      "--config.global_batch_size=16",
+      "--config.data.eval_batch_size=8",
+      "--config.data.resolution_schedule=",
+      "--config.data.image_size=24",
+    ],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode == 0, result.stderr[-4000:]
   assert "held in memory" in result.stderr
   metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

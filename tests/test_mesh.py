@@ -4,9 +4,17 @@ import pytest
 from light_jax.parallel import mesh as mesh_lib
 
 
-@pytest.mark.parametrize("nodes,local,expected", [
-    (2, 4, (2, 4)), (-1, 4, (2, 4)), (4, -1, (4, 2)), (-1, -1, (1, 8)), (8, 1, (8, 1)), (1, 8, (1, 8)),
-])
+@pytest.mark.parametrize(
+  "nodes,local,expected",
+  [
+    (2, 4, (2, 4)),
+    (-1, 4, (2, 4)),
+    (4, -1, (4, 2)),
+    (-1, -1, (1, 8)),
+    (8, 1, (8, 1)),
+    (1, 8, (1, 8)),
+  ],
+)
 def test_resolve_fills_minus_one(nodes, local, expected):
   assert mesh_lib.resolve_mesh_shape(nodes, local, 8) == expected
 
@@ -15,12 +23,15 @@ def test_resolve_both_fill_makes_a_process_a_node():
   assert mesh_lib.resolve_mesh_shape(-1, -1, 8, num_processes=2) == (2, 4)
 
 
-@pytest.mark.parametrize("nodes,local,message", [
+@pytest.mark.parametrize(
+  "nodes,local,message",
+  [
     (3, 4, "12 devices, but 8 are available"),
     (-1, 3, "mesh.local=3 does not divide the 8 devices"),
     (3, -1, "mesh.nodes=3 does not divide the 8 devices"),
     (0, 8, "positive int or -1"),
-])
+  ],
+)
 def test_resolve_errors_say_what_to_change(nodes, local, message):
   with pytest.raises(mesh_lib.MeshError, match=message):
     mesh_lib.resolve_mesh_shape(nodes, local, 8)

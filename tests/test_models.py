@@ -15,8 +15,10 @@ def test_resnet50_has_the_published_parameter_count():
   assert sum(p.size for p in jax.tree.leaves(variables["params"])) == 25_557_032
 
 
-@pytest.mark.parametrize("name,count", [("resnet18", 11_689_512), ("resnet34", 21_797_672),
-                                        ("resnet101", 44_549_160), ("resnet152", 60_192_808)])
+@pytest.mark.parametrize(
+  "name,count",
+  [("resnet18", 11_689_512), ("resnet34", 21_797_672), ("resnet101", 44_549_160), ("resnet152", 60_192_808)],
+)
 def test_family_parameter_counts_match_torchvision(name, count):
   variables = _params(name, 1000, (1, 224, 224, 3))
   assert sum(p.size for p in jax.tree.leaves(variables["params"])) == count

@@ -31,10 +31,29 @@ def _env():
 
 def _run(num_processes, out, strategy):
   port = _free_port()
-  procs = [subprocess.Popen([sys.executable, WORKER, "--num_processes", str(num_processes), "--process_id", str(i),
-                             "--port", str(port), "--strategy", strategy, "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), text=True)
-           for i in range(num_processes)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        WORKER,
+        "--num_processes",
+        str(num_processes),
+        "--process_id",
+        str(i),
+        "--port",
+        str(port),
+        "--strategy",
+        strategy,
+        "--out",
+        str(out),
+      ],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      env=_env(),
+      text=True,
+    )
+    for i in range(num_processes)
+  ]
   outputs = []
   for p in procs:
     try:
@@ -68,9 +87,20 @@ def test_two_processes_match_one_process(tmp_path, strategy):
 
 def _train_py(workdir, extra, port=None, process_id=None, stdout=subprocess.PIPE):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  args = [sys.executable, "train.py", "--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
-          "--config.data.train_subset=1024", "--config.data.eval_subset=500", "--config.max_steps=6",
-          "--config.global_batch_size=128", "--config.data.eval_batch_size=96", *extra]
+  args = [
+    sys.executable,
+    "train.py",
+    "--config",
+    "configs/fashion_mnist.py",
+    "--workdir",
+    str(workdir),
+    "--config.data.train_subset=1024",
+    "--config.data.eval_subset=500",
+    "--config.max_steps=6",
+    "--config.global_batch_size=128",
+    "--config.data.eval_batch_size=96",
+    *extra,
+  ]
   if port is not None:
     args += [f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={process_id}"]
   return subprocess.Popen(args, cwd=root, env=_env(), stdout=stdout, stderr=subprocess.STDOUT, text=True)
@@ -102,11 +132,24 @@ PEER_TIMEOUT = 6
 def _start_pair(tmp_path, extra_per_process):
   port = _free_port()
   logs = [tmp_path / f"process{i}.log" for i in range(2)]
-  procs = [_train_py(tmp_path / "run", ["--config.mesh.nodes=-1", "--config.mesh.local=-1", "--config.max_steps=0",
-                                        "--config.log_every_steps=1", "--config.num_epochs=1000",
-                                        f"--peer_timeout={PEER_TIMEOUT}",
-                                        *extra_per_process[i]], port, i, stdout=open(logs[i], "w"))
-           for i in range(2)]
+  procs = [
+    _train_py(
+      tmp_path / "run",
+      [
+        "--config.mesh.nodes=-1",
+        "--config.mesh.local=-1",
+        "--config.max_steps=0",
+        "--config.log_every_steps=1",
+        "--config.num_epochs=1000",
+        f"--peer_timeout={PEER_TIMEOUT}",
+        *extra_per_process[i],
+      ],
+      port,
+      i,
+      stdout=open(logs[i], "w"),
+    )
+    for i in range(2)
+  ]
   return procs, logs
 
 
@@ -139,7 +182,7 @@ def _exit_within(proc, bound, log):
 def test_survivor_stops_when_a_process_dies_or_hangs(tmp_path, victim, sig):
   procs, logs = _start_pair(tmp_path, [[], []])
   _wait_for(logs[0], "step compiled", procs)
-  time.sleep(2)   # some steps in, collectives in flight
+  time.sleep(2)  # some steps in, collectives in flight
   procs[victim].send_signal(sig)
   survivor = 1 - victim
   try:
@@ -153,8 +196,11 @@ def test_survivor_stops_when_a_process_dies_or_hangs(tmp_path, victim, sig):
   if sig == signal.SIGKILL:
     # The dead peer's sockets close: a collective in flight fails at once (gloo: connection reset), or,
     # if none notices, the watchdog ends the survivor after peer_timeout.
-    assert ("a collective failed" in out and "another process probably died" in out
-            or "process 1 has given no sign of life" in out), out[-3000:]
+    assert (
+      "a collective failed" in out
+      and "another process probably died" in out
+      or "process 1 has given no sign of life" in out
+    ), out[-3000:]
   else:
     # A stopped peer keeps its sockets open and the collective hangs: the watchdog ends it.
     assert "process 1 has given no sign of life" in out, out[-3000:]

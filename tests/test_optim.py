@@ -6,8 +6,8 @@ import pytest
 
 from configs import fashion_mnist
 from light_jax import optim, schedules
-from light_jax.schedules import EpochPlan, Phase
 from light_jax.models import create_model
+from light_jax.schedules import EpochPlan, Phase
 
 
 def _config(**opt):
@@ -32,9 +32,9 @@ def test_schedule_warms_up_linearly_then_decays_to_the_end_value(decay):
   assert float(schedule(200)) == pytest.approx(peak)
   assert float(schedule(1000)) == pytest.approx(peak * 0.01)
   mid = float(schedule(600))  # halfway through the 800 decay steps
-  if decay == "poly":        # end + (peak - end) * (1 - 1/2)^2
+  if decay == "poly":  # end + (peak - end) * (1 - 1/2)^2
     assert mid == pytest.approx(0.02 + (peak - 0.02) * 0.25)
-  else:                      # end + (peak - end) * (1 + cos(pi/2)) / 2
+  else:  # end + (peak - end) * (1 + cos(pi/2)) / 2
     assert mid == pytest.approx(0.02 + (peak - 0.02) * 0.5)
 
 
@@ -44,10 +44,10 @@ def test_schedule_with_a_batch_per_phase_keeps_its_shape_in_epochs_and_scales_th
   assert plan.steps_per_epoch == [100] * 4 + [200] * 6 and plan.num_steps == 1600
   assert plan.epochs_done(450) == pytest.approx(4.25) and plan.step_at(4.25) == 450
   assert plan.ends_epoch(400) and plan.ends_epoch(600) and not plan.ends_epoch(500)
-  config = _config(decay="poly")   # warm-up 2 epochs, peak 0.5 * batch / 256
+  config = _config(decay="poly")  # warm-up 2 epochs, peak 0.5 * batch / 256
   schedule = schedules.learning_rate_schedule(config.optimizer, plan)
-  assert float(schedule(100)) == pytest.approx(2.0 / 2)            # 1 epoch into the warm-up at batch 1024
-  assert float(schedule(200)) == pytest.approx(2.0)                # peak at batch 1024
+  assert float(schedule(100)) == pytest.approx(2.0 / 2)  # 1 epoch into the warm-up at batch 1024
+  assert float(schedule(200)) == pytest.approx(2.0)  # peak at batch 1024
   # Epoch 7 of 10 (step 400 + 3 * 200): 5/8 through the decay, at the batch-512 peak of 1.0.
   assert float(schedule(1000)) == pytest.approx(1.0 * (0.01 + 0.99 * (1 - 5 / 8) ** 2))
   assert float(schedule(1600)) == pytest.approx(1.0 * 0.01)
@@ -80,7 +80,9 @@ def test_masked_parameters_get_no_weight_decay(name):
 def test_lars_trust_ratio_applies_to_kernels_only():
   params = {"kernel": jnp.full((4, 4), 2.0), "bias": jnp.full((4,), 2.0)}
   grads = {"kernel": jnp.full((4, 4), 0.5), "bias": jnp.full((4,), 0.5)}
-  tx = optim.build_optimizer(_config(name="lars", weight_decay=0.0, momentum=0.0, nesterov=False).optimizer, optax.constant_schedule(1.0))
+  tx = optim.build_optimizer(
+    _config(name="lars", weight_decay=0.0, momentum=0.0, nesterov=False).optimizer, optax.constant_schedule(1.0)
+  )
   updates, _ = tx.update(grads, tx.init(params), params)
   # kernel: eta * ||w|| / ||g|| * g = 0.001 * 8 / 2 * 0.5; bias: plain -lr * g.
   np.testing.assert_allclose(updates["kernel"], -0.001 * 8.0 / 2.0 * 0.5, rtol=1e-6)
@@ -91,4 +93,6 @@ def test_label_smoothing():
   logits = jnp.array([[0.0, 0.0]])
   assert float(optim.cross_entropy(logits, jnp.array([0]), 2, 0.0)) == pytest.approx(np.log(2))
   sharp = jnp.array([[10.0, -10.0]])
-  assert float(optim.cross_entropy(sharp, jnp.array([0]), 2, 0.2)) > float(optim.cross_entropy(sharp, jnp.array([0]), 2, 0.0))
+  assert float(optim.cross_entropy(sharp, jnp.array([0]), 2, 0.2)) > float(
+    optim.cross_entropy(sharp, jnp.array([0]), 2, 0.0)
+  )

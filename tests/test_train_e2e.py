@@ -13,10 +13,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_train_py_short_run_writes_metrics_and_summary(tmp_path):
   workdir = tmp_path / "run"
   result = subprocess.run(
-      [sys.executable, "train.py", "--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
-       "--config.data.train_subset=4096", "--config.data.eval_subset=1000", "--config.num_epochs=2",
-       "--config.global_batch_size=128", "--config.data.eval_batch_size=96", "--config.log_every_steps=8"],
-      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      "train.py",
+      "--config",
+      "configs/fashion_mnist.py",
+      "--workdir",
+      str(workdir),
+      "--config.data.train_subset=4096",
+      "--config.data.eval_subset=1000",
+      "--config.num_epochs=2",
+      "--config.global_batch_size=128",
+      "--config.data.eval_batch_size=96",
+      "--config.log_every_steps=8",
+    ],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode == 0, result.stderr[-4000:]
   assert "mesh node x local = 2 x 4 (8 cpu devices" in result.stderr
   assert "resolved config" in result.stderr
@@ -24,11 +40,19 @@ def test_train_py_short_run_writes_metrics_and_summary(tmp_path):
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == [32, 64]
   assert [r["epoch"] for r in records] == [1.0, 2.0]
-  required = {"step", "epoch", "train_loss", "eval_top1", "eval_top5", "images_per_sec",
-              "inter_node_bytes_per_step", "intra_node_bytes_per_step"}
+  required = {
+    "step",
+    "epoch",
+    "train_loss",
+    "eval_top1",
+    "eval_top5",
+    "images_per_sec",
+    "inter_node_bytes_per_step",
+    "intra_node_bytes_per_step",
+  }
   for r in records:
     assert required <= r.keys()
-    assert r["eval_examples"] == 1000          # 1000 = 10 batches of 96 + a padded one: each counted once
+    assert r["eval_examples"] == 1000  # 1000 = 10 batches of 96 + a padded one: each counted once
     assert 0.0 <= r["eval_top1"] <= r["eval_top5"] <= 1.0
     assert r["images_per_sec"] > 0
     assert r["inter_node_bytes_per_step"] > 0 and r["intra_node_bytes_per_step"] > r["inter_node_bytes_per_step"]

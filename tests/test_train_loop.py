@@ -47,23 +47,33 @@ def test_max_steps_stops_mid_epoch_evaluates_and_writes_the_summary(tmp_path):
   assert summary["steps"] == 5 and summary["final_eval_top1"] == records[0]["eval_top1"]
   assert summary["config"]["comm"]["strategy"] == "dense"
   # dense: one flat psum, so a device sends the same bytes at both levels (2(P-1)/P x 4 bytes x params).
-  assert summary["inter_node_bytes_per_step"] == summary["intra_node_bytes_per_step"] == 2 * 7 * 4 * summary["num_params"] // 8
-  assert sorted(int(s) for s in os.listdir(tmp_path / "checkpoints")) == [5]   # saved at the end
+  assert (
+    summary["inter_node_bytes_per_step"]
+    == summary["intra_node_bytes_per_step"]
+    == 2 * 7 * 4 * summary["num_params"] // 8
+  )
+  assert sorted(int(s) for s in os.listdir(tmp_path / "checkpoints")) == [5]  # saved at the end
 
 
 def test_hitopk_with_adaptive_fusion_mstopk_and_density_warmup(tmp_path, caplog):
-  config = small_config("hitopk", num_epochs=2, global_batch_size=128, comm__fusion="adaptive",
-                        comm__topk_selector="mstopk", comm__density_warmup_epochs=1.0)
+  config = small_config(
+    "hitopk",
+    num_epochs=2,
+    global_batch_size=128,
+    comm__fusion="adaptive",
+    comm__topk_selector="mstopk",
+    comm__density_warmup_epochs=1.0,
+  )
   with caplog.at_level(logging.INFO):
     train_lib.train_and_evaluate(config, str(tmp_path))
   assert "adaptive fusion (MG-WFBP, v100_nvlink_25gbe)" in caplog.text
-  assert caplog.text.count("train step compiled") == 5   # 4 warm-up densities + the target
+  assert caplog.text.count("train step compiled") == 5  # 4 warm-up densities + the target
   first, last = read_metrics(tmp_path)
   # Epoch 1 ends in the last warm-up phase (density 0.025), epoch 2 at the target 0.01.
   assert first["inter_node_bytes_per_step"] > last["inter_node_bytes_per_step"]
   # Hierarchical dense would send 1/6 of its intra-node bytes across nodes; hitopk at 1% far less.
   assert last["inter_node_bytes_per_step"] < 0.02 * last["intra_node_bytes_per_step"]
-  assert last["eval_top1"] > 0.3   # learns (chance: 0.1) in 32 steps at 1% density
+  assert last["eval_top1"] > 0.3  # learns (chance: 0.1) in 32 steps at 1% density
 
 
 def test_resuming_a_finished_run_reports_again_even_without_metrics_jsonl(tmp_path):

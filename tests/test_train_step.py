@@ -10,19 +10,31 @@ import pytest
 from light_jax import optim
 from light_jax import train_step as step_lib
 from light_jax.models import create_model
-from light_jax.parallel import reducer as reducer_lib
 from light_jax.parallel import mesh as mesh_lib
+from light_jax.parallel import reducer as reducer_lib
 from tests.helpers import TinyCNN, info_for, random_source
 
 GLOBAL_BATCH = 32
 
 
 def _config(optimizer: str) -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict({
+  return ml_collections.ConfigDict(
+    {
       "global_batch_size": GLOBAL_BATCH,
-      "optimizer": {"name": optimizer, "base_lr": 0.8, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3,
-                    "warmup_epochs": 0.0, "decay": "cosine", "end_lr_factor": 0.0, "lars_eta": 0.001,
-                    "label_smoothing": 0.1}})
+      "optimizer": {
+        "name": optimizer,
+        "base_lr": 0.8,
+        "momentum": 0.9,
+        "nesterov": True,
+        "weight_decay": 1e-3,
+        "warmup_epochs": 0.0,
+        "decay": "cosine",
+        "end_lr_factor": 0.0,
+        "lars_eta": 0.001,
+        "label_smoothing": 0.1,
+      },
+    }
+  )
 
 
 def _run_sharded(model, tx, info, batches, shape, strategy):
@@ -65,25 +77,38 @@ def _run_reference(model, tx, info, batches, num_shards):
 
 def _batches(n_steps, shape=(12, 12, 1)):
   source = random_source(GLOBAL_BATCH * n_steps, shape)
-  return [(source.images[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH], source.labels[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH])
-          for i in range(n_steps)], info_for(source)
+  return [
+    (source.images[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH], source.labels[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH])
+    for i in range(n_steps)
+  ], info_for(source)
 
 
 def _max_diff(a, b):
-  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return max(
+    float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
-@pytest.mark.parametrize("strategy,shape,optimizer", [
-    ("dense", (2, 4), "sgd"), ("hierarchical", (2, 4), "sgd"), ("hierarchical", (8, 1), "sgd"),
-    ("hierarchical", (4, 2), "lars"), ("dense", (1, 8), "lamb"),
-], ids=str)
+@pytest.mark.parametrize(
+  "strategy,shape,optimizer",
+  [
+    ("dense", (2, 4), "sgd"),
+    ("hierarchical", (2, 4), "sgd"),
+    ("hierarchical", (8, 1), "sgd"),
+    ("hierarchical", (4, 2), "lars"),
+    ("dense", (1, 8), "lamb"),
+  ],
+  ids=str,
+)
 def test_step_without_batchnorm_matches_one_device(strategy, shape, optimizer):
   batches, info = _batches(3)
-  tx = optim.build_optimizer(_config(optimizer).optimizer, optax.constant_schedule({"sgd": 0.1, "lars": 1.0, "lamb": 0.01}[optimizer]))
+  tx = optim.build_optimizer(
+    _config(optimizer).optimizer, optax.constant_schedule({"sgd": 0.1, "lars": 1.0, "lamb": 0.01}[optimizer])
+  )
   ours = _run_sharded(TinyCNN(), tx, info, batches, shape, strategy)
   ref_params, _ = _run_reference(TinyCNN(), tx, info, batches, num_shards=1)
   init = TinyCNN().init(jax.random.key(0), jnp.zeros((1, *info.image_shape)))["params"]
-  assert _max_diff(ref_params, init) > 1e-3           # the step really moved the parameters
+  assert _max_diff(ref_params, init) > 1e-3  # the step really moved the parameters
   assert _max_diff(ours.params, ref_params) < 1e-5
   assert int(ours.step) == 3
 

@@ -14,14 +14,21 @@ import ml_collections
 from absl import logging
 
 from light_jax.data import fashion_mnist, records, transforms
-from light_jax.schedules import EpochPlan, Phase, parse_resolution_schedule
 from light_jax.data.image_source import ImageSource
 from light_jax.data.pipeline import EvalBatches, TrainBatches
 from light_jax.data.prefetch import DevicePrefetcher
 from light_jax.data.source import ArraySource, DataError, DatasetInfo
 
-__all__ = ["ArraySource", "DataError", "DatasetInfo", "DevicePrefetcher", "EpochPlan", "EvalBatches", "ImageSource",
-           "Phase", "TrainBatches", "load_dataset", "parse_resolution_schedule"]
+__all__ = [
+  "ArraySource",
+  "DataError",
+  "DatasetInfo",
+  "DevicePrefetcher",
+  "EvalBatches",
+  "ImageSource",
+  "TrainBatches",
+  "load_dataset",
+]
 
 # ImageNet's per-channel pixel statistics (0-255), for on-device normalisation.
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
@@ -32,8 +39,12 @@ def load_dataset(data_config: ml_collections.ConfigDict) -> tuple[ArraySource, A
   if data_config.dataset == "fashion_mnist":
     train = fashion_mnist.load(data_config.data_dir, "train").take(data_config.train_subset)
     test = fashion_mnist.load(data_config.data_dir, "test").take(data_config.eval_subset)
-    info = DatasetInfo(num_classes=fashion_mnist.NUM_CLASSES, image_shape=train.images.shape[1:],
-                       mean=fashion_mnist.MEAN, std=fashion_mnist.STD)
+    info = DatasetInfo(
+      num_classes=fashion_mnist.NUM_CLASSES,
+      image_shape=train.images.shape[1:],
+      mean=fashion_mnist.MEAN,
+      std=fashion_mnist.STD,
+    )
     return train, test, info
   if data_config.dataset in ("imagenet2012", "image_folder"):
     return _load_jpeg_dataset(data_config)
@@ -71,14 +82,23 @@ def _load_jpeg_dataset(data_config) -> tuple[ImageSource, ImageSource, DatasetIn
   if data_config.cache in ("disk", "memory"):
     train = _decoded_cache(train, data_config)
   if not transforms.region_decoding_available():
-    logging.warning("light_jax was installed without its JPEG region decoder (no C compiler or libjpeg headers "
-                    "then), so whole JPEGs are decoded: about 10-20%% slower at 128 px. Fix: apt-get install gcc "
-                    "libjpeg-dev, then pip install -e . again (or make clean .venv).")
+    logging.warning(
+      "light_jax was installed without its JPEG region decoder (no C compiler or libjpeg headers "
+      "then), so whole JPEGs are decoded: about 10-20%% slower at 128 px. Fix: apt-get install gcc "
+      "libjpeg-dev, then pip install -e . again (or make clean .venv)."
+    )
   scale = (data_config.random_scale_min, 1.0)
-  info = DatasetInfo(num_classes=num_classes, image_shape=(data_config.image_size, data_config.image_size, 3),
-                     mean=IMAGENET_MEAN, std=IMAGENET_STD)
-  return (ImageSource(train, num_classes, f"{data_config.dataset}/train", scale, data_config.reduced_decode),
-          ImageSource(test, num_classes, f"{data_config.dataset}/eval", scale, data_config.reduced_decode), info)
+  info = DatasetInfo(
+    num_classes=num_classes,
+    image_shape=(data_config.image_size, data_config.image_size, 3),
+    mean=IMAGENET_MEAN,
+    std=IMAGENET_STD,
+  )
+  return (
+    ImageSource(train, num_classes, f"{data_config.dataset}/train", scale, data_config.reduced_decode),
+    ImageSource(test, num_classes, f"{data_config.dataset}/eval", scale, data_config.reduced_decode),
+    info,
+  )
 
 
 def _decoded_cache(source, data_config):
@@ -88,17 +108,29 @@ def _decoded_cache(source, data_config):
   if not os.path.exists(path):
     expected = records.estimate_cache_bytes(source, data_config.cache_size)
     if expected > data_config.cache_budget_gb * 1e9:
-      logging.warning("decoded cache: %d images at %d px would take %.1f GB, over data.cache_budget_gb=%g; "
-                      "reading the JPEGs instead (raise the budget or lower data.cache_size)", len(source),
-                      data_config.cache_size, expected / 1e9, data_config.cache_budget_gb)
+      logging.warning(
+        "decoded cache: %d images at %d px would take %.1f GB, over data.cache_budget_gb=%g; "
+        "reading the JPEGs instead (raise the budget or lower data.cache_size)",
+        len(source),
+        data_config.cache_size,
+        expected / 1e9,
+        data_config.cache_budget_gb,
+      )
       return source
     os.makedirs(cache_dir, exist_ok=True)
     logging.info("decoded cache: building %s (%d images, about %.2f GB), once", path, len(source), expected / 1e9)
     records.build_disk_cache(source, path, data_config.cache_size)
   cache = records.DecodedCache(path, in_memory=data_config.cache == "memory")
   if len(cache) != len(source):
-    raise DataError(f"decoded cache {path} holds {len(cache)} images but the dataset has {len(source)}; "
-                    f"delete the file to rebuild it.")
-  logging.info("decoded cache: every one of the %d training images is read from %s (%.1f MB%s) instead of "
-               "its JPEG", len(cache), path, cache.nbytes() / 1e6, ", held in memory" if cache.in_memory else "")
+    raise DataError(
+      f"decoded cache {path} holds {len(cache)} images but the dataset has {len(source)}; "
+      f"delete the file to rebuild it."
+    )
+  logging.info(
+    "decoded cache: every one of the %d training images is read from %s (%.1f MB%s) instead of its JPEG",
+    len(cache),
+    path,
+    cache.nbytes() / 1e6,
+    ", held in memory" if cache.in_memory else "",
+  )
   return cache

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from absl import logging
 
@@ -42,7 +42,7 @@ def measure(make_iterator: Callable[[int], Iterator], workers: int, seconds: flo
   warmup = max(1, workers)
   try:
     count, start = 0, None
-    for seen, _ in enumerate(iterator, 1):   # a run shorter than the measurement just ends it early
+    for seen, _ in enumerate(iterator, 1):  # a run shorter than the measurement just ends it early
       if seen <= warmup:
         start = time.perf_counter()
         continue
@@ -80,15 +80,23 @@ def _pick(rates: dict[int, float], tolerance: float) -> int:
   return min(k for k, r in rates.items() if r >= (1 - tolerance) * fastest)
 
 
-def best_input_settings(make_iterator: Callable[[int, int], Iterator], workers: int, prefetch: int,
-                        read_threads: int, seconds_each: float = 3.0, tolerance: float = 0.05,
-                        batch_bytes: int = 0, memory_budget: int = 0) -> tuple[int, int]:
+def best_input_settings(
+  make_iterator: Callable[[int, int], Iterator],
+  workers: int,
+  prefetch: int,
+  read_threads: int,
+  seconds_each: float = 3.0,
+  tolerance: float = 0.05,
+  batch_bytes: int = 0,
+  memory_budget: int = 0,
+) -> tuple[int, int]:
   """(worker processes, prefetch depth): each measured when it is -1, else kept.
 
   ``make_iterator(workers, prefetch)`` starts the batches the run will read with those settings.
   Measured depths keep depth x max(1, workers) batches of ``batch_bytes`` (the run's largest) within
   ``memory_budget`` bytes (0: no bound): every worker holds up to ``depth`` finished batches.
   """
+
   def depth_cap(count: int) -> int:
     if not (batch_bytes and memory_budget):
       return 1 << 30
@@ -101,19 +109,33 @@ def best_input_settings(make_iterator: Callable[[int, int], Iterator], workers: 
       rates[count] = measure(lambda w: make_iterator(w, depth), count, seconds_each)
       logging.info("input autotune: %d worker process(es): %.2f batches/s", count, rates[count])
     workers = _pick(rates, tolerance)
-    logging.info("input autotune: using %d worker process(es) (%.2f batches/s; measured %s)", workers,
-                 rates[workers], ", ".join(f"{w}: {r:.2f}" for w, r in rates.items()))
+    logging.info(
+      "input autotune: using %d worker process(es) (%.2f batches/s; measured %s)",
+      workers,
+      rates[workers],
+      ", ".join(f"{w}: {r:.2f}" for w, r in rates.items()),
+    )
   if prefetch < 0:
     rates = {}
     all_depths = prefetch_candidates(read_threads)
     candidates = [d for d in all_depths if d <= depth_cap(workers)] or [1]
     if len(candidates) < len(all_depths):
-      logging.info("input autotune: prefetch depth at most %d (%d worker process(es) x depth x %.0f MB batches "
-                   "within %.1f GB)", candidates[-1], workers, batch_bytes / 1e6, memory_budget / 1e9)
+      logging.info(
+        "input autotune: prefetch depth at most %d (%d worker process(es) x depth x %.0f MB batches within %.1f GB)",
+        candidates[-1],
+        workers,
+        batch_bytes / 1e6,
+        memory_budget / 1e9,
+      )
     for depth in candidates:
       rates[depth] = measure(lambda w: make_iterator(w, depth), workers, seconds_each)
       logging.info("input autotune: prefetch depth %d: %.2f batches/s", depth, rates[depth])
     prefetch = _pick(rates, tolerance)
-    logging.info("input autotune: using prefetch depth %d with %d read thread(s) (%.2f batches/s; measured %s)",
-                 prefetch, read_threads, rates[prefetch], ", ".join(f"{d}: {r:.2f}" for d, r in rates.items()))
+    logging.info(
+      "input autotune: using prefetch depth %d with %d read thread(s) (%.2f batches/s; measured %s)",
+      prefetch,
+      read_threads,
+      rates[prefetch],
+      ", ".join(f"{d}: {r:.2f}" for d, r in rates.items()),
+    )
   return workers, prefetch

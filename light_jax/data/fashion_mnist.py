@@ -11,12 +11,14 @@ from light_jax.data.source import ArraySource, DataError
 
 DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"
 FILES = {
-    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+  "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+  "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
 }
-INSTALL_HINT = ("install it with `sudo apt-get install -y dataset-fashion-mnist` (Debian/Ubuntu; `make .venv` "
-                "does this when run as root), or point --config.data.data_dir at a folder holding "
-                + ", ".join(f for pair in FILES.values() for f in pair))
+INSTALL_HINT = (
+  "install it with `sudo apt-get install -y dataset-fashion-mnist` (Debian/Ubuntu; `make .venv` "
+  "does this when run as root), or point --config.data.data_dir at a folder holding "
+  + ", ".join(f for pair in FILES.values() for f in pair)
+)
 # Per-channel statistics of the training images (0-255 scale), for on-device normalisation.
 MEAN, STD = (72.94,), (90.02,)
 NUM_CLASSES = 10
@@ -27,14 +29,18 @@ def read_idx(path: str) -> np.ndarray:
   with gzip.open(path, "rb") as f:
     data = f.read()
   if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
-    raise DataError(f"{path} is not an unsigned-byte IDX file (bad magic number); the file may be corrupt: "
-                    f"reinstall it ({INSTALL_HINT}).")
+    raise DataError(
+      f"{path} is not an unsigned-byte IDX file (bad magic number); the file may be corrupt: "
+      f"reinstall it ({INSTALL_HINT})."
+    )
   ndim = data[3]
-  shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+  shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
   payload = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
   if payload.size != int(np.prod(shape)):
-    raise DataError(f"{path} holds {payload.size} bytes of data but its header says {shape}: the file is "
-                    f"truncated or corrupt; reinstall it ({INSTALL_HINT}).")
+    raise DataError(
+      f"{path} holds {payload.size} bytes of data but its header says {shape}: the file is "
+      f"truncated or corrupt; reinstall it ({INSTALL_HINT})."
+    )
   return payload.reshape(shape)
 
 

@@ -28,8 +28,14 @@ MAX_CONSECUTIVE_BAD = 64
 class ImageSource:
   """Random-access (image, label) examples from ``records`` (records.py)."""
 
-  def __init__(self, records, num_classes: int, name: str, random_scale: tuple[float, float] = (0.08, 1.0),
-               reduced_decode: bool = True):
+  def __init__(
+    self,
+    records,
+    num_classes: int,
+    name: str,
+    random_scale: tuple[float, float] = (0.08, 1.0),
+    reduced_decode: bool = True,
+  ):
     self.records = records
     self.num_classes = num_classes
     self.name = name
@@ -42,6 +48,7 @@ class ImageSource:
 
   def train_example(self, index: int, rng: np.random.Generator, size: int, random_flip: bool = True):
     """uint8 (size, size, 3) random-resized crop (optionally mirrored) of example ``index``, and its label."""
+
     def make(payload):
       flip = random_flip and rng.random() < 0.5
       if isinstance(payload, bytes):
@@ -49,15 +56,18 @@ class ImageSource:
       image = _cached_image(payload)
       box = transforms.random_resized_crop_box(*image.size, rng, self.random_scale)
       return transforms.crop_resize(image, box, size, flip)
+
     return self._first_good(index, make)
 
   def eval_example(self, index: int, size: int):
     """uint8 (size, size, 3) centre crop of example ``index``, and its label."""
+
     def make(payload):
       if isinstance(payload, bytes):
         return transforms.decode_crop_resize(payload, size, reduced_decode=self.reduced_decode)
       image = _cached_image(payload)
       return transforms.crop_resize(image, transforms.center_crop_box(*image.size), size)
+
     return self._first_good(index, make)
 
   def _first_good(self, index: int, make):
@@ -69,13 +79,20 @@ class ImageSource:
       except transforms.BadImage as e:
         if file_name not in self.bad_records:
           self.bad_records.add(file_name)
-          logging.warning("%s: skipping bad image %s (%s); record %d stands in for it", self.name, file_name, e,
-                          (index + offset + 1) % n)
-    raise DataError(f"{self.name}: {MAX_CONSECUTIVE_BAD} consecutive records from index {index} cannot be "
-                    f"decoded (last: {file_name}); the dataset files are probably damaged: prepare them again.")
+          logging.warning(
+            "%s: skipping bad image %s (%s); record %d stands in for it",
+            self.name,
+            file_name,
+            e,
+            (index + offset + 1) % n,
+          )
+    raise DataError(
+      f"{self.name}: {MAX_CONSECUTIVE_BAD} consecutive records from index {index} cannot be "
+      f"decoded (last: {file_name}); the dataset files are probably damaged: prepare them again."
+    )
 
 
 def _cached_image(pixels: np.ndarray | None):
-  if pixels is None:   # the cache marks records whose source image was bad
+  if pixels is None:  # the cache marks records whose source image was bad
     raise transforms.BadImage("the decoded cache holds no pixels for it (bad source image)")
   return transforms.as_image(pixels)

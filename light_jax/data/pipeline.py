@@ -23,9 +23,9 @@ import math
 import grain
 import numpy as np
 
-from light_jax.schedules import EpochPlan
 from light_jax.data.image_source import ImageSource
 from light_jax.data.source import ArraySource
+from light_jax.schedules import EpochPlan
 
 
 def pad_crop_flip(images: np.ndarray, offsets: np.ndarray, flips: np.ndarray, padding: int) -> np.ndarray:
@@ -38,8 +38,8 @@ def pad_crop_flip(images: np.ndarray, offsets: np.ndarray, flips: np.ndarray, pa
   """
   b, h, w, _ = images.shape
   padded = np.pad(images, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
-  rows = offsets[:, 0, None] + np.arange(h)                      # (B, H)
-  cols = offsets[:, 1, None] + np.arange(w)                      # (B, W)
+  rows = offsets[:, 0, None] + np.arange(h)  # (B, H)
+  cols = offsets[:, 1, None] + np.arange(w)  # (B, W)
   cols = np.where(flips[:, None], cols[:, ::-1], cols)
   return padded[np.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]]
 
@@ -53,9 +53,18 @@ class TrainBatches:
   reshuffle gives those examples a place in later epochs).
   """
 
-  def __init__(self, source: ArraySource | ImageSource, global_batch_size: int, num_epochs: int, seed: int,
-               process_index: int = 0, process_count: int = 1, crop_padding: int = 0,
-               random_flip: bool = False, resolution_schedule: tuple[tuple[int, ...], ...] = ()):
+  def __init__(
+    self,
+    source: ArraySource | ImageSource,
+    global_batch_size: int,
+    num_epochs: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    crop_padding: int = 0,
+    random_flip: bool = False,
+    resolution_schedule: tuple[tuple[int, ...], ...] = (),
+  ):
     if isinstance(source, ImageSource) and not resolution_schedule:
       raise ValueError("an ImageSource needs a resolution_schedule ((first epoch, image size), ...)")
     self.plan = EpochPlan(len(source), num_epochs, resolution_schedule, global_batch_size)
@@ -88,9 +97,12 @@ class TrainBatches:
     indices, rows = self.indices(step)
     if isinstance(self.source, ImageSource):
       size = self.image_size_at(step)
-      return _stack([self.source.train_example(int(i), np.random.default_rng((self.seed, step, row)), size,
-                                               self.random_flip)
-                     for i, row in zip(indices, range(rows.start, rows.stop))])
+      return _stack(
+        [
+          self.source.train_example(int(i), np.random.default_rng((self.seed, step, row)), size, self.random_flip)
+          for i, row in zip(indices, range(rows.start, rows.stop))
+        ]
+      )
     images, labels = self.source.images[indices], self.source.labels[indices]
     rng = np.random.default_rng((self.seed, step))
     # Drawn for the whole global batch, then sliced: independent of the process count.
@@ -114,8 +126,14 @@ class TrainBatches:
 class EvalBatches:
   """Every example of a split exactly once, in order, in padded global batches with a 0/1 ``mask``."""
 
-  def __init__(self, source: ArraySource | ImageSource, global_batch_size: int, process_index: int = 0,
-               process_count: int = 1, image_size: int | None = None):
+  def __init__(
+    self,
+    source: ArraySource | ImageSource,
+    global_batch_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    image_size: int | None = None,
+  ):
     if isinstance(source, ImageSource) and not image_size:
       raise ValueError("an ImageSource needs the eval image_size")
     self.image_size = image_size
@@ -130,12 +148,15 @@ class EvalBatches:
     start = batch * self.global_batch_size + self.process_index * self.local_batch_size
     positions = np.arange(start, start + self.local_batch_size)
     valid = positions < len(self.source)
-    indices = np.where(valid, positions, 0)   # padding rows repeat example 0 and are masked out
+    indices = np.where(valid, positions, 0)  # padding rows repeat example 0 and are masked out
     if isinstance(self.source, ImageSource):
       batch = _stack([self.source.eval_example(int(i), self.image_size) for i in indices])
       return {**batch, "mask": valid.astype(np.float32)}
-    return {"images": self.source.images[indices], "labels": self.source.labels[indices],
-            "mask": valid.astype(np.float32)}
+    return {
+      "images": self.source.images[indices],
+      "labels": self.source.labels[indices],
+      "mask": valid.astype(np.float32),
+    }
 
   def iterator(self, read_threads: int = 1, buffer: int = 4, workers: int = 0):
     return _iterate(self.dataset, read_threads, buffer, workers)
@@ -143,8 +164,10 @@ class EvalBatches:
 
 def _stack(examples: list[tuple[np.ndarray, int]]) -> dict[str, np.ndarray]:
   """(image, label) pairs of an ImageSource as a batch."""
-  return {"images": np.stack([image for image, _ in examples]),
-          "labels": np.array([label for _, label in examples], np.int32)}
+  return {
+    "images": np.stack([image for image, _ in examples]),
+    "labels": np.array([label for _, label in examples], np.int32),
+  }
 
 
 def _iterate(dataset: grain.MapDataset, read_threads: int, buffer: int, workers: int):

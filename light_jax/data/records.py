@@ -32,13 +32,14 @@ from absl import logging
 from light_jax.data import transforms
 from light_jax.data.source import DataError
 
-_FOLDER_HEADER = struct.Struct("<iI")     # label, file-name length
-_CACHE_HEADER = struct.Struct("<iHH")     # label, height, width (0 x 0: bad source image)
+_FOLDER_HEADER = struct.Struct("<iI")  # label, file-name length
+_CACHE_HEADER = struct.Struct("<iHH")  # label, height, width (0 x 0: bad source image)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
 
 
 def _writer(path: str):
   from array_record.python.array_record_module import ArrayRecordWriter
+
   # group_size:1 keeps every record separately addressable (random access reads one record); no
   # compression: decompressing pixels would cost the CPU time the decoded cache exists to save.
   return ArrayRecordWriter(path, "group_size:1,uncompressed")
@@ -46,6 +47,7 @@ def _writer(path: str):
 
 def _reader(paths: list[str]):
   import grain
+
   return grain.sources.ArrayRecordDataSource(paths)
 
 
@@ -54,15 +56,18 @@ class TfdsRecords:
 
   def __init__(self, name: str, split: str, data_dir: str):
     import tensorflow_datasets as tfds
+
     try:
-      self._source = tfds.data_source(name, split=split, data_dir=data_dir,
-                                      decoders={"image": tfds.decode.SkipDecoding()}, download=False)
-    except Exception as e:   # AssertionError / DatasetNotFoundError / FileNotFoundError
+      self._source = tfds.data_source(
+        name, split=split, data_dir=data_dir, decoders={"image": tfds.decode.SkipDecoding()}, download=False
+      )
+    except Exception as e:  # AssertionError / DatasetNotFoundError / FileNotFoundError
       raise DataError(
-          f"TFDS dataset {name!r} ({split}) not found in {data_dir} as ArrayRecord ({type(e).__name__}: "
-          f"{str(e).splitlines()[0][:200]}). Prepare it once from the ILSVRC tar files with "
-          f"`python scripts/prepare_imagenet.py --manual_dir DIR_WITH_TARS --data_dir {data_dir}` "
-          f"(needs `pip install -e '.[prepare]'`), or point --config.data.data_dir at it.") from None
+        f"TFDS dataset {name!r} ({split}) not found in {data_dir} as ArrayRecord ({type(e).__name__}: "
+        f"{str(e).splitlines()[0][:200]}). Prepare it once from the ILSVRC tar files with "
+        f"`python scripts/prepare_imagenet.py --manual_dir DIR_WITH_TARS --data_dir {data_dir}` "
+        f"(needs `pip install -e '.[prepare]'`), or point --config.data.data_dir at it."
+      ) from None
     self.num_classes = self._source.dataset_info.features["label"].num_classes
     self.fingerprint = f"tfds:{name}:{split}:{data_dir}:{len(self._source)}"
 
@@ -82,9 +87,11 @@ class FolderRecords:
     info_path = os.path.join(data_dir, "info.json")
     path = os.path.join(data_dir, f"{split}.array_record")
     if not os.path.exists(info_path) or not os.path.exists(path):
-      raise DataError(f"no converted image folder in {data_dir} (missing info.json or {split}.array_record); "
-                      f"convert it once with `python scripts/prepare_image_folder.py --folder FOLDER "
-                      f"--out {data_dir}`.")
+      raise DataError(
+        f"no converted image folder in {data_dir} (missing info.json or {split}.array_record); "
+        f"convert it once with `python scripts/prepare_image_folder.py --folder FOLDER "
+        f"--out {data_dir}`."
+      )
     with open(info_path) as f:
       info = json.load(f)
     self.classes = info["classes"]
@@ -99,7 +106,7 @@ class FolderRecords:
     record = self._source[index]
     label, name_length = _FOLDER_HEADER.unpack_from(record)
     start = _FOLDER_HEADER.size
-    return record[start + name_length:], label, record[start:start + name_length].decode()
+    return record[start + name_length :], label, record[start : start + name_length].decode()
 
 
 class ListRecords:
@@ -142,8 +149,11 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
     writer = _writer(os.path.join(out_dir, f"{split}.array_record.tmp"))
     for label, name in enumerate(classes):
       class_dir = os.path.join(root, name)
-      files = sorted(f for f in os.listdir(class_dir) if f.lower().endswith(IMAGE_EXTENSIONS)) \
-          if os.path.isdir(class_dir) else []
+      files = (
+        sorted(f for f in os.listdir(class_dir) if f.lower().endswith(IMAGE_EXTENSIONS))
+        if os.path.isdir(class_dir)
+        else []
+      )
       if not files:
         empty.append(name)
         logging.warning("image folder: class %r has no images in %s", name, root)
@@ -163,14 +173,16 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
     writer.close()
     os.replace(os.path.join(out_dir, f"{split}.array_record.tmp"), os.path.join(out_dir, f"{split}.array_record"))
     info["splits"][split] = {"examples": written, "skipped": skipped, "empty_classes": empty}
-    logging.info("image folder %s: %d images written, %d skipped, %d empty classes", split, written,
-                 len(skipped), len(empty))
+    logging.info(
+      "image folder %s: %d images written, %d skipped, %d empty classes", split, written, len(skipped), len(empty)
+    )
   with open(os.path.join(out_dir, "info.json"), "w") as f:
     json.dump(info, f, indent=1)
   return info
 
 
 # --- Decoded caches ----------------------------------------------------------------------------------
+
 
 def _decode_for_cache(item: tuple[bytes, int, str], shorter: int) -> bytes:
   data, label, _ = item
@@ -213,7 +225,7 @@ def estimate_cache_bytes(records, shorter: int, sample: int = 32) -> int:
 def build_disk_cache(records, path: str, shorter: int, workers: int | None = None) -> None:
   """Decodes every record once (``workers`` processes) and writes the cache atomically."""
   workers = workers or os.cpu_count() or 1
-  tmp = f"{path}.tmp-{uuid.uuid4().hex}"   # unique even when hosts sharing cache_dir have equal pids
+  tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # unique even when hosts sharing cache_dir have equal pids
   writer = _writer(tmp)
   start, n = time.time(), len(records)
   chunk = 256
@@ -226,12 +238,14 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
       for record in (pool.map if pool else map)(_decode_for_cache, items, [shorter] * len(items)):
         writer.write(record)
       if first // chunk % 20 == 0:
-        logging.info("building the decoded cache %s: %d / %d images (%.0f s)", path, first + len(items), n,
-                     time.time() - start)
+        logging.info(
+          "building the decoded cache %s: %d / %d images (%.0f s)", path, first + len(items), n, time.time() - start
+        )
   writer.close()
   os.replace(tmp, path)
-  logging.info("decoded cache %s built: %d images, %.1f MB, %.0f s", path, n, os.path.getsize(path) / 1e6,
-               time.time() - start)
+  logging.info(
+    "decoded cache %s built: %d images, %.1f MB, %.0f s", path, n, os.path.getsize(path) / 1e6, time.time() - start
+  )
 
 
 class DecodedCache:

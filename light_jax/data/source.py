@@ -21,7 +21,7 @@ class ArraySource:
   def __len__(self) -> int:
     return len(self.labels)
 
-  def take(self, n: int) -> "ArraySource":
+  def take(self, n: int) -> ArraySource:
     """The first ``n`` examples (all of them when n is 0)."""
     return self if n <= 0 else ArraySource(self.images[:n], self.labels[:n])
 
@@ -30,5 +30,5 @@ class ArraySource:
 class DatasetInfo:
   num_classes: int
   image_shape: tuple[int, int, int]
-  mean: tuple[float, ...]   # per channel, 0-255 scale: images are normalised on the device
+  mean: tuple[float, ...]  # per channel, 0-255 scale: images are normalised on the device
   std: tuple[float, ...]

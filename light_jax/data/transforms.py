@@ -28,14 +28,14 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
-try:   # the C extension built by `pip install` when libjpeg's headers are there (see setup.py)
+try:  # the C extension built by `pip install` when libjpeg's headers are there (see setup.py)
   from light_jax.data import _jpeg_region
 except ImportError:
   _jpeg_region = None
 
 RESAMPLE = Image.Resampling.BILINEAR
 EVAL_CROP_FRACTION = 0.875
-Box = tuple[float, float, float, float]   # (left, top, right, bottom) in pixels
+Box = tuple[float, float, float, float]  # (left, top, right, bottom) in pixels
 
 
 def region_decoding_available() -> bool:
@@ -47,9 +47,13 @@ class BadImage(ValueError):
   """The bytes are not a decodable image (corrupt, truncated, unknown format)."""
 
 
-def random_resized_crop_box(width: int, height: int, rng: np.random.Generator,
-                            scale: tuple[float, float] = (0.08, 1.0),
-                            ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> Box:
+def random_resized_crop_box(
+  width: int,
+  height: int,
+  rng: np.random.Generator,
+  scale: tuple[float, float] = (0.08, 1.0),
+  ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> Box:
   """A random box covering ``scale`` of the area with aspect ratio in ``ratio`` (10 tries, then centre)."""
   area = width * height
   log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
@@ -84,7 +88,7 @@ def open_image(data: bytes) -> Image.Image:
   """Pillow's lazy image (header parsed, pixels not decoded yet)."""
   try:
     return Image.open(io.BytesIO(data))
-  except Exception as e:   # PIL.UnidentifiedImageError, or a header that is cut short
+  except Exception as e:  # PIL.UnidentifiedImageError, or a header that is cut short
     raise BadImage(f"not an image Pillow can read ({type(e).__name__}: {e})") from None
 
 
@@ -92,7 +96,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
   try:
     image.load()
     return image if image.mode == "RGB" else image.convert("RGB")
-  except Exception as e:   # OSError("image file is truncated ..."), decoder errors
+  except Exception as e:  # OSError("image file is truncated ..."), decoder errors
     raise BadImage(f"cannot decode ({type(e).__name__}: {e})") from None
 
 
@@ -114,14 +118,20 @@ def _dct_denominator(width: int, height: int, min_width: int, min_height: int) -
   return 1
 
 
-def _turbo_decode(data: bytes, size: tuple[int, int], min_width: int = 0,
-                  min_height: int = 0) -> np.ndarray | None:
+def _turbo_decode(data: bytes, size: tuple[int, int], min_width: int = 0, min_height: int = 0) -> np.ndarray | None:
   """RGB pixels of a whole JPEG of ``size`` at the smallest power-of-two DCT scale that keeps both
   minimums, or None when simplejpeg cannot decode it (CMYK, damaged, not a JPEG: Pillow then decides)."""
   denominator = _dct_denominator(*size, min_width, min_height)
   try:
-    return simplejpeg.decode_jpeg(data, "RGB", fastdct=True, fastupsample=True, strict=True,
-                                  min_width=-(-size[0] // denominator), min_height=-(-size[1] // denominator))
+    return simplejpeg.decode_jpeg(
+      data,
+      "RGB",
+      fastdct=True,
+      fastupsample=True,
+      strict=True,
+      min_width=-(-size[0] // denominator),
+      min_height=-(-size[1] // denominator),
+    )
   except ValueError:
     return None
 
@@ -134,8 +144,9 @@ def _read_span(start: float, end: float, limit: int, out_size: int) -> tuple[int
   return max(0, math.floor(start) - margin), min(limit, math.ceil(end) + margin)
 
 
-def _decode_region(data: bytes, size: tuple[int, int], denominator: int, box: Box,
-                   out_size: int) -> tuple[Image.Image, Box] | None:
+def _decode_region(
+  data: bytes, size: tuple[int, int], denominator: int, box: Box, out_size: int
+) -> tuple[Image.Image, Box] | None:
   """The rows of a JPEG of ``size`` that resizing ``box`` to ``out_size`` reads, decoded at 1/denominator
   by ``_jpeg_region`` (only the columns it reads; the others stay black), and the box in their
   coordinates; None when libjpeg refuses the bytes (CMYK, damaged: Pillow then decides)."""
@@ -198,9 +209,15 @@ def _image_size(data: bytes) -> tuple[tuple[int, int], tuple[int, int] | None]:
   return (jpeg_size or open_image(data).size), jpeg_size
 
 
-def decode_crop_resize(data: bytes, size: int, rng: np.random.Generator | None = None, flip: bool = False,
-                       scale: tuple[float, float] = (0.08, 1.0), reduced_decode: bool = True,
-                       region_decode: bool = True) -> np.ndarray:
+def decode_crop_resize(
+  data: bytes,
+  size: int,
+  rng: np.random.Generator | None = None,
+  flip: bool = False,
+  scale: tuple[float, float] = (0.08, 1.0),
+  reduced_decode: bool = True,
+  region_decode: bool = True,
+) -> np.ndarray:
   """Training (``rng`` given: random box + ``flip``) or evaluation (centre box) transform of encoded bytes.
 
   A JPEG is decoded only as far as the box needs: with ``reduced_decode`` at the smallest DCT scale

@@ -15,7 +15,8 @@ Conventions (those of the large-batch ImageNet recipes, MLPerf and flax/examples
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -96,12 +97,12 @@ class ResNet(nn.Module):
   def __call__(self, x, train: bool = True):
     conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32)
     norm = functools.partial(
-        nn.BatchNorm,
-        use_running_average=not train,
-        momentum=self.bn_momentum,
-        epsilon=1e-5,
-        dtype=self.dtype,
-        param_dtype=jnp.float32,
+      nn.BatchNorm,
+      use_running_average=not train,
+      momentum=self.bn_momentum,
+      epsilon=1e-5,
+      dtype=self.dtype,
+      param_dtype=jnp.float32,
     )
     x = x.astype(self.dtype)
     if self.small_inputs:
@@ -122,17 +123,17 @@ class ResNet(nn.Module):
 
 # name -> (stage sizes, block, first-stage width, small-input stem, small-stem stride)
 ARCHITECTURES = {
-    "resnet18": ((2, 2, 2, 2), BasicBlock, 64, False, 1),
-    "resnet34": ((3, 4, 6, 3), BasicBlock, 64, False, 1),
-    "resnet50": ((3, 4, 6, 3), BottleneckBlock, 64, False, 1),
-    "resnet101": ((3, 4, 23, 3), BottleneckBlock, 64, False, 1),
-    "resnet152": ((3, 8, 36, 3), BottleneckBlock, 64, False, 1),
-    # Small variants for 28x28 / 32x32 images (CIFAR-style, He et al. 2016 section 4.2).
-    "resnet8_small": ((1, 1, 1), BasicBlock, 16, True, 1),
-    # Stride-2 stem: 14x14 feature maps from 28x28 inputs; fast enough to train on two CPU cores.
-    "resnet8_fast": ((1, 1, 1), BasicBlock, 32, True, 2),
-    "resnet20_small": ((3, 3, 3), BasicBlock, 16, True, 1),
-    "resnet18_small": ((2, 2, 2, 2), BasicBlock, 64, True, 1),
+  "resnet18": ((2, 2, 2, 2), BasicBlock, 64, False, 1),
+  "resnet34": ((3, 4, 6, 3), BasicBlock, 64, False, 1),
+  "resnet50": ((3, 4, 6, 3), BottleneckBlock, 64, False, 1),
+  "resnet101": ((3, 4, 23, 3), BottleneckBlock, 64, False, 1),
+  "resnet152": ((3, 8, 36, 3), BottleneckBlock, 64, False, 1),
+  # Small variants for 28x28 / 32x32 images (CIFAR-style, He et al. 2016 section 4.2).
+  "resnet8_small": ((1, 1, 1), BasicBlock, 16, True, 1),
+  # Stride-2 stem: 14x14 feature maps from 28x28 inputs; fast enough to train on two CPU cores.
+  "resnet8_fast": ((1, 1, 1), BasicBlock, 32, True, 2),
+  "resnet20_small": ((3, 3, 3), BasicBlock, 16, True, 1),
+  "resnet18_small": ((2, 2, 2, 2), BasicBlock, 64, True, 1),
 }
 
 
@@ -142,11 +143,11 @@ def create_model(name: str, num_classes: int, dtype: str = "float32", width: int
     raise ValueError(f"unknown model {name!r}; choose one of {sorted(ARCHITECTURES)}")
   stages, block, filters, small, stem_strides = ARCHITECTURES[name]
   return ResNet(
-      stage_sizes=stages,
-      block_cls=block,
-      num_classes=num_classes,
-      num_filters=width or filters,
-      small_inputs=small,
-      stem_strides=stem_strides,
-      dtype=jnp.dtype(dtype),
+    stage_sizes=stages,
+    block_cls=block,
+    num_classes=num_classes,
+    num_filters=width or filters,
+    small_inputs=small,
+    stem_strides=stem_strides,
+    dtype=jnp.dtype(dtype),
   )

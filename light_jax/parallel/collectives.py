@@ -55,7 +55,7 @@ def _reduce_scatter(x: jax.Array, axis: str, wire_dtype) -> jax.Array:
   if jnp.dtype(wire_dtype) == x.dtype:
     return lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
   chunks = x.astype(wire_dtype).reshape(lax.axis_size(axis), -1)
-  received = lax.all_to_all(chunks, axis, split_axis=0, concat_axis=0)   # chunk i from every peer
+  received = lax.all_to_all(chunks, axis, split_axis=0, concat_axis=0)  # chunk i from every peer
   return received.astype(x.dtype).sum(axis=0)
 
 
@@ -74,16 +74,17 @@ def hierarchical_allreduce(x: jax.Array, wire_dtype=jnp.float32) -> jax.Array:
   """Sum of flat ``x`` over every device: reduce-scatter(local) -> all-reduce(node) -> all-gather(local)."""
   narrow = jnp.dtype(wire_dtype) != x.dtype
   nodes = lax.axis_size(NODE) if narrow else 1
-  shard = _scatter_to_local_shard(x, wire_dtype, nodes)    # this device's 1/n of the node's sum
-  if narrow:   # all-reduce over nodes as reduce-scatter + all-gather, to accumulate in float32
+  shard = _scatter_to_local_shard(x, wire_dtype, nodes)  # this device's 1/n of the node's sum
+  if narrow:  # all-reduce over nodes as reduce-scatter + all-gather, to accumulate in float32
     shard = _all_gather(_reduce_scatter(shard, NODE, wire_dtype), NODE, wire_dtype)
   else:
-    shard = lax.psum(shard, NODE)                          # the only inter-node traffic
-  return _all_gather(shard, LOCAL, wire_dtype)[:x.size]
+    shard = lax.psum(shard, NODE)  # the only inter-node traffic
+  return _all_gather(shard, LOCAL, wire_dtype)[: x.size]
 
 
-def hierarchical_topk_allreduce(x: jax.Array, residual: jax.Array, k: int, selector: str,
-                                error_feedback: bool, wire_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+def hierarchical_topk_allreduce(
+  x: jax.Array, residual: jax.Array, k: int, selector: str, error_feedback: bool, wire_dtype=jnp.float32
+) -> tuple[jax.Array, jax.Array]:
   """HiTopK: dense inside the node, k (value, index) pairs per device across nodes.
 
   Args:
@@ -94,14 +95,15 @@ def hierarchical_topk_allreduce(x: jax.Array, residual: jax.Array, k: int, selec
   """
   shard = _scatter_to_local_shard(x, wire_dtype)
   indices, values, residual = compression.apply_error_feedback(shard, residual, k, selector, error_feedback)
-  all_indices = lax.all_gather(indices, NODE)          # (nodes, k): same local rank on every node
+  all_indices = lax.all_gather(indices, NODE)  # (nodes, k): same local rank on every node
   all_values = lax.all_gather(values, NODE)
   shard = jnp.zeros_like(shard).at[all_indices.reshape(-1)].add(all_values.reshape(-1))
-  return _all_gather(shard, LOCAL, wire_dtype)[:x.size], residual
+  return _all_gather(shard, LOCAL, wire_dtype)[: x.size], residual
 
 
-def topk_allreduce(x: jax.Array, residual: jax.Array, k: int, selector: str,
-                   error_feedback: bool, wire_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+def topk_allreduce(
+  x: jax.Array, residual: jax.Array, k: int, selector: str, error_feedback: bool, wire_dtype=jnp.float32
+) -> tuple[jax.Array, jax.Array]:
   """Flat top-k: every device selects k entries of its whole gradient; all-gather over all devices.
 
   No dense hop, so ``wire_dtype`` does not apply."""
@@ -112,8 +114,9 @@ def topk_allreduce(x: jax.Array, residual: jax.Array, k: int, selector: str,
   return jnp.zeros_like(x).at[all_indices.reshape(-1)].add(all_values.reshape(-1)), residual
 
 
-def gtopk_allreduce(x: jax.Array, residual: jax.Array, k: int, selector: str,
-                    error_feedback: bool, wire_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+def gtopk_allreduce(
+  x: jax.Array, residual: jax.Array, k: int, selector: str, error_feedback: bool, wire_dtype=jnp.float32
+) -> tuple[jax.Array, jax.Array]:
   """gTop-k: recursive-doubling merge of the devices' top-k sets, then exact sums at the winners.
 
   Rounds whose partner distance is below ``local`` stay inside the node; the last log2(nodes) cross
@@ -125,12 +128,12 @@ def gtopk_allreduce(x: jax.Array, residual: jax.Array, k: int, selector: str,
   indices, values = select(corrected, k)
   num_devices = lax.axis_size(NODE) * lax.axis_size(LOCAL)
   for r in range(num_devices.bit_length() - 1):
-    partner = [(i, i ^ (1 << r)) for i in range(num_devices)]   # linear index over (node, local)
+    partner = [(i, i ^ (1 << r)) for i in range(num_devices)]  # linear index over (node, local)
     their_indices = lax.ppermute(indices, AXES, partner)
     their_values = lax.ppermute(values, AXES, partner)
     # Each index holds at most two addends, and a + b == b + a exactly: partners get the same set.
     merged = jnp.zeros_like(x).at[indices].add(values).at[their_indices].add(their_values)
     indices, values = select(merged, k)
-  summed = lax.psum(corrected[indices], AXES)                # exact sums at the global top-k set
+  summed = lax.psum(corrected[indices], AXES)  # exact sums at the global top-k set
   new_residual = corrected.at[indices].set(0.0) if error_feedback else residual
   return jnp.zeros_like(x).at[indices].set(summed), new_residual

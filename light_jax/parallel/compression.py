@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import fractions
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +59,8 @@ def mstopk(x: jax.Array, k: int, rounds: int = MSTOPK_ROUNDS) -> tuple[jax.Array
     return jnp.sum(a >= t)
 
   mean = jnp.mean(a)
-  lo = jnp.where(count_at_least(mean) >= k, mean, jnp.min(a))   # count(a >= lo) >= k
-  hi = jnp.max(a) * (1 + 1e-6) + 1e-30                            # count(a >= hi) == 0 <= k
+  lo = jnp.where(count_at_least(mean) >= k, mean, jnp.min(a))  # count(a >= lo) >= k
+  hi = jnp.max(a) * (1 + 1e-6) + 1e-30  # count(a >= hi) == 0 <= k
 
   def halve(_, bounds):
     lo, hi = bounds
@@ -69,23 +69,24 @@ def mstopk(x: jax.Array, k: int, rounds: int = MSTOPK_ROUNDS) -> tuple[jax.Array
     return jnp.where(fits, lo, mid), jnp.where(fits, mid, hi)
 
   t2, t1 = lax.fori_loop(0, rounds, halve, (lo, hi))
-  above = a >= t1                                                  # all in the exact top-k
+  above = a >= t1  # all in the exact top-k
   k1 = jnp.sum(above)
   band = (a >= t2) & ~above
-  fill = band & (jnp.cumsum(band) <= k - k1)                       # first k - k1 of the band
+  fill = band & (jnp.cumsum(band) <= k - k1)  # first k - k1 of the band
   (indices,) = jnp.nonzero(above | fill, size=k, fill_value=0)
   indices = indices.astype(jnp.int32)
   return indices, x[indices]
 
 
 SELECTORS: dict[str, Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]] = {
-    "exact": exact_topk,
-    "mstopk": mstopk,
+  "exact": exact_topk,
+  "mstopk": mstopk,
 }
 
 
-def apply_error_feedback(x: jax.Array, residual: jax.Array, k: int, selector: str,
-                         error_feedback: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+def apply_error_feedback(
+  x: jax.Array, residual: jax.Array, k: int, selector: str, error_feedback: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Selects k entries of ``x + residual``; returns (indices, values, new residual).
 
   With error feedback off the residual is neither added nor updated (it stays zero).

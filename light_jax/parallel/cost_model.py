@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -31,8 +31,8 @@ from light_jax.parallel.reducer import GradientReducer
 
 @dataclasses.dataclass(frozen=True)
 class LinkCost:
-  alpha: float   # seconds per collective
-  beta: float    # seconds per byte sent by one device
+  alpha: float  # seconds per collective
+  beta: float  # seconds per byte sent by one device
 
   def seconds(self, num_bytes: float) -> float:
     return self.alpha + self.beta * num_bytes if num_bytes > 0 else 0.0
@@ -43,28 +43,29 @@ class ClusterCost:
   intra: LinkCost
   inter: LinkCost
 
-  def reduction_seconds(self, strategy: str, num_elements: int, nodes: int, local: int, k: int = 0,
-                        itemsize: int = 4) -> float:
+  def reduction_seconds(
+    self, strategy: str, num_elements: int, nodes: int, local: int, k: int = 0, itemsize: int = 4
+  ) -> float:
     """Modelled time of reducing one flat buffer: each level's bytes at that level's cost, in sequence."""
     spec = strategies.get(strategy)
     b = spec.bytes(strategies.Buffer(num_elements, itemsize, nodes, local, k))
     if spec.flat and nodes > 1:
-      return self.inter.seconds(b.inter_node)   # a flat ring runs at the pace of its slowest link
+      return self.inter.seconds(b.inter_node)  # a flat ring runs at the pace of its slowest link
     return self.intra.seconds(b.intra_node) + self.inter.seconds(b.inter_node)
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self), indent=2)
 
   @classmethod
-  def from_dict(cls, d: dict) -> "ClusterCost":
+  def from_dict(cls, d: dict) -> ClusterCost:
     return cls(intra=LinkCost(**d["intra"]), inter=LinkCost(**d["inter"]))
 
 
 PRESETS = {
-    "v100_nvlink_25gbe": ClusterCost(intra=LinkCost(alpha=10e-6, beta=1 / 100e9),
-                                     inter=LinkCost(alpha=50e-6, beta=1 / 2.8e9)),
-    "h100_nvlink_ib": ClusterCost(intra=LinkCost(alpha=5e-6, beta=1 / 400e9),
-                                  inter=LinkCost(alpha=10e-6, beta=1 / 45e9)),
+  "v100_nvlink_25gbe": ClusterCost(
+    intra=LinkCost(alpha=10e-6, beta=1 / 100e9), inter=LinkCost(alpha=50e-6, beta=1 / 2.8e9)
+  ),
+  "h100_nvlink_ib": ClusterCost(intra=LinkCost(alpha=5e-6, beta=1 / 400e9), inter=LinkCost(alpha=10e-6, beta=1 / 45e9)),
 }
 
 
@@ -85,8 +86,10 @@ def load(name_or_path: str) -> ClusterCost:
     with open(name_or_path) as f:
       return ClusterCost.from_dict(json.load(f))
   except FileNotFoundError:
-    raise ValueError(f"comm.cost_model={name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor an "
-                     f"existing JSON file; run benchmarks/calibrate_links.py to write one.") from None
+    raise ValueError(
+      f"comm.cost_model={name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor an "
+      f"existing JSON file; run benchmarks/calibrate_links.py to write one."
+    ) from None
 
 
 def effective_link(cost: ClusterCost, reducer: GradientReducer) -> LinkCost:
@@ -95,17 +98,24 @@ def effective_link(cost: ClusterCost, reducer: GradientReducer) -> LinkCost:
   The modelled time is linear in the buffer size (k grows with it for the top-k strategies), so two
   sizes give the line exactly.
   """
+
   def seconds(elements: int) -> float:
-    return cost.reduction_seconds(reducer.bucket_strategy(elements).name, elements, reducer.nodes, reducer.local,
-                                  reducer.k_for(elements))
+    return cost.reduction_seconds(
+      reducer.bucket_strategy(elements).name, elements, reducer.nodes, reducer.local, reducer.k_for(elements)
+    )
 
   small, large = 2**20, 2**26
   beta = (seconds(large) - seconds(small)) / ((large - small) * 4)
   return LinkCost(alpha=max(seconds(small) - beta * small * 4, 0.0), beta=beta)
 
 
-def plan_adaptive_fusion(reducer: GradientReducer, profile: fusion_lib.ParameterProfile,
-                         cost: ClusterCost, device_flops: float, examples_per_device: int) -> GradientReducer:
+def plan_adaptive_fusion(
+  reducer: GradientReducer,
+  profile: fusion_lib.ParameterProfile,
+  cost: ClusterCost,
+  device_flops: float,
+  examples_per_device: int,
+) -> GradientReducer:
   """``reducer`` with fusion="adaptive" and its MG-WFBP groups for the profiled parameters.
 
   Backward time of each tensor: its backward FLOPs per example x ``examples_per_device`` /
@@ -117,5 +127,4 @@ def plan_adaptive_fusion(reducer: GradientReducer, profile: fusion_lib.Parameter
   backward_seconds = [profile.backward_flops[i] * examples_per_device / device_flops for i in order]
   sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in order]
   groups = fusion_lib.plan_mgwfbp(backward_seconds, sizes, link.alpha, link.beta)
-  return dataclasses.replace(reducer, fusion="adaptive", order=tuple(order),
-                             groups=tuple(tuple(g) for g in groups))
+  return dataclasses.replace(reducer, fusion="adaptive", order=tuple(order), groups=tuple(tuple(g) for g in groups))

@@ -1,6 +1,6 @@
 """Gradient fusion: many small tensors reduced as a few large flat buffers ("buckets").
 
-Every collective has a fixed start-up cost (alpha in the alpha-beta model of cost_model, issue #3);
+Every collective has a fixed start-up cost (alpha in the alpha-beta model of cost_model.py);
 reducing 160 ResNet-50 tensors one by one pays it 160 times (hierarchical: 3 x 160). Buckets pay it
 once per bucket, and each bucket is still its own collective, so XLA can overlap the early buckets with
 the rest of the backward pass.
@@ -10,7 +10,7 @@ model's forward pass by ``profile_parameters``.
 
 - ``fixed`` (Horovod / PyTorch DDP style): close a bucket when adding the next tensor would pass
   ``bucket_bytes``; a tensor larger than the threshold gets a bucket of its own.
-- ``adaptive`` (MG-WFBP, Shi et al. INFOCOM'19; light-techniques.md section 3): ``plan_mgwfbp`` merges a
+- ``adaptive`` (MG-WFBP, Shi et al. INFOCOM'19; docs/techniques.md section 3): ``plan_mgwfbp`` merges a
   tensor into the next one when the next gradient is ready before this tensor's collective would end,
   and waiting for it costs less than one more start-up (alpha). Needs per-tensor backward times (from
   FLOPs here) and the alpha-beta cost of the strategy (cost_model.py).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
@@ -101,8 +101,9 @@ def profile_parameters(model: nn.Module, input_shape: Sequence[int]) -> Paramete
   return ParameterProfile(order=tuple(reversed(forward)), backward_flops=tuple(flops), params=variables["params"])
 
 
-def plan_mgwfbp(backward_seconds: Sequence[float], sizes_bytes: Sequence[float], alpha: float,
-                beta: float) -> list[list[int]]:
+def plan_mgwfbp(
+  backward_seconds: Sequence[float], sizes_bytes: Sequence[float], alpha: float, beta: float
+) -> list[list[int]]:
   """MG-WFBP merged-gradient groups, all inputs in backward order (position 0 is ready first).
 
   Position i's gradient is ready at R(i) = t_b(0) + ... + t_b(i); its collective starts at
@@ -118,7 +119,7 @@ def plan_mgwfbp(backward_seconds: Sequence[float], sizes_bytes: Sequence[float],
   if n == 0:
     return []
   ready = np.cumsum(np.asarray(backward_seconds, np.float64))
-  comm = [float(b) for b in sizes_bytes]       # bytes sent at each position's slot
+  comm = [float(b) for b in sizes_bytes]  # bytes sent at each position's slot
   groups = [[0]]
   for i in range(n - 1):
     t_c = [alpha + beta * b if b > 0 else 0.0 for b in comm]
@@ -144,6 +145,6 @@ def unpack(flat: jax.Array, like: Sequence[jax.Array]) -> list[jax.Array]:
   """Splits a buffer made by ``pack`` back into tensors shaped like ``like``."""
   out, offset = [], 0
   for t in like:
-    out.append(flat[offset:offset + t.size].reshape(t.shape))
+    out.append(flat[offset : offset + t.size].reshape(t.shape))
     offset += t.size
   return out

@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 NODE = "node"
 LOCAL = "local"
@@ -34,20 +35,22 @@ def resolve_mesh_shape(nodes: int, local: int, num_devices: int, num_processes: 
   if nodes == -1:
     if num_devices % local:
       raise MeshError(
-          f"mesh.local={local} does not divide the {num_devices} devices; set mesh.local to a divisor of "
-          f"{num_devices} or give mesh.nodes explicitly.")
+        f"mesh.local={local} does not divide the {num_devices} devices; set mesh.local to a divisor of "
+        f"{num_devices} or give mesh.nodes explicitly."
+      )
     nodes = num_devices // local
   if local == -1:
     if num_devices % nodes:
       raise MeshError(
-          f"mesh.nodes={nodes} does not divide the {num_devices} devices; set mesh.nodes to a divisor of "
-          f"{num_devices}.")
+        f"mesh.nodes={nodes} does not divide the {num_devices} devices; set mesh.nodes to a divisor of {num_devices}."
+      )
     local = num_devices // nodes
   if nodes * local != num_devices:
     raise MeshError(
-        f"mesh {nodes} x {local} = {nodes * local} devices, but {num_devices} are available; set "
-        f"--config.mesh.nodes and --config.mesh.local so that their product is {num_devices} (or use -1 "
-        f"for one of them).")
+      f"mesh {nodes} x {local} = {nodes * local} devices, but {num_devices} are available; set "
+      f"--config.mesh.nodes and --config.mesh.local so that their product is {num_devices} (or use -1 "
+      f"for one of them)."
+    )
   return nodes, local
 
 
@@ -65,12 +68,14 @@ def make_mesh(nodes: int = -1, local: int = -1, devices=None) -> Mesh:
   nodes, local = resolve_mesh_shape(nodes, local, len(devices), len(processes))
   if len(processes) > 1 and (nodes, local) == (len(processes), per_process):
     grid = mesh_utils.create_hybrid_device_mesh(
-        (1, per_process), (len(processes), 1), devices=devices, process_is_granule=True)
+      (1, per_process), (len(processes), 1), devices=devices, process_is_granule=True
+    )
   else:
     if len(processes) > 1 and per_process % local:
       raise MeshError(
-          f"mesh.local={local} would put one node's devices in two processes ({per_process} devices "
-          f"per process); choose mesh.local dividing {per_process}.")
+        f"mesh.local={local} would put one node's devices in two processes ({per_process} devices "
+        f"per process); choose mesh.local dividing {per_process}."
+      )
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     grid = np.array(ordered, dtype=object).reshape(nodes, local)
   return Mesh(grid, AXES)
@@ -88,5 +93,4 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def describe(mesh: Mesh) -> str:
   nodes, local = mesh.devices.shape
   kind = mesh.devices.flat[0].platform
-  return (f"mesh node x local = {nodes} x {local} ({mesh.size} {kind} devices, "
-          f"{jax.process_count()} process(es))")
+  return f"mesh node x local = {nodes} x {local} ({mesh.size} {kind} devices, {jax.process_count()} process(es))"

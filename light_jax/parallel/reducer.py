@@ -104,8 +104,11 @@ class GradientReducer:
   def init_state(self, params: PyTree) -> dict[str, jax.Array]:
     """Zero residuals, {"bucket_i": float32 (nodes, local, compressed size)}, for compressed buckets."""
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
-    return {_key(b): jnp.zeros((self.nodes, self.local, self.compressed_size(n)), jnp.float32)
-            for b, n in enumerate(sizes) if self.is_compressed(n)}
+    return {
+      _key(b): jnp.zeros((self.nodes, self.local, self.compressed_size(n)), jnp.float32)
+      for b, n in enumerate(sizes)
+      if self.is_compressed(n)
+    }
 
   # --- the reduction (inside shard_map) ----------------------------------------------------------
   def reduce(self, local_grads: PyTree, comm_state: dict[str, jax.Array]) -> tuple[PyTree, dict[str, jax.Array]]:
@@ -119,9 +122,8 @@ class GradientReducer:
       flat = fusion_lib.pack([leaves[m] for m in members])
       spec = self.bucket_strategy(size)
       if spec.compressed:
-        residual = comm_state[_key(b)][0, 0]   # this device's block of the (nodes, local, ...) array
-        flat, residual = spec.reduce(flat, residual, self.k_for(size), self.selector, self.error_feedback,
-                                     wire_dtype)
+        residual = comm_state[_key(b)][0, 0]  # this device's block of the (nodes, local, ...) array
+        flat, residual = spec.reduce(flat, residual, self.k_for(size), self.selector, self.error_feedback, wire_dtype)
         new_state[_key(b)] = residual[None, None]
       else:
         flat = spec.reduce(flat, wire_dtype)
@@ -142,14 +144,21 @@ class GradientReducer:
     return total
 
 
-def make_gradient_reducer(strategy: str, nodes: int, local: int, fusion: str = "none",
-                          bucket_bytes: int = fusion_lib.DEFAULT_BUCKET_BYTES, **compression_options) -> GradientReducer:
+def make_gradient_reducer(
+  strategy: str,
+  nodes: int,
+  local: int,
+  fusion: str = "none",
+  bucket_bytes: int = fusion_lib.DEFAULT_BUCKET_BYTES,
+  **compression_options,
+) -> GradientReducer:
   """A reducer for ``strategy``; ``compression_options`` are density, selector, error_feedback, ..."""
-  strategies.get(strategy)   # a clear error for an unknown name
+  strategies.get(strategy)  # a clear error for an unknown name
   if fusion not in FUSIONS:
     raise ValueError(f"unknown comm.fusion {fusion!r}; known: {', '.join(FUSIONS)}")
-  return GradientReducer(strategy=strategy, nodes=nodes, local=local, fusion=fusion, bucket_bytes=bucket_bytes,
-                         **compression_options)
+  return GradientReducer(
+    strategy=strategy, nodes=nodes, local=local, fusion=fusion, bucket_bytes=bucket_bytes, **compression_options
+  )
 
 
 def _key(bucket: int) -> str:

@@ -23,7 +23,7 @@ set the pace, so that worst case is what ``dense`` and ``topk`` report as inter-
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from light_jax.parallel import collectives
 
@@ -107,8 +107,10 @@ def gtopk_bytes(b: Buffer) -> CommBytes:
   # log2(local) rounds inside the node and log2(nodes) across, k pairs each (both are powers of two),
   # then a ring all-reduce of k exact sums over every device.
   sums = dense_bytes(Buffer(b.k, b.itemsize, b.nodes, b.local))
-  return CommBytes(intra_node=(b.local.bit_length() - 1) * b.sparse_pair_bytes + sums.intra_node,
-                   inter_node=(b.nodes.bit_length() - 1) * b.sparse_pair_bytes + sums.inter_node)
+  return CommBytes(
+    intra_node=(b.local.bit_length() - 1) * b.sparse_pair_bytes + sums.intra_node,
+    inter_node=(b.nodes.bit_length() - 1) * b.sparse_pair_bytes + sums.inter_node,
+  )
 
 
 def whole_bucket(elements: int, local: int) -> int:
@@ -148,20 +150,45 @@ class Strategy:
   needs_power_of_two_devices: bool = False
 
 
-REGISTRY: dict[str, Strategy] = {s.name: s for s in (
-    Strategy("dense", collectives.dense_allreduce, dense_bytes, flat=True,
-             summary="one psum over (node, local)"),
-    Strategy("hierarchical", collectives.hierarchical_allreduce, hierarchical_bytes,
-             summary="reduce-scatter local, all-reduce node, all-gather local"),
-    Strategy("hitopk", collectives.hierarchical_topk_allreduce, hitopk_bytes, compressed=True,
-             topk_unit=local_shard, dense_fallback="hierarchical",
-             summary="hierarchical with top-k of the local shard across nodes (HiTopKComm)"),
-    Strategy("topk", collectives.topk_allreduce, topk_bytes, compressed=True, dense_fallback="dense", flat=True,
-             summary="top-k of the whole gradient, all-gather over every device"),
-    Strategy("gtopk", collectives.gtopk_allreduce, gtopk_bytes, compressed=True, dense_fallback="dense",
-             needs_power_of_two_devices=True,
-             summary="top-k merged by recursive doubling, exact sums at the global set (gTop-k)"),
-)}
+REGISTRY: dict[str, Strategy] = {
+  s.name: s
+  for s in (
+    Strategy("dense", collectives.dense_allreduce, dense_bytes, flat=True, summary="one psum over (node, local)"),
+    Strategy(
+      "hierarchical",
+      collectives.hierarchical_allreduce,
+      hierarchical_bytes,
+      summary="reduce-scatter local, all-reduce node, all-gather local",
+    ),
+    Strategy(
+      "hitopk",
+      collectives.hierarchical_topk_allreduce,
+      hitopk_bytes,
+      compressed=True,
+      topk_unit=local_shard,
+      dense_fallback="hierarchical",
+      summary="hierarchical with top-k of the local shard across nodes (HiTopKComm)",
+    ),
+    Strategy(
+      "topk",
+      collectives.topk_allreduce,
+      topk_bytes,
+      compressed=True,
+      dense_fallback="dense",
+      flat=True,
+      summary="top-k of the whole gradient, all-gather over every device",
+    ),
+    Strategy(
+      "gtopk",
+      collectives.gtopk_allreduce,
+      gtopk_bytes,
+      compressed=True,
+      dense_fallback="dense",
+      needs_power_of_two_devices=True,
+      summary="top-k merged by recursive doubling, exact sums at the global set (gTop-k)",
+    ),
+  )
+}
 NAMES = tuple(REGISTRY)
 
 
@@ -172,8 +199,9 @@ def get(name: str) -> Strategy:
     raise ValueError(f"unknown comm.strategy {name!r}; known: {list(NAMES)}") from None
 
 
-def strategy_bytes(name: str, elements: int, itemsize: int, nodes: int, local: int, k: int = 0,
-                   wire_itemsize: int | None = None) -> CommBytes:
+def strategy_bytes(
+  name: str, elements: int, itemsize: int, nodes: int, local: int, k: int = 0, wire_itemsize: int | None = None
+) -> CommBytes:
   """Exact per-device bytes of reducing one flat buffer of ``elements`` with strategy ``name`` (ring model).
 
   ``k`` is the number of entries a compressed strategy keeps per ``topk_unit``; ``wire_itemsize`` is the
