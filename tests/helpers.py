@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from light_jax.data import ArraySource, DatasetInfo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train_py(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+  """``python train.py ARGS`` from the repository root on CPU; stdout and stderr captured as text."""
+  return subprocess.run(
+    [sys.executable, "train.py", *args],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
+def override(config: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDict:
+  """Sets dotted fields written with "__" for "." (``comm__strategy="dense"``); returns ``config``."""
+  for dotted, value in fields.items():
+    *parents, leaf = dotted.split("__")
+    node = config
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
 
 
 class TinyCNN(nn.Module):

@@ -22,6 +22,7 @@ from light_jax import train_lib
 from light_jax.checkpoint import CheckpointError
 from light_jax.exit_codes import ExitCode
 from light_jax.metrics import read_metrics
+from tests.helpers import train_py
 from tests.test_train_loop import small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,14 +72,7 @@ def _differences(default, config):
 
 
 def _run_cli(workdir, expect, **fields):
-  result = subprocess.run(
-    _train_py(workdir, **fields),
-    cwd=ROOT,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+  result = train_py(*_train_py(workdir, **fields)[2:])
   assert result.returncode == expect, result.stderr[-4000:]
   return result.stderr
 

@@ -1,26 +1,16 @@
 """Config validation: one clear error per mistake, raised before anything heavy starts."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from configs import fashion_mnist, imagenet_resnet50
 from light_jax import config as config_lib
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import override, train_py
 
 
 def _config(**overrides):
-  config = fashion_mnist.get_config()
-  for dotted, value in overrides.items():
-    *parents, leaf = dotted.split("__")
-    node = config
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return override(fashion_mnist.get_config(), **overrides)
 
 
 def test_default_configs_validate():
@@ -74,15 +64,8 @@ def test_gtopk_needs_a_power_of_two_device_count():
   assert config_lib.validate(_config(comm__strategy="gtopk"), 8) == (2, 4)
 
 
-def _train_py(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run(
-    [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-  )
-
-
 def test_cli_reports_a_bad_config_without_traceback(tmp_path):
-  result = _train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path), "--config.mesh.nodes=3")
+  result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path), "--config.mesh.nodes=3")
   assert result.returncode == 2
   assert "error: invalid config: mesh 3 x 4 = 12 devices, but 8 are available" in result.stderr
   assert "Traceback" not in result.stderr
@@ -91,7 +74,7 @@ def test_cli_reports_a_bad_config_without_traceback(tmp_path):
 
 def test_cli_imagenet_without_prepared_data_says_how_to_prepare_it(tmp_path):
   # 8 simulated CPU devices as 1 x 8 stand in for the 16 x 8 GPU mesh.
-  result = _train_py(
+  result = train_py(
     "--config",
     "configs/imagenet_resnet50.py",
     "--workdir",

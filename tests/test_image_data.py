@@ -1,18 +1,14 @@
 """The JPEG input path: image-folder conversion, transforms, bad files, decoded caches, determinism."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from light_jax.data import DataError, EvalBatches, ImageSource, TrainBatches, records, transforms
+from tests.helpers import train_py
 from tests.image_folder_fixture import DECODABLE, bad_files, class_image, jpeg_bytes, make_image_folder
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -288,29 +284,20 @@ def test_train_py_on_an_image_folder_with_a_disk_cache(folder, tmp_path):
   """The CLI end to end: converted folder, decoded disk cache built on first use, two resolutions with
   a batch size each."""
   workdir = tmp_path / "run"
-  result = subprocess.run(
-    [
-      sys.executable,
-      "train.py",
-      "--config",
-      "configs/imagenet_resnet50.py:tiny",
-      "--workdir",
-      str(workdir),
-      "--config.data.dataset=image_folder",
-      f"--config.data.data_dir={folder['dir']}",
-      f"--config.data.cache_dir={tmp_path / 'cache'}",
-      "--config.data.resolution_schedule=0:16,1:24:8",
-      "--config.data.image_size=24",
-      "--config.global_batch_size=16",
-      "--config.data.num_workers=-1",
-      "--config.data.host_prefetch=-1",
-      "--config.comm.fusion=adaptive",
-    ],
-    cwd=ROOT,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    capture_output=True,
-    text=True,
-    timeout=600,
+  result = train_py(
+    "--config",
+    "configs/imagenet_resnet50.py:tiny",
+    "--workdir",
+    str(workdir),
+    "--config.data.dataset=image_folder",
+    f"--config.data.data_dir={folder['dir']}",
+    f"--config.data.cache_dir={tmp_path / 'cache'}",
+    "--config.data.resolution_schedule=0:16,1:24:8",
+    "--config.data.image_size=24",
+    "--config.global_batch_size=16",
+    "--config.data.num_workers=-1",
+    "--config.data.host_prefetch=-1",
+    "--config.comm.fusion=adaptive",
   )
   assert result.returncode == 0, result.stderr[-4000:]
   assert "decoded cache: building" in result.stderr

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.helpers import train_py
 from tests.ilsvrc_fixture import (
   CMYK_FIX_NAME,
   PNG_FIX_NAME,
@@ -235,27 +236,18 @@ def test_train_py_on_prepared_imagenet(prepared, tmp_path):
   import json
 
   workdir = tmp_path / "run"
-  result = subprocess.run(
-    [
-      sys.executable,
-      "train.py",
-      "--config",
-      "configs/imagenet_resnet50.py:tiny",
-      "--workdir",
-      str(workdir),
-      f"--config.data.data_dir={prepared['data_dir']}",
-      "--config.data.cache=memory",
-      f"--config.data.cache_dir={tmp_path / 'cache'}",
-      "--config.global_batch_size=16",
-      "--config.data.eval_batch_size=8",
-      "--config.data.resolution_schedule=",
-      "--config.data.image_size=24",
-    ],
-    cwd=ROOT,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    capture_output=True,
-    text=True,
-    timeout=600,
+  result = train_py(
+    "--config",
+    "configs/imagenet_resnet50.py:tiny",
+    "--workdir",
+    str(workdir),
+    f"--config.data.data_dir={prepared['data_dir']}",
+    "--config.data.cache=memory",
+    f"--config.data.cache_dir={tmp_path / 'cache'}",
+    "--config.global_batch_size=16",
+    "--config.data.eval_batch_size=8",
+    "--config.data.resolution_schedule=",
+    "--config.data.image_size=24",
   )
   assert result.returncode == 0, result.stderr[-4000:]
   assert "held in memory" in result.stderr

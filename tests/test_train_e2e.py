@@ -4,34 +4,23 @@ The loop's other behaviours are tested in-process: tests/test_train_loop.py."""
 
 import json
 import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import train_py
 
 
 def test_train_py_short_run_writes_metrics_and_summary(tmp_path):
   workdir = tmp_path / "run"
-  result = subprocess.run(
-    [
-      sys.executable,
-      "train.py",
-      "--config",
-      "configs/fashion_mnist.py",
-      "--workdir",
-      str(workdir),
-      "--config.data.train_subset=4096",
-      "--config.data.eval_subset=1000",
-      "--config.num_epochs=2",
-      "--config.global_batch_size=128",
-      "--config.data.eval_batch_size=96",
-      "--config.log_every_steps=8",
-    ],
-    cwd=ROOT,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    capture_output=True,
-    text=True,
-    timeout=600,
+  result = train_py(
+    "--config",
+    "configs/fashion_mnist.py",
+    "--workdir",
+    str(workdir),
+    "--config.data.train_subset=4096",
+    "--config.data.eval_subset=1000",
+    "--config.num_epochs=2",
+    "--config.global_batch_size=128",
+    "--config.data.eval_batch_size=96",
+    "--config.log_every_steps=8",
   )
   assert result.returncode == 0, result.stderr[-4000:]
   assert "mesh node x local = 2 x 4 (8 cpu devices" in result.stderr

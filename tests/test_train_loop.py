@@ -10,6 +10,7 @@ from configs import fashion_mnist
 from light_jax import train_lib
 from light_jax.hooks import Hooks, StepInfo
 from light_jax.metrics import read_metrics
+from tests.helpers import override
 
 
 def small_config(variant=None, **fields):
@@ -19,13 +20,7 @@ def small_config(variant=None, **fields):
   config.data.update(train_subset=2048, eval_subset=200, eval_batch_size=64)
   config.global_batch_size = 64
   config.num_epochs = 1
-  for dotted, value in fields.items():
-    *parents, leaf = dotted.split("__")
-    node = config
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return override(config, **fields)
 
 
 def test_hooks_run_by_period_and_predicate_in_order():

@@ -1,7 +1,7 @@
 """Gradient all-reduce strategies over the (node, local) mesh, written as lax collectives.
 
 Every function here runs *inside* ``jax.shard_map`` over both mesh axes and takes the device's
-**local** gradient (not yet reduced; see ``train_lib`` for how the step avoids JAX's implicit psum).
+**local** gradient (not yet reduced; see ``train_step.py`` for how the step avoids JAX's implicit psum).
 
 Dense strategies (``comm.strategy``), ``flat vector -> its sum over all devices``:
 - ``dense``: one ``psum`` over (node, local); XLA/NCCL picks the algorithm (a flat ring or tree).
