@@ -146,9 +146,9 @@ def _run(jax, config) -> tuple[int, str | None]:
   except train_lib.NonFiniteError as e:
     print(f"stopped: {e}", file=sys.stderr)
     return ExitCode.NONFINITE_STOP, None  # every process saw the same non-finite step and stopped after the same save
-  if summary.get("stopped") == "preempted":
+  if summary.get("stopped"):
     print(
-      f"preempted after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "
+      f"{summary['stopped']} after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "
       f"run the same command again to resume.",
       file=sys.stderr,
     )

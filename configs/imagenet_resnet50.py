@@ -60,8 +60,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.num_epochs = 37
   config.optimizer.update(
     name="lars",
-    # Peak lr 25, as Google's MLPerf LARS submission for batches below 32k (docs/techniques.md section 6;
-    # its next bracket, 29 with 18 warm-up epochs, starts at 32k: which applies at 32,768 is not settled).
+    # Peak lr 25 with 5 warm-up epochs: Google's MLPerf LARS values for batches below 32k. 32,768 is in
+    # its next bracket (29, 18 warm-up epochs, momentum 0.929; docs/techniques.md section 6): not tuned yet.
     base_lr=25.0 * 256 / 32_768,
     nesterov=False,
     weight_decay=5e-5,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from light_jax import checkpoint as checkpoint_lib
 from light_jax import schedules
 from light_jax import train_step as step_lib
 from light_jax.data import DatasetInfo
@@ -67,7 +68,9 @@ class CompiledSteps:
     self.adaptive_per_phase = comm.fusion == "adaptive" and not reducer.spec.compressed
     if comm.fusion == "adaptive" and not self.adaptive_per_phase:
       reducer = self._planned(reducer, self.batch_shape_at(0))
-    self.reducer = reducer  # the reducer of the first phase: its init_state is the train state's comm_state
+    # Its init_state is the train state's comm_state; each phase's step uses reducer_at(step), which may
+    # re-plan the buckets (adaptive fusion of a dense strategy) but keeps this comm_state's shapes.
+    self.reducer = reducer
     self.density_warmup_steps = plan.step_at(comm.density_warmup_epochs)
     self.sharding = mesh_lib.batch_sharding(mesh)
     self._compiled: dict[tuple, tuple[Callable, CommBytes]] = {}
@@ -94,7 +97,7 @@ class CompiledSteps:
   def _compile(self, step: int, state: step_lib.TrainState) -> tuple[Callable, CommBytes]:
     density, batch_shape = self.density_at(step), self.batch_shape_at(step)
     reducer = self.reducer_at(step)
-    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    abstract_state = checkpoint_lib.abstract(state)
     images = jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=self.sharding)
     labels = jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=self.sharding)
     start = time.time()

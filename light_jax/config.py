@@ -12,13 +12,6 @@ from collections.abc import Callable
 
 import ml_collections
 
-from light_jax import schedules
-from light_jax.models import ARCHITECTURES
-from light_jax.parallel import compression, cost_model, strategies
-from light_jax.parallel import mesh as mesh_lib
-from light_jax.parallel.reducer import FUSIONS
-
-SELECTORS = tuple(compression.SELECTORS)
 OPTIMIZERS = ("sgd", "lars", "lamb")
 DECAYS = ("poly", "cosine")
 DTYPES = ("float32", "bfloat16")
@@ -160,6 +153,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   Raises:
     ConfigError: with a message that says what to change.
   """
+  # Imported here, not at the top: config files import this module (for base_config) while train.py
+  # parses its flags, before it has set up JAX's devices; this module itself stays free of JAX.
+  from light_jax import schedules
+  from light_jax.models import ARCHITECTURES
+  from light_jax.parallel import compression, cost_model, strategies
+  from light_jax.parallel import mesh as mesh_lib
+  from light_jax.parallel.reducer import FUSIONS
+
   _choice("comm.strategy", config.comm.strategy, strategies.NAMES)
   _choice("comm.fusion", config.comm.fusion, FUSIONS)
   if config.comm.fusion == "adaptive":
@@ -169,7 +170,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       raise ConfigError(str(e)) from None
     _positive("comm.device_tflops", config.comm.device_tflops)
   _positive("comm.bucket_bytes", config.comm.bucket_bytes, allow_zero=True)
-  _choice("comm.topk_selector", config.comm.topk_selector, SELECTORS)
+  _choice("comm.topk_selector", config.comm.topk_selector, tuple(compression.SELECTORS))
   _choice("comm.dtype", config.comm.dtype, DTYPES)
   _positive("comm.min_compress_elements", config.comm.min_compress_elements, allow_zero=True)
   _positive("comm.density_warmup_epochs", config.comm.density_warmup_epochs, allow_zero=True)
@@ -208,6 +209,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _choice("train.on_nonfinite", config.train.on_nonfinite, ("skip", "stop"))
   _positive("checkpoint.every_steps", config.checkpoint.every_steps, allow_zero=True)
   _positive("checkpoint.keep", config.checkpoint.keep)
+  _positive("log_every_steps", config.log_every_steps)
   _positive("num_epochs", config.num_epochs)
   _positive("max_steps", config.max_steps, allow_zero=True)
 
@@ -217,9 +219,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     raise ConfigError(str(e)) from None
   devices = nodes * local
   if strategies.get(config.comm.strategy).needs_power_of_two_devices and devices & (devices - 1):
+    others = [s.name for s in strategies.REGISTRY.values() if s.compressed and not s.needs_power_of_two_devices]
     raise ConfigError(
       f"comm.strategy={config.comm.strategy!r} pairs devices by the bits of their index and needs "
-      f"a power-of-two device count, not {nodes} x {local} = {devices}; use 'hitopk' or 'topk', "
+      f"a power-of-two device count, not {nodes} x {local} = {devices}; use {' or '.join(map(repr, others))}, "
       f"or a mesh of {1 << (devices.bit_length() - 1)} devices."
     )
 

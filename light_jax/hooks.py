@@ -2,8 +2,12 @@
 
 A hook is a function of ``StepInfo`` run after a step when it is due: every ``every`` steps, or when
 ``when(step)`` holds (epoch ends, which are not periodic when the batch size changes between phases).
-It may return a reason to stop ("preempted", "nonfinite"); the loop stops after running every hook due
-at that step, so a stop still gets its evaluation record and its checkpoint.
+It may return a reason to stop (``PREEMPTED``, ``NONFINITE``, or its own); the loop stops after running
+every hook due at that step, and the driver then saves a checkpoint at that step.
+
+In a multi-process run some hooks make collectives (``ProgressBar``'s loss, ``EpochEvaluation``, the
+preemption check): every process runs the same hooks at the same steps, so a hook must never decide
+from something one process alone sees whether to make a collective.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from light_jax import metrics as metrics_lib
 from light_jax import schedules
 from light_jax import train_step as step_lib
 from light_jax.parallel.strategies import CommBytes
+from light_jax.preemption import PreemptionGuard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +40,8 @@ class StepInfo:
 
 
 Hook = Callable[[StepInfo], "str | None"]
+PREEMPTED = "preempted"  # a SIGTERM / SIGINT reached some process
+NONFINITE = "nonfinite"  # a non-finite loss or gradient with train.on_nonfinite="stop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +89,10 @@ class ProgressBar:
     self.bar.update(1)
     self._images += info.batch_size
     if info.step % self.log_every == 0:
+      loss = step_lib.global_mean(info.loss)  # waits for this step: the clock below then counts it
       now = time.perf_counter()
       self.bar.set_postfix(
-        loss=f"{step_lib.global_mean(info.loss):.4f}",
+        loss=f"{loss:.4f}",
         lr=f"{float(self.schedule(info.step)):.3g}",
         img_s=f"{self._images / (now - self._since):.0f}",
       )
@@ -92,11 +100,15 @@ class ProgressBar:
 
 
 class NonFiniteCheck:
-  """Warns when steps with a non-finite loss or gradient were skipped; policy "stop" stops the run."""
+  """Warns when steps with a non-finite loss or gradient were skipped; policy "stop" stops the run.
 
-  def __init__(self, policy: str):
+  ``seen``: the count already reported (a resumed run starts from its checkpoint's, so an old bad step
+  does not stop it again).
+  """
+
+  def __init__(self, policy: str, seen: int = 0):
     self.policy = policy
-    self.seen = 0
+    self.seen = seen
 
   def __call__(self, info: StepInfo) -> str | None:
     count = int(info.state.nonfinite_steps.addressable_data(0))  # replicated: any device's copy
@@ -106,7 +118,17 @@ class NonFiniteCheck:
     logging.warning(
       "%d step(s) with a non-finite loss or gradient so far (update skipped); policy: %s", count, self.policy
     )
-    return "nonfinite" if self.policy == "stop" else None
+    return NONFINITE if self.policy == "stop" else None
+
+
+class PreemptionCheck:
+  """Stops the run when any process received SIGTERM / SIGINT (a collective with several processes)."""
+
+  def __init__(self, guard: PreemptionGuard):
+    self.guard = guard
+
+  def __call__(self, info: StepInfo) -> str | None:
+    return PREEMPTED if self.guard.requested() else None
 
 
 class CheckpointSaver:
@@ -147,9 +169,9 @@ class EpochEvaluation:
     self._start_step, self._start_time, self._start_wait = start_step, time.perf_counter(), prefetcher.wait_seconds
 
   def __call__(self, info: StepInfo) -> None:
+    train_loss = step_lib.epoch_mean_loss(info.state)  # waits for the step: the clock below then counts it
     train_seconds = time.perf_counter() - self._start_time
     images = sum(self.plan.batch_size_at(s) for s in range(self._start_step, info.step))
-    train_loss = step_lib.epoch_mean_loss(info.state)
     record = epoch_record(
       info.step,
       self.plan,

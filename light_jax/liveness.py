@@ -12,7 +12,7 @@ key-value store every ``interval`` seconds and reads everyone else's in one call
 * losing the key-value store itself means the coordinator (process 0) is gone.
 
 In each case the watchdog prints one line naming the process and the cause and ends this process with
-``EXIT_PEER_FAILURE``; the main thread may be stuck inside a collective, so only ``os._exit`` is sure to
+``ExitCode.PEER_FAILURE``; the main thread may be stuck inside a collective, so only ``os._exit`` is sure to
 work. Checkpoints already committed stay valid: rerunning the same command on every machine resumes.
 JAX's own heartbeat stays on as the backstop (train.py sets it to twice ``peer_timeout``).
 """
@@ -26,7 +26,6 @@ from absl import logging
 
 from light_jax.exit_codes import ExitCode
 
-EXIT_PEER_FAILURE = ExitCode.PEER_FAILURE
 _PREFIX = "light_jax/liveness/"
 
 
@@ -117,7 +116,7 @@ class PeerWatchdog:
 
   def _fail(self, reason: str) -> None:
     report_stop(self.process_index, self.process_count, reason, self.workdir)
-    os._exit(EXIT_PEER_FAILURE)
+    os._exit(ExitCode.PEER_FAILURE)
 
 
 _CONNECTION_MARKERS = (

@@ -29,7 +29,18 @@ from light_jax import optim, schedules
 from light_jax import train_step as step_lib
 from light_jax.compiled_steps import CompiledSteps
 from light_jax.data import autotune
-from light_jax.hooks import CheckpointSaver, EpochEvaluation, Hook, Hooks, NonFiniteCheck, ProgressBar, StepInfo
+from light_jax.hooks import (
+  NONFINITE,
+  PREEMPTED,
+  CheckpointSaver,
+  EpochEvaluation,
+  Hook,
+  Hooks,
+  NonFiniteCheck,
+  PreemptionCheck,
+  ProgressBar,
+  StepInfo,
+)
 from light_jax.models import create_model
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.preemption import PreemptionGuard
@@ -56,22 +67,24 @@ def train_and_evaluate(
   model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
   schedule = schedules.learning_rate_schedule(config.optimizer, plan)
   tx = optim.build_optimizer(config.optimizer, schedule)
-  steps = CompiledSteps(config, model, tx, mesh, info, plan)
-  state = step_lib.create_train_state(model, tx, steps.reducer, info.image_shape, mesh, config.seed)
+  compiled = CompiledSteps(config, model, tx, mesh, info, plan)
+  state = step_lib.create_train_state(model, tx, compiled.reducer, info.image_shape, mesh, config.seed)
   _log_setup(config, plan, state, total_steps, len(train_batches.source), len(eval_batches.source))
 
   checkpointer = checkpoint_lib.Checkpointer(workdir, config.checkpoint.keep)
   meta = {"config": json.loads(config.to_json_best_effort()), "mesh": list(mesh.devices.shape)}
   start_step, state = restore(checkpointer, state, meta["config"], plan)
-  steps.for_step(start_step, state)  # compile before the clock starts
+  finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
+  if not finished:
+    compiled.for_step(start_step, state)  # compile before the clock starts
 
-  input_settings = tune_input(config, train_batches, start_step, steps)  # grain threads, workers, buffer
+  input_settings = tune_input(config, train_batches, start_step, compiled, measure=not finished)
   eval_step = step_lib.make_eval_step(model, mesh, info)
   evaluate = functools.partial(
-    step_lib.evaluate, eval_step, batches=eval_batches, sharding=steps.sharding, **input_settings
+    step_lib.evaluate, eval_step, batches=eval_batches, sharding=compiled.sharding, **input_settings
   )
   host_batches = train_batches.iterator(start_step, **input_settings)
-  prefetcher = data_lib.DevicePrefetcher(host_batches, steps.sharding, size=config.data.prefetch)
+  prefetcher = data_lib.DevicePrefetcher(host_batches, compiled.sharding, size=config.data.prefetch)
   is_main = jax.process_index() == 0
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=start_step or None)
   bar = metrics_lib.progress_bar(total_steps, enabled=is_main, initial=start_step)
@@ -84,34 +97,33 @@ def train_and_evaluate(
   for hook, every in extra_hooks:
     hooks.add(hook, every=every)
   hooks.add(ProgressBar(bar, schedule, config.log_every_steps), every=1)
-  nonfinite = NonFiniteCheck(config.train.on_nonfinite)
+  nonfinite = NonFiniteCheck(config.train.on_nonfinite, seen=int(state.nonfinite_steps.addressable_data(0)))
   hooks.add(nonfinite, every=config.log_every_steps, when=ends_record)
-  # In a multi-process run the check is a collective: every process makes it at the same steps.
-  preemption_every = 1 if jax.process_count() == 1 else config.log_every_steps
-  hooks.add(lambda _: "preempted" if preemption.requested() else None, every=preemption_every)
+  # With several processes the check is a collective, so not every step.
+  hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
   evaluation = EpochEvaluation(evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps)
   hooks.add(evaluation, when=ends_record)
   saver = CheckpointSaver(checkpointer, meta)
   hooks.add(saver, every=config.checkpoint.every_steps)
 
   try:
-    loop = train_loop(state, start_step, total_steps, prefetcher, steps, hooks)
+    loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)
     checkpointer.save(loop.step, loop.state, meta)  # the last step (no-op when its hook just saved it)
   finally:
     prefetcher.close()
     bar.close()
+    writer.close()
     preemption.uninstall()
     checkpointer.close()  # waits for saves in flight
   if loop.stop:
     return stopped(loop)
 
   # A finished run resumed ran no step: evaluate what it restored (every process alike) to report again.
-  final = evaluation.last_record or final_metrics(evaluate, loop, steps)
+  final = evaluation.last_record or final_metrics(evaluate, loop, compiled)
   summary = run_summary(
     config, final, writer.records, plan, mesh, loop, start_step, nonfinite.seen, saver.blocking_seconds, wall_start
   )
   writer.write_summary(summary)
-  writer.close()
   return summary
 
 
@@ -119,7 +131,7 @@ def train_and_evaluate(
 class LoopResult:
   state: step_lib.TrainState
   step: int  # steps done
-  stop: str | None  # why the loop stopped early: "preempted", "nonfinite" (None: it ran to the end)
+  stop: str | None  # why the loop stopped early (hooks.PREEMPTED, hooks.NONFINITE, ...); None: it ran to the end
   seconds: float
 
 
@@ -128,7 +140,7 @@ def train_loop(
   start_step: int,
   total_steps: int,
   batches: Iterator[dict],
-  steps: CompiledSteps,
+  compiled: CompiledSteps,
   hooks: Hooks,
 ) -> LoopResult:
   """Runs steps ``start_step`` .. ``total_steps`` - 1, each followed by the hooks due, until one says stop."""
@@ -136,28 +148,30 @@ def train_loop(
   step, stop = start_step, None
   while step < total_steps and not stop:
     batch = next(batches)
-    train_step, comm_bytes = steps.for_step(step, state)
-    state, loss = train_step(state, batch["images"], batch["labels"])
+    step_fn, comm_bytes = compiled.for_step(step, state)
+    state, loss = step_fn(state, batch["images"], batch["labels"])
     step += 1
     stop = hooks.run(StepInfo(step, state, loss, batch["labels"].shape[0], comm_bytes))
   return LoopResult(state, step, stop, time.perf_counter() - start)
 
 
 def stopped(loop: LoopResult) -> dict[str, Any]:
-  """Preempted: a short summary (the caller tells the user to rerun). Non-finite with policy stop: raises."""
-  if loop.stop == "nonfinite":
+  """A run a hook stopped: raises ``NonFiniteError`` for a non-finite step, else a short summary (the
+  caller tells the user to rerun the same command to resume)."""
+  if loop.stop == NONFINITE:
     raise NonFiniteError(
       f"non-finite loss or gradient at or before step {loop.step} (train.on_nonfinite='stop'); the bad update "
-      f"was skipped and a checkpoint saved at step {loop.step}. Lower the learning rate or set "
-      f"--config.train.on_nonfinite=skip, then rerun to resume."
+      f"was skipped and a checkpoint saved at step {loop.step}. Rerun with --config.train.on_nonfinite=skip to go "
+      f"on from there, or start again in a new --workdir with a lower --config.optimizer.base_lr."
     )
-  logging.warning("stopped by a signal after step %d; checkpoint saved, rerun the same command to resume", loop.step)
+  cause = "a signal" if loop.stop == PREEMPTED else f"a hook ({loop.stop})"
+  logging.warning("stopped by %s after step %d; checkpoint saved, rerun the same command to resume", cause, loop.step)
   return {"stopped": loop.stop, "steps": loop.step}
 
 
-def final_metrics(evaluate, loop: LoopResult, steps: CompiledSteps) -> dict[str, Any]:
+def final_metrics(evaluate, loop: LoopResult, compiled: CompiledSteps) -> dict[str, Any]:
   """The last record's metrics for a run that ran no step: evaluation, epoch loss and bytes from the state."""
-  comm_bytes = steps.comm_bytes_at(loop.step - 1, loop.state.params)
+  comm_bytes = compiled.comm_bytes_at(loop.step - 1, loop.state.params)
   return {
     **evaluate(loop.state),
     "train_loss": step_lib.epoch_mean_loss(loop.state),
@@ -214,13 +228,21 @@ def restore(
 
 
 def tune_input(
-  config: ml_collections.ConfigDict, train_batches: data_lib.TrainBatches, start_step: int, steps: CompiledSteps
+  config: ml_collections.ConfigDict,
+  train_batches: data_lib.TrainBatches,
+  start_step: int,
+  compiled: CompiledSteps,
+  measure: bool = True,
 ) -> dict[str, int]:
   """Grain's settings for the run, ``{read_threads, workers, buffer}``: the config's worker count and prefetch
   depth, or for -1 measured on this machine in bounded time with the batches the run will read; the
-  batches buffered ahead may take a quarter of the free memory at the largest batch shape."""
+  batches buffered ahead may take a quarter of the free memory at the largest batch shape. Without
+  ``measure`` (no step left to run), -1 means no worker process and a depth of one batch per thread."""
   read_threads = config.data.read_threads
-  largest = max(math.prod(steps.batch_shape_at(s)) for s in train_batches.plan.first_steps[:-1])
+  if not measure:
+    workers, depth = max(config.data.num_workers, 0), config.data.host_prefetch
+    return {"read_threads": read_threads, "workers": workers, "buffer": depth if depth > 0 else read_threads}
+  largest = max(math.prod(compiled.batch_shape_at(s)) for s in train_batches.plan.first_steps[:-1])
   workers, depth = autotune.best_input_settings(
     lambda w, d: train_batches.iterator(start_step, read_threads=read_threads, buffer=d, workers=w),
     config.data.num_workers,

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from configs import fashion_mnist
 from light_jax.data import ArraySource, DatasetInfo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,3 +62,13 @@ def random_source(n: int, shape=(12, 12, 1), num_classes: int = 10, seed: int = 
 
 def info_for(source: ArraySource, num_classes: int = 10) -> DatasetInfo:
   return DatasetInfo(num_classes=num_classes, image_shape=source.images.shape[1:], mean=(127.5,), std=(64.0,))
+
+
+def small_config(variant=None, **fields):
+  """fashion_mnist.py[:variant] on 2,048 training images (batch 64: 32 steps per epoch), then ``fields``
+  (dotted names with "__" for ".")."""
+  config = fashion_mnist.get_config(variant)
+  config.data.update(train_subset=2048, eval_subset=200, eval_batch_size=64)
+  config.global_batch_size = 64
+  config.num_epochs = 1
+  return override(config, **fields)

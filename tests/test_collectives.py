@@ -178,3 +178,16 @@ def test_bfloat16_wire_is_close_to_float32_and_halves_dense_bytes(problem, strat
     assert narrow.inter_node <= wide.inter_node // 2 + 64
   else:
     assert narrow.inter_node == wide.inter_node
+
+
+def test_every_strategy_record_is_complete():
+  """A new entry in the registry cannot leave out what the reducer, the accounting and the cost model need."""
+  for spec in strategies.REGISTRY.values():
+    if spec.compressed:
+      fallback = strategies.get(spec.dense_fallback)
+      assert not fallback.compressed, spec.name
+      assert spec.topk_unit(1000, 4) in (1000, 250), spec.name
+    else:
+      assert spec.dense_fallback is None, spec.name
+    sent = spec.bytes(strategies.Buffer(elements=1000, itemsize=4, nodes=2, local=4, k=10 if spec.compressed else 0))
+    assert sent.inter_node > 0 and sent.intra_node > 0, spec.name

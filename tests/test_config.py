@@ -112,10 +112,7 @@ def test_cli_imagenet_without_prepared_data_says_how_to_prepare_it(tmp_path):
   ],
 )
 def test_bad_image_data_config_gets_one_clear_error(overrides, message):
-  config = imagenet_resnet50.get_config("tiny")
-  for key, value in overrides.items():
-    section, field = key.split("__")
-    config[section][field] = value
+  config = override(imagenet_resnet50.get_config("tiny"), **overrides)
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.validate(config, 8)
   assert config_lib.validate(imagenet_resnet50.get_config("tiny"), 8) == (2, 4)

@@ -217,3 +217,20 @@ def test_survivor_stops_with_the_reason_when_a_process_fails(tmp_path):
   out = logs[0].read_text()
   assert procs[0].returncode == ExitCode.PEER_FAILURE, out[-3000:]
   assert "error: stopping process 0 of 2: process 1 failed: Fashion-MNIST" in out, out[-3000:]
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step_with_a_checkpoint(tmp_path):
+  """Preemption through train.py: the processes agree on the signal (an all-gather every log step), so
+  both save the same step and exit 0; rerunning the same command would resume there."""
+  procs, logs = _start_pair(tmp_path, [[], []])
+  _wait_for(logs[0], "step compiled", procs)
+  time.sleep(2)  # some steps in
+  procs[1].send_signal(signal.SIGTERM)
+  for i in (1, 0):
+    _exit_within(procs[i], 60, logs[i])
+  outs = [log.read_text() for log in logs]
+  assert [p.returncode for p in procs] == [ExitCode.OK, ExitCode.OK], outs[0][-3000:] + outs[1][-3000:]
+  assert "received SIGTERM" in outs[1] and "received SIGTERM" not in outs[0]
+  stopped = {int(out.split("preempted after step ")[1].split(":")[0]) for out in outs}
+  assert len(stopped) == 1, stopped  # the same step on both
+  assert stopped <= {int(name) for name in os.listdir(tmp_path / "run" / "checkpoints") if name.isdigit()}

@@ -6,21 +6,10 @@ import shutil
 
 import pytest
 
-from configs import fashion_mnist
-from light_jax import train_lib
+from light_jax import schedules, train_lib
 from light_jax.hooks import Hooks, StepInfo
 from light_jax.metrics import read_metrics
-from tests.helpers import override
-
-
-def small_config(variant=None, **fields):
-  """fashion_mnist.py[:variant] on 2,048 training images (batch 64: 32 steps per epoch), then ``fields``
-  (dotted names with "__" for ".")."""
-  config = fashion_mnist.get_config(variant)
-  config.data.update(train_subset=2048, eval_subset=200, eval_batch_size=64)
-  config.global_batch_size = 64
-  config.num_epochs = 1
-  return override(config, **fields)
+from tests.helpers import small_config
 
 
 def test_hooks_run_by_period_and_predicate_in_order():
@@ -83,3 +72,18 @@ def test_resuming_a_finished_run_reports_again_even_without_metrics_jsonl(tmp_pa
   for key in ("final_eval_top1", "final_eval_top5", "final_train_loss"):
     assert again[key] == pytest.approx(first[key], abs=1e-6), key
   assert again["inter_node_bytes_per_step"] == first["inter_node_bytes_per_step"]
+
+
+def test_a_batch_larger_than_the_split_is_a_clear_error(tmp_path):
+  with pytest.raises(schedules.ScheduleError, match=r"has 2048 examples, fewer than one global batch \(4096\)"):
+    train_lib.train_and_evaluate(small_config(global_batch_size=4096), str(tmp_path))
+
+
+def test_a_run_stopped_on_a_nonfinite_step_resumes_past_it(tmp_path):
+  """The checkpoint remembers the bad step; rerunning with the same policy goes on instead of stopping
+  again at the first check (before, the count restarted from 0, so the old step looked new)."""
+  config = small_config(train__inject_nan_at_step=3, train__on_nonfinite="stop", log_every_steps=2, max_steps=8)
+  with pytest.raises(train_lib.NonFiniteError, match="at or before step 4"):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  assert summary["steps"] == 8 and summary["resumed_from_step"] == 4 and summary["nonfinite_steps"] == 1

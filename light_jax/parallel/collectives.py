@@ -23,8 +23,8 @@ Compressed strategies, ``(flat vector, residual) -> (approximate sum, new residu
   missed G; here one k-element psum of every device's corrected gradient at G gives the exact sums
   instead, and the residual is the corrected gradient off G, so error feedback loses nothing (partial
   sums dropped in an early round would otherwise vanish). Needs a power-of-two device count.
-Buckets too small to be worth compressing (``min_compress_elements``) go dense (hierarchical for
-``hitopk``, psum for ``topk``).
+Buckets too small to be worth compressing (``min_compress_elements``) go to the strategy's dense
+fallback (``Strategy.dense_fallback`` in ``strategies.py``).
 
 Each strategy's record (bytes per level, state size, dense fallback) is in ``strategies.py``; the
 reducer that applies one to a whole gradient pytree, bucket by bucket, is ``reducer.py``. The algorithms

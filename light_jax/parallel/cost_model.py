@@ -47,9 +47,8 @@ class ClusterCost:
     self, strategy: str, num_elements: int, nodes: int, local: int, k: int = 0, itemsize: int = 4
   ) -> float:
     """Modelled time of reducing one flat buffer: each level's bytes at that level's cost, in sequence."""
-    spec = strategies.get(strategy)
-    b = spec.bytes(strategies.Buffer(num_elements, itemsize, nodes, local, k))
-    if spec.flat and nodes > 1:
+    b = strategies.strategy_bytes(strategy, num_elements, itemsize, nodes, local, k)
+    if strategies.get(strategy).flat and nodes > 1:
       return self.inter.seconds(b.inter_node)  # a flat ring runs at the pace of its slowest link
     return self.intra.seconds(b.intra_node) + self.inter.seconds(b.inter_node)
 

@@ -136,13 +136,11 @@ class Strategy:
     dense_fallback: compressed strategies: the strategy for buckets below ``comm.min_compress_elements``.
     flat: one collective over every device, paced by the slowest link (not a sum of the two levels).
     needs_power_of_two_devices: the algorithm pairs devices by the bits of their index.
-    summary: one line for help texts and tables.
   """
 
   name: str
   reduce: Callable
   bytes: Callable[[Buffer], CommBytes]
-  summary: str
   compressed: bool = False
   topk_unit: Callable[[int, int], int] = whole_bucket
   dense_fallback: str | None = None
@@ -153,13 +151,8 @@ class Strategy:
 REGISTRY: dict[str, Strategy] = {
   s.name: s
   for s in (
-    Strategy("dense", collectives.dense_allreduce, dense_bytes, flat=True, summary="one psum over (node, local)"),
-    Strategy(
-      "hierarchical",
-      collectives.hierarchical_allreduce,
-      hierarchical_bytes,
-      summary="reduce-scatter local, all-reduce node, all-gather local",
-    ),
+    Strategy("dense", collectives.dense_allreduce, dense_bytes, flat=True),
+    Strategy("hierarchical", collectives.hierarchical_allreduce, hierarchical_bytes),
     Strategy(
       "hitopk",
       collectives.hierarchical_topk_allreduce,
@@ -167,7 +160,6 @@ REGISTRY: dict[str, Strategy] = {
       compressed=True,
       topk_unit=local_shard,
       dense_fallback="hierarchical",
-      summary="hierarchical with top-k of the local shard across nodes (HiTopKComm)",
     ),
     Strategy(
       "topk",
@@ -176,7 +168,6 @@ REGISTRY: dict[str, Strategy] = {
       compressed=True,
       dense_fallback="dense",
       flat=True,
-      summary="top-k of the whole gradient, all-gather over every device",
     ),
     Strategy(
       "gtopk",
@@ -185,7 +176,6 @@ REGISTRY: dict[str, Strategy] = {
       compressed=True,
       dense_fallback="dense",
       needs_power_of_two_devices=True,
-      summary="top-k merged by recursive doubling, exact sums at the global set (gTop-k)",
     ),
   )
 }
