@@ -13,7 +13,9 @@ from something one process alone sees whether to make a collective.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -192,6 +194,37 @@ class EpochEvaluation:
     )
     self.last_record = record
     self._start_step, self._start_time, self._start_wait = info.step, time.perf_counter(), self.prefetcher.wait_seconds
+
+
+class StepTimer:
+  """Waits for each step, then appends its wall seconds and the bytes this machine's network interfaces
+  sent during it (loopback excluded; Linux sysfs counters) to a JSON-lines file."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._last_time, self._last_sent = time.perf_counter(), sent_bytes()
+
+  def __call__(self, info: StepInfo) -> None:
+    jax.block_until_ready(info.loss)
+    now, sent = time.perf_counter(), sent_bytes()
+    with open(self.path, "a") as f:
+      f.write(json.dumps({"step": info.step, "seconds": now - self._last_time, "sent_bytes": sent - self._last_sent}))
+      f.write("\n")
+    self._last_time, self._last_sent = now, sent
+
+
+def sent_bytes() -> int:
+  """Bytes sent by this network namespace's interfaces but loopback, so far (0 where sysfs has none)."""
+  total = 0
+  root = "/sys/class/net"
+  for name in os.listdir(root) if os.path.isdir(root) else ():
+    if name != "lo":
+      try:
+        with open(os.path.join(root, name, "statistics", "tx_bytes")) as f:
+          total += int(f.read())
+      except OSError:
+        pass
+  return total
 
 
 def epoch_record(

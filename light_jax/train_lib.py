@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -40,6 +41,7 @@ from light_jax.hooks import (
   PreemptionCheck,
   ProgressBar,
   StepInfo,
+  StepTimer,
 )
 from light_jax.models import create_model
 from light_jax.parallel import mesh as mesh_lib
@@ -105,6 +107,8 @@ def train_and_evaluate(
   hooks.add(evaluation, when=ends_record)
   saver = CheckpointSaver(checkpointer, meta)
   hooks.add(saver, every=config.checkpoint.every_steps)
+  if config.train.time_steps and is_main:
+    hooks.add(StepTimer(os.path.join(workdir, "step_times.jsonl")), every=1)
 
   try:
     loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)

@@ -1,0 +1,193 @@
+"""An emulated cluster on one machine: N "machines" = N Linux network namespaces on shaped links.
+
+Each node is a network namespace with its own address, joined to the others through a veth pair to a
+bridge in the root namespace. Each node's egress is shaped with ``tc`` (a token bucket, ``tbf``) to the
+inter-node bandwidth, so everything a node sends to another one crosses a link of that rate. The kernel
+here has no ``sch_netem``, so no latency is added: it is whatever the veth and bridge give (tens of
+microseconds). A process started with ``run`` lives in its node's namespace and reaches the others only
+through the shaped links, so ``train.py`` runs there as it would on separate machines (one process per
+node, ``jax.distributed`` over gloo).
+
+Two traps of gloo in namespaces are handled here:
+- the coordinator address must be node 0's namespace address (``coordinator``), not 127.0.0.1;
+- gloo advertises the address the hostname resolves to (127.0.0.1 on these machines), so peers would
+  connect to themselves: ``ip netns exec`` bind-mounts ``/etc/netns/NS/hosts`` over ``/etc/hosts``,
+  and each node gets one that maps the hostname to its own address.
+
+Needs root and iproute2. Names carry a per-run id, so two clusters never collide, and ``close`` (also
+called on exit and on SIGTERM/SIGINT) removes every namespace, link, qdisc and hosts file it made.
+Traffic only goes to the addresses of the namespaces made here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Sequence
+
+
+class ClusterError(RuntimeError):
+  """The emulated cluster cannot be made here; the message says why and what to do instead."""
+
+
+def check_privileges() -> None:
+  """Raises ClusterError unless this process can make namespaces (root and iproute2)."""
+  if os.geteuid() != 0:
+    raise ClusterError(
+      "an emulated cluster needs root (network namespaces, veth links, tc); run as root, or use the unshaped "
+      "127.0.0.1 mode (--bandwidth unshaped --no_namespaces)"
+    )
+  if shutil.which("ip") is None or shutil.which("tc") is None:
+    raise ClusterError(
+      "an emulated cluster needs iproute2 (`ip`, `tc`): apt-get install -y iproute2, or use the unshaped "
+      "127.0.0.1 mode (--bandwidth unshaped --no_namespaces)"
+    )
+
+
+def parse_rate(text: str) -> int | None:
+  """ "50mbit" -> 50_000_000 bits/s; "unshaped" -> None. Units: bit, kbit, mbit, gbit (powers of 1000)."""
+  text = text.strip().lower()
+  if text == "unshaped":
+    return None
+  for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
+    if text.endswith(unit):
+      try:
+        value = float(text[: -len(unit)])
+      except ValueError:
+        break
+      if value > 0:
+        return int(value * scale)
+  raise ValueError(f"bandwidth {text!r} is not 'unshaped' or a rate like '10mbit', '500kbit', '1gbit'")
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+  result = subprocess.run(args, capture_output=True, text=True)
+  if check and result.returncode:
+    raise ClusterError(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
+  return result
+
+
+class EmulatedCluster:
+  """``nodes`` namespaces on a bridge, each node's egress shaped to ``bandwidth_bits`` (None: unshaped).
+
+  Use as a context manager; ``run(node, argv)`` starts a process in a node, ``sent_bytes(node)`` reads
+  what the node has sent over its link so far.
+  """
+
+  def __init__(self, nodes: int, bandwidth_bits: int | None = None):
+    check_privileges()
+    if nodes < 1 or nodes > 200:
+      raise ClusterError(f"nodes={nodes}: use 1 to 200")
+    self.nodes = nodes
+    self.id = f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"  # names are at most 15 characters
+    self.subnet = ipaddress.ip_network(f"10.{random.randrange(64, 128)}.{random.randrange(256)}.0/24")
+    self.bridge = f"lj{self.id}b"
+    self.namespaces = [f"lj{self.id}n{i}" for i in range(nodes)]
+    self.host_links = [f"lj{self.id}h{i}" for i in range(nodes)]  # the bridge's end of each node's link
+    self.node_links = [f"lj{self.id}c{i}" for i in range(nodes)]  # the node's end
+    self.addresses = [str(self.subnet[i + 1]) for i in range(nodes)]
+    self.bandwidth_bits = bandwidth_bits
+    self._processes: list[subprocess.Popen] = []
+    self._closed = False
+    self._lock = threading.Lock()
+    self._previous_handlers = {}
+    atexit.register(self.close)
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+    try:
+      self._create()
+    except BaseException:
+      self.close()
+      raise
+
+  def _create(self) -> None:
+    _sh("ip", "link", "add", self.bridge, "type", "bridge")
+    _sh("ip", "link", "set", self.bridge, "up")
+    hostname = socket.gethostname()
+    for ns, host_link, node_link, address in zip(self.namespaces, self.host_links, self.node_links, self.addresses):
+      _sh("ip", "netns", "add", ns)
+      _sh("ip", "link", "add", host_link, "type", "veth", "peer", "name", node_link)
+      _sh("ip", "link", "set", node_link, "netns", ns)
+      _sh("ip", "link", "set", host_link, "master", self.bridge)
+      _sh("ip", "link", "set", host_link, "up")
+      _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", node_link)
+      _sh("ip", "netns", "exec", ns, "ip", "link", "set", node_link, "up")
+      _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+      os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+      with open(f"/etc/netns/{ns}/hosts", "w") as f:  # gloo advertises what the hostname resolves to
+        f.write(f"127.0.0.1 localhost\n{address} {hostname}\n")
+    self.shape(self.bandwidth_bits)
+
+  def shape(self, bandwidth_bits: int | None) -> None:
+    """Sets every node's egress rate (None: removes the shaping)."""
+    for ns, link in zip(self.namespaces, self.node_links):
+      _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", link, "root", check=False)
+      if bandwidth_bits:
+        # A burst of at least one MTU-sized packet and ~1 ms at the rate; queue up to 100 ms of traffic.
+        burst = max(bandwidth_bits // 8 // 1000, 16 * 1024)
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", link, "root", "tbf", "rate", f"{bandwidth_bits}bit",
+            "burst", str(burst), "latency", "100ms")  # fmt: skip
+    self.bandwidth_bits = bandwidth_bits
+
+  @property
+  def coordinator(self) -> str:
+    """Node 0's address, for ``jax.distributed`` (``--coordinator=ADDRESS:PORT``)."""
+    return self.addresses[0]
+
+  def run(self, node: int, argv: Sequence[str], **popen_kwargs) -> subprocess.Popen:
+    """Starts ``argv`` in ``node``'s namespace; ``close`` kills it if it is still running."""
+    proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], **popen_kwargs)
+    self._processes.append(proc)
+    return proc
+
+  def sent_bytes(self, node: int) -> int:
+    """Bytes ``node`` has sent over its link (counted at the bridge's end, which receives them)."""
+    with open(f"/sys/class/net/{self.host_links[node]}/statistics/rx_bytes") as f:
+      return int(f.read())
+
+  def exists(self) -> bool:
+    """Whether any of this cluster's namespaces or links is still there."""
+    namespaces = _sh("ip", "netns", "list", check=False).stdout
+    links = _sh("ip", "-o", "link", "show", check=False).stdout
+    return f"lj{self.id}" in namespaces or f"lj{self.id}" in links
+
+  def close(self) -> None:
+    """Kills the processes still running and removes everything this cluster made (idempotent)."""
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+    for proc in self._processes:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for ns in self.namespaces:  # deleting a namespace deletes its end of the veth pair, hence the pair
+      _sh("ip", "netns", "del", ns, check=False)
+      shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+    for link in [*self.host_links, self.bridge]:
+      _sh("ip", "link", "del", link, check=False)
+    for sig, handler in self._previous_handlers.items():
+      signal.signal(sig, handler)
+    atexit.unregister(self.close)
+
+  def _on_signal(self, signum, frame):
+    self.close()
+    handler = self._previous_handlers.get(signum)
+    if callable(handler):
+      handler(signum, frame)
+    else:
+      raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+
+  def __enter__(self) -> EmulatedCluster:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
