@@ -14,8 +14,9 @@ bytes node 0 really sent over its link per step (`wire_bytes_per_step`, from the
 all of its devices together: --local times the per-device figure, plus protocol overhead).
 
 `predicted_step_seconds`: the step time measured unshaped for the same strategy (compute and local
-traffic) plus the time node 0's link needs for the accounted inter-node bytes of its --local devices at
-the shaped rate; null when the strategy has no unshaped cell in the run. No latency is added (the kernel
+traffic) plus the time node 0's link needs for the accounted inter-node bytes of its --local devices
+(of one device for the flat collectives, whose accounting is the boundary device's traffic) at the
+shaped rate; null when the strategy has no unshaped cell in the run. No latency is added (the kernel
 has no sch_netem). All processes share this machine's CPU cores, which inflates compute time with
 --nodes x --local devices.
 
@@ -38,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from light_jax.emulated_cluster import ClusterError, EmulatedCluster, parse_rate  # noqa: E402
+from light_jax.parallel import strategies  # noqa: E402
 
 
 def parse_strategy(text: str) -> tuple[str, list[str]]:
@@ -51,6 +53,10 @@ def parse_strategy(text: str) -> tuple[str, list[str]]:
   if wire:
     overrides.append(f"--config.comm.dtype={wire}")
   return text, overrides
+
+
+def strategy_name(label: str) -> str:
+  return label.partition("/")[0].partition("@")[0]
 
 
 def free_port() -> int:
@@ -129,7 +135,7 @@ def main() -> None:
     rates = {text: parse_rate(text) for text in args.bandwidth.split(",")}
   except ValueError as e:
     parser.error(str(e))
-  strategies = [parse_strategy(s) for s in args.strategies.split(",")]
+  requested = [parse_strategy(s) for s in args.strategies.split(",")]
 
   results = {}
   try:
@@ -137,11 +143,14 @@ def main() -> None:
       # Unshaped cells first: their step time is the compute part of the shaped cells' prediction.
       for text, rate in sorted(rates.items(), key=lambda item: item[1] is not None):
         cluster.shape(rate)
-        for label, strategy_overrides in strategies:
+        for label, strategy_overrides in requested:
           print(f"running {label} at {text} ...", file=sys.stderr, flush=True)
           cell = run_cell(cluster, args, strategy_overrides, os.path.join(tmp, f"{label}@{text}".replace("/", "_")))
           unshaped = results.get(f"{label}@unshaped")
-          node_bytes = cell["inter_node_bytes_per_step"] * args.local  # one link carries a node's devices
+          # A node's link carries what all its devices send across nodes, except for flat collectives
+          # over every device (dense, topk), whose accounting already is the boundary device's whole traffic.
+          flat = strategies.get(strategy_name(label)).flat
+          node_bytes = cell["inter_node_bytes_per_step"] * (1 if flat else args.local)
           cell["predicted_step_seconds"] = (
             (unshaped["step_seconds"] + node_bytes * 8 / rate if rate else unshaped["step_seconds"])
             if unshaped

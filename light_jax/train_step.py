@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from light_jax import data as data_lib
 from light_jax import optim
+from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel.mesh import AXES, BATCH_SPEC, LOCAL, NODE
 from light_jax.parallel.reducer import GradientReducer
 
@@ -148,7 +149,7 @@ def make_train_step(
       lax.pmin(jnp.isfinite(loss).astype(jnp.int32), AXES) > 0,
       jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])),
     )
-    updated = (optax.apply_updates(state.params, updates), lax.pmean(batch_stats, AXES), opt_state, comm_state)
+    updated = (optax.apply_updates(state.params, updates), mean_over_devices(batch_stats), opt_state, comm_state)
     kept = (state.params, state.batch_stats, state.opt_state, state.comm_state)
     params, batch_stats, opt_state, comm_state = jax.tree.map(
       lambda new, old: jnp.where(finite, new, old), updated, kept
@@ -175,6 +176,15 @@ def make_train_step(
     check_vma=False,
   )
   return jax.jit(sharded, donate_argnums=0)
+
+
+def mean_over_devices(tree: PyTree) -> PyTree:
+  """Mean of every leaf over all devices, as one flat buffer: one collective for all BatchNorm statistics
+  instead of one per tensor (across machines, gloo sends each as its own rounds of small messages)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return tree
+  return jax.tree.unflatten(treedef, fusion_lib.unpack(lax.pmean(fusion_lib.pack(leaves), AXES), leaves))
 
 
 def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.DatasetInfo) -> Callable:
