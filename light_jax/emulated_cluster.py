@@ -148,6 +148,10 @@ class EmulatedCluster:
     self._processes.append(proc)
     return proc
 
+  def set_link(self, node: int, up: bool) -> None:
+    """Takes ``node``'s link down (as if its cable were pulled: its processes keep running) or up again."""
+    _sh("ip", "link", "set", self.host_links[node], "up" if up else "down")
+
   def sent_bytes(self, node: int) -> int:
     """Bytes ``node`` has sent over its link (counted at the bridge's end, which receives them)."""
     with open(f"/sys/class/net/{self.host_links[node]}/statistics/rx_bytes") as f:

@@ -13,9 +13,11 @@ import time
 import pytest
 
 from light_jax.emulated_cluster import EmulatedCluster, parse_rate
+from light_jax.exit_codes import ExitCode
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+PEER_TIMEOUT = 6
 
 SERVER = textwrap.dedent("""
   import socket, sys, time
@@ -97,3 +99,70 @@ def test_two_namespace_training_run_through_the_mesh_lab():
   assert (
     2 * cell["inter_node_bytes_per_step"] <= cell["wire_bytes_per_step"] < 3 * 2 * cell["inter_node_bytes_per_step"]
   )
+
+
+def _train_pair(cluster, workdir, logs):
+  """train.py on both machines, as on a real 2-machine cluster; a long run with frequent checkpoints."""
+  port = free_port()
+  args = ["--config", "configs/fashion_mnist.py", "--workdir", str(workdir), "--config.mesh.nodes=-1",
+          "--config.mesh.local=-1", "--config.data.train_subset=1024", "--config.data.eval_subset=200",
+          "--config.global_batch_size=64", "--config.data.eval_batch_size=96", "--config.num_epochs=6",
+          "--config.checkpoint.every_steps=4", "--config.log_every_steps=2", f"--peer_timeout={PEER_TIMEOUT}",
+          f"--coordinator={cluster.coordinator}:{port}", "--num_processes=2"]  # fmt: skip
+  return [
+    cluster.run(i, [sys.executable, "train.py", *args, f"--process_id={i}"], cwd=ROOT,
+                env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=open(logs[i], "w"), stderr=subprocess.STDOUT)
+    for i in range(2)
+  ]  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", ["link_down", "killed"])
+def test_a_machine_cut_off_or_killed_stops_the_run_and_the_same_command_resumes(tmp_path, fault):
+  """Machine 1's link goes down (its process keeps running) or its process is killed, mid-run: machine 0
+  stops within peer_timeout (+ slack) with a message that names it, and once the link is back the same
+  command resumes from the newest checkpoint and finishes."""
+  workdir, logs = tmp_path / "run", [tmp_path / "machine0.log", tmp_path / "machine1.log"]
+  with EmulatedCluster(2) as cluster:
+    procs = _train_pair(cluster, workdir, logs)
+    deadline = time.time() + 300
+    while not _checkpoints(workdir) or max(_checkpoints(workdir)) < 8:
+      assert time.time() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
+      time.sleep(0.05)
+    if fault == "link_down":
+      cluster.set_link(1, up=False)
+    else:
+      procs[1].kill()
+    start = time.time()
+    procs[0].wait(timeout=PEER_TIMEOUT + 60)
+    out = logs[0].read_text()
+    assert procs[0].returncode == ExitCode.PEER_FAILURE, out[-3000:]
+    assert time.time() - start < PEER_TIMEOUT + 15
+    # A dead peer's sockets close (a collective fails at once); a cut-off one is silent (the watchdog).
+    assert "process 1 has given no sign of life" in out or "another process probably died" in out, out[-3000:]
+    try:  # the cut-off machine loses its coordinator too: JAX's heartbeat ends it
+      procs[1].wait(timeout=120)
+    except subprocess.TimeoutExpired:
+      pytest.fail("machine 1 was still running 120 s after its link went down")
+    assert procs[1].returncode != 0
+    saved = max(_checkpoints(workdir))
+
+    if fault == "link_down":
+      cluster.set_link(1, up=True)
+    procs = _train_pair(cluster, workdir, [tmp_path / "again0.log", tmp_path / "again1.log"])
+    for p in procs:
+      assert p.wait(timeout=300) == ExitCode.OK, (tmp_path / "again0.log").read_text()[-3000:]
+  assert f"resumed from the checkpoint at step {saved}" in (tmp_path / "again0.log").read_text()
+  assert max(_checkpoints(workdir)) == 96  # 6 epochs of 16 steps: the run finished
+
+
+def _checkpoints(workdir):
+  d = workdir / "checkpoints"
+  return [int(n) for n in os.listdir(d) if n.isdigit()] if d.is_dir() else []
+
+
+def free_port():
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
