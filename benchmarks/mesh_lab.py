@@ -27,6 +27,8 @@ The last line is one JSON object keyed "<strategy>@<bandwidth>" (e.g. "hitopk@0.
 from __future__ import annotations
 
 import argparse
+import copy
+import importlib.util
 import json
 import os
 import socket
@@ -118,6 +120,42 @@ def run_cell(cluster: EmulatedCluster, args, strategy_overrides: list[str], work
   }
 
 
+def run_mesh(args, rates: dict[str, int | None], requested: list[tuple[str, list[str]]]) -> dict[str, dict]:
+  """Every (bandwidth, strategy) cell on one emulated cluster of args.nodes x args.local."""
+  results = {}
+  with EmulatedCluster(args.nodes) as cluster, tempfile.TemporaryDirectory(prefix="mesh_lab_") as tmp:
+    # Unshaped cells first: their step time is the compute part of the shaped cells' prediction.
+    for text, rate in sorted(rates.items(), key=lambda item: item[1] is not None):
+      cluster.shape(rate)
+      for label, strategy_overrides in requested:
+        print(f"running {label} at {text} on {args.nodes} x {args.local} ...", file=sys.stderr, flush=True)
+        cell = run_cell(cluster, args, strategy_overrides, os.path.join(tmp, f"{label}@{text}".replace("/", "_")))
+        unshaped = results.get(f"{label}@unshaped")
+        # A node's link carries what all its devices send across nodes, except for flat collectives
+        # over every device (dense, topk), whose accounting already is the boundary device's whole traffic.
+        flat = strategies.get(strategy_name(label)).flat
+        node_bytes = cell["inter_node_bytes_per_step"] * (1 if flat else args.local)
+        link_seconds = node_bytes * 8 / rate if rate else 0.0
+        cell["predicted_step_seconds"] = unshaped["step_seconds"] + link_seconds if unshaped else None
+        results[f"{label}@{text}"] = cell
+  return results
+
+
+def load_experiment(spec: str, args) -> list[tuple[int, int]]:
+  """Applies a mesh experiment config (FILE[:VARIANT], e.g. configs/mesh_experiments.py) to ``args``;
+  returns its mesh shapes."""
+  path, _, variant = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("mesh_experiment", os.path.join(ROOT, path))
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  experiment = module.get_config(variant or None)
+  args.bandwidth = ",".join(experiment.bandwidths)
+  args.strategies = ",".join(experiment.strategies)
+  args.steps, args.warmup, args.config = experiment.steps, experiment.warmup, experiment.config
+  args.set = [*experiment.overrides, *args.set]
+  return [tuple(mesh) for mesh in experiment.meshes]
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--nodes", type=int, default=2)
@@ -128,9 +166,13 @@ def main() -> None:
   parser.add_argument("--warmup", type=int, default=5, help="steps dropped before measuring")
   parser.add_argument("--config", default="configs/fashion_mnist.py")
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a config override")
+  parser.add_argument("--experiment", metavar="FILE[:VARIANT]",
+                      help="a mesh experiment config (meshes, bandwidths, strategies, steps, config): replaces "
+                           "--nodes to --config; --set still adds overrides")  # fmt: skip
   parser.add_argument("--peer_timeout", type=float, default=60.0)
   parser.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
   args = parser.parse_args()
+  meshes = load_experiment(args.experiment, args) if args.experiment else [(args.nodes, args.local)]
   try:
     rates = {text: parse_rate(text) for text in args.bandwidth.split(",")}
   except ValueError as e:
@@ -138,33 +180,22 @@ def main() -> None:
   requested = [parse_strategy(s) for s in args.strategies.split(",")]
 
   results = {}
-  try:
-    with EmulatedCluster(args.nodes) as cluster, tempfile.TemporaryDirectory(prefix="mesh_lab_") as tmp:
-      # Unshaped cells first: their step time is the compute part of the shaped cells' prediction.
-      for text, rate in sorted(rates.items(), key=lambda item: item[1] is not None):
-        cluster.shape(rate)
-        for label, strategy_overrides in requested:
-          print(f"running {label} at {text} ...", file=sys.stderr, flush=True)
-          cell = run_cell(cluster, args, strategy_overrides, os.path.join(tmp, f"{label}@{text}".replace("/", "_")))
-          unshaped = results.get(f"{label}@unshaped")
-          # A node's link carries what all its devices send across nodes, except for flat collectives
-          # over every device (dense, topk), whose accounting already is the boundary device's whole traffic.
-          flat = strategies.get(strategy_name(label)).flat
-          node_bytes = cell["inter_node_bytes_per_step"] * (1 if flat else args.local)
-          cell["predicted_step_seconds"] = (
-            (unshaped["step_seconds"] + node_bytes * 8 / rate if rate else unshaped["step_seconds"])
-            if unshaped
-            else None
-          )
-          results[f"{label}@{text}"] = cell
-  except ClusterError as e:
-    sys.exit(f"error: {e}")
+  for nodes, local in meshes:
+    mesh_args = copy.copy(args)
+    mesh_args.nodes, mesh_args.local = nodes, local
+    try:
+      cells = run_mesh(mesh_args, rates, requested)
+    except ClusterError as e:
+      sys.exit(f"error: {e}")
+    prefix = f"{nodes}x{local}:" if len(meshes) > 1 else ""  # keys stay "<strategy>@<bandwidth>" for one mesh
+    results.update({prefix + key: cell for key, cell in cells.items()})
 
-  print(f"mesh lab: {args.nodes} nodes x {args.local} devices, {args.steps} steps per cell after {args.warmup} warm-up")
-  print(f"{'cell':<28}{'step s':>9}{'predicted s':>13}{'inter-node B/dev':>18}{'wire B/node':>14}")
+  print(f"mesh lab: {args.steps} steps per cell after {args.warmup} warm-up; meshes (nodes x devices): "
+        f"{', '.join(f'{n} x {m}' for n, m in meshes)}")  # fmt: skip
+  print(f"{'cell':<34}{'step s':>9}{'predicted s':>13}{'inter-node B/dev':>18}{'wire B/node':>14}")
   for key, cell in results.items():
     predicted = f"{cell['predicted_step_seconds']:.3f}" if cell["predicted_step_seconds"] is not None else "-"
-    print(f"{key:<28}{cell['step_seconds']:>9.3f}{predicted:>13}{cell['inter_node_bytes_per_step']:>18,}"
+    print(f"{key:<34}{cell['step_seconds']:>9.3f}{predicted:>13}{cell['inter_node_bytes_per_step']:>18,}"
           f"{cell['wire_bytes_per_step']:>14,.0f}")  # fmt: skip
   print(json.dumps(results))
 

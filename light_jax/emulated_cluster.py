@@ -41,13 +41,13 @@ def check_privileges() -> None:
   """Raises ClusterError unless this process can make namespaces (root and iproute2)."""
   if os.geteuid() != 0:
     raise ClusterError(
-      "an emulated cluster needs root (network namespaces, veth links, tc); run as root, or use the unshaped "
-      "127.0.0.1 mode (--bandwidth unshaped --no_namespaces)"
+      "an emulated cluster needs root (network namespaces, veth links, tc); run as root, or run train.py's "
+      "processes unshaped on 127.0.0.1 (--coordinator=127.0.0.1:PORT, see README 'Several processes')"
     )
   if shutil.which("ip") is None or shutil.which("tc") is None:
     raise ClusterError(
-      "an emulated cluster needs iproute2 (`ip`, `tc`): apt-get install -y iproute2, or use the unshaped "
-      "127.0.0.1 mode (--bandwidth unshaped --no_namespaces)"
+      "an emulated cluster needs iproute2 (`ip`, `tc`): apt-get install -y iproute2, or run train.py's "
+      "processes unshaped on 127.0.0.1 (--coordinator=127.0.0.1:PORT, see README 'Several processes')"
     )
 
 

@@ -166,3 +166,22 @@ def free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("variant", [None, "gtopk_4x2", "shapes"])
+def test_mesh_experiment_configs_name_runnable_cells(variant):
+  import importlib.util
+
+  from light_jax.parallel import strategies
+
+  spec = importlib.util.spec_from_file_location("mesh_experiments", os.path.join(ROOT, "configs/mesh_experiments.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  experiment = module.get_config(variant)
+  assert all(nodes >= 2 and nodes * local == 8 for nodes, local in experiment.meshes)
+  assert all(parse_rate(b) is None or parse_rate(b) > 0 for b in experiment.bandwidths)
+  assert "unshaped" in experiment.bandwidths  # the prediction needs each strategy's compute-only step
+  for text in experiment.strategies:
+    name = text.partition("/")[0].partition("@")[0]
+    assert name in strategies.NAMES, text
+  assert os.path.exists(os.path.join(ROOT, experiment.config))
