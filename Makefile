@@ -6,7 +6,7 @@ FASHION_MNIST_DIR := /usr/share/datasets/fashion-mnist
 WORKDIR ?= runs/fashion_mnist
 CONFIG ?= configs/fashion_mnist.py
 
-.PHONY: .venv train test lint format bench data jpeg-build-deps clean
+.PHONY: .venv train test lint format bench time-to-accuracy data jpeg-build-deps clean
 
 .venv: $(VENV)/.installed data
 
@@ -66,6 +66,12 @@ format: $(VENV)/.installed-lint
 
 bench: .venv
 	$(PY) benchmarks/train_step.py
+
+# Light's claim in miniature (README "Mesh lab"): 2 emulated machines x 4 devices on 50 Mbit/s links, whole
+# Fashion-MNIST runs per strategy, test top-1 against training time. Needs root; about 40 minutes on 2 cores.
+time-to-accuracy: .venv
+	$(PY) benchmarks/time_to_accuracy.py --nodes 2 --local 4 --bandwidth 50mbit \
+	  --strategies hierarchical,hitopk@0.01,hitopk@0.001,gtopk@0.01 --target 0.92 --plot docs/time_to_accuracy.png
 
 clean:
 	rm -rf runs .pytest_cache

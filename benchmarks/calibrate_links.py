@@ -1,39 +1,56 @@
-"""Fit the alpha-beta cost of each link level of the current mesh from measured all-reduces.
+"""Fit the alpha-beta cost of each link level from measured all-reduces, here or on an emulated cluster.
 
   python benchmarks/calibrate_links.py --out runs/links.json [--nodes 2 --local 4]
+  sudo python benchmarks/calibrate_links.py --emulate 10mbit --nodes 2 --local 4 --out runs/links_10mbit.json
   python train.py ... --config.comm.fusion=adaptive --config.comm.cost_model=runs/links.json
 
-For each level, a psum over that mesh axis alone (``local``: inside a node; ``node``: across nodes,
-among devices of the same local rank) at sizes from 4 KiB to 64 MiB, median of several runs; then
-least squares of seconds against the bytes each device sends in a ring all-reduce, 2(g-1)/g x M. On
-simulated CPU devices both levels are memory copies: the fit is real but describes this machine, not a
-network. Run it on the cluster (one process per node) to calibrate a real one.
+For each level, a psum over that mesh axis alone, at sizes from 4 KiB up, median of --repeats runs:
+``local`` (inside a node) and ``node`` (across nodes, every device of a node at once with its partners
+of the same local rank, as in the hierarchical all-reduce). Then least squares of seconds against the
+bytes that cross the level's link in a ring all-reduce, 2(g-1)/g x M: per device inside a node, times
+``local`` across nodes (the node's devices share its link; light_jax/parallel/cost_model.py).
+
+Without --emulate, every device is a simulated device of this process and both levels are memory
+copies: the fit is real but describes this machine. With --emulate RATE (root; the mesh lab's
+light_jax/emulated_cluster.py), --nodes processes run this script in network namespaces joined by links
+shaped to RATE ("unshaped" for none), one per node with --local devices, over jax.distributed (gloo):
+the inter level then crosses the shaped links, and its sizes stop where one measurement would take
+more than --max_seconds at RATE. To calibrate a real cluster, run one process per node with
+--coordinator, --num_processes and --process_id.
+
+The last line is one JSON object: {"intra": {"alpha", "beta"}, "inter": {...}, "out": PATH}.
 """
+
+from __future__ import annotations
 
 import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from light_jax.emulated_cluster import ClusterError, EmulatedCluster, parse_rate  # noqa: E402
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--nodes", type=int, default=2)
-  parser.add_argument("--local", type=int, default=4)
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--max_mib", type=int, default=64)
-  parser.add_argument("--out", default="runs/links.json")
-  args = parser.parse_args()
+def level_sizes(group_bytes_per_buffer_byte: float, max_bytes: int, link_bytes_budget: float | None) -> list[int]:
+  """Buffer sizes 4 KiB, 8 KiB, ... up to ``max_bytes``, and while the bytes crossing the link (buffer size
+  x ``group_bytes_per_buffer_byte``) stay within ``link_bytes_budget`` (None: no budget)."""
+  sizes, size = [], 4 * 2**10
+  while size <= max_bytes and (link_bytes_budget is None or size * group_bytes_per_buffer_byte <= link_bytes_budget):
+    sizes.append(size)
+    size *= 2
+  return sizes or [4 * 2**10]
 
+
+def measure(nodes: int, local: int, repeats: int, max_mib: int, rate_bits: int | None, max_seconds: float):
+  """Times psums over each mesh axis on all devices (of all processes); returns (ClusterCost, rows)."""
   import jax
-
-  if jax.config.jax_num_cpu_devices in (None, -1, 1):
-    jax.config.update("jax_num_cpu_devices", args.nodes * args.local)
-  import jax.numpy as jnp
+  import numpy as np
   from jax import lax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
@@ -41,49 +58,135 @@ def main():
   from light_jax.parallel import cost_model, strategies
   from light_jax.parallel import mesh as mesh_lib
 
-  mesh = mesh_lib.make_mesh(args.nodes, args.local)
-  sizes = [4 * 2**10 * 4**i for i in range(20) if 4 * 2**10 * 4**i <= args.max_mib * 2**20]
+  mesh = mesh_lib.make_mesh(nodes, local)
   per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
-  levels = {"intra": (mesh_lib.LOCAL, args.local), "inter": (mesh_lib.NODE, args.nodes)}
+  sharding = NamedSharding(mesh, per_device)
+  budget = rate_bits / 8 * max_seconds if rate_bits else None
+  # level: (mesh axis, group size, devices sharing the level's link, whether the shaped link carries it)
+  levels = {"intra": (mesh_lib.LOCAL, local, 1, False), "inter": (mesh_lib.NODE, nodes, local, True)}
   fits, rows = {}, []
-  for level, (axis, group) in levels.items():
-    sent, seconds = [], []
+  for level, (axis, group, sharing, shaped) in levels.items():
     if group == 1:
       fits[level] = cost_model.LinkCost(alpha=0.0, beta=0.0)
       continue
+    link_bytes_per_buffer_byte = sharing * 2 * (group - 1) / group
+    sizes = level_sizes(link_bytes_per_buffer_byte, max_mib * 2**20, budget if shaped else None)
+    psum = jax.jit(
+      jax.shard_map(lambda v: lax.psum(v, axis), mesh=mesh, in_specs=per_device, out_specs=per_device, check_vma=False)
+    )
+    sent, seconds = [], []
     for size in sizes:
-      x = jax.device_put(jnp.ones((args.nodes, args.local, size // 4), jnp.float32), NamedSharding(mesh, per_device))
-      f = jax.jit(
-        jax.shard_map(
-          lambda v: lax.psum(v, axis), mesh=mesh, in_specs=per_device, out_specs=per_device, check_vma=False
-        )
+      shape = (nodes, local, size // 4)
+      x = jax.make_array_from_callback(
+        shape, sharding, lambda index: np.ones([len(range(*s.indices(d))) for s, d in zip(index, shape)], np.float32)
       )
-      jax.block_until_ready(f(x))
+      jax.block_until_ready(psum(x))  # compile and warm up
       times = []
-      for _ in range(args.repeats):
+      for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(f(x))
+        jax.block_until_ready(psum(x))
         times.append(time.perf_counter() - start)
-      sent.append(strategies.ring_allreduce_bytes(size, group))
+      sent.append(sharing * strategies.ring_allreduce_bytes(size, group))
       seconds.append(statistics.median(times))
       rows.append((level, size, sent[-1], seconds[-1]))
     fits[level] = cost_model.fit_link(sent, seconds)
+  return cost_model.ClusterCost(intra=fits["intra"], inter=fits["inter"]), rows
 
-  cost = cost_model.ClusterCost(intra=fits["intra"], inter=fits["inter"])
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    f.write(cost.to_json())
-  print(
-    f"\nmesh {args.nodes} x {args.local} ({mesh.size} {jax.devices()[0].platform} devices), median of {args.repeats}"
-  )
-  print(f"{'level':<7}{'buffer (B)':>14}{'sent/dev (B)':>14}{'seconds':>11}{'fit (s)':>11}")
-  for level, size, s, t in rows:
-    print(f"{level:<7}{size:>14,}{s:>14,}{t:>11.6f}{fits[level].seconds(s):>11.6f}")
-  for level, link in fits.items():
-    bw = f"{1 / link.beta / 1e9:.2f} GB/s" if link.beta else "-"
-    print(f"{level}: alpha {1e6 * link.alpha:.1f} us, 1/beta {bw}")
-  print(f"wrote {args.out}")
-  print(json.dumps({"intra": vars(fits["intra"]), "inter": vars(fits["inter"]), "out": args.out}))
+
+def report(cost, rows, header: str) -> None:
+  print(f"\n{header}")
+  print(f"{'level':<7}{'buffer (B)':>14}{'link (B)':>14}{'seconds':>11}{'fit (s)':>11}")
+  for level, size, sent, seconds in rows:
+    print(f"{level:<7}{size:>14,}{sent:>14,}{seconds:>11.6f}{getattr(cost, level).seconds(sent):>11.6f}")
+  for level in ("intra", "inter"):
+    link = getattr(cost, level)
+    bandwidth = f"{8 / link.beta / 1e6:,.1f} Mbit/s" if link.beta else "-"
+    print(f"{level}: alpha {1e6 * link.alpha:,.1f} us, 1/beta {bandwidth}")
+
+
+def calibrate_on_cluster(
+  cluster: EmulatedCluster,
+  local: int,
+  out: str,
+  repeats: int = 3,
+  max_seconds: float = 1.0,
+  max_mib: int = 16,
+  timeout: float = 600,
+) -> tuple[dict, str]:
+  """Runs this script on every node of ``cluster`` (``local`` devices each) at its current shaping; returns
+  (the fitted cost as a dict, node 0's output)."""
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  argv = [sys.executable, os.path.abspath(__file__), f"--nodes={cluster.nodes}", f"--local={local}",
+          f"--repeats={repeats}", f"--max_seconds={max_seconds}", f"--max_mib={max_mib}", f"--out={out}",
+          f"--coordinator={cluster.coordinator}:{port}", f"--num_processes={cluster.nodes}",
+          f"--rate_bits={cluster.bandwidth_bits or 0}"]  # fmt: skip
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(local))
+  procs = [
+    cluster.run(
+      node,
+      [*argv, f"--process_id={node}"],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )  # fmt: skip
+    for node in range(cluster.nodes)
+  ]
+  outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+  for node, (proc, output) in enumerate(zip(procs, outputs)):
+    if proc.returncode:
+      raise RuntimeError(f"calibration on node {node} exited {proc.returncode}:\n{output[-3000:]}")
+  with open(out) as f:
+    return json.load(f), outputs[0]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--nodes", type=int, default=2)
+  parser.add_argument("--local", type=int, default=4)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--max_mib", type=int, default=64, help="largest buffer per device")
+  parser.add_argument("--max_seconds", type=float, default=1.0, help="longest inter-node measurement at the rate")
+  parser.add_argument("--emulate", metavar="RATE", help="calibrate on an emulated cluster with links shaped to RATE")
+  parser.add_argument("--coordinator", help="HOST:PORT of process 0 (one process per node)")
+  parser.add_argument("--num_processes", type=int, default=1)
+  parser.add_argument("--process_id", type=int, default=0)
+  parser.add_argument("--rate_bits", type=int, default=0, help="the inter-node rate, bits/s, to size the tests")
+  parser.add_argument("--out", default="runs/links.json")
+  args = parser.parse_args()
+  args.out = os.path.abspath(args.out)
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+
+  if args.emulate:
+    try:
+      rate = parse_rate(args.emulate)
+      with EmulatedCluster(args.nodes, rate) as cluster:
+        cost, output = calibrate_on_cluster(cluster, args.local, args.out, args.repeats, args.max_seconds, args.max_mib)
+    except (ClusterError, ValueError) as e:
+      sys.exit(f"error: {e}")
+    print(output.rstrip())
+    return
+
+  import jax
+
+  if args.coordinator:
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+  elif jax.config.jax_num_cpu_devices in (None, -1, 1):
+    jax.config.update("jax_num_cpu_devices", args.nodes * args.local)
+  cost, rows = measure(args.nodes, args.local, args.repeats, args.max_mib, args.rate_bits or None, args.max_seconds)
+  if jax.process_index() == 0:
+    with open(args.out, "w") as f:
+      f.write(cost.to_json())
+    where = f"{jax.process_count()} processes" if jax.process_count() > 1 else "one process"
+    report(cost, rows, f"mesh {args.nodes} x {args.local} ({jax.device_count()} {jax.devices()[0].platform} devices, "
+                       f"{where}), median of {args.repeats}")  # fmt: skip
+    print(f"wrote {args.out}")
+    print(json.dumps({"intra": vars(cost.intra), "inter": vars(cost.inter), "out": args.out}))
 
 
 if __name__ == "__main__":

@@ -13,15 +13,20 @@ steps: the median step seconds, the inter-node bytes per device per step from ou
 bytes node 0 really sent over its link per step (`wire_bytes_per_step`, from the kernel's counters,
 all of its devices together: --local times the per-device figure, plus protocol overhead).
 
-`predicted_step_seconds`: the step time measured unshaped for the same strategy (compute and local
-traffic) plus the time node 0's link needs for the accounted inter-node bytes of its --local devices
-(of one device for the flat collectives, whose accounting is the boundary device's traffic) at the
-shaped rate; null when the strategy has no unshaped cell in the run. No latency is added (the kernel
-has no sch_netem). All processes share this machine's CPU cores, which inflates compute time with
---nodes x --local devices.
+`predicted_step_seconds`: the cost model of `comm.fusion="adaptive"` (light_jax/parallel/cost_model.py),
+calibrated on these links: before the cells of a bandwidth, benchmarks/calibrate_links.py runs on the
+cluster at that shaping and fits alpha/beta per level. A cell's prediction is the step time measured
+unshaped for the same strategy (compute and local traffic) plus the modelled inter-node seconds of the
+step's collectives (its `comm_buckets` in summary.json) at the shaped fit, minus the same at the
+unshaped fit (already inside the unshaped step); null without an unshaped cell. `link_seconds` is the
+measured difference from the unshaped step: the time the step waits on the shaped link. No latency is
+added (the kernel has no sch_netem). All processes share this machine's CPU cores, which inflates
+compute time with --nodes x --local devices.
 
 Strategies: NAME or NAME@DENSITY, with "/bfloat16" for the bfloat16 wire dtype ("hierarchical/bfloat16").
-The last line is one JSON object keyed "<strategy>@<bandwidth>" (e.g. "hitopk@0.001@50mbit").
+--plot FILE draws predicted against measured step seconds for every cell. The last line is one JSON
+object keyed "<strategy>@<bandwidth>" (e.g. "hitopk@0.001@50mbit"); each cell also holds `inter_link`,
+the calibrated alpha (seconds) and beta (seconds per byte) of a machine's link at that bandwidth.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from calibrate_links import calibrate_on_cluster  # noqa: E402  (benchmarks/, this script's directory)
+
 from light_jax.emulated_cluster import ClusterError, EmulatedCluster, parse_rate  # noqa: E402
-from light_jax.parallel import strategies  # noqa: E402
+from light_jax.parallel import cost_model  # noqa: E402
 
 
 def parse_strategy(text: str) -> tuple[str, list[str]]:
@@ -57,22 +64,49 @@ def parse_strategy(text: str) -> tuple[str, list[str]]:
   return text, overrides
 
 
-def strategy_name(label: str) -> str:
-  return label.partition("/")[0].partition("@")[0]
-
-
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
 
 
+def train_on_cluster(
+  cluster: EmulatedCluster,
+  local: int,
+  config: str,
+  overrides: list[str],
+  workdir: str,
+  peer_timeout: float,
+  timeout: float,
+) -> None:
+  """Runs `train.py --config config` on every node of ``cluster`` (one process each, ``local`` simulated
+  devices) with ``overrides``, as a multi-machine run over jax.distributed; raises if a process fails."""
+  port = free_port()
+  common = [sys.executable, os.path.join(ROOT, "train.py"), "--config", config, "--workdir", workdir,
+            f"--config.mesh.cpu_devices={cluster.nodes * local}", "--config.mesh.nodes=-1", "--config.mesh.local=-1",
+            *overrides, f"--coordinator={cluster.coordinator}:{port}", f"--num_processes={cluster.nodes}",
+            f"--peer_timeout={peer_timeout}"]  # fmt: skip
+  procs = [
+    cluster.run(
+      node,
+      [*common, f"--process_id={node}"],
+      cwd=ROOT,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for node in range(cluster.nodes)
+  ]
+  outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+  for node, (proc, out) in enumerate(zip(procs, outputs)):
+    if proc.returncode:
+      raise RuntimeError(f"node {node} exited {proc.returncode}:\n{out[-3000:]}")
+
+
 def run_cell(cluster: EmulatedCluster, args, strategy_overrides: list[str], workdir: str) -> dict:
-  """One training run on the cluster; returns its step records (process 0) and the accounted bytes."""
+  """One short timed training run on the cluster; returns its median step and bytes from process 0's records."""
   overrides = [
-    "--config.mesh.nodes=-1",
-    "--config.mesh.local=-1",
-    f"--config.mesh.cpu_devices={args.nodes * args.local}",
     f"--config.max_steps={args.warmup + args.steps}",
     "--config.train.time_steps=True",
     "--config.checkpoint.every_steps=0",
@@ -80,35 +114,7 @@ def run_cell(cluster: EmulatedCluster, args, strategy_overrides: list[str], work
     *strategy_overrides,
     *(f"--config.{s}" for s in args.set),
   ]
-  port = free_port()
-  procs = [
-    cluster.run(
-      node,
-      [
-        sys.executable,
-        os.path.join(ROOT, "train.py"),
-        "--config",
-        args.config,
-        "--workdir",
-        workdir,
-        *overrides,
-        f"--coordinator={cluster.coordinator}:{port}",
-        f"--num_processes={args.nodes}",
-        f"--process_id={node}",
-        f"--peer_timeout={args.peer_timeout}",
-      ],  # fmt: skip
-      cwd=ROOT,
-      env=dict(os.environ, JAX_PLATFORMS="cpu"),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for node in range(args.nodes)
-  ]
-  outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-  for node, (proc, out) in enumerate(zip(procs, outputs)):
-    if proc.returncode:
-      raise RuntimeError(f"node {node} exited {proc.returncode}:\n{out[-3000:]}")
+  train_on_cluster(cluster, args.local, args.config, overrides, workdir, args.peer_timeout, args.timeout)
   with open(os.path.join(workdir, "step_times.jsonl")) as f:
     steps = [json.loads(line) for line in f][args.warmup :]
   with open(os.path.join(workdir, "summary.json")) as f:
@@ -117,28 +123,74 @@ def run_cell(cluster: EmulatedCluster, args, strategy_overrides: list[str], work
     "step_seconds": statistics.median(s["seconds"] for s in steps),
     "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
     "wire_bytes_per_step": statistics.median(s["sent_bytes"] for s in steps),
+    "comm_buckets": summary["comm_buckets"],
+    "wire_itemsize": 2 if summary["config"]["comm"]["dtype"] == "bfloat16" else 4,
   }
 
 
-def run_mesh(args, rates: dict[str, int | None], requested: list[tuple[str, list[str]]]) -> dict[str, dict]:
-  """Every (bandwidth, strategy) cell on one emulated cluster of args.nodes x args.local."""
-  results = {}
+def modelled_inter_seconds(cost: cost_model.ClusterCost, cell: dict, nodes: int, local: int) -> float:
+  """The cost model's inter-node seconds for one step of ``cell``'s collectives."""
+  return cost.step_seconds(cell["comm_buckets"], nodes, local, wire_itemsize=cell["wire_itemsize"])[1]
+
+
+def run_mesh(
+  args, rates: dict[str, int | None], requested: list[tuple[str, list[str]]]
+) -> tuple[dict[str, dict], dict[str, dict]]:
+  """Every (bandwidth, strategy) cell on one emulated cluster of args.nodes x args.local; returns the cells
+  and the link calibration per bandwidth."""
+  results, calibration = {}, {}
   with EmulatedCluster(args.nodes) as cluster, tempfile.TemporaryDirectory(prefix="mesh_lab_") as tmp:
     # Unshaped cells first: their step time is the compute part of the shaped cells' prediction.
     for text, rate in sorted(rates.items(), key=lambda item: item[1] is not None):
       cluster.shape(rate)
+      print(f"calibrating the links at {text} ...", file=sys.stderr, flush=True)
+      calibration[text], _ = calibrate_on_cluster(cluster, args.local, os.path.join(tmp, f"links_{text}.json"))
+      cost = cost_model.ClusterCost.from_dict(calibration[text])
+      unshaped_cost = cost_model.ClusterCost.from_dict(calibration["unshaped"]) if "unshaped" in calibration else None
       for label, strategy_overrides in requested:
         print(f"running {label} at {text} on {args.nodes} x {args.local} ...", file=sys.stderr, flush=True)
         cell = run_cell(cluster, args, strategy_overrides, os.path.join(tmp, f"{label}@{text}".replace("/", "_")))
         unshaped = results.get(f"{label}@unshaped")
-        # A node's link carries what all its devices send across nodes, except for flat collectives
-        # over every device (dense, topk), whose accounting already is the boundary device's whole traffic.
-        flat = strategies.get(strategy_name(label)).flat
-        node_bytes = cell["inter_node_bytes_per_step"] * (1 if flat else args.local)
-        link_seconds = node_bytes * 8 / rate if rate else 0.0
-        cell["predicted_step_seconds"] = unshaped["step_seconds"] + link_seconds if unshaped else None
+        cell["link_seconds"] = cell["step_seconds"] - unshaped["step_seconds"] if unshaped else None
+        cell["predicted_step_seconds"] = (
+          unshaped["step_seconds"]
+          + modelled_inter_seconds(cost, cell, args.nodes, args.local)
+          - modelled_inter_seconds(unshaped_cost, cell, args.nodes, args.local)
+          if unshaped and unshaped_cost
+          else None
+        )
+        cell["inter_link"] = calibration[text]["inter"]  # the fitted alpha (s) and beta (s/B) of a machine's link
         results[f"{label}@{text}"] = cell
-  return results
+  for cell in results.values():
+    del cell["comm_buckets"], cell["wire_itemsize"]
+  return results, calibration
+
+
+def plot_predictions(results: dict[str, dict], path: str) -> None:
+  """Predicted against measured step seconds, one labelled point per shaped cell."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  cells = {k: c for k, c in results.items() if c["predicted_step_seconds"] is not None}
+  values = [v for c in cells.values() for v in (c["step_seconds"], c["predicted_step_seconds"])]
+  low, high = 0.7 * min(values), 1.4 * max(values)
+  fig, ax = plt.subplots(figsize=(6.5, 6))
+  ax.plot([low, high], [low, high], color="gray", lw=1, label="exact")
+  ax.fill_between([low, high], [0.8 * low, 0.8 * high], [1.2 * low, 1.2 * high], color="gray", alpha=0.15,
+                  label="within 20%")  # fmt: skip
+  for key, c in cells.items():
+    ax.scatter(c["step_seconds"], c["predicted_step_seconds"], s=18)
+    ax.annotate(key, (c["step_seconds"], c["predicted_step_seconds"]), fontsize=7, xytext=(4, -8),
+                textcoords="offset points")  # fmt: skip
+  ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="measured step seconds",
+         ylabel="predicted step seconds (calibrated cost model)",
+         title="Mesh lab: predicted against measured step time")  # fmt: skip
+  ax.legend(loc="upper left")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}", file=sys.stderr)
 
 
 def load_experiment(spec: str, args) -> list[tuple[int, int]]:
@@ -171,6 +223,7 @@ def main() -> None:
                            "--nodes to --config; --set still adds overrides")  # fmt: skip
   parser.add_argument("--peer_timeout", type=float, default=60.0)
   parser.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
+  parser.add_argument("--plot", metavar="FILE.png", help="draw predicted against measured step seconds")
   args = parser.parse_args()
   meshes = load_experiment(args.experiment, args) if args.experiment else [(args.nodes, args.local)]
   try:
@@ -179,24 +232,34 @@ def main() -> None:
     parser.error(str(e))
   requested = [parse_strategy(s) for s in args.strategies.split(",")]
 
-  results = {}
+  results, calibrations = {}, {}
   for nodes, local in meshes:
     mesh_args = copy.copy(args)
     mesh_args.nodes, mesh_args.local = nodes, local
     try:
-      cells = run_mesh(mesh_args, rates, requested)
+      cells, calibration = run_mesh(mesh_args, rates, requested)
     except ClusterError as e:
       sys.exit(f"error: {e}")
     prefix = f"{nodes}x{local}:" if len(meshes) > 1 else ""  # keys stay "<strategy>@<bandwidth>" for one mesh
     results.update({prefix + key: cell for key, cell in cells.items()})
+    calibrations.update({prefix + key: fit for key, fit in calibration.items()})
 
   print(f"mesh lab: {args.steps} steps per cell after {args.warmup} warm-up; meshes (nodes x devices): "
         f"{', '.join(f'{n} x {m}' for n, m in meshes)}")  # fmt: skip
-  print(f"{'cell':<34}{'step s':>9}{'predicted s':>13}{'inter-node B/dev':>18}{'wire B/node':>14}")
+  print("link calibration (inter-node, per machine's link): " + "; ".join(
+    f"{key} alpha {1e3 * fit['inter']['alpha']:.2f} ms, {8e-6 / fit['inter']['beta']:,.1f} Mbit/s"
+    for key, fit in calibrations.items()))  # fmt: skip
+  print(f"{'cell':<34}{'step s':>9}{'predicted s':>13}{'error':>8}{'link s':>9}{'inter-node B/dev':>18}"
+        f"{'wire B/node':>14}")  # fmt: skip
   for key, cell in results.items():
-    predicted = f"{cell['predicted_step_seconds']:.3f}" if cell["predicted_step_seconds"] is not None else "-"
-    print(f"{key:<34}{cell['step_seconds']:>9.3f}{predicted:>13}{cell['inter_node_bytes_per_step']:>18,}"
-          f"{cell['wire_bytes_per_step']:>14,.0f}")  # fmt: skip
+    predicted, measured = cell["predicted_step_seconds"], cell["step_seconds"]
+    error = f"{100 * (predicted / measured - 1):+.0f}%" if predicted is not None else "-"
+    link = f"{cell['link_seconds']:.3f}" if cell["link_seconds"] is not None else "-"
+    predicted = f"{predicted:.3f}" if predicted is not None else "-"
+    print(f"{key:<34}{measured:>9.3f}{predicted:>13}{error:>8}"
+          f"{link:>9}{cell['inter_node_bytes_per_step']:>18,}{cell['wire_bytes_per_step']:>14,.0f}")  # fmt: skip
+  if args.plot:
+    plot_predictions(results, args.plot)
   print(json.dumps(results))
 
 

@@ -150,8 +150,9 @@ class EpochEvaluation:
   """At each epoch end (and the last step): evaluate, write one record to metrics.jsonl, print a line.
 
   Images/s and the input-wait fraction cover the training steps since the previous record, without the
-  evaluation. A checkpoint saved at step s comes after this hook, so metrics.jsonl then holds every
-  record up to s.
+  evaluation; ``train_seconds`` adds up the training time since the process started (or resumed), also
+  without the evaluations: the clock of time-to-accuracy. A checkpoint saved at step s comes after this
+  hook, so metrics.jsonl then holds every record up to s.
   """
 
   def __init__(
@@ -168,11 +169,13 @@ class EpochEvaluation:
     self.evaluate, self.writer, self.plan, self.schedule = evaluate, writer, plan, schedule
     self.prefetcher, self.bar, self.total_steps = prefetcher, bar, total_steps
     self.last_record: dict[str, Any] | None = None
+    self.train_seconds = 0.0
     self._start_step, self._start_time, self._start_wait = start_step, time.perf_counter(), prefetcher.wait_seconds
 
   def __call__(self, info: StepInfo) -> None:
     train_loss = step_lib.epoch_mean_loss(info.state)  # waits for the step: the clock below then counts it
     train_seconds = time.perf_counter() - self._start_time
+    self.train_seconds += train_seconds
     images = sum(self.plan.batch_size_at(s) for s in range(self._start_step, info.step))
     record = epoch_record(
       info.step,
@@ -185,6 +188,7 @@ class EpochEvaluation:
       info.comm_bytes,
       int(info.state.nonfinite_steps.addressable_data(0)),
       info.step == self.total_steps,
+      self.train_seconds,
     )
     self.writer.write(record)
     self.bar.write(
@@ -238,6 +242,7 @@ def epoch_record(
   comm_bytes: CommBytes,
   nonfinite_steps: int,
   final: bool,
+  train_seconds: float,
 ) -> dict[str, Any]:
   """One line of metrics.jsonl (its keys are an interface, listed in README.md)."""
   return {
@@ -252,4 +257,5 @@ def epoch_record(
     "intra_node_bytes_per_step": comm_bytes.intra_node,
     "nonfinite_steps": nonfinite_steps,
     "final": final,
+    "train_seconds": train_seconds,
   }

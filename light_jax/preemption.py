@@ -18,7 +18,11 @@ from jax.experimental import multihost_utils
 
 
 class PreemptionGuard:
-  """Installs the signal handlers on creation (main thread only); ``uninstall`` restores the old ones."""
+  """Installs the signal handlers on creation (main thread only); ``uninstall`` restores the old ones.
+
+  Also a context manager that uninstalls on exit. The trainer installs it before compiling: until then
+  a SIGTERM would reach the handler jax.distributed installs, which only records it and trains on.
+  """
 
   def __init__(self):
     self.signal = None
@@ -46,3 +50,10 @@ class PreemptionGuard:
   def uninstall(self):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+    self._previous = {}
+
+  def __enter__(self) -> PreemptionGuard:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.uninstall()

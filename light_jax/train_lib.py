@@ -60,75 +60,75 @@ def train_and_evaluate(
   ``extra_hooks``: (hook, every) pairs run after each due step, before the trainer's own hooks.
   """
   wall_start = time.time()
-  mesh = mesh_lib.make_mesh(config.mesh.nodes, config.mesh.local)
-  logging.info("%s", mesh_lib.describe(mesh))
-  train_batches, eval_batches, info = make_input(config)
-  plan = train_batches.plan  # step -> epoch, image size, batch size
-  total_steps = min(config.max_steps, plan.num_steps) if config.max_steps else plan.num_steps
+  with PreemptionGuard() as preemption:  # before compiling: a signal from now on saves and stops
+    mesh = mesh_lib.make_mesh(config.mesh.nodes, config.mesh.local)
+    logging.info("%s", mesh_lib.describe(mesh))
+    train_batches, eval_batches, info = make_input(config)
+    plan = train_batches.plan  # step -> epoch, image size, batch size
+    total_steps = min(config.max_steps, plan.num_steps) if config.max_steps else plan.num_steps
 
-  model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
-  schedule = schedules.learning_rate_schedule(config.optimizer, plan)
-  tx = optim.build_optimizer(config.optimizer, schedule)
-  compiled = CompiledSteps(config, model, tx, mesh, info, plan)
-  state = step_lib.create_train_state(model, tx, compiled.reducer, info.image_shape, mesh, config.seed)
-  _log_setup(config, plan, state, total_steps, len(train_batches.source), len(eval_batches.source))
+    model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
+    schedule = schedules.learning_rate_schedule(config.optimizer, plan)
+    tx = optim.build_optimizer(config.optimizer, schedule)
+    compiled = CompiledSteps(config, model, tx, mesh, info, plan)
+    state = step_lib.create_train_state(model, tx, compiled.reducer, info.image_shape, mesh, config.seed)
+    _log_setup(config, plan, state, total_steps, len(train_batches.source), len(eval_batches.source))
 
-  checkpointer = checkpoint_lib.Checkpointer(workdir, config.checkpoint.keep)
-  meta = {"config": json.loads(config.to_json_best_effort()), "mesh": list(mesh.devices.shape)}
-  start_step, state = restore(checkpointer, state, meta["config"], plan)
-  finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
-  if not finished:
-    compiled.for_step(start_step, state)  # compile before the clock starts
+    checkpointer = checkpoint_lib.Checkpointer(workdir, config.checkpoint.keep)
+    meta = {"config": json.loads(config.to_json_best_effort()), "mesh": list(mesh.devices.shape)}
+    start_step, state = restore(checkpointer, state, meta["config"], plan)
+    finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
+    if not finished:
+      compiled.for_step(start_step, state)  # compile before the clock starts
 
-  input_settings = tune_input(config, train_batches, start_step, compiled, measure=not finished)
-  eval_step = step_lib.make_eval_step(model, mesh, info)
-  evaluate = functools.partial(
-    step_lib.evaluate, eval_step, batches=eval_batches, sharding=compiled.sharding, **input_settings
-  )
-  host_batches = train_batches.iterator(start_step, **input_settings)
-  prefetcher = data_lib.DevicePrefetcher(host_batches, compiled.sharding, size=config.data.prefetch)
-  is_main = jax.process_index() == 0
-  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=start_step or None)
-  bar = metrics_lib.progress_bar(total_steps, enabled=is_main, initial=start_step)
-  preemption = PreemptionGuard()
+    input_settings = tune_input(config, train_batches, start_step, compiled, measure=not finished)
+    eval_step = step_lib.make_eval_step(model, mesh, info)
+    evaluate = functools.partial(
+      step_lib.evaluate, eval_step, batches=eval_batches, sharding=compiled.sharding, **input_settings
+    )
+    host_batches = train_batches.iterator(start_step, **input_settings)
+    prefetcher = data_lib.DevicePrefetcher(host_batches, compiled.sharding, size=config.data.prefetch)
+    is_main = jax.process_index() == 0
+    writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=start_step or None)
+    bar = metrics_lib.progress_bar(total_steps, enabled=is_main, initial=start_step)
 
-  def ends_record(step: int) -> bool:  # an epoch's last step, or the run's
-    return plan.ends_epoch(step) or step == total_steps
+    def ends_record(step: int) -> bool:  # an epoch's last step, or the run's
+      return plan.ends_epoch(step) or step == total_steps
 
-  hooks = Hooks()
-  for hook, every in extra_hooks:
-    hooks.add(hook, every=every)
-  hooks.add(ProgressBar(bar, schedule, config.log_every_steps), every=1)
-  nonfinite = NonFiniteCheck(config.train.on_nonfinite, seen=int(state.nonfinite_steps.addressable_data(0)))
-  hooks.add(nonfinite, every=config.log_every_steps, when=ends_record)
-  # With several processes the check is a collective, so not every step.
-  hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
-  evaluation = EpochEvaluation(evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps)
-  hooks.add(evaluation, when=ends_record)
-  saver = CheckpointSaver(checkpointer, meta)
-  hooks.add(saver, every=config.checkpoint.every_steps)
-  if config.train.time_steps and is_main:
-    hooks.add(StepTimer(os.path.join(workdir, "step_times.jsonl")), every=1)
+    hooks = Hooks()
+    for hook, every in extra_hooks:
+      hooks.add(hook, every=every)
+    hooks.add(ProgressBar(bar, schedule, config.log_every_steps), every=1)
+    nonfinite = NonFiniteCheck(config.train.on_nonfinite, seen=int(state.nonfinite_steps.addressable_data(0)))
+    hooks.add(nonfinite, every=config.log_every_steps, when=ends_record)
+    # With several processes the check is a collective, so not every step.
+    hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
+    evaluation = EpochEvaluation(evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps)
+    hooks.add(evaluation, when=ends_record)
+    saver = CheckpointSaver(checkpointer, meta)
+    hooks.add(saver, every=config.checkpoint.every_steps)
+    if config.train.time_steps and is_main:
+      hooks.add(StepTimer(os.path.join(workdir, "step_times.jsonl")), every=1)
 
-  try:
-    loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)
-    checkpointer.save(loop.step, loop.state, meta)  # the last step (no-op when its hook just saved it)
-  finally:
-    prefetcher.close()
-    bar.close()
-    writer.close()
-    preemption.uninstall()
-    checkpointer.close()  # waits for saves in flight
-  if loop.stop:
-    return stopped(loop)
+    try:
+      loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)
+      checkpointer.save(loop.step, loop.state, meta)  # the last step (no-op when its hook just saved it)
+    finally:
+      prefetcher.close()
+      bar.close()
+      writer.close()
+      checkpointer.close()  # waits for saves in flight
+    if loop.stop:
+      return stopped(loop)
 
-  # A finished run resumed ran no step: evaluate what it restored (every process alike) to report again.
-  final = evaluation.last_record or final_metrics(evaluate, loop, compiled)
-  summary = run_summary(
-    config, final, writer.records, plan, mesh, loop, start_step, nonfinite.seen, saver.blocking_seconds, wall_start
-  )
-  writer.write_summary(summary)
-  return summary
+    # A finished run resumed ran no step: evaluate what it restored (every process alike) to report again.
+    final = evaluation.last_record or final_metrics(evaluate, loop, compiled)
+    buckets = compiled.reducer_at(loop.step - 1).bucket_plan(loop.state.params)
+    summary = run_summary(
+      config, final, writer.records, plan, mesh, loop, start_step, nonfinite.seen, saver.blocking_seconds, wall_start
+    ) | {"comm_buckets": buckets}
+    writer.write_summary(summary)
+    return summary
 
 
 @dataclasses.dataclass(frozen=True)

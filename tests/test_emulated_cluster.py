@@ -185,3 +185,17 @@ def test_mesh_experiment_configs_name_runnable_cells(variant):
     name = text.partition("/")[0].partition("@")[0]
     assert name in strategies.NAMES, text
   assert os.path.exists(os.path.join(ROOT, experiment.config))
+
+
+def test_link_calibration_on_the_emulated_cluster_finds_the_shaped_rate(tmp_path):
+  """benchmarks/calibrate_links.py on 2 namespaces at 20 Mbit/s: psums over `node` from both processes; the
+  fitted inter-node bandwidth is the shaped rate less TCP/IP overhead."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  from calibrate_links import calibrate_on_cluster
+
+  with EmulatedCluster(2, bandwidth_bits=parse_rate("20mbit")) as cluster:
+    fit, output = calibrate_on_cluster(cluster, 2, str(tmp_path / "links.json"), repeats=1, max_seconds=0.3, max_mib=1)
+  assert "2 processes" in output
+  bandwidth = 8 / fit["inter"]["beta"]
+  assert 0.8 * 20e6 < bandwidth <= 20.5e6, output
+  assert fit["intra"]["beta"] > 0 and 0 <= fit["inter"]["alpha"] < 0.05

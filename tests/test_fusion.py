@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from light_jax.models import create_model
-from light_jax.parallel import cost_model, fusion
+from light_jax.parallel import cost_model, fusion, strategies
 from light_jax.parallel import reducer as reducer_lib
 
 
@@ -119,3 +119,20 @@ def test_modelled_hierarchical_beats_flat_dense_on_a_slow_network():
   hier = cost.reduction_seconds("hierarchical", d, 16, 8)
   hitopk = cost.reduction_seconds("hitopk", d, 16, 8, k=-(-d // 8) // 1000)
   assert hitopk < hier < dense
+
+
+def test_a_nodes_link_is_shared_by_its_devices_except_in_a_flat_ring():
+  """Inter-node beta is per machine's link: the hierarchical step's ``local`` devices cross it at once,
+  a flat ring with one device's traffic."""
+  link = cost_model.LinkCost(alpha=1e-3, beta=1 / 1e6)
+  cost = cost_model.ClusterCost(intra=cost_model.LinkCost(alpha=0.0, beta=0.0), inter=link)
+  d, nodes, local = 1_000_000, 2, 4
+  per_device = strategies.strategy_bytes("hierarchical", d, 4, nodes, local).inter_node
+  assert cost.level_seconds("hierarchical", d, nodes, local)[1] == pytest.approx(1e-3 + local * per_device / 1e6)
+  flat = strategies.strategy_bytes("dense", d, 4, nodes, local).inter_node
+  assert cost.reduction_seconds("dense", d, nodes, local) == pytest.approx(1e-3 + flat / 1e6)
+  buckets = [("hierarchical", d, 0), ("hierarchical", d // 2, 0)]
+  intra, inter = cost.step_seconds(buckets, nodes, local)
+  assert intra == 0.0 and inter == pytest.approx(2e-3 + 1.5 * local * per_device / 1e6, rel=1e-5)
+  # bfloat16 on the wire halves the bytes.
+  assert cost.step_seconds(buckets, nodes, local, wire_itemsize=2)[1] < 0.6 * inter

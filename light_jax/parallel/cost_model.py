@@ -2,7 +2,10 @@
 
 alpha is the start-up latency of one collective (seconds), beta the time per byte sent (seconds/byte;
 1/beta is the effective bandwidth). Each level of the mesh has its own pair: ``intra`` for the links
-inside a node (NVLink / PCIe), ``inter`` for the links between nodes (Ethernet / InfiniBand).
+inside a node (NVLink / PCIe), per device, as each device has its own; ``inter`` for a node's link to
+the others (Ethernet / InfiniBand), which the node's devices share: in a hierarchical step all ``local``
+devices of a node send their shard across at once, so the node's link carries ``local`` times one
+device's inter-node bytes; a flat ring over every device crosses it with one device's traffic.
 
 ``fit_link`` fits alpha and beta from measured (bytes, seconds) pairs;
 ``benchmarks/calibrate_links.py`` measures them on the current mesh and writes a JSON file that
@@ -11,8 +14,9 @@ to decide which gradients to merge.
 
 The presets are *assumptions* from public hardware figures, not measurements: NVLink 2 (V100) about
 100 GB/s of all-reduce bus bandwidth, NVLink 4 (H100) about 400 GB/s; 25 Gbps Ethernet about 2.8 GB/s
-of TCP goodput; 8 x 400 Gbps InfiniBand NDR about 45 GB/s per GPU. Latencies: a few microseconds on
-NVLink, tens over TCP. Calibrate on the real cluster before trusting a plan.
+of TCP goodput per node; 8 x 400 Gbps InfiniBand NDR about 45 GB/s per GPU, 360 GB/s per node.
+Latencies: a few microseconds on NVLink, tens over TCP. Calibrate on the real cluster before trusting a
+plan (``benchmarks/calibrate_links.py``, also on the mesh lab's emulated links).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from light_jax.parallel import fusion as fusion_lib
@@ -32,7 +37,7 @@ from light_jax.parallel.reducer import GradientReducer
 @dataclasses.dataclass(frozen=True)
 class LinkCost:
   alpha: float  # seconds per collective
-  beta: float  # seconds per byte sent by one device
+  beta: float  # seconds per byte over the link (intra: one device's links; inter: one node's link)
 
   def seconds(self, num_bytes: float) -> float:
     return self.alpha + self.beta * num_bytes if num_bytes > 0 else 0.0
@@ -43,14 +48,45 @@ class ClusterCost:
   intra: LinkCost
   inter: LinkCost
 
+  def level_seconds(
+    self,
+    strategy: str,
+    num_elements: int,
+    nodes: int,
+    local: int,
+    k: int = 0,
+    itemsize: int = 4,
+    wire_itemsize: int | None = None,
+  ) -> tuple[float, float]:
+    """(intra-node, inter-node) seconds of reducing one flat buffer with ``strategy``."""
+    spec = strategies.get(strategy)
+    b = spec.bytes(strategies.Buffer(num_elements, itemsize, nodes, local, k, wire_itemsize))
+    sharing = 1 if spec.flat else local  # devices of a node whose inter-node traffic crosses its link at once
+    return self.intra.seconds(b.intra_node), self.inter.seconds(b.inter_node * sharing)
+
   def reduction_seconds(
-    self, strategy: str, num_elements: int, nodes: int, local: int, k: int = 0, itemsize: int = 4
+    self,
+    strategy: str,
+    num_elements: int,
+    nodes: int,
+    local: int,
+    k: int = 0,
+    itemsize: int = 4,
+    wire_itemsize: int | None = None,
   ) -> float:
     """Modelled time of reducing one flat buffer: each level's bytes at that level's cost, in sequence."""
-    b = strategies.strategy_bytes(strategy, num_elements, itemsize, nodes, local, k)
+    intra, inter = self.level_seconds(strategy, num_elements, nodes, local, k, itemsize, wire_itemsize)
     if strategies.get(strategy).flat and nodes > 1:
-      return self.inter.seconds(b.inter_node)  # a flat ring runs at the pace of its slowest link
-    return self.intra.seconds(b.intra_node) + self.inter.seconds(b.inter_node)
+      return inter  # a flat ring runs at the pace of its slowest link
+    return intra + inter
+
+  def step_seconds(
+    self, buckets: Sequence[tuple[str, int, int]], nodes: int, local: int, **sizes
+  ) -> tuple[float, float]:
+    """(intra-node, inter-node) seconds of one step's reduction, its buckets as (strategy, elements, k)
+    (``GradientReducer.bucket_plan``); ``sizes``: itemsize, wire_itemsize."""
+    per_bucket = [self.level_seconds(s, n, nodes, local, k, **sizes) for s, n, k in buckets]
+    return sum(intra for intra, _ in per_bucket), sum(inter for _, inter in per_bucket)
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self), indent=2)
@@ -64,7 +100,9 @@ PRESETS = {
   "v100_nvlink_25gbe": ClusterCost(
     intra=LinkCost(alpha=10e-6, beta=1 / 100e9), inter=LinkCost(alpha=50e-6, beta=1 / 2.8e9)
   ),
-  "h100_nvlink_ib": ClusterCost(intra=LinkCost(alpha=5e-6, beta=1 / 400e9), inter=LinkCost(alpha=10e-6, beta=1 / 45e9)),
+  "h100_nvlink_ib": ClusterCost(
+    intra=LinkCost(alpha=5e-6, beta=1 / 400e9), inter=LinkCost(alpha=10e-6, beta=1 / 360e9)
+  ),
 }
 
 
@@ -98,10 +136,11 @@ def effective_link(cost: ClusterCost, reducer: GradientReducer) -> LinkCost:
   sizes give the line exactly.
   """
 
+  wire_itemsize = jnp.dtype(reducer.wire_dtype).itemsize
+
   def seconds(elements: int) -> float:
-    return cost.reduction_seconds(
-      reducer.bucket_strategy(elements).name, elements, reducer.nodes, reducer.local, reducer.k_for(elements)
-    )
+    name, k = reducer.bucket_strategy(elements).name, reducer.k_for(elements)
+    return cost.reduction_seconds(name, elements, reducer.nodes, reducer.local, k, wire_itemsize=wire_itemsize)
 
   small, large = 2**20, 2**26
   beta = (seconds(large) - seconds(small)) / ((large - small) * 4)

@@ -132,15 +132,17 @@ class GradientReducer:
     num_devices = self.nodes * self.local
     return jax.tree.unflatten(treedef, [g / num_devices for g in summed]), new_state
 
+  def bucket_plan(self, params: PyTree) -> list[tuple[str, int, int]]:
+    """One step's collectives: (strategy, elements, k) per bucket, in reduction order."""
+    _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
+    return [(self.bucket_strategy(n).name, n, self.k_for(n)) for n in sizes]
+
   def bytes_per_step(self, params: PyTree) -> CommBytes:
-    leaves = jax.tree.leaves(params)
-    _, _, sizes = self._bucket_sizes(leaves)
-    itemsize = jnp.dtype(leaves[0].dtype).itemsize
+    itemsize = jnp.dtype(jax.tree.leaves(params)[0].dtype).itemsize
     wire = jnp.dtype(self.wire_dtype).itemsize
     total = CommBytes()
-    for n in sizes:
-      buffer = strategies.Buffer(n, itemsize, self.nodes, self.local, self.k_for(n), wire)
-      total += self.bucket_strategy(n).bytes(buffer)
+    for name, n, k in self.bucket_plan(params):
+      total += strategies.get(name).bytes(strategies.Buffer(n, itemsize, self.nodes, self.local, k, wire))
     return total
 
 

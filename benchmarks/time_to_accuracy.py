@@ -1,0 +1,136 @@
+"""Light's claim in miniature, as time to accuracy: whole training runs on an emulated cluster.
+
+  sudo python benchmarks/time_to_accuracy.py --nodes 2 --local 4 --bandwidth 50mbit \\
+      --strategies hierarchical,hitopk@0.01,hitopk@0.001,gtopk@0.01 --target 0.92 \\
+      --plot docs/time_to_accuracy.png          (or: make time-to-accuracy)
+
+For each strategy, the whole config (default configs/fashion_mnist.py, --set overrides for all runs)
+trains on --nodes "machines" (network namespaces, one train.py process each with --local simulated CPU
+devices, jax.distributed over gloo) whose links are shaped to --bandwidth (benchmarks/mesh_lab.py,
+light_jax/emulated_cluster.py; needs root). Each run evaluates on the test set after every epoch;
+the clock is `train_seconds` of metrics.jsonl, the training time since the start with the evaluations
+left out. Reported per strategy: the training seconds and epochs until the first evaluation at or above
+--target top-1 (null if never), the final top-1 and the median seconds per step. Runs are the same
+config but for comm.strategy and comm.density, one after the other on this machine's shared cores.
+
+Each run's workdir (metrics.jsonl, summary.json, checkpoints) is kept under --workdir/<strategy>, and
+the table's figures in --workdir/results.json; an existing run's workdir is started afresh, since a
+resumed run's clock would restart. The last line is one JSON
+object keyed by strategy, each with `seconds_to_target`, `epochs_to_target`, `final_top1`,
+`train_seconds` and `step_seconds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+from mesh_lab import parse_strategy, train_on_cluster  # noqa: E402  (benchmarks/, this script's directory)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from light_jax import metrics  # noqa: E402
+from light_jax.emulated_cluster import ClusterError, EmulatedCluster, parse_rate  # noqa: E402
+
+
+def time_to_target(records: list[dict], target: float) -> tuple[float | None, float | None]:
+  """(training seconds, epoch) of the first evaluation at or above ``target`` top-1; (None, None) if none."""
+  for record in records:
+    if record["eval_top1"] >= target:
+      return record["train_seconds"], record["epoch"]
+  return None, None
+
+
+def plot_curves(runs: dict[str, list[dict]], target: float, title: str, path: str) -> None:
+  """Test top-1 against training seconds, one line per strategy, the target as a dashed line."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7.5, 4.8))
+  for label, records in runs.items():
+    seconds = [0.0] + [r["train_seconds"] for r in records]
+    top1 = [None] + [100 * r["eval_top1"] for r in records]
+    (line,) = ax.plot(seconds[1:], top1[1:], marker="o", ms=3, label=label)
+    reached, _ = time_to_target(records, target)
+    if reached is not None:
+      ax.axvline(reached, color=line.get_color(), ls=":", lw=1)
+  ax.axhline(100 * target, color="gray", ls="--", lw=1, label=f"target {100 * target:g}%")
+  ax.set(xlabel="training seconds (evaluations excluded)", ylabel="test top-1 (%)", title=title)
+  ax.set_ylim(bottom=max(0, min(100 * r["eval_top1"] for rs in runs.values() for r in rs) - 2))
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}", file=sys.stderr)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--nodes", type=int, default=2)
+  parser.add_argument("--local", type=int, default=4)
+  parser.add_argument("--bandwidth", default="50mbit", help="rate of each machine's link, or 'unshaped'")
+  parser.add_argument("--strategies", default="hierarchical,hitopk@0.01,hitopk@0.001,gtopk@0.01")
+  parser.add_argument("--target", type=float, default=0.92, help="test top-1 to reach")
+  parser.add_argument("--config", default="configs/fashion_mnist.py")
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a config override")
+  parser.add_argument("--workdir", default="runs/time_to_accuracy")
+  parser.add_argument("--plot", metavar="FILE.png")
+  parser.add_argument("--peer_timeout", type=float, default=120.0)
+  parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per run")
+  args = parser.parse_args()
+  try:
+    rate = parse_rate(args.bandwidth)
+  except ValueError as e:
+    parser.error(str(e))
+
+  runs, results = {}, {}
+  try:
+    with EmulatedCluster(args.nodes, rate) as cluster:
+      for text in args.strategies.split(","):
+        label, overrides = parse_strategy(text)
+        workdir = os.path.abspath(os.path.join(args.workdir, label.replace("/", "_")))
+        shutil.rmtree(workdir, ignore_errors=True)
+        print(f"training with {label} on {args.nodes} x {args.local} at {args.bandwidth} ...", file=sys.stderr,
+              flush=True)  # fmt: skip
+        train_on_cluster(cluster, args.local, args.config, [*overrides, *(f"--config.{s}" for s in args.set)],
+                         workdir, args.peer_timeout, args.timeout)  # fmt: skip
+        records = metrics.read_metrics(workdir)
+        with open(os.path.join(workdir, "summary.json")) as f:
+          summary = json.load(f)
+        seconds, epoch = time_to_target(records, args.target)
+        runs[label] = records
+        results[label] = {
+          "seconds_to_target": seconds,
+          "epochs_to_target": epoch,
+          "final_top1": records[-1]["eval_top1"],
+          "train_seconds": records[-1]["train_seconds"],
+          "step_seconds": records[-1]["train_seconds"] / summary["steps"],
+          "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
+        }
+  except ClusterError as e:
+    sys.exit(f"error: {e}")
+
+  title = f"{args.nodes} x {args.local} emulated machines at {args.bandwidth}: test top-1 against training time"
+  print(f"\n{title} (target {100 * args.target:g}%)")
+  print(f"{'strategy':<22}{'to target s':>13}{'epochs':>8}{'final top-1':>13}{'train s':>10}{'s/step':>9}"
+        f"{'inter-node B/dev':>18}")  # fmt: skip
+  for label, r in results.items():
+    reached = f"{r['seconds_to_target']:.0f}" if r["seconds_to_target"] is not None else "not reached"
+    epochs = f"{r['epochs_to_target']:g}" if r["epochs_to_target"] is not None else "-"
+    print(f"{label:<22}{reached:>13}{epochs:>8}{100 * r['final_top1']:>12.2f}%{r['train_seconds']:>10.0f}"
+          f"{r['step_seconds']:>9.3f}{r['inter_node_bytes_per_step']:>18,}")  # fmt: skip
+  if args.plot:
+    plot_curves(runs, args.target, title, args.plot)
+  with open(os.path.join(args.workdir, "results.json"), "w") as f:
+    json.dump({"bandwidth": args.bandwidth, "mesh": [args.nodes, args.local], "target": args.target, **results}, f)
+  print(json.dumps(results))
+
+
+if __name__ == "__main__":
+  main()
