@@ -39,6 +39,9 @@ _CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS
 
 def _start_jax(config):
   """Sets up devices; must run before anything touches a JAX backend (never at import time)."""
+  from light_jax import xla_flags
+
+  xla_flags.apply()  # on GPUs: overlap the gradient collectives with the backward pass
   import jax
 
   explicit = _COORDINATOR.value is not None

@@ -13,17 +13,19 @@ steps: the median step seconds, the inter-node bytes per device per step from ou
 bytes node 0 really sent over its link per step (`wire_bytes_per_step`, from the kernel's counters,
 all of its devices together: --local times the per-device figure, plus protocol overhead).
 
-`predicted_step_seconds`: the cost model of `comm.fusion="adaptive"` (light_jax/parallel/cost_model.py),
-calibrated on these links: before the cells of a bandwidth, benchmarks/calibrate_links.py runs on the
-cluster at that shaping and fits alpha/beta per level. A cell's prediction is the step time measured
-unshaped for the same strategy (compute and local traffic) plus the modelled inter-node seconds of the
-step's collectives (its `comm_buckets` in summary.json) at the shaped fit, minus the same at the
-unshaped fit (already inside the unshaped step); null without an unshaped cell. `link_seconds` is the
+`predicted_step_seconds`: the simulator's step (light_jax/simulation.py) on the cost model of
+`comm.fusion="adaptive"` (light_jax/parallel/cost_model.py), calibrated on these links: before the
+cells of a bandwidth, benchmarks/calibrate_links.py runs on the cluster at that shaping and fits
+alpha/beta per level. A cell's prediction is the step time measured unshaped for the same strategy,
+less the modelled time of the step's collectives (its `comm_buckets` in summary.json) at the unshaped
+fit, plus their modelled time at the shaped fit, without overlap (XLA on CPU runs collectives in line);
+null without an unshaped cell. `link_seconds` is the
 measured difference from the unshaped step: the time the step waits on the shaped link. No latency is
 added (the kernel has no sch_netem). All processes share this machine's CPU cores, which inflates
 compute time with --nodes x --local devices.
 
-Strategies: NAME or NAME@DENSITY, with "/bfloat16" for the bfloat16 wire dtype ("hierarchical/bfloat16").
+Strategies: NAME or NAME@DENSITY, with "/bfloat16" for the bfloat16 wire dtype ("hierarchical/bfloat16");
+"auto" (or auto@DENSITY) chooses per bucket from the links calibrated at that bandwidth.
 --plot FILE draws predicted against measured step seconds for every cell. The last line is one JSON
 object keyed "<strategy>@<bandwidth>" (e.g. "hitopk@0.001@50mbit"); each cell also holds `inter_link`,
 the calibrated alpha (seconds) and beta (seconds per byte) of a machine's link at that bandwidth.
@@ -47,6 +49,7 @@ sys.path.insert(0, ROOT)
 
 from calibrate_links import calibrate_on_cluster  # noqa: E402  (benchmarks/, this script's directory)
 
+from light_jax import simulation  # noqa: E402
 from light_jax.emulated_cluster import ClusterError, EmulatedCluster, parse_rate  # noqa: E402
 from light_jax.parallel import cost_model  # noqa: E402
 
@@ -104,10 +107,12 @@ def train_on_cluster(
       raise RuntimeError(f"node {node} exited {proc.returncode}:\n{out[-3000:]}")
 
 
-def run_cell(cluster: EmulatedCluster, args, strategy_overrides: list[str], workdir: str) -> dict:
-  """One short timed training run on the cluster; returns its median step and bytes from process 0's records."""
+def run_cell(cluster: EmulatedCluster, args, strategy_overrides: list[str], workdir: str, links: str) -> dict:
+  """One short timed training run on the cluster; returns its median step and bytes from process 0's records.
+  ``links``: the calibration file of the current shaping, the cost model of comm.strategy=auto and adaptive fusion."""
   overrides = [
     f"--config.max_steps={args.warmup + args.steps}",
+    f"--config.comm.cost_model={links}",
     "--config.train.time_steps=True",
     "--config.checkpoint.every_steps=0",
     "--config.data.eval_subset=1000",  # one evaluation at the end: keep it short
@@ -128,9 +133,16 @@ def run_cell(cluster: EmulatedCluster, args, strategy_overrides: list[str], work
   }
 
 
-def modelled_inter_seconds(cost: cost_model.ClusterCost, cell: dict, nodes: int, local: int) -> float:
-  """The cost model's inter-node seconds for one step of ``cell``'s collectives."""
-  return cost.step_seconds(cell["comm_buckets"], nodes, local, wire_itemsize=cell["wire_itemsize"])[1]
+def predict_step(unshaped: dict, cell: dict, unshaped_fit: dict, shaped_fit: dict, nodes: int, local: int) -> float:
+  """The simulator's step (light_jax/simulation.py, no overlap) for ``cell``'s collectives: the unshaped step
+  of the same strategy moved from the unshaped links' fit to the shaped one (the links inside a machine
+  are not shaped: both keep the unshaped intra-node fit)."""
+  measured_on = cost_model.ClusterCost.from_dict(unshaped_fit)
+  moved_to = cost_model.ClusterCost(intra=measured_on.intra, inter=cost_model.LinkCost(**shaped_fit["inter"]))
+  buckets = [simulation.BucketComm(strategy, elements, k) for strategy, elements, k in cell["comm_buckets"]]
+  return simulation.move_measured_step(
+    unshaped["step_seconds"], buckets, measured_on, moved_to, nodes, local, cell["wire_itemsize"]
+  )
 
 
 def run_mesh(
@@ -138,25 +150,27 @@ def run_mesh(
 ) -> tuple[dict[str, dict], dict[str, dict]]:
   """Every (bandwidth, strategy) cell on one emulated cluster of args.nodes x args.local; returns the cells
   and the link calibration per bandwidth."""
-  results, calibration = {}, {}
+  results, calibration, links = {}, {}, {}
+  order = sorted(rates.items(), key=lambda item: item[1] is not None)  # unshaped first
   with EmulatedCluster(args.nodes) as cluster, tempfile.TemporaryDirectory(prefix="mesh_lab_") as tmp:
-    # Unshaped cells first: their step time is the compute part of the shaped cells' prediction.
-    for text, rate in sorted(rates.items(), key=lambda item: item[1] is not None):
+    for text, rate in order:
       cluster.shape(rate)
       print(f"calibrating the links at {text} ...", file=sys.stderr, flush=True)
-      calibration[text], _ = calibrate_on_cluster(cluster, args.local, os.path.join(tmp, f"links_{text}.json"))
-      cost = cost_model.ClusterCost.from_dict(calibration[text])
-      unshaped_cost = cost_model.ClusterCost.from_dict(calibration["unshaped"]) if "unshaped" in calibration else None
-      for label, strategy_overrides in requested:
+      links[text] = os.path.join(tmp, f"links_{text}.json")
+      calibration[text], _ = calibrate_on_cluster(cluster, args.local, links[text])
+    # Strategy by strategy, its unshaped cell right before its shaped ones: the unshaped step is the
+    # compute part of their prediction, and this shared machine's speed drifts over minutes.
+    for label, strategy_overrides in requested:
+      for text, rate in order:
+        cluster.shape(rate)
         print(f"running {label} at {text} on {args.nodes} x {args.local} ...", file=sys.stderr, flush=True)
-        cell = run_cell(cluster, args, strategy_overrides, os.path.join(tmp, f"{label}@{text}".replace("/", "_")))
+        workdir = os.path.join(tmp, f"{label}@{text}".replace("/", "_"))
+        cell = run_cell(cluster, args, strategy_overrides, workdir, links[text])
         unshaped = results.get(f"{label}@unshaped")
         cell["link_seconds"] = cell["step_seconds"] - unshaped["step_seconds"] if unshaped else None
         cell["predicted_step_seconds"] = (
-          unshaped["step_seconds"]
-          + modelled_inter_seconds(cost, cell, args.nodes, args.local)
-          - modelled_inter_seconds(unshaped_cost, cell, args.nodes, args.local)
-          if unshaped and unshaped_cost
+          predict_step(unshaped, cell, calibration["unshaped"], calibration[text], args.nodes, args.local)
+          if unshaped
           else None
         )
         cell["inter_link"] = calibration[text]["inter"]  # the fitted alpha (s) and beta (s/B) of a machine's link
@@ -172,6 +186,7 @@ def plot_predictions(results: dict[str, dict], path: str) -> None:
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
 
   cells = {k: c for k, c in results.items() if c["predicted_step_seconds"] is not None}
   values = [v for c in cells.values() for v in (c["step_seconds"], c["predicted_step_seconds"])]
@@ -187,6 +202,11 @@ def plot_predictions(results: dict[str, dict], path: str) -> None:
   ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="measured step seconds",
          ylabel="predicted step seconds (calibrated cost model)",
          title="Mesh lab: predicted against measured step time")  # fmt: skip
+  ticks = [t for t in (0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20) if low <= t <= high]
+  for axis in (ax.xaxis, ax.yaxis):
+    axis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+    axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
   ax.legend(loc="upper left")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -248,7 +268,7 @@ def main() -> None:
         f"{', '.join(f'{n} x {m}' for n, m in meshes)}")  # fmt: skip
   print("link calibration (inter-node, per machine's link): " + "; ".join(
     f"{key} alpha {1e3 * fit['inter']['alpha']:.2f} ms, {8e-6 / fit['inter']['beta']:,.1f} Mbit/s"
-    for key, fit in calibrations.items()))  # fmt: skip
+    for key, fit in calibrations.items() if fit["inter"]["beta"]) or "none (one machine)")  # fmt: skip
   print(f"{'cell':<34}{'step s':>9}{'predicted s':>13}{'error':>8}{'link s':>9}{'inter-node B/dev':>18}"
         f"{'wire B/node':>14}")  # fmt: skip
   for key, cell in results.items():

@@ -13,6 +13,7 @@ left out. Reported per strategy: the training seconds and epochs until the first
 --target top-1 (null if never), the final top-1 and the median seconds per step. Runs are the same
 config but for comm.strategy and comm.density, one after the other on this machine's shared cores.
 
+--report_only reads the runs already in --workdir (a run cut short is shown as far as it got).
 Each run's workdir (metrics.jsonl, summary.json, checkpoints) is kept under --workdir/<strategy>, and
 the table's figures in --workdir/results.json; an existing run's workdir is started afresh, since a
 resumed run's clock would restart. The last line is one JSON
@@ -83,6 +84,8 @@ def main() -> None:
   parser.add_argument("--plot", metavar="FILE.png")
   parser.add_argument("--peer_timeout", type=float, default=120.0)
   parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per run")
+  parser.add_argument("--report_only", action="store_true",
+                      help="train nothing: report the runs already in --workdir (finished or not)")  # fmt: skip
   args = parser.parse_args()
   try:
     rate = parse_rate(args.bandwidth)
@@ -90,40 +93,43 @@ def main() -> None:
     parser.error(str(e))
 
   runs, results = {}, {}
-  try:
-    with EmulatedCluster(args.nodes, rate) as cluster:
-      for text in args.strategies.split(","):
-        label, overrides = parse_strategy(text)
-        workdir = os.path.abspath(os.path.join(args.workdir, label.replace("/", "_")))
-        shutil.rmtree(workdir, ignore_errors=True)
-        print(f"training with {label} on {args.nodes} x {args.local} at {args.bandwidth} ...", file=sys.stderr,
-              flush=True)  # fmt: skip
-        train_on_cluster(cluster, args.local, args.config, [*overrides, *(f"--config.{s}" for s in args.set)],
-                         workdir, args.peer_timeout, args.timeout)  # fmt: skip
-        records = metrics.read_metrics(workdir)
-        with open(os.path.join(workdir, "summary.json")) as f:
-          summary = json.load(f)
-        seconds, epoch = time_to_target(records, args.target)
-        runs[label] = records
-        results[label] = {
-          "seconds_to_target": seconds,
-          "epochs_to_target": epoch,
-          "final_top1": records[-1]["eval_top1"],
-          "train_seconds": records[-1]["train_seconds"],
-          "step_seconds": records[-1]["train_seconds"] / summary["steps"],
-          "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
-        }
-  except ClusterError as e:
-    sys.exit(f"error: {e}")
+  labels = [parse_strategy(text) for text in args.strategies.split(",")]
+  workdirs = {label: os.path.abspath(os.path.join(args.workdir, label.replace("/", "_"))) for label, _ in labels}
+  if not args.report_only:
+    try:
+      with EmulatedCluster(args.nodes, rate) as cluster:
+        for label, overrides in labels:
+          shutil.rmtree(workdirs[label], ignore_errors=True)
+          print(f"training with {label} on {args.nodes} x {args.local} at {args.bandwidth} ...", file=sys.stderr,
+                flush=True)  # fmt: skip
+          train_on_cluster(cluster, args.local, args.config, [*overrides, *(f"--config.{s}" for s in args.set)],
+                           workdirs[label], args.peer_timeout, args.timeout)  # fmt: skip
+    except ClusterError as e:
+      sys.exit(f"error: {e}")
+  for label, _ in labels:
+    records = metrics.read_metrics(workdirs[label])
+    seconds, epoch = time_to_target(records, args.target)
+    runs[label] = records
+    last = records[-1]
+    results[label] = {
+      "seconds_to_target": seconds,
+      "epochs_to_target": epoch,
+      "final_top1": last["eval_top1"],
+      "train_seconds": last["train_seconds"],
+      "step_seconds": last["train_seconds"] / last["step"],
+      "inter_node_bytes_per_step": last["inter_node_bytes_per_step"],
+      "finished": bool(last["final"]),
+    }
 
   title = f"{args.nodes} x {args.local} emulated machines at {args.bandwidth}: test top-1 against training time"
   print(f"\n{title} (target {100 * args.target:g}%)")
-  print(f"{'strategy':<22}{'to target s':>13}{'epochs':>8}{'final top-1':>13}{'train s':>10}{'s/step':>9}"
-        f"{'inter-node B/dev':>18}")  # fmt: skip
+  print(f"{'strategy':<22}{'to target s':>13}{'epochs':>8}{'last top-1':>12}{'epochs run':>12}{'train s':>10}"
+        f"{'s/step':>9}{'inter-node B/dev':>18}")  # fmt: skip
   for label, r in results.items():
     reached = f"{r['seconds_to_target']:.0f}" if r["seconds_to_target"] is not None else "not reached"
     epochs = f"{r['epochs_to_target']:g}" if r["epochs_to_target"] is not None else "-"
-    print(f"{label:<22}{reached:>13}{epochs:>8}{100 * r['final_top1']:>12.2f}%{r['train_seconds']:>10.0f}"
+    run = f"{runs[label][-1]['epoch']:g}" + ("" if r["finished"] else " (cut)")
+    print(f"{label:<22}{reached:>13}{epochs:>8}{100 * r['final_top1']:>11.2f}%{run:>12}{r['train_seconds']:>10.0f}"
           f"{r['step_seconds']:>9.3f}{r['inter_node_bytes_per_step']:>18,}")  # fmt: skip
   if args.plot:
     plot_curves(runs, args.target, title, args.plot)

@@ -7,8 +7,11 @@ compute, no weight decay or trust ratio on biases and BatchNorm parameters.
 Data: TFDS imagenet2012 as ArrayRecord (``scripts/prepare_imagenet.py``), a decoded disk cache on local
 SSD, progressive resizing 128 -> 224 -> 288 px.
 
-Variant ``tiny``: the same pipeline at toy scale on 8 simulated CPU devices (tests, laptops): point
-data_dir at a small prepared dataset (e.g. --config.data.dataset=image_folder --config.data.data_dir=DIR).
+Variants:
+  tiny   the same pipeline at toy scale on 8 simulated CPU devices (tests, laptops): point data_dir at a
+         small prepared dataset (e.g. --config.data.dataset=image_folder --config.data.data_dir=DIR).
+  light  the seed's setting: the 28-epoch recipe of the DAWNBench record Light beat, on 16 x 8 V100
+         (`python scripts/simulate.py --config configs/imagenet_resnet50.py:light --cluster v100x128_25gbe`).
 """
 
 import ml_collections
@@ -35,6 +38,19 @@ def tiny(config: ml_collections.ConfigDict) -> None:
   config.optimizer.update(name="sgd", base_lr=0.4, nesterov=True, warmup_epochs=0.5, decay="cosine", weight_decay=5e-4)
   config.log_every_steps = 5
   config.checkpoint.update(every_steps=0, keep=1)
+
+
+def light(config: ml_collections.ConfigDict) -> None:
+  """The DAWNBench 28-epoch recipe (docs/techniques.md section 6): 96 px for 13 epochs, 128 for 11, 224 for
+  3, 288 for 1; batch 32,768, then 16,384 for the last epoch; LARS, eta 0.0008, wd 1e-4, 14 warm-up
+  epochs to a peak of 25, decay to 0.2 (end factor 0.008). Departures: power-2 decay instead of linear,
+  no momentum cycling, no rectified lr or trust-ratio clipping; bfloat16 compute (V100s need float16).
+  """
+  config.num_epochs = 28
+  config.data.resolution_schedule = "0:96,13:128,24:224,27:288:16384"
+  config.optimizer.update(
+    base_lr=25.0 * 256 / 32_768, warmup_epochs=14.0, weight_decay=1e-4, lars_eta=0.0008, end_lr_factor=0.008
+  )
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
@@ -72,4 +88,4 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.comm.update(device_tflops=100.0, density=0.001)
   config.log_every_steps = 10
   config.checkpoint.every_steps = 500
-  return apply_variant(config, variant, {"tiny": tiny}, "imagenet_resnet50.py")
+  return apply_variant(config, variant, {"tiny": tiny, "light": light}, "imagenet_resnet50.py")

@@ -32,7 +32,7 @@ from light_jax.data import DatasetInfo
 from light_jax.parallel import cost_model
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel import mesh as mesh_lib
-from light_jax.parallel.reducer import GradientReducer, make_gradient_reducer
+from light_jax.parallel.reducer import AUTO, GradientReducer, reducer_from_config
 from light_jax.parallel.strategies import CommBytes
 
 
@@ -52,22 +52,13 @@ class CompiledSteps:
     comm = config.comm
     nodes, local = mesh.devices.shape
     self.profile = fusion_lib.profile_parameters(model, info.image_shape)  # backward order, FLOPs per tensor
-    reducer = make_gradient_reducer(
-      comm.strategy,
-      nodes,
-      local,
-      "fixed" if comm.fusion == "adaptive" else comm.fusion,
-      comm.bucket_bytes,
-      density=comm.density,
-      selector=comm.topk_selector,
-      error_feedback=comm.error_feedback,
-      min_compress_elements=comm.min_compress_elements,
-      wire_dtype=comm.dtype,
-      order=self.profile.order,
-    )
-    self.adaptive_per_phase = comm.fusion == "adaptive" and not reducer.spec.compressed
+    reducer = reducer_from_config(comm, nodes, local, self.profile.order)
+    # Buckets that may carry residuals (compressed, or "auto") stay those of the first phase.
+    self.adaptive_per_phase = comm.fusion == "adaptive" and not (comm.strategy == AUTO or reducer.spec.compressed)
     if comm.fusion == "adaptive" and not self.adaptive_per_phase:
       reducer = self._planned(reducer, self.batch_shape_at(0))
+    if comm.strategy == AUTO:
+      reducer = self._chosen(reducer, self.batch_shape_at(0))
     # Its init_state is the train state's comm_state; each phase's step uses reducer_at(step), which may
     # re-plan the buckets (adaptive fusion of a dense strategy) but keeps this comm_state's shapes.
     self.reducer = reducer
@@ -117,7 +108,7 @@ class CompiledSteps:
       "train step compiled in %.1f s (batch %s%s): %s intra-node and %s inter-node bytes per device per step",
       time.time() - start,
       "x".join(map(str, batch_shape)),
-      f", top-k density {density:.4g}" if reducer.spec.compressed else "",
+      f", top-k density {density:.4g}" if reducer.keeps_residuals else "",
       f"{comm_bytes.intra_node:,}",
       f"{comm_bytes.inter_node:,}",
     )
@@ -126,6 +117,21 @@ class CompiledSteps:
   def comm_bytes_at(self, step: int, params) -> CommBytes:
     """Bytes per device of ``step``'s reduction, without compiling."""
     return self.reducer_at(step).bytes_per_step(params)
+
+  def _chosen(self, reducer: GradientReducer, batch_shape: tuple[int, ...]) -> GradientReducer:
+    """``reducer`` with comm.strategy="auto"'s choice of strategy per bucket for this batch shape."""
+    comm, info = self.config.comm, self.info
+    pixels = math.prod(batch_shape[1:3]) / math.prod(info.image_shape[:2])
+    reducer, reasons = cost_model.plan_auto(
+      reducer,
+      self.profile,
+      cost_model.load(comm.cost_model),
+      comm.device_tflops * 1e12,
+      batch_shape[0] / self.mesh.size * pixels,
+      overlap=self.mesh.devices.flat[0].platform != "cpu",  # XLA on CPU runs collectives in line
+    )
+    logging.info("comm.strategy=auto (%s), per bucket:\n  %s", comm.cost_model, "\n  ".join(reasons))
+    return reducer
 
   def _planned(self, reducer: GradientReducer, batch_shape: tuple[int, ...]) -> GradientReducer:
     """``reducer`` with MG-WFBP buckets for this batch shape (the profile is at the eval image size)."""

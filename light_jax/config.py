@@ -95,12 +95,14 @@ def base_config() -> ml_collections.ConfigDict:
   )
 
   config.comm = dict(
-    strategy="hierarchical",  # see light_jax/parallel/strategies.py: dense | hierarchical | hitopk | topk | gtopk
+    # dense | hierarchical | hitopk | topk | gtopk (light_jax/parallel/strategies.py), or auto: a strategy per
+    # bucket, the one the cost model (cost_model, device_tflops) says ends soonest (exact where it is hidden)
+    strategy="hierarchical",
     fusion="fixed",  # none | fixed (buckets of bucket_bytes) | adaptive (MG-WFBP)
     bucket_bytes=25 * 2**20,
     dtype="float32",  # wire dtype of the dense hops: bfloat16 halves them (float32 accumulation)
-    cost_model="v100_nvlink_25gbe",  # adaptive: a cost_model.PRESETS name or a calibrated JSON file
-    device_tflops=15.0,  # adaptive: sustained FLOP/s (x 1e12) for backward-time estimates
+    cost_model="v100_nvlink_25gbe",  # adaptive, auto: a cost_model.PRESETS name or a calibrated JSON file
+    device_tflops=15.0,  # adaptive, auto: sustained FLOP/s (x 1e12) for backward-time estimates
     # The top-k strategies (hitopk, topk, gtopk):
     density=0.01,  # fraction of entries kept (per local shard for hitopk)
     error_feedback=True,  # what is not sent is kept and added to the next step's gradient
@@ -118,6 +120,9 @@ def base_config() -> ml_collections.ConfigDict:
     # True: wait for every step and append its seconds and the bytes this machine sent to
     # WORKDIR/step_times.jsonl (steps then do not overlap; for the mesh lab, benchmarks/mesh_lab.py).
     time_steps=False,
+    # "A:B": a jax.profiler trace of the steps after step A up to step B, in WORKDIR/profile (TensorBoard's
+    # profile plugin or Perfetto read it; README "Reading a profile"). "" = none.
+    profile_steps="",
   )
   return config
 
@@ -162,11 +167,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   from light_jax.models import ARCHITECTURES
   from light_jax.parallel import compression, cost_model, strategies
   from light_jax.parallel import mesh as mesh_lib
-  from light_jax.parallel.reducer import FUSIONS
+  from light_jax.parallel.reducer import AUTO, FUSIONS
 
-  _choice("comm.strategy", config.comm.strategy, strategies.NAMES)
+  _choice("comm.strategy", config.comm.strategy, (*strategies.NAMES, AUTO))
   _choice("comm.fusion", config.comm.fusion, FUSIONS)
-  if config.comm.fusion == "adaptive":
+  if config.comm.fusion == "adaptive" or config.comm.strategy == AUTO:
     try:
       cost_model.load(config.comm.cost_model)
     except ValueError as e:
@@ -221,7 +226,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   except mesh_lib.MeshError as e:
     raise ConfigError(str(e)) from None
   devices = nodes * local
-  if strategies.get(config.comm.strategy).needs_power_of_two_devices and devices & (devices - 1):
+  strategy = strategies.get("hierarchical" if config.comm.strategy == AUTO else config.comm.strategy)
+  if strategy.needs_power_of_two_devices and devices & (devices - 1):
     others = [s.name for s in strategies.REGISTRY.values() if s.compressed and not s.needs_power_of_two_devices]
     raise ConfigError(
       f"comm.strategy={config.comm.strategy!r} pairs devices by the bits of their index and needs "
@@ -229,6 +235,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       f"or a mesh of {1 << (devices.bit_length() - 1)} devices."
     )
 
+  if config.train.profile_steps:
+    parse_profile_steps(config.train.profile_steps)
   _positive("global_batch_size", config.global_batch_size)
   _positive("data.eval_batch_size", config.data.eval_batch_size)
   batch_sizes = {
@@ -244,3 +252,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
         f"(e.g. {max(lower, num_devices)} or {lower + num_devices})."
       )
   return nodes, local
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+  """ "10:15" -> (10, 15): trace the steps after step 10 up to step 15."""
+  try:
+    first, last = (int(x) for x in text.split(":"))
+  except ValueError:
+    first = last = -1
+  if not 0 <= first < last:
+    raise ConfigError(
+      f"train.profile_steps={text!r} is not 'A:B' with 0 <= A < B (trace the steps after step A up to step B), "
+      f"e.g. '10:15'"
+    )
+  return first, last

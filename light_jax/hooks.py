@@ -200,6 +200,25 @@ class EpochEvaluation:
     self._start_step, self._start_time, self._start_wait = info.step, time.perf_counter(), self.prefetcher.wait_seconds
 
 
+class ProfileTrace:
+  """A jax.profiler trace of the steps after step ``first`` up to step ``last``, written to ``logdir``."""
+
+  def __init__(self, first: int, last: int, logdir: str):
+    self.first, self.last, self.logdir = first, last, logdir
+    self.tracing = False
+
+  def __call__(self, info: StepInfo) -> None:
+    if info.step == self.first:
+      jax.block_until_ready(info.loss)  # the trace starts with the next step
+      jax.profiler.start_trace(self.logdir, create_perfetto_trace=True)
+      self.tracing = True
+    elif info.step == self.last and self.tracing:
+      jax.block_until_ready(info.loss)
+      jax.profiler.stop_trace()
+      self.tracing = False
+      logging.info("profile of steps %d-%d written to %s", self.first + 1, self.last, self.logdir)
+
+
 class StepTimer:
   """Waits for each step, then appends its wall seconds and the bytes this machine's network interfaces
   sent during it (loopback excluded; Linux sysfs counters) to a JSON-lines file."""

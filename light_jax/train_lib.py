@@ -29,6 +29,7 @@ from light_jax import metrics as metrics_lib
 from light_jax import optim, schedules
 from light_jax import train_step as step_lib
 from light_jax.compiled_steps import CompiledSteps
+from light_jax.config import parse_profile_steps
 from light_jax.data import autotune
 from light_jax.hooks import (
   NONFINITE,
@@ -39,6 +40,7 @@ from light_jax.hooks import (
   Hooks,
   NonFiniteCheck,
   PreemptionCheck,
+  ProfileTrace,
   ProgressBar,
   StepInfo,
   StepTimer,
@@ -109,6 +111,9 @@ def train_and_evaluate(
     hooks.add(saver, every=config.checkpoint.every_steps)
     if config.train.time_steps and is_main:
       hooks.add(StepTimer(os.path.join(workdir, "step_times.jsonl")), every=1)
+    if config.train.profile_steps:
+      first, last = parse_profile_steps(config.train.profile_steps)
+      hooks.add(ProfileTrace(first, last, os.path.join(workdir, "profile")), every=1)
 
     try:
       loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)

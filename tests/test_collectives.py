@@ -4,6 +4,8 @@ This is the test that catches a silent double reduction (JAX's implicit psum of 
 replicated parameters plus our own): the result would be off by the device count.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +193,23 @@ def test_every_strategy_record_is_complete():
       assert spec.dense_fallback is None, spec.name
     sent = spec.bytes(strategies.Buffer(elements=1000, itemsize=4, nodes=2, local=4, k=10 if spec.compressed else 0))
     assert sent.inter_node > 0 and sent.intra_node > 0, spec.name
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (1, 8)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_auto_reduction_with_every_mix_of_strategies_equals_whole_batch_gradient(problem, shape):
+  """comm.strategy="auto" runs each bucket's own strategy (and its residual): at density 1, any mix of
+  exact and compressed buckets gives the whole-batch gradient."""
+  model, params, images, labels, reference = problem
+  mesh = mesh_lib.make_mesh(*shape)
+  base = reducer_lib.make_gradient_reducer("hierarchical", *shape, density=1.0, min_compress_elements=1)
+  num_buckets = len(base.buckets(jax.tree.leaves(params))[1])
+  names = list(strategies.NAMES)
+  for shift in range(len(names)):
+    choices = tuple(names[(b + shift) % len(names)] for b in range(num_buckets))
+    reducer = dataclasses.replace(base, strategy="auto", choices=choices)
+    reduced, state = reduce_on_mesh(reducer, mesh, model, params, images, labels)
+    assert len(state) == sum(strategies.get(c).compressed for c in choices)  # residuals for compressed buckets only
+    plan = reducer.bucket_plan(params)
+    assert [name for name, _, _ in plan] == list(choices)
+    for ours, ref in zip(jax.tree.leaves(reduced), jax.tree.leaves(reference)):
+      np.testing.assert_array_less(np.max(np.abs(np.asarray(ours) - np.asarray(ref))), 1e-5)

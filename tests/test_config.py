@@ -25,9 +25,11 @@ def test_default_configs_validate():
   [
     (
       {"comm__strategy": "ring"},
-      r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical', 'hitopk', 'topk', 'gtopk'\]",
+      r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical', 'hitopk', 'topk', 'gtopk', 'auto'\]",
     ),
     ({"comm__topk_selector": "sort"}, r"comm.topk_selector='sort' is unknown; use one of \['exact', 'mstopk'\]"),
+    ({"train__profile_steps": "5"}, r"train.profile_steps='5' is not 'A:B' with 0 <= A < B"),
+    ({"train__profile_steps": "9:3"}, r"train.profile_steps='9:3' is not 'A:B'"),
     ({"comm__fusion": "bucketed"}, r"comm.fusion='bucketed' is unknown; use one of \['none', 'fixed', 'adaptive'\]"),
     (
       {"comm__fusion": "adaptive", "comm__cost_model": "/nope.json"},

@@ -168,7 +168,7 @@ def free_port():
     return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("variant", [None, "gtopk_4x2", "shapes"])
+@pytest.mark.parametrize("variant", [None, "gtopk_4x2", "shapes", "auto", "strategies"])
 def test_mesh_experiment_configs_name_runnable_cells(variant):
   import importlib.util
 
@@ -183,7 +183,7 @@ def test_mesh_experiment_configs_name_runnable_cells(variant):
   assert "unshaped" in experiment.bandwidths  # the prediction needs each strategy's compute-only step
   for text in experiment.strategies:
     name = text.partition("/")[0].partition("@")[0]
-    assert name in strategies.NAMES, text
+    assert name in (*strategies.NAMES, "auto"), text
   assert os.path.exists(os.path.join(ROOT, experiment.config))
 
 

@@ -1,5 +1,6 @@
 """Fusion planning: fixed buckets, the MG-WFBP rule on hand-worked examples, profiling, cost model."""
 
+import dataclasses
 import json
 
 import jax
@@ -136,3 +137,35 @@ def test_a_nodes_link_is_shared_by_its_devices_except_in_a_flat_ring():
   assert intra == 0.0 and inter == pytest.approx(2e-3 + 1.5 * local * per_device / 1e6, rel=1e-5)
   # bfloat16 on the wire halves the bytes.
   assert cost.step_seconds(buckets, nodes, local, wire_itemsize=2)[1] < 0.6 * inter
+
+
+def test_auto_keeps_hidden_buckets_exact_and_compresses_where_the_link_is_slow():
+  """comm.strategy="auto" on resnet50, 2 x 4: on a fast network every bucket's exact reduction hides behind
+  the backward pass; on a slow one the big buckets go compressed, and the modelled step is no slower than
+  the best single strategy's."""
+  model = create_model("resnet50", 1000)
+  profile = fusion.profile_parameters(model, (224, 224, 3))
+  base = reducer_lib.make_gradient_reducer(
+    "hierarchical", 2, 4, "fixed", density=0.01, order=profile.order, bucket_bytes=4 * 2**20
+  )
+  free = cost_model.LinkCost(alpha=0.0, beta=0.0)
+  fast = cost_model.ClusterCost(intra=free, inter=cost_model.LinkCost(alpha=1e-6, beta=1 / 1e12))
+  slow = cost_model.ClusterCost(intra=free, inter=cost_model.LinkCost(alpha=1e-4, beta=1 / 1e9))
+  chosen = {}
+  for name, cost in (("fast", fast), ("slow", slow)):
+    chosen[name], reasons = cost_model.plan_auto(base, profile, cost, 100e12, 64)
+    assert len(reasons) == len(chosen[name].choices) > 4 and chosen[name].strategy == "auto"
+  compressed = {k: sum(strategies.get(c).compressed for c in r.choices) for k, r in chosen.items()}
+  # Fast: most buckets end before the next one is ready and stay exact; slow: most go compressed.
+  assert compressed["fast"] <= len(chosen["fast"].choices) // 4 < len(chosen["slow"].choices) // 2 <= compressed["slow"]
+  # The choice flips where the model says: the exact reduction of the first bucket ends after the backward.
+  from light_jax import simulation
+
+  def step_seconds(reducer, cost):
+    backward = [profile.backward_flops[i] * 64 / 100e12 for i in profile.order]
+    buckets = simulation.bucket_comms(reducer, profile.params)
+    return simulation.simulate_step(cost, 2, 4, buckets, 0.0, backward).total
+
+  singles = [dataclasses.replace(base, strategy=s) for s in ("dense", "hierarchical", "hitopk", "gtopk")]
+  for name, cost in (("fast", fast), ("slow", slow)):
+    assert step_seconds(chosen[name], cost) <= min(step_seconds(r, cost) for r in singles) * 1.0001

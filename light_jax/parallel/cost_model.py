@@ -166,3 +166,68 @@ def plan_adaptive_fusion(
   sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in order]
   groups = fusion_lib.plan_mgwfbp(backward_seconds, sizes, link.alpha, link.beta)
   return dataclasses.replace(reducer, fusion="adaptive", order=tuple(order), groups=tuple(tuple(g) for g in groups))
+
+
+def plan_auto(
+  reducer: GradientReducer,
+  profile: fusion_lib.ParameterProfile,
+  cost: ClusterCost,
+  device_flops: float,
+  examples_per_device: int,
+  overlap: bool = True,
+) -> tuple[GradientReducer, list[str]]:
+  """``reducer``'s buckets, each with the strategy ``comm.strategy="auto"`` gives it; and a reason per bucket.
+
+  Buckets are reduced one after the other on one stream, each once its gradients are ready (backward
+  times as in ``plan_adaptive_fusion``). Every registered strategy the mesh allows is a candidate (exact,
+  or compressed at the configured density), so a strategy added to the registry is considered without a
+  change here. Two passes:
+  1. forward: the earliest each bucket can end if every bucket takes its fastest strategy; the last of
+     these is the earliest the step's communication can end (no choice per bucket ends sooner);
+  2. backward, from the last bucket: keep a bucket exact when the step can still end at that earliest
+     time (its exact reduction is hidden behind backward compute or behind later buckets), else give it
+     its fastest strategy; each choice sets the latest the bucket before it may end.
+  So no accuracy is spent where it buys no time, and the step ends no later than with any single
+  strategy. Without ``overlap`` (XLA on CPU runs collectives in line) every bucket waits for the whole
+  backward pass.
+  """
+  leaves = jax.tree.leaves(profile.params)
+  order, buckets = reducer.buckets(leaves)
+  ready, elapsed = [], 0.0
+  for i in order:
+    elapsed += profile.backward_flops[i] * examples_per_device / device_flops
+    ready.append(elapsed)
+  if not overlap:
+    ready = [elapsed] * len(ready)
+  devices = reducer.nodes * reducer.local
+  candidates = [
+    s.name for s in strategies.REGISTRY.values() if not (s.needs_power_of_two_devices and devices & (devices - 1))
+  ]
+  exact_names = [n for n in candidates if not strategies.get(n).compressed]
+  wire_itemsize = jnp.dtype(reducer.wire_dtype).itemsize
+
+  def seconds(name: str, elements: int) -> float:
+    one = dataclasses.replace(reducer, strategy=name, choices=None)
+    spec, k = one.bucket_strategy(elements), one.k_for(elements)
+    return cost.reduction_seconds(spec.name, elements, reducer.nodes, reducer.local, k, wire_itemsize=wire_itemsize)
+
+  sizes = [sum(int(np.prod(leaves[order[i]].shape)) for i in positions) for positions in buckets]
+  durations = [{name: seconds(name, n) for name in candidates} for n in sizes]
+  bucket_ready = [ready[max(positions)] for positions in buckets]
+  earliest, free = [], 0.0
+  for r, d in zip(bucket_ready, durations):
+    free = max(r, free) + min(d.values())
+    earliest.append(free)
+
+  latest, choices, reasons = earliest[-1], [None] * len(buckets), [""] * len(buckets)
+  for b in reversed(range(len(buckets))):
+    d = durations[b]
+    exact, fastest = min(exact_names, key=d.get), min(candidates, key=d.get)
+    start = max(bucket_ready[b], earliest[b - 1] if b else 0.0)
+    if start + d[exact] <= latest * (1 + 1e-12):
+      choices[b], why = exact, f"hidden ({1e3 * (latest - start - d[exact]):.2f} ms to spare)"
+    else:
+      choices[b], why = fastest, f"{1e3 * (d[exact] - d[fastest]):.2f} ms faster than {exact}, on the critical path"
+    reasons[b] = f"{sizes[b]:,} elements: {choices[b]}, {why}"
+    latest -= d[choices[b]]
+  return dataclasses.replace(reducer, strategy="auto", choices=tuple(choices)), reasons

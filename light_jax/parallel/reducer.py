@@ -22,6 +22,7 @@ from light_jax.parallel.strategies import CommBytes
 
 PyTree = Any
 FUSIONS = ("none", "fixed", "adaptive")
+AUTO = "auto"  # comm.strategy: a strategy per bucket, chosen by the cost model (cost_model.plan_auto)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,7 @@ class GradientReducer:
       hierarchical and hitopk still accumulate in float32 (dense's psum accumulates in the wire dtype).
     order: leaf indices in backward order (``fusion.profile_parameters``); None = reversed pytree order.
     groups: for ``"adaptive"``, the buckets as positions in ``order``.
+    choices: for ``strategy="auto"``, the strategy of each bucket (``cost_model.plan_auto``).
   """
 
   strategy: str
@@ -59,10 +61,26 @@ class GradientReducer:
   wire_dtype: str = "float32"
   order: tuple[int, ...] | None = None
   groups: tuple[tuple[int, ...], ...] | None = None
+  choices: tuple[str, ...] | None = None
 
   @property
   def spec(self) -> strategies.Strategy:
+    if self.strategy == AUTO:
+      raise ValueError("strategy='auto' has a strategy per bucket: use for_bucket(b), after cost_model.plan_auto")
     return strategies.get(self.strategy)
+
+  @property
+  def keeps_residuals(self) -> bool:
+    """Whether some bucket may be compressed (its residual then fixes the buckets for the whole run)."""
+    return self.strategy == AUTO or self.spec.compressed
+
+  def for_bucket(self, bucket: int) -> GradientReducer:
+    """The one-strategy reducer of bucket ``bucket``: this one, or for "auto" the strategy chosen for it."""
+    if self.strategy != AUTO:
+      return self
+    if self.choices is None:
+      raise ValueError("strategy='auto' needs choices: build the reducer with cost_model.plan_auto")
+    return dataclasses.replace(self, strategy=self.choices[bucket], choices=None)
 
   # --- planning (static, from shapes) ---------------------------------------------------------------
   def buckets(self, leaves) -> tuple[list[int], list[list[int]]]:
@@ -105,9 +123,9 @@ class GradientReducer:
     """Zero residuals, {"bucket_i": float32 (nodes, local, compressed size)}, for compressed buckets."""
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
     return {
-      _key(b): jnp.zeros((self.nodes, self.local, self.compressed_size(n)), jnp.float32)
+      _key(b): jnp.zeros((self.nodes, self.local, self.for_bucket(b).compressed_size(n)), jnp.float32)
       for b, n in enumerate(sizes)
-      if self.is_compressed(n)
+      if self.for_bucket(b).is_compressed(n)
     }
 
   # --- the reduction (inside shard_map) ----------------------------------------------------------
@@ -120,10 +138,11 @@ class GradientReducer:
     for b, (bucket, size) in enumerate(zip(buckets, sizes)):
       members = [order[i] for i in bucket]
       flat = fusion_lib.pack([leaves[m] for m in members])
-      spec = self.bucket_strategy(size)
+      one = self.for_bucket(b)
+      spec = one.bucket_strategy(size)
       if spec.compressed:
         residual = comm_state[_key(b)][0, 0]  # this device's block of the (nodes, local, ...) array
-        flat, residual = spec.reduce(flat, residual, self.k_for(size), self.selector, self.error_feedback, wire_dtype)
+        flat, residual = spec.reduce(flat, residual, one.k_for(size), self.selector, self.error_feedback, wire_dtype)
         new_state[_key(b)] = residual[None, None]
       else:
         flat = spec.reduce(flat, wire_dtype)
@@ -135,7 +154,8 @@ class GradientReducer:
   def bucket_plan(self, params: PyTree) -> list[tuple[str, int, int]]:
     """One step's collectives: (strategy, elements, k) per bucket, in reduction order."""
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
-    return [(self.bucket_strategy(n).name, n, self.k_for(n)) for n in sizes]
+    buckets = [(self.for_bucket(b), n) for b, n in enumerate(sizes)]
+    return [(one.bucket_strategy(n).name, n, one.k_for(n)) for one, n in buckets]
 
   def bytes_per_step(self, params: PyTree) -> CommBytes:
     itemsize = jnp.dtype(jax.tree.leaves(params)[0].dtype).itemsize
@@ -155,11 +175,32 @@ def make_gradient_reducer(
   **compression_options,
 ) -> GradientReducer:
   """A reducer for ``strategy``; ``compression_options`` are density, selector, error_feedback, ..."""
-  strategies.get(strategy)  # a clear error for an unknown name
+  if strategy != AUTO:
+    strategies.get(strategy)  # a clear error for an unknown name
   if fusion not in FUSIONS:
     raise ValueError(f"unknown comm.fusion {fusion!r}; known: {', '.join(FUSIONS)}")
   return GradientReducer(
     strategy=strategy, nodes=nodes, local=local, fusion=fusion, bucket_bytes=bucket_bytes, **compression_options
+  )
+
+
+def reducer_from_config(comm, nodes: int, local: int, order: tuple[int, ...] | None = None) -> GradientReducer:
+  """The reducer the config's ``comm`` block describes on a ``nodes`` x ``local`` mesh, leaves reduced in
+  ``order``. With ``comm.fusion="adaptive"`` it has fixed buckets until ``cost_model.plan_adaptive_fusion``
+  plans its MG-WFBP groups; with ``comm.strategy="auto"`` it is hierarchical until ``cost_model.plan_auto``
+  chooses each bucket's strategy."""
+  return make_gradient_reducer(
+    "hierarchical" if comm.strategy == AUTO else comm.strategy,
+    nodes,
+    local,
+    "fixed" if comm.fusion == "adaptive" else comm.fusion,
+    comm.bucket_bytes,
+    density=comm.density,
+    selector=comm.topk_selector,
+    error_feedback=comm.error_feedback,
+    min_compress_elements=comm.min_compress_elements,
+    wire_dtype=comm.dtype,
+    order=order,
   )
 
 

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# The prepared GPU check: everything we want measured on an accelerator, in one run of at most 8 minutes.
+#
+#   bash benchmarks/gpu_check.sh OUT_DIR            on a GPU machine (installs '.[cuda]' first)
+#   bash benchmarks/gpu_check.sh OUT_DIR --toy      on CPU at toy sizes (the test suite runs this)
+#
+# Steps, each bounded by `timeout` and recorded even when it fails (the others still run):
+#   1. ResNet-50 training throughput (benchmarks/throughput.py): bfloat16 and float16, 128 and 224 px, the
+#      largest per-device batch of 256, 192, 128, 64 that fits;
+#   2. the gradient collectives on the device (benchmarks/collectives.py): per strategy, exact against
+#      MSTopK top-k selection;
+#   3. the input pipeline (benchmarks/input_pipeline.py), images/s per host core;
+#   4. a short training run (train.py on generated JPEGs, ResNet-50 at 128 px) with a profile of 5 steps.
+# Writes OUT_DIR/gpu_check.json (every step's JSON line, its exit code and seconds) and OUT_DIR/report.txt
+# (the tables), plus each step's log and the profile under OUT_DIR/train/profile.
+set -u
+OUT=${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR [--toy]}
+TOY=${2:-}
+PY=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+: > "$OUT/steps.jsonl"
+
+run() {  # run NAME SECONDS COMMAND...: its output to OUT/NAME.log, a record to OUT/steps.jsonl
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  echo "== $name: $*" | tee -a "$OUT/report.txt"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local code=$?
+  grep -v '^{' "$OUT/$name.log" | tail -n 12 >> "$OUT/report.txt"
+  "$PY" - "$name" "$code" "$((SECONDS - start))" "$OUT/$name.log" >> "$OUT/steps.jsonl" <<'EOF'
+import json, sys
+name, code, seconds, log = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+lines = [l for l in open(log, errors="replace").read().splitlines() if l.startswith("{")]
+try:
+  result = json.loads(lines[-1]) if lines else None
+except json.JSONDecodeError:
+  result = None
+print(json.dumps({"step": name, "exit_code": code, "seconds": seconds, "result": result}))
+EOF
+  return $code
+}
+
+: > "$OUT/report.txt"
+echo "light_jax GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+  | tee -a "$OUT/report.txt"
+if [ "$TOY" = "--toy" ]; then
+  MODEL=(--model resnet8_small --num_classes 10 --config.model.width=8 --steps 2 --warmup 1 --cpu_devices 2)
+  SIZES=(32); BATCHES=(8 4); DTYPES=(float32)
+  COLLECTIVES=(--nodes 1 --local 2 --repeats 1 --only hitopk@0.01/mstopk)
+  INPUT=(--images 20 --rounds 1 --seconds 0.2)
+  TRAIN=(--config.model.name=resnet8_small --config.model.width=8 --config.data.image_size=32
+         --config.data.resolution_schedule= --config.mesh.cpu_devices=2 --config.num_epochs=10
+         --config.max_steps=12 --config.data.eval_batch_size=20 --config.train.profile_steps=6:9)
+  IMAGES=8
+else
+  if ! command -v nvidia-smi > /dev/null; then
+    echo "error: nvidia-smi not found: this is not a GPU machine. On CPU run: bash $0 $OUT --toy" >&2
+    exit 2
+  fi
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+  if ! "$PY" -m pip install --quiet -e '.[cuda]' > "$OUT/pip.log" 2>&1; then
+    echo "error: pip install -e '.[cuda]' failed; see $OUT/pip.log" >&2
+    exit 2
+  fi
+  MODEL=(--model resnet50 --steps 20 --warmup 3)
+  SIZES=(128 224); BATCHES=(256 192 128 64); DTYPES=(bfloat16 float16)
+  COLLECTIVES=(--nodes 1 --local -1 --repeats 5
+               --only hierarchical,hitopk@0.01,hitopk@0.01/mstopk,hitopk@0.001,hitopk@0.001/mstopk,gtopk@0.01,topk@0.001)
+  INPUT=(--images 200 --rounds 2 --seconds 2)
+  TRAIN=(--config.model.name=resnet50 --config.data.image_size=128 --config.data.resolution_schedule=
+         --config.global_batch_size=256 --config.num_epochs=20 --config.max_steps=150
+         --config.train.profile_steps=100:105)
+  IMAGES=300
+fi
+
+for dtype in "${DTYPES[@]}"; do
+  for size in "${SIZES[@]}"; do
+    for batch in "${BATCHES[@]}"; do  # the largest batch that fits: a failure (out of memory) tries the next
+      run "throughput_${dtype}_${size}_b${batch}" 150 "$PY" benchmarks/throughput.py "${MODEL[@]}" \
+        --image_size "$size" --batch_per_device "$batch" --dtype "$dtype" && break
+    done
+  done
+done
+run collectives 120 "$PY" benchmarks/collectives.py "${COLLECTIVES[@]}"
+run input_pipeline 90 "$PY" benchmarks/input_pipeline.py "${INPUT[@]}"
+
+# Training data: a small folder of generated JPEGs (10 classes), prepared as the README says.
+DATA="$OUT/data"
+"$PY" - "$DATA/folder" "$IMAGES" <<'EOF'
+import os, sys
+import numpy as np
+sys.path.insert(0, os.getcwd())
+from tests.image_folder_fixture import class_image
+root, per_class = sys.argv[1], int(sys.argv[2])
+rng = np.random.default_rng(0)
+for split, count in (("train", per_class), ("val", max(per_class // 10, 2))):
+  for label in range(10):
+    os.makedirs(f"{root}/{split}/class{label}", exist_ok=True)
+    for i in range(count):
+      class_image(label, rng, 160, 120).save(f"{root}/{split}/class{label}/{i}.jpg", quality=90)
+EOF
+run prepare_data 120 "$PY" scripts/prepare_image_folder.py --folder "$DATA/folder" --out "$DATA/prepared"
+run train 240 "$PY" train.py --config configs/imagenet_resnet50.py:tiny --workdir "$OUT/train" \
+  --config.data.dataset=image_folder --config.data.data_dir="$DATA/prepared" --config.mesh.nodes=1 \
+  --config.mesh.local=-1 --config.checkpoint.every_steps=0 "${TRAIN[@]}"
+if [ -f "$OUT/train/summary.json" ]; then
+  "$PY" -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$OUT/train/summary.json" \
+    > "$OUT/train_summary.json"
+fi
+
+"$PY" - "$OUT" <<'EOF'
+import glob, json, os, sys
+out = sys.argv[1]
+steps = [json.loads(line) for line in open(os.path.join(out, "steps.jsonl"))]
+best = {}
+for s in steps:
+  r = s["result"]
+  if s["step"].startswith("throughput_") and s["exit_code"] == 0 and r:
+    key = f"{r['dtype']}@{r['image_size']}"
+    if key not in best or r["batch_per_device"] > best[key]["batch_per_device"]:
+      best[key] = r
+profile = sorted(glob.glob(os.path.join(out, "train", "profile", "**", "*.xplane.pb"), recursive=True))
+# A throughput attempt that ran out of memory is expected (a smaller batch follows); a size that never ran is not.
+tried = {s["step"].rsplit("_b", 1)[0] for s in steps if s["step"].startswith("throughput_")}
+failed = [t for t in sorted(tried) if not any(f"throughput_{k.replace('@', '_')}" == t for k in best)]
+failed += [s["step"] for s in steps if not s["step"].startswith("throughput_") and s["exit_code"] != 0]
+summary = {"steps": steps, "throughput": best, "profile": profile[0] if profile else None, "failed": failed}
+json.dump(summary, open(os.path.join(out, "gpu_check.json"), "w"), indent=1)
+with open(os.path.join(out, "report.txt"), "a") as f:
+  f.write("\nthroughput (largest batch that fit): " + ", ".join(
+    f"{k}: {v['images_per_sec']:.0f} images/s per device at batch {v['batch_per_device']}" for k, v in best.items()) + "\n")
+  f.write(f"profile: {summary['profile']}\nfailed steps: {summary['failed'] or 'none'}\n")
+print(json.dumps({"throughput": {k: v["images_per_sec"] for k, v in best.items()}, "failed": summary["failed"],
+                  "profile": summary["profile"]}))
+EOF

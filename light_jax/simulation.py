@@ -1,0 +1,343 @@
+"""The simulator: how long a training run takes on a cluster we do not have, from measured or published parts.
+
+Inputs: a training config (model, global batch and resolution phases, epochs, ``comm``), a ``Cluster``
+(nodes x devices, the alpha-beta link costs of ``parallel/cost_model.py``, the input rate per host) and
+its ``DeviceProfile`` (training images/s of one device at a reference size, with the figure's source).
+For each phase (consecutive epochs with one image size and global batch) it simulates one step:
+
+1. Compute: the device's share of the batch at the profile's images/s, scaled by pixels from the
+   reference size; a third forward, two thirds backward (a backward pass costs twice a forward one),
+   the backward split over the tensors by their backward FLOPs (``fusion.profile_parameters`` on the
+   real flax model), in backward order.
+2. Communication: the reducer the config describes (``reducer.reducer_from_config``; adaptive fusion
+   planned by ``cost_model.plan_adaptive_fusion`` with the cluster's costs, as the trainer does), one
+   bucket after the other on one stream: a bucket starts when its last gradient is ready and the
+   previous bucket is done, and takes its top-k selection (compressed buckets, at the profile's
+   selection rate) plus ``ClusterCost.reduction_seconds``, the function adaptive fusion and the mesh
+   lab's prediction use. With ``overlap`` (GPUs: asynchronous collectives) buckets run during the
+   backward pass and only what outlasts it is exposed; without (XLA on CPU), all of it is.
+3. The optimizer update: memory-bound, 20 bytes per parameter (read parameter, gradient and momentum,
+   write parameter and momentum, float32) at the device's memory bandwidth.
+4. Input: a host's share of the global batch at the host's input rate, which falls with the pixels;
+   the pipeline runs ahead, so the step takes the slower of the input and everything else.
+
+Evaluation: the eval split once per epoch (as the trainer does), forward only, at a third of a training
+step's time per image, on every device. Not modelled: compilation and start-up, checkpoints, the top-k
+density warm-up, stragglers, selection competing with the backward pass for the device (it runs on the
+communication stream here), several communication streams. docs/techniques.md section 8 lists the
+assumptions and their sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import ml_collections
+
+from light_jax import schedules
+from light_jax.parallel import cost_model
+from light_jax.parallel import fusion as fusion_lib
+from light_jax.parallel.reducer import AUTO, reducer_from_config
+
+UPDATE_BYTES_PER_PARAMETER = 20  # float32: read parameter, gradient, momentum; write parameter, momentum
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+  """One accelerator, as the simulator sees it."""
+
+  name: str
+  images_per_sec: float  # training (forward + backward) images/s of one device at ``image_size``
+  image_size: int
+  dtype: str
+  memory_bytes_per_sec: float  # for the optimizer update
+  topk_elements_per_sec: float  # exact top-k selection, elements of input per second
+  source: str
+
+  def train_seconds_per_image(self, image_size: int) -> float:
+    return (image_size / self.image_size) ** 2 / self.images_per_sec
+
+
+DEVICES = {
+  "v100": DeviceProfile(
+    "v100",
+    images_per_sec=1300.0,
+    image_size=224,
+    dtype="float16",
+    memory_bytes_per_sec=900e9,
+    topk_elements_per_sec=1e9,
+    source="images/s: NVIDIA DeepLearningExamples, ResNet-50 v1.5 mixed-precision training on V100 16 GB, about "
+    "1,200-1,400 images/s per GPU (middle taken); memory: V100 datasheet, 900 GB/s HBM2; top-k: an "
+    "assumption (1e9 elements/s), not measured; benchmarks/collectives.py measures it on a device",
+  ),
+  "h200": DeviceProfile(
+    "h200",
+    images_per_sec=7950.0,
+    image_size=224,
+    dtype="float16",
+    memory_bytes_per_sec=4.8e12,
+    topk_elements_per_sec=8e9,
+    source="images/s: NVIDIA's MLPerf Training v4.0 ResNet-50 submission (MXNet, DALI), about 7,950 images/s "
+    "per H200; memory: H200 datasheet, 4.8 TB/s HBM3e; top-k: an assumption (8e9 elements/s, the V100 "
+    "figure scaled by memory bandwidth), not measured",
+  ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """Machines, their devices and links, and how fast each host feeds its devices."""
+
+  nodes: int
+  devices_per_node: int
+  cost: cost_model.ClusterCost
+  device: DeviceProfile
+  input_images_per_sec: float  # per host, at ``input_image_size``; falls with the pixels
+  input_image_size: int = 128
+  source: str = ""
+
+  @property
+  def num_devices(self) -> int:
+    return self.nodes * self.devices_per_node
+
+  def input_seconds_per_image(self, image_size: int) -> float:
+    return (image_size / self.input_image_size) ** 2 / self.input_images_per_sec
+
+
+# The input rate: light_jax's decoded disk cache measured 2,856 images/s per core at 128 px on this
+# machine (docs/measurements.md, "Input pipeline"); 32 cores of a host given to input is an assumption.
+INPUT_IMAGES_PER_SEC_PER_CORE = 2856.0
+CLUSTERS = {
+  "v100x128_25gbe": Cluster(
+    16,
+    8,
+    cost_model.PRESETS["v100_nvlink_25gbe"],
+    DEVICES["v100"],
+    32 * INPUT_IMAGES_PER_SEC_PER_CORE,
+    source="Light's cluster: 16 machines x 8 V100 (NVLink), 25 Gbps Ethernet between machines",
+  ),
+  "h200x8_ib": Cluster(
+    1,
+    8,
+    cost_model.PRESETS["h100_nvlink_ib"],
+    DEVICES["h200"],
+    32 * INPUT_IMAGES_PER_SEC_PER_CORE,
+    source="one 8 x H200 machine (NVLink 4; the H100 link preset)",
+  ),
+}
+
+# What the simulator needs of the datasets the configs name: (train examples, eval examples, classes, channels).
+DATASETS = {"imagenet2012": (1_281_167, 50_000, 1000, 3), "fashion_mnist": (60_000, 10_000, 10, 1)}
+TCP_GOODPUT = 0.9  # fraction of an Ethernet link's rate TCP carries (25 Gbps -> 2.8 GB/s, as the preset)
+
+
+def with_link(cluster: Cluster, nodes: int | None = None, inter_gbps: float | None = None) -> Cluster:
+  """``cluster`` with another machine count or inter-node Ethernet rate (for sweeps)."""
+  cost = cluster.cost
+  if inter_gbps is not None:
+    inter = cost_model.LinkCost(alpha=cost.inter.alpha, beta=1 / (TCP_GOODPUT * inter_gbps * 1e9 / 8))
+    cost = cost_model.ClusterCost(intra=cost.intra, inter=inter)
+  return dataclasses.replace(cluster, nodes=nodes or cluster.nodes, cost=cost)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketComm:
+  """One bucket's collective as the step timeline sees it."""
+
+  strategy: str  # the strategy that reduces it (the configured one or its dense fallback)
+  elements: int
+  k: int = 0  # entries top-k keeps; 0 for a dense bucket
+  selection_elements: int = 0  # elements the top-k runs on
+  last_position: int = 0  # its last gradient's position in backward order: it is ready after that one
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+  compute: float  # forward + backward
+  exposed_comm: float  # communication the backward pass did not hide
+  update: float
+  input_wait: float
+
+  @property
+  def total(self) -> float:
+    return self.compute + self.exposed_comm + self.update + self.input_wait
+
+
+def simulate_step(
+  cost: cost_model.ClusterCost,
+  nodes: int,
+  local: int,
+  buckets: Sequence[BucketComm],
+  forward_seconds: float,
+  backward_seconds: Sequence[float],
+  update_seconds: float = 0.0,
+  input_seconds: float = 0.0,
+  overlap: bool = True,
+  wire_itemsize: int = 4,
+  topk_elements_per_sec: float = math.inf,
+) -> StepTime:
+  """One step's timeline: ``backward_seconds`` per tensor in backward order, the buckets' collectives one
+  after the other, each from when its last gradient is ready (``overlap``) or after the whole backward."""
+  ready, elapsed = [], forward_seconds
+  for seconds in backward_seconds:
+    elapsed += seconds
+    ready.append(elapsed)
+  compute = elapsed
+  stream_free = 0.0 if overlap else compute
+  for b in buckets:
+    selection = b.selection_elements / topk_elements_per_sec if b.k else 0.0
+    link = cost.reduction_seconds(b.strategy, b.elements, nodes, local, b.k, wire_itemsize=wire_itemsize)
+    start = max(ready[min(b.last_position, len(ready) - 1)] if overlap else compute, stream_free)
+    stream_free = start + selection + link
+  exposed = max(stream_free - compute, 0.0)
+  busy = compute + exposed + update_seconds
+  return StepTime(compute, exposed, update_seconds, max(input_seconds - busy, 0.0))
+
+
+def move_measured_step(
+  measured_seconds: float,
+  buckets: Sequence[BucketComm],
+  measured_on: cost_model.ClusterCost,
+  moved_to: cost_model.ClusterCost,
+  nodes: int,
+  local: int,
+  wire_itemsize: int = 4,
+) -> float:
+  """A step measured on the links ``measured_on`` describes, predicted on ``moved_to``, without overlap (XLA
+  on CPU): its compute is the measured step less the modelled communication there. The mesh lab's
+  ``predicted_step_seconds``."""
+
+  def communication(cost: cost_model.ClusterCost) -> float:
+    return simulate_step(cost, nodes, local, buckets, 0.0, [0.0], overlap=False, wire_itemsize=wire_itemsize).total
+
+  compute = measured_seconds - communication(measured_on)
+  return simulate_step(
+    moved_to, nodes, local, buckets, 0.0, [compute], overlap=False, wire_itemsize=wire_itemsize
+  ).total
+
+
+def bucket_comms(reducer, params) -> list[BucketComm]:
+  """The reducer's buckets for ``params`` as the timeline needs them."""
+  leaves = jax.tree.leaves(params)
+  order, buckets = reducer.buckets(leaves)
+  comms = []
+  for b, positions in enumerate(buckets):
+    elements = sum(math.prod(leaves[order[i]].shape) for i in positions)
+    one = reducer.for_bucket(b)
+    k = one.k_for(elements)
+    comms.append(
+      BucketComm(
+        one.bucket_strategy(elements).name, elements, k, one.compressed_size(elements) if k else 0, max(positions)
+      )
+    )
+  return comms
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseReport:
+  first_epoch: int
+  epochs: int
+  image_size: int
+  global_batch: int
+  steps: int
+  step: StepTime
+  buckets: int
+  train_seconds: float
+  eval_seconds: float
+
+  def as_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["step"] = {**dataclasses.asdict(self.step), "total": self.step.total}
+    return d
+
+
+def phases_of(config: ml_collections.ConfigDict, num_train: int) -> list[tuple[int, int, int, int, int]]:
+  """(first epoch, epochs, image size, global batch, steps) for each run of epochs with one size and batch."""
+  image_size = config.data.image_size or 28
+  plan = schedules.EpochPlan(
+    num_train,
+    config.num_epochs,
+    schedules.parse_resolution_schedule(config.data.resolution_schedule, image_size),
+    config.global_batch_size,
+  )
+  phases = []
+  for epoch in range(config.num_epochs):
+    key = (plan.image_sizes[epoch] or image_size, plan.batch_sizes[epoch])
+    if phases and phases[-1][2:4] == key:
+      first, epochs, size, batch, steps = phases[-1]
+      phases[-1] = (first, epochs + 1, size, batch, steps + plan.steps_per_epoch[epoch])
+    else:
+      phases.append((epoch, 1, *key, plan.steps_per_epoch[epoch]))
+  return phases
+
+
+def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool = True) -> dict:
+  """The whole run: per phase, the step split and the seconds; the total, the exposed-communication
+  fraction and the scaling efficiency against one device."""
+  from light_jax.models import create_model
+
+  try:
+    num_train, num_eval, num_classes, channels = DATASETS[config.data.dataset]
+  except KeyError:
+    raise ValueError(f"the simulator knows the datasets {sorted(DATASETS)}, not {config.data.dataset!r}") from None
+  eval_size = config.data.image_size or 28
+  model = create_model(config.model.name, num_classes, config.model.dtype, config.model.width)
+  profile = fusion_lib.profile_parameters(model, (eval_size, eval_size, channels))
+  leaves = jax.tree.leaves(profile.params)
+  num_params = sum(math.prod(leaf.shape) for leaf in leaves)
+  device, nodes, local = cluster.device, cluster.nodes, cluster.devices_per_node
+  base = reducer_from_config(config.comm, nodes, local, profile.order)
+  wire_itemsize = 2 if config.comm.dtype == "bfloat16" else 4
+  backward_flops = [profile.backward_flops[i] for i in profile.order]
+  total_backward_flops = sum(backward_flops)
+  # The FLOP/s that make the profile's backward FLOPs take two thirds of the device's measured step.
+  device_flops = 1.5 * total_backward_flops * device.images_per_sec * (device.image_size / eval_size) ** 2
+  update = num_params * UPDATE_BYTES_PER_PARAMETER / device.memory_bytes_per_sec
+
+  keeps_residuals = config.comm.strategy == AUTO or base.spec.compressed
+  reports, reducer = [], None
+  for first, epochs, size, batch, steps in phases_of(config, num_train):
+    per_device = batch / cluster.num_devices
+    compute = per_device * device.train_seconds_per_image(size)
+    backward = [2 / 3 * compute * f / total_backward_flops for f in backward_flops]
+    # As CompiledSteps plans them: adaptive fusion per phase, but once (the first phase's) where buckets
+    # may carry residuals (a compressed strategy, or auto); auto's choice once.
+    if reducer is None or config.comm.fusion == "adaptive" and not keeps_residuals:
+      examples = per_device * (size / eval_size) ** 2
+      reducer = base
+      if config.comm.fusion == "adaptive":
+        reducer = cost_model.plan_adaptive_fusion(base, profile, cluster.cost, device_flops, examples)
+      if config.comm.strategy == AUTO:
+        reducer, _ = cost_model.plan_auto(reducer, profile, cluster.cost, device_flops, examples, overlap)
+    buckets = bucket_comms(reducer, profile.params)
+    step = simulate_step(
+      cluster.cost,
+      nodes,
+      local,
+      buckets,
+      compute / 3,
+      backward,
+      update,
+      batch / nodes * cluster.input_seconds_per_image(size),
+      overlap,
+      wire_itemsize,
+      device.topk_elements_per_sec,
+    )
+    eval_seconds = epochs * num_eval / cluster.num_devices * device.train_seconds_per_image(eval_size) / 3
+    reports.append(PhaseReport(first, epochs, size, batch, steps, step, len(buckets), steps * step.total, eval_seconds))
+
+  train = sum(r.train_seconds for r in reports)
+  exposed = sum(r.steps * r.step.exposed_comm for r in reports)
+  one_device = sum(r.steps * r.global_batch * device.train_seconds_per_image(r.image_size) for r in reports)
+  return {
+    "seconds": train + sum(r.eval_seconds for r in reports),
+    "train_seconds": train,
+    "eval_seconds": sum(r.eval_seconds for r in reports),
+    "exposed_comm_fraction": exposed / train,
+    "scaling_efficiency": one_device / (cluster.num_devices * train),
+    "phases": [r.as_dict() for r in reports],
+    "num_params": num_params,
+  }

@@ -1,0 +1,174 @@
+"""Predict a training run's time on a cluster from its config (light_jax/simulation.py).
+
+  python scripts/simulate.py --config configs/imagenet_resnet50.py:light --cluster v100x128_25gbe \\
+      --strategies hierarchical,hitopk@0.01,hitopk@0.001,gtopk@0.01
+  python scripts/simulate.py --config configs/imagenet_resnet50.py:light --cluster v100x128_25gbe \\
+      --sweep bandwidth --plot docs/simulated_bandwidth.png       (1 to 400 Gbps between machines)
+  python scripts/simulate.py ... --sweep devices --plot docs/simulated_devices.png   (8 to 1,024 GPUs)
+
+The cluster: a preset (--cluster), changed by --nodes, --devices_per_node, --inter_gbps, --device and
+--cost_model (a JSON file from benchmarks/calibrate_links.py); --input_images_per_sec sets each host's
+input rate at 128 px. Strategies: NAME or NAME@DENSITY, "/bfloat16" for the bfloat16 wire (as in the
+mesh lab); without --strategies the config's own. Config fields: --config.FIELD=VALUE.
+
+Prints, per strategy, each phase's step split (compute, exposed communication, update, input wait) and
+seconds, then a summary. The last line is one JSON object: `seconds`, `phases`, `exposed_comm_fraction`
+(and the rest of the simulation) of the first strategy, and `strategies` with every strategy's totals;
+with --sweep, `sweep` holds the seconds per strategy at each point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "training config file[:variant]")
+_CLUSTER = flags.DEFINE_string("cluster", "v100x128_25gbe", "a preset of light_jax/simulation.py CLUSTERS")
+_STRATEGIES = flags.DEFINE_list("strategies", [], "strategies to compare (default: the config's)")
+_NODES = flags.DEFINE_integer("nodes", None, "machines (default: the preset's)")
+_DEVICES_PER_NODE = flags.DEFINE_integer("devices_per_node", None, "devices per machine (default: the preset's)")
+_INTER_GBPS = flags.DEFINE_float("inter_gbps", None, "Ethernet rate between machines, Gbit/s")
+_DEVICE = flags.DEFINE_string("device", None, "a DEVICES profile (default: the preset's)")
+_COST_MODEL = flags.DEFINE_string("cost_model", None, "a cost_model preset or calibrate_links.py JSON")
+_INPUT_RATE = flags.DEFINE_float("input_images_per_sec", None, "input images/s per host at 128 px")
+_NO_OVERLAP = flags.DEFINE_bool("no_overlap", False, "communication after the backward pass, not during it")
+_SWEEP = flags.DEFINE_enum("sweep", None, ["bandwidth", "devices"], "time to train against a cluster property")
+_PLOT = flags.DEFINE_string("plot", None, "PNG of the sweep")
+
+BANDWIDTHS_GBPS = (1, 2, 5, 10, 25, 50, 100, 200, 400)
+DEVICE_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def with_strategy(config, text: str):
+  """A copy of ``config`` with "NAME[@DENSITY][/WIRE]" as its comm strategy."""
+  config = config.copy_and_resolve_references()
+  spec, _, wire = text.partition("/")
+  name, _, density = spec.partition("@")
+  config.comm.strategy = name
+  if density:
+    config.comm.density = float(density)
+  if wire:
+    config.comm.dtype = wire
+  return config
+
+
+def make_cluster():
+  from light_jax import simulation
+  from light_jax.parallel import cost_model
+
+  try:
+    cluster = simulation.CLUSTERS[_CLUSTER.value]
+  except KeyError:
+    raise app.UsageError(f"--cluster={_CLUSTER.value!r}: known presets {sorted(simulation.CLUSTERS)}") from None
+  changes = {}
+  if _DEVICES_PER_NODE.value:
+    changes["devices_per_node"] = _DEVICES_PER_NODE.value
+  if _DEVICE.value:
+    if _DEVICE.value not in simulation.DEVICES:
+      raise app.UsageError(f"--device={_DEVICE.value!r}: known profiles {sorted(simulation.DEVICES)}")
+    changes["device"] = simulation.DEVICES[_DEVICE.value]
+  if _COST_MODEL.value:
+    changes["cost"] = cost_model.load(_COST_MODEL.value)
+  if _INPUT_RATE.value:
+    changes["input_images_per_sec"] = _INPUT_RATE.value
+  cluster = dataclasses.replace(cluster, **changes)
+  return simulation.with_link(cluster, _NODES.value, _INTER_GBPS.value)
+
+
+def print_run(label: str, result: dict) -> None:
+  exposed, efficiency = 100 * result["exposed_comm_fraction"], 100 * result["scaling_efficiency"]
+  print(f"\n{label}: {result['seconds']:.1f} s ({result['train_seconds']:.1f} s training, "
+        f"{result['eval_seconds']:.1f} s evaluation); exposed communication {exposed:.1f}% of training; "
+        f"scaling efficiency {efficiency:.1f}%")  # fmt: skip
+  print(f"  {'epochs':<9}{'px':>5}{'batch':>8}{'steps':>7}{'buckets':>8}{'compute ms':>12}{'exposed ms':>12}"
+        f"{'update ms':>11}{'input ms':>10}{'step ms':>9}{'seconds':>9}")  # fmt: skip
+  for p in result["phases"]:
+    s = p["step"]
+    epochs = f"{p['first_epoch']}-{p['first_epoch'] + p['epochs'] - 1}"
+    print(f"  {epochs:<9}{p['image_size']:>5}{p['global_batch']:>8,}{p['steps']:>7}{p['buckets']:>8}"
+          f"{1e3 * s['compute']:>12.1f}{1e3 * s['exposed_comm']:>12.1f}{1e3 * s['update']:>11.2f}"
+          f"{1e3 * s['input_wait']:>10.1f}{1e3 * s['total']:>9.1f}{p['train_seconds']:>9.1f}")  # fmt: skip
+
+
+def plot_sweep(sweep: dict, xlabel: str, title: str, path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import matplotlib.ticker
+
+  fig, ax = plt.subplots(figsize=(7.5, 4.8))
+  for label, points in sweep.items():
+    xs = sorted(points, key=float)
+    ax.plot([float(x) for x in xs], [points[x] for x in xs], marker="o", ms=3, label=label)
+  ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="simulated time to train (s)", title=title)
+  for axis in (ax.xaxis, ax.yaxis):
+    axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+  ax.grid(alpha=0.3, which="both")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}", file=sys.stderr)
+
+
+def main(argv):
+  del argv
+  from light_jax import simulation
+
+  if _CONFIG.value is None:
+    raise app.UsageError("--config is required, e.g. --config configs/imagenet_resnet50.py:light")
+  cluster = make_cluster()
+  labels = _STRATEGIES.value or [_CONFIG.value.comm.strategy]
+  overlap = not _NO_OVERLAP.value
+  print(f"cluster {_CLUSTER.value}: {cluster.nodes} x {cluster.devices_per_node} {cluster.device.name}, inter-node "
+        f"{8e-9 / cluster.cost.inter.beta:.1f} Gbit/s goodput (alpha {1e6 * cluster.cost.inter.alpha:.0f} us), intra "
+        f"{8e-9 / cluster.cost.intra.beta:.0f} Gbit/s; input {cluster.input_images_per_sec:,.0f} images/s per host at "
+        f"{cluster.input_image_size} px; communication {'during' if overlap else 'after'} the backward")  # fmt: skip
+  print(f"device {cluster.device.name}: {cluster.device.images_per_sec:,.0f} training images/s at "
+        f"{cluster.device.image_size} px ({cluster.device.source})")  # fmt: skip
+  results = {}
+  for label in labels:
+    try:
+      results[label] = simulation.simulate(with_strategy(_CONFIG.value, label), cluster, overlap)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
+    print_run(label, results[label])
+
+  print(f"\n{'strategy':<24}{'seconds':>10}{'exposed comm':>14}{'efficiency':>12}")
+  for label, r in results.items():
+    print(f"{label:<24}{r['seconds']:>10.1f}{100 * r['exposed_comm_fraction']:>13.1f}%"
+          f"{100 * r['scaling_efficiency']:>11.1f}%")  # fmt: skip
+  output = {**results[labels[0]], "strategies": {label: {k: v for k, v in r.items() if k != "phases"}
+                                                 for label, r in results.items()}}  # fmt: skip
+
+  if _SWEEP.value:
+    sweep = {}
+    for label in labels:
+      config = with_strategy(_CONFIG.value, label)
+      if _SWEEP.value == "bandwidth":
+        points = {g: simulation.with_link(cluster, inter_gbps=g) for g in BANDWIDTHS_GBPS}
+      else:
+        points = {n: simulation.with_link(cluster, nodes=max(n // cluster.devices_per_node, 1)) for n in DEVICE_COUNTS}
+      sweep[label] = {str(x): simulation.simulate(config, c, overlap)["seconds"] for x, c in points.items()}
+    xlabel = "inter-node bandwidth (Gbit/s)" if _SWEEP.value == "bandwidth" else "devices"
+    print(f"\nsweep over {xlabel}: simulated seconds to train")
+    print(f"{'strategy':<24}" + "".join(f"{x:>9}" for x in sweep[labels[0]]))
+    for label, points in sweep.items():
+      print(f"{label:<24}" + "".join(f"{s:>9.1f}" for s in points.values()))
+    output["sweep"] = sweep
+    if _PLOT.value:
+      plot_sweep(
+        sweep, xlabel, f"{_CONFIG.value.model.name}, {cluster.device.name}: simulated time to train", _PLOT.value
+      )
+  print(json.dumps(output))
+
+
+if __name__ == "__main__":
+  app.run(main)

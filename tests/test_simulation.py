@@ -1,0 +1,88 @@
+"""The simulator (light_jax/simulation.py, scripts/simulate.py): the step timeline by hand, the move of a
+measured step between links that the mesh lab predicts with, and Light's setting end to end."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from configs import imagenet_resnet50
+from light_jax import simulation
+from light_jax.parallel import cost_model
+from tests.helpers import ROOT
+
+FREE = cost_model.LinkCost(alpha=0.0, beta=0.0)
+
+
+def _cost(inter_bytes_per_sec: float, alpha: float = 0.0) -> cost_model.ClusterCost:
+  return cost_model.ClusterCost(intra=FREE, inter=cost_model.LinkCost(alpha=alpha, beta=1 / inter_bytes_per_sec))
+
+
+def test_step_timeline_overlaps_buckets_with_the_backward_pass():
+  # Two nodes x 1 device, hierarchical: a ring all-reduce sends 4 x elements bytes per device (2(2-1)/2 x 4 B).
+  cost = _cost(8.0)  # 8 bytes/s: a bucket of 1 element takes 0.5 s
+  buckets = [
+    simulation.BucketComm("hierarchical", 1, last_position=0),
+    simulation.BucketComm("hierarchical", 1, last_position=1),
+  ]
+  step = simulation.simulate_step(cost, 2, 1, buckets, forward_seconds=1.0, backward_seconds=[1.0, 1.0])
+  # Gradients ready at 2 s and 3 s; the buckets end at 2.5 s and 3.5 s: 0.5 s outlasts the backward pass.
+  assert step.compute == 3.0 and step.exposed_comm == pytest.approx(0.5) and step.total == pytest.approx(3.5)
+  serial = simulation.simulate_step(cost, 2, 1, buckets, 1.0, [1.0, 1.0], overlap=False)
+  assert serial.exposed_comm == pytest.approx(1.0)
+  # Input slower than everything else: the step waits for it.
+  starved = simulation.simulate_step(cost, 2, 1, buckets, 1.0, [1.0, 1.0], update_seconds=0.25, input_seconds=5.0)
+  assert starved.input_wait == pytest.approx(5.0 - 3.75) and starved.total == pytest.approx(5.0)
+  # Top-k selection runs before the bucket's collective.
+  compressed = [simulation.BucketComm("hitopk", 1000, k=1, selection_elements=1000, last_position=1)]
+  slow_select = simulation.simulate_step(cost, 2, 1, compressed, 1.0, [1.0, 1.0], topk_elements_per_sec=1000.0)
+  fast_select = simulation.simulate_step(cost, 2, 1, compressed, 1.0, [1.0, 1.0])
+  assert slow_select.exposed_comm == pytest.approx(fast_select.exposed_comm + 1.0)
+
+
+def test_a_measured_step_moves_to_a_slower_link_by_the_modelled_difference():
+  unshaped, shaped = _cost(1e9, alpha=1e-3), _cost(1e6, alpha=3e-3)
+  buckets = [simulation.BucketComm("hierarchical", 300_000)]
+  moved = simulation.move_measured_step(0.2, buckets, unshaped, shaped, 2, 4)
+  difference = (
+    shaped.level_seconds("hierarchical", 300_000, 2, 4)[1] - unshaped.level_seconds("hierarchical", 300_000, 2, 4)[1]
+  )
+  assert moved == pytest.approx(0.2 + difference)
+  assert simulation.move_measured_step(0.2, buckets, unshaped, unshaped, 2, 4) == pytest.approx(0.2)
+
+
+def test_lights_setting_compression_pays_on_25_gbps_and_stops_paying_on_a_fast_network():
+  config = imagenet_resnet50.get_config("light")
+  cluster = simulation.CLUSTERS["v100x128_25gbe"]
+  runs = {}
+  for strategy, density in (("hierarchical", 1.0), ("hitopk", 0.001)):
+    config.comm.update(strategy=strategy, density=density)
+    runs[strategy] = simulation.simulate(config, cluster)
+  hier, hitopk = runs["hierarchical"], runs["hitopk"]
+  # The DAWNBench phases: 13 + 11 + 3 epochs at batch 32,768, 1 at 16,384.
+  assert [(p["image_size"], p["epochs"], p["global_batch"]) for p in hier["phases"]] == [
+    (96, 13, 32768), (128, 11, 32768), (224, 3, 32768), (288, 1, 16384)]  # fmt: skip
+  assert [p["steps"] for p in hier["phases"]] == [13 * 39, 11 * 39, 3 * 39, 78]  # 1,281,167 // 32,768 = 39
+  assert hitopk["seconds"] < 0.8 * hier["seconds"]
+  assert hier["exposed_comm_fraction"] > 0.2 > 0.02 > hitopk["exposed_comm_fraction"]
+  assert 0 < hier["scaling_efficiency"] < hitopk["scaling_efficiency"] <= 1
+  fast = simulation.with_link(cluster, inter_gbps=400)
+  config.comm.update(strategy="hierarchical", density=1.0)
+  assert simulation.simulate(config, fast)["seconds"] < 1.03 * hitopk["seconds"]
+
+
+def test_simulate_cli_prints_the_table_and_the_json_line():
+  result = subprocess.run(
+    [sys.executable, "scripts/simulate.py", "--config", "configs/imagenet_resnet50.py:light", "--cluster",
+     "v100x128_25gbe", "--strategies", "hierarchical,gtopk@0.01", "--nodes", "4"],
+    cwd=ROOT, capture_output=True, text=True, timeout=300,
+  )  # fmt: skip
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = json.loads(result.stdout.strip().splitlines()[-1])
+  assert {"seconds", "phases", "exposed_comm_fraction"} <= out.keys() and len(out["phases"]) == 4
+  assert out["seconds"] == out["strategies"]["hierarchical"]["seconds"]
+  assert "4 x 8 v100" in result.stdout and "gtopk@0.01" in result.stdout
+  bad = subprocess.run([sys.executable, "scripts/simulate.py", "--config", "configs/imagenet_resnet50.py:light",
+                        "--cluster", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+  assert bad.returncode != 0 and "known presets" in bad.stderr
