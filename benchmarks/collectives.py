@@ -49,6 +49,7 @@ def main():
   parser.add_argument("--cost_model", default="v100_nvlink_25gbe", help="preset for the adaptive plans")
   parser.add_argument("--device_tflops", type=float, default=15.0)
   parser.add_argument("--examples_per_device", type=int, default=32)
+  parser.add_argument("--model", default="resnet50", help="whose gradient shapes (a smaller one for quick checks)")
   args = parser.parse_args()
 
   import jax
@@ -66,7 +67,7 @@ def main():
 
   mesh = mesh_lib.make_mesh(args.nodes, args.local)
   devices = mesh.size
-  model = create_model("resnet50", 1000)
+  model = create_model(args.model, 1000)
   profile = fusion_lib.profile_parameters(model, (224, 224, 3))  # real backward order, FLOPs per tensor
   shapes = profile.params
   num_elements = sum(s.size for s in jax.tree.leaves(shapes))

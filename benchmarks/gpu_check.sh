@@ -48,7 +48,7 @@ echo "light_jax GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-pars
 if [ "$TOY" = "--toy" ]; then
   MODEL=(--model resnet8_small --num_classes 10 --config.model.width=8 --steps 2 --warmup 1 --cpu_devices 2)
   SIZES=(32); BATCHES=(8 4); DTYPES=(float32)
-  COLLECTIVES=(--nodes 1 --local 2 --repeats 1 --only hitopk@0.01/mstopk)
+  COLLECTIVES=(--nodes 1 --local 2 --repeats 1 --only hitopk@0.01/mstopk --model resnet8_small)
   INPUT=(--images 20 --rounds 1 --seconds 0.2)
   TRAIN=(--config.model.name=resnet8_small --config.model.width=8 --config.data.image_size=32
          --config.data.resolution_schedule= --config.mesh.cpu_devices=2 --config.num_epochs=10
