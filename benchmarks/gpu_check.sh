@@ -51,7 +51,7 @@ if [ "$TOY" = "--toy" ]; then
   COLLECTIVES=(--nodes 1 --local 2 --repeats 1 --only hitopk@0.01/mstopk --model resnet8_small)
   INPUT=(--images 20 --rounds 1 --seconds 0.2)
   TRAIN=(--config.model.name=resnet8_small --config.model.width=8 --config.data.image_size=32
-         --config.data.resolution_schedule= --config.mesh.cpu_devices=2 --config.num_epochs=10
+         --config.data.resolution_schedule= --config.mesh.cpu_devices=2 --config.num_epochs=3 --config.global_batch_size=16
          --config.max_steps=12 --config.data.eval_batch_size=20 --config.train.profile_steps=6:9)
   IMAGES=8
 else
