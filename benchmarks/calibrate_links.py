@@ -27,14 +27,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from light_jax.emulated_cluster import ClusterError, EmulatedCluster, parse_rate  # noqa: E402
+from light_jax.emulated_cluster import ClusterError, EmulatedCluster, free_port, parse_rate  # noqa: E402
 
 
 def level_sizes(group_bytes_per_buffer_byte: float, max_bytes: int, link_bytes_budget: float | None) -> list[int]:
@@ -115,32 +114,12 @@ def calibrate_on_cluster(
 ) -> tuple[dict, str]:
   """Runs this script on every node of ``cluster`` (``local`` devices each) at its current shaping; returns
   (the fitted cost as a dict, node 0's output)."""
-  import socket
-
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
   argv = [sys.executable, os.path.abspath(__file__), f"--nodes={cluster.nodes}", f"--local={local}",
           f"--repeats={repeats}", f"--max_seconds={max_seconds}", f"--max_mib={max_mib}", f"--out={out}",
-          f"--coordinator={cluster.coordinator}:{port}", f"--num_processes={cluster.nodes}",
+          f"--coordinator={cluster.coordinator}:{free_port()}", f"--num_processes={cluster.nodes}",
           f"--rate_bits={cluster.bandwidth_bits or 0}"]  # fmt: skip
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(local))
-  procs = [
-    cluster.run(
-      node,
-      [*argv, f"--process_id={node}"],
-      cwd=ROOT,
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )  # fmt: skip
-    for node in range(cluster.nodes)
-  ]
-  outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-  for node, (proc, output) in enumerate(zip(procs, outputs)):
-    if proc.returncode:
-      raise RuntimeError(f"calibration on node {node} exited {proc.returncode}:\n{output[-3000:]}")
+  outputs = cluster.run_everywhere(argv, timeout, cwd=ROOT, env=env)
   with open(out) as f:
     return json.load(f), outputs[0]
 

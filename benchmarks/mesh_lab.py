@@ -38,9 +38,7 @@ import copy
 import importlib.util
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -50,7 +48,7 @@ sys.path.insert(0, ROOT)
 from calibrate_links import calibrate_on_cluster  # noqa: E402  (benchmarks/, this script's directory)
 
 from light_jax import simulation  # noqa: E402
-from light_jax.emulated_cluster import ClusterError, EmulatedCluster, parse_rate  # noqa: E402
+from light_jax.emulated_cluster import ClusterError, EmulatedCluster, free_port, parse_rate  # noqa: E402
 from light_jax.parallel import cost_model  # noqa: E402
 
 
@@ -67,12 +65,6 @@ def parse_strategy(text: str) -> tuple[str, list[str]]:
   return text, overrides
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def train_on_cluster(
   cluster: EmulatedCluster,
   local: int,
@@ -84,27 +76,11 @@ def train_on_cluster(
 ) -> None:
   """Runs `train.py --config config` on every node of ``cluster`` (one process each, ``local`` simulated
   devices) with ``overrides``, as a multi-machine run over jax.distributed; raises if a process fails."""
-  port = free_port()
-  common = [sys.executable, os.path.join(ROOT, "train.py"), "--config", config, "--workdir", workdir,
-            f"--config.mesh.cpu_devices={cluster.nodes * local}", "--config.mesh.nodes=-1", "--config.mesh.local=-1",
-            *overrides, f"--coordinator={cluster.coordinator}:{port}", f"--num_processes={cluster.nodes}",
-            f"--peer_timeout={peer_timeout}"]  # fmt: skip
-  procs = [
-    cluster.run(
-      node,
-      [*common, f"--process_id={node}"],
-      cwd=ROOT,
-      env=dict(os.environ, JAX_PLATFORMS="cpu"),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for node in range(cluster.nodes)
-  ]
-  outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-  for node, (proc, out) in enumerate(zip(procs, outputs)):
-    if proc.returncode:
-      raise RuntimeError(f"node {node} exited {proc.returncode}:\n{out[-3000:]}")
+  argv = [sys.executable, os.path.join(ROOT, "train.py"), "--config", config, "--workdir", workdir,
+          f"--config.mesh.cpu_devices={cluster.nodes * local}", "--config.mesh.nodes=-1", "--config.mesh.local=-1",
+          *overrides, f"--coordinator={cluster.coordinator}:{free_port()}", f"--num_processes={cluster.nodes}",
+          f"--peer_timeout={peer_timeout}"]  # fmt: skip
+  cluster.run_everywhere(argv, timeout, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
 def run_cell(cluster: EmulatedCluster, args, strategy_overrides: list[str], workdir: str, links: str) -> dict:

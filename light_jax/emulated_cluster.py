@@ -148,6 +148,26 @@ class EmulatedCluster:
     self._processes.append(proc)
     return proc
 
+  def run_everywhere(self, argv: Sequence[str], timeout: float, **popen_kwargs) -> list[str]:
+    """Runs ``argv`` + ``--process_id=NODE`` on every node at once, as one multi-process job; returns each
+    node's output (stdout and stderr), or raises RuntimeError naming the first node that failed."""
+    procs = [
+      self.run(
+        node,
+        [*argv, f"--process_id={node}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen_kwargs,
+      )  # fmt: skip
+      for node in range(self.nodes)
+    ]
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for node, (proc, output) in enumerate(zip(procs, outputs)):
+      if proc.returncode:
+        raise RuntimeError(f"`{' '.join(argv[:2])}` on node {node} exited {proc.returncode}:\n{output[-3000:]}")
+    return outputs
+
   def set_link(self, node: int, up: bool) -> None:
     """Takes ``node``'s link down (as if its cable were pulled: its processes keep running) or up again."""
     _sh("ip", "link", "set", self.host_links[node], "up" if up else "down")
@@ -195,3 +215,10 @@ class EmulatedCluster:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def free_port() -> int:
+  """A TCP port free on this machine now, for a jax.distributed coordinator."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]

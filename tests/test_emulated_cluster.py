@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from light_jax.emulated_cluster import EmulatedCluster, parse_rate
+from light_jax.emulated_cluster import EmulatedCluster, free_port, parse_rate
 from light_jax.exit_codes import ExitCode
 from tests.helpers import ROOT
 
@@ -158,14 +158,6 @@ def test_a_machine_cut_off_or_killed_stops_the_run_and_the_same_command_resumes(
 def _checkpoints(workdir):
   d = workdir / "checkpoints"
   return [int(n) for n in os.listdir(d) if n.isdigit()] if d.is_dir() else []
-
-
-def free_port():
-  import socket
-
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("variant", [None, "gtopk_4x2", "shapes", "auto", "strategies"])

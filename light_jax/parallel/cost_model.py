@@ -129,22 +129,23 @@ def load(name_or_path: str) -> ClusterCost:
     ) from None
 
 
+def bucket_seconds(cost: ClusterCost, reducer: GradientReducer, elements: int) -> float:
+  """Modelled time of ``reducer`` (one strategy) reducing a bucket of ``elements``: its strategy, or the dense
+  fallback for a bucket too small to compress, with its k and wire dtype."""
+  name, k = reducer.bucket_strategy(elements).name, reducer.k_for(elements)
+  wire_itemsize = jnp.dtype(reducer.wire_dtype).itemsize
+  return cost.reduction_seconds(name, elements, reducer.nodes, reducer.local, k, wire_itemsize=wire_itemsize)
+
+
 def effective_link(cost: ClusterCost, reducer: GradientReducer) -> LinkCost:
   """alpha and beta of one fused collective of ``reducer``'s strategy on this cluster (all levels).
 
   The modelled time is linear in the buffer size (k grows with it for the top-k strategies), so two
   sizes give the line exactly.
   """
-
-  wire_itemsize = jnp.dtype(reducer.wire_dtype).itemsize
-
-  def seconds(elements: int) -> float:
-    name, k = reducer.bucket_strategy(elements).name, reducer.k_for(elements)
-    return cost.reduction_seconds(name, elements, reducer.nodes, reducer.local, k, wire_itemsize=wire_itemsize)
-
-  small, large = 2**20, 2**26
-  beta = (seconds(large) - seconds(small)) / ((large - small) * 4)
-  return LinkCost(alpha=max(seconds(small) - beta * small * 4, 0.0), beta=beta)
+  small, large = (bucket_seconds(cost, reducer, n) for n in (2**20, 2**26))
+  beta = (large - small) / ((2**26 - 2**20) * 4)
+  return LinkCost(alpha=max(small - beta * 2**20 * 4, 0.0), beta=beta)
 
 
 def plan_adaptive_fusion(
@@ -204,15 +205,9 @@ def plan_auto(
     s.name for s in strategies.REGISTRY.values() if not (s.needs_power_of_two_devices and devices & (devices - 1))
   ]
   exact_names = [n for n in candidates if not strategies.get(n).compressed]
-  wire_itemsize = jnp.dtype(reducer.wire_dtype).itemsize
-
-  def seconds(name: str, elements: int) -> float:
-    one = dataclasses.replace(reducer, strategy=name, choices=None)
-    spec, k = one.bucket_strategy(elements), one.k_for(elements)
-    return cost.reduction_seconds(spec.name, elements, reducer.nodes, reducer.local, k, wire_itemsize=wire_itemsize)
-
   sizes = [sum(int(np.prod(leaves[order[i]].shape)) for i in positions) for positions in buckets]
-  durations = [{name: seconds(name, n) for name in candidates} for n in sizes]
+  singles = {name: dataclasses.replace(reducer, strategy=name, choices=None) for name in candidates}
+  durations = [{name: bucket_seconds(cost, one, n) for name, one in singles.items()} for n in sizes]
   bucket_ready = [ready[max(positions)] for positions in buckets]
   earliest, free = [], 0.0
   for r, d in zip(bucket_ready, durations):
