@@ -52,7 +52,7 @@ class CompiledSteps:
     comm = config.comm
     nodes, local = mesh.devices.shape
     self.profile = fusion_lib.profile_parameters(model, info.image_shape)  # backward order, FLOPs per tensor
-    reducer = reducer_from_config(comm, nodes, local, self.profile.order)
+    reducer = reducer_from_config(comm, nodes, local, self.profile.order, config.optimizer.momentum)
     # Buckets that may carry residuals (compressed, or "auto") stay those of the first phase.
     self.adaptive_per_phase = comm.fusion == "adaptive" and not (comm.strategy == AUTO or reducer.spec.compressed)
     if comm.fusion == "adaptive" and not self.adaptive_per_phase:
@@ -101,6 +101,8 @@ class CompiledSteps:
       self.config.optimizer.label_smoothing,
       self.config.train.inject_nan_at_step,
       tuple(self.plan.first_steps),
+      micro_batches=self.config.micro_batches,
+      loss_scale_period=self.config.model.loss_scale_period,
     )
     compiled = train.lower(abstract_state, images, labels).compile()
     comm_bytes = reducer.bytes_per_step(abstract_state.params)

@@ -14,7 +14,10 @@ import ml_collections
 
 OPTIMIZERS = ("sgd", "lars", "lamb")
 DECAYS = ("poly", "cosine")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16")  # comm.dtype
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+LOSS_SCALES = ("auto", "dynamic", "none")
+MOMENTUM_SCHEDULES = ("constant", "cycle")
 DATASETS = ("fashion_mnist", "imagenet2012", "image_folder")
 CACHES = ("none", "disk", "memory")
 
@@ -50,8 +53,12 @@ def base_config() -> ml_collections.ConfigDict:
   # cpu_devices: CPU devices to simulate when running on the CPU (split over processes); no effect on GPUs.
   config.mesh = dict(nodes=2, local=4, cpu_devices=8)
 
-  # ResNet v1.5 family (light_jax/models); width 0 = the architecture's own; dtype of the compute.
-  config.model = dict(name="resnet8_fast", width=0, dtype="float32")
+  # ResNet v1.5 family (light_jax/models); width 0 = the architecture's own; dtype of the compute
+  # (float32 | bfloat16 | float16; parameters stay float32).
+  # loss_scale: auto (dynamic for float16, none otherwise) | dynamic | none. Dynamic loss scaling (jmp)
+  # starts at 2**15, halves the scale on a step whose gradient overflows (that step is skipped and counted
+  # in nonfinite_steps) and doubles it after loss_scale_period steps without one.
+  config.model = dict(name="resnet8_fast", width=0, dtype="float32", loss_scale="auto", loss_scale_period=2000)
 
   config.data = dict(
     dataset="fashion_mnist",  # fashion_mnist | imagenet2012 | image_folder
@@ -78,6 +85,9 @@ def base_config() -> ml_collections.ConfigDict:
   )
 
   config.global_batch_size = 256
+  # Gradient accumulation: each device runs its share of a step's batch in this many slices, one after the
+  # other, and sums their gradients before the one reduction (for batches larger than the devices hold).
+  config.micro_batches = 1
   config.num_epochs = 8
   config.max_steps = 0  # 0 = no limit; otherwise stop after this many steps
 
@@ -85,12 +95,15 @@ def base_config() -> ml_collections.ConfigDict:
     name="sgd",  # sgd | lars | lamb
     base_lr=0.2,  # peak lr = base_lr * global_batch_size / 256 (per phase)
     momentum=0.9,
+    momentum_schedule="constant",  # constant | cycle (momentum falls to min_momentum as the lr rises)
+    min_momentum=0.85,
     nesterov=True,
     weight_decay=5e-4,  # not on biases and BatchNorm parameters
     warmup_epochs=1.0,  # linear warm-up from 0
     decay="cosine",  # poly (power 2) | cosine
     end_lr_factor=0.0,  # final lr = peak lr * end_lr_factor
     lars_eta=0.001,  # LARS trust coefficient
+    lars_trust="optax",  # optax: eta|w| / |g + wd w| | mlperf: eta|w| / (|g| + wd|w|) (MLPerf ResNet-50)
     label_smoothing=0.1,
   )
 
@@ -109,6 +122,12 @@ def base_config() -> ml_collections.ConfigDict:
     topk_selector="exact",  # exact (lax.top_k) | mstopk (sort-free threshold search)
     min_compress_elements=512,  # smaller buckets / shards go to the strategy's dense fallback
     density_warmup_epochs=0.0,  # >0: DGC-style warm-up from density 0.25 down to `density`
+    # DGC's accuracy compensation (docs/techniques.md section 11): momentum correction moves
+    # optimizer.momentum into the reducer (a velocity per device, masked where entries were sent; the
+    # optimizer then runs without momentum); local_clip_norm > 0 clips each device's gradient to
+    # local_clip_norm / sqrt(devices) before compression.
+    momentum_correction=False,
+    local_clip_norm=0.0,
   )
 
   config.log_every_steps = 20
@@ -163,7 +182,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   """
   # Imported here, not at the top: config files import this module (for base_config) while train.py
   # parses its flags, before it has set up JAX's devices; this module itself stays free of JAX.
-  from light_jax import schedules
+  from light_jax import optim, schedules
   from light_jax.models import ARCHITECTURES
   from light_jax.parallel import compression, cost_model, strategies
   from light_jax.parallel import mesh as mesh_lib
@@ -180,14 +199,51 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _positive("comm.bucket_bytes", config.comm.bucket_bytes, allow_zero=True)
   _choice("comm.topk_selector", config.comm.topk_selector, tuple(compression.SELECTORS))
   _choice("comm.dtype", config.comm.dtype, DTYPES)
+  _positive("comm.local_clip_norm", config.comm.local_clip_norm, allow_zero=True)
+  compensation = config.comm.momentum_correction or config.comm.local_clip_norm > 0
+  compressed = config.comm.strategy != AUTO and strategies.get(config.comm.strategy).compressed
+  if compensation and not compressed:
+    raise ConfigError(
+      f"comm.momentum_correction and comm.local_clip_norm compensate top-k compression; comm.strategy="
+      f"{config.comm.strategy!r} does not compress. Use a top-k strategy (hitopk, topk, gtopk) or turn them off."
+    )
+  if config.comm.momentum_correction and not config.comm.error_feedback:
+    raise ConfigError(
+      "comm.momentum_correction accumulates what top-k did not send (it is error feedback with momentum); "
+      "set comm.error_feedback=True."
+    )
+  if config.comm.momentum_correction and config.optimizer.momentum_schedule != "constant":
+    raise ConfigError(
+      "comm.momentum_correction keeps a constant optimizer.momentum in the reducer; set "
+      "optimizer.momentum_schedule=constant."
+    )
+  if config.comm.momentum_correction and config.optimizer.name == "lamb":
+    raise ConfigError("comm.momentum_correction moves SGD/LARS momentum into the reducer; LAMB has none to move.")
   _positive("comm.min_compress_elements", config.comm.min_compress_elements, allow_zero=True)
   _positive("comm.density_warmup_epochs", config.comm.density_warmup_epochs, allow_zero=True)
   if not 0.0 < config.comm.density <= 1.0:
     raise ConfigError(f"comm.density={config.comm.density!r} must be in (0, 1] (the fraction top-k keeps).")
   _choice("optimizer.name", config.optimizer.name, OPTIMIZERS)
   _choice("optimizer.decay", config.optimizer.decay, DECAYS)
+  _choice("optimizer.lars_trust", config.optimizer.lars_trust, optim.LARS_TRUST)
+  _choice("optimizer.momentum_schedule", config.optimizer.momentum_schedule, MOMENTUM_SCHEDULES)
+  if config.optimizer.momentum_schedule != "constant":
+    if config.optimizer.name == "lamb":
+      raise ConfigError("optimizer.momentum_schedule applies to sgd and lars; LAMB's moments are not scheduled.")
+    if not 0.0 <= config.optimizer.min_momentum <= config.optimizer.momentum:
+      raise ConfigError(
+        f"optimizer.min_momentum={config.optimizer.min_momentum!r} must be in [0, optimizer.momentum="
+        f"{config.optimizer.momentum}]."
+      )
   _choice("model.name", config.model.name, tuple(sorted(ARCHITECTURES)))
-  _choice("model.dtype", config.model.dtype, DTYPES)
+  _choice("model.dtype", config.model.dtype, MODEL_DTYPES)
+  _choice("model.loss_scale", config.model.loss_scale, LOSS_SCALES)
+  _positive("model.loss_scale_period", config.model.loss_scale_period)
+  if loss_scaling(config) and config.train.on_nonfinite == "stop":
+    raise ConfigError(
+      "dynamic loss scaling skips the steps whose gradient overflows, by design; train.on_nonfinite='stop' "
+      "would stop at the first. Set --config.train.on_nonfinite=skip (or model.loss_scale=none)."
+    )
   _choice("data.dataset", config.data.dataset, DATASETS)
   _positive("data.read_threads", config.data.read_threads)
   _positive("data.prefetch", config.data.prefetch)
@@ -244,7 +300,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     f"data.eval_batch_size={config.data.eval_batch_size}": config.data.eval_batch_size,
     **{f"the batch {b} in data.resolution_schedule": b for b in sorted(phase_batches)},
   }
+  if not isinstance(config.micro_batches, int) or config.micro_batches < 1:
+    raise ConfigError(f"micro_batches={config.micro_batches!r} must be an integer >= 1.")
   for field, value in batch_sizes.items():
+    per_device = value // num_devices
+    if not field.startswith("data.eval") and per_device % config.micro_batches and not value % num_devices:
+      raise ConfigError(
+        f"{field} gives {per_device} examples per device, which do not split into micro_batches="
+        f"{config.micro_batches} equal slices; use a micro_batches that divides {per_device}."
+      )
     if value % num_devices:
       lower = value // num_devices * num_devices
       raise ConfigError(
@@ -252,6 +316,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
         f"(e.g. {max(lower, num_devices)} or {lower + num_devices})."
       )
   return nodes, local
+
+
+def loss_scaling(config: ml_collections.ConfigDict) -> bool:
+  """Whether the run scales its loss dynamically (model.loss_scale, "auto": for float16 compute)."""
+  return config.model.loss_scale == "dynamic" or (config.model.loss_scale == "auto" and config.model.dtype == "float16")
+
+
+INITIAL_LOSS_SCALE = 2.0**15
 
 
 def parse_profile_steps(text: str) -> tuple[int, int]:

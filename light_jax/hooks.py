@@ -190,6 +190,8 @@ class EpochEvaluation:
       info.step == self.total_steps,
       self.train_seconds,
     )
+    if info.state.loss_scale:  # dynamic loss scaling (float16)
+      record["loss_scale"] = float(info.state.loss_scale["scale"].addressable_data(0))
     self.writer.write(record)
     self.bar.write(
       f"epoch {record['epoch']:.2f} step {info.step}: train loss {train_loss:.4f}, test top-1 "

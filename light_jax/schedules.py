@@ -138,25 +138,46 @@ def learning_rate_schedule(optimizer: ml_collections.ConfigDict, plan: EpochPlan
   rule with each step's batch size. With one batch size throughout this is the usual step schedule,
   except that the warm-up ends at exactly ``warmup_epochs`` (a step schedule rounds it to a whole step).
   """
+  shape, peak = _schedule_shape(optimizer, plan)
+  return lambda step: peak(step) * shape(step)
+
+
+def momentum_schedule(optimizer: ml_collections.ConfigDict, plan: EpochPlan) -> float | optax.Schedule:
+  """``optimizer.momentum``, or with ``momentum_schedule="cycle"`` a momentum that mirrors the learning
+  rate's shape (one-cycle, Smith 2018; the DAWNBench ResNet-50 records cycle it): ``momentum`` where the
+  learning rate is 0, ``min_momentum`` at its peak, so it falls during warm-up and rises during decay."""
+  if optimizer.momentum_schedule == "constant":
+    return optimizer.momentum
+  shape, _ = _schedule_shape(optimizer, plan)
+  high, low = optimizer.momentum, optimizer.min_momentum
+  return lambda step: high - (high - low) * shape(step)
+
+
+def _schedule_shape(optimizer: ml_collections.ConfigDict, plan: EpochPlan):
+  """(shape in [0, 1] of the step, peak learning rate of the step's phase), both jittable."""
   warmup, total = min(optimizer.warmup_epochs, plan.num_epochs), plan.num_epochs
   first_steps = jnp.asarray(plan.first_steps, jnp.float32)
   epoch_marks = jnp.arange(plan.num_epochs + 1, dtype=jnp.float32)
   peaks = jnp.asarray([peak_learning_rate(optimizer, b) for b in plan.batch_sizes], jnp.float32)
   end = optimizer.end_lr_factor
 
-  def schedule(step):
-    step = jnp.asarray(step, jnp.float32)
-    epochs = jnp.interp(step, first_steps, epoch_marks)  # plan.epochs_done, piecewise linear
-    epoch = jnp.clip(jnp.searchsorted(first_steps, step, side="right") - 1, 0, plan.num_epochs - 1)
-    progress = jnp.clip((epochs - warmup) / max(total - warmup, 1e-9), 0.0, 1.0)
+  def epochs(step):
+    return jnp.interp(jnp.asarray(step, jnp.float32), first_steps, epoch_marks)  # plan.epochs_done
+
+  def peak(step):
+    epoch = jnp.clip(jnp.searchsorted(first_steps, jnp.asarray(step, jnp.float32), side="right") - 1, 0, total - 1)
+    return peaks[epoch]
+
+  def shape(step):
+    done = epochs(step)
+    progress = jnp.clip((done - warmup) / max(total - warmup, 1e-9), 0.0, 1.0)
     if optimizer.decay == "poly":
       decay = end + (1 - end) * (1 - progress) ** 2
     else:
       decay = end + (1 - end) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
-    shape = jnp.where(epochs < warmup, epochs / max(warmup, 1e-9), decay)
-    return peaks[epoch] * shape
+    return jnp.where(done < warmup, done / max(warmup, 1e-9), decay)
 
-  return schedule
+  return shape, peak
 
 
 def density_at(step: int, target: float, warmup_steps: int, start: float = 0.25, phases: int = 4) -> float:

@@ -29,7 +29,7 @@ from light_jax import metrics as metrics_lib
 from light_jax import optim, schedules
 from light_jax import train_step as step_lib
 from light_jax.compiled_steps import CompiledSteps
-from light_jax.config import parse_profile_steps
+from light_jax.config import INITIAL_LOSS_SCALE, loss_scaling, parse_profile_steps
 from light_jax.data import autotune
 from light_jax.hooks import (
   NONFINITE,
@@ -71,9 +71,12 @@ def train_and_evaluate(
 
     model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
     schedule = schedules.learning_rate_schedule(config.optimizer, plan)
-    tx = optim.build_optimizer(config.optimizer, schedule)
+    # The momentum lives in the optimizer, or in the gradient reducer with DGC's momentum correction.
+    momentum = schedules.momentum_schedule(config.optimizer, plan) if optim.momentum_in_optimizer(config) else 0.0
+    tx = optim.build_optimizer(config.optimizer, schedule, momentum)
     compiled = CompiledSteps(config, model, tx, mesh, info, plan)
-    state = step_lib.create_train_state(model, tx, compiled.reducer, info.image_shape, mesh, config.seed)
+    loss_scale = INITIAL_LOSS_SCALE if loss_scaling(config) else 0.0
+    state = step_lib.create_train_state(model, tx, compiled.reducer, info.image_shape, mesh, config.seed, loss_scale)
     _log_setup(config, plan, state, total_steps, len(train_batches.source), len(eval_batches.source))
 
     checkpointer = checkpoint_lib.Checkpointer(workdir, config.checkpoint.keep)

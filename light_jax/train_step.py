@@ -4,10 +4,16 @@ One step, on every device at once, inside ``jax.jit`` + ``jax.shard_map``:
 
   1. normalise the device's shard of the uint8 batch (on the device, not the host);
   2. forward and backward on that shard alone -> the device's *local* gradient;
+     (with ``micro_batches`` > 1, in that many sequential slices whose gradients are summed: gradient
+     accumulation, for a batch larger than the device holds, with one reduction per step);
   3. the gradient reducer of ``comm.strategy`` (``parallel/reducer.py``) turns local gradients into the
      mean gradient of the global batch (dense psum, hierarchical, or a compressed strategy);
   4. the optimizer applies it, identically on every device, so parameters stay replicated;
   5. BatchNorm running statistics (computed per device) are averaged over the mesh.
+
+With float16 compute the loss is scaled before the backward pass and the gradients unscaled after it
+(dynamic loss scaling, ``jmp``); a step whose gradient overflows is skipped like any non-finite step
+and lowers the scale.
 
 The loop that drives these steps is ``train_lib.py``.
 """
@@ -21,6 +27,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import jmp
 import numpy as np
 import optax
 from jax import lax
@@ -46,6 +53,7 @@ class TrainState:
   ``nonfinite_steps`` counts the steps whose update was skipped for a non-finite loss or gradient.
   ``loss_sum`` / ``loss_count`` (per device, (nodes, local)) accumulate the training loss of the current
   epoch, so the epoch's mean loss survives a resume from a mid-epoch checkpoint.
+  ``loss_scale`` is ``{}`` without loss scaling, else jmp's dynamic loss scale ``{"scale", "counter"}``.
   """
 
   step: jax.Array
@@ -56,6 +64,7 @@ class TrainState:
   nonfinite_steps: jax.Array
   loss_sum: jax.Array
   loss_count: jax.Array
+  loss_scale: dict[str, jax.Array]
 
 
 # Partition specs of TrainState, as a pytree prefix usable by shard_map and NamedSharding.
@@ -68,6 +77,7 @@ STATE_SPECS = TrainState(
   nonfinite_steps=P(),
   loss_sum=P(NODE, LOCAL),
   loss_count=P(NODE, LOCAL),
+  loss_scale=P(),
 )
 
 
@@ -78,8 +88,12 @@ def create_train_state(
   image_shape: tuple[int, ...],
   mesh: jax.sharding.Mesh,
   seed: int,
+  initial_loss_scale: float = 0.0,
 ) -> TrainState:
-  """Initialises parameters and optimizer state directly on the mesh (replicated)."""
+  """Initialises parameters and optimizer state directly on the mesh (replicated).
+
+  ``initial_loss_scale`` > 0 turns dynamic loss scaling on, starting from that scale.
+  """
 
   def init():
     variables = model.init(jax.random.key(seed), jnp.zeros((1, *image_shape), jnp.float32), train=False)
@@ -93,6 +107,9 @@ def create_train_state(
       nonfinite_steps=jnp.zeros((), jnp.int32),
       loss_sum=jnp.zeros(mesh.devices.shape),
       loss_count=jnp.zeros(mesh.devices.shape, jnp.int32),
+      loss_scale={"scale": jnp.float32(initial_loss_scale), "counter": jnp.zeros((), jnp.int32)}
+      if initial_loss_scale
+      else {},
     )
 
   shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS, is_leaf=lambda x: isinstance(x, P))
@@ -113,6 +130,8 @@ def make_train_step(
   label_smoothing: float,
   inject_nan_at_step: int = -1,
   epoch_first_steps: tuple[int, ...] = (),
+  micro_batches: int = 1,
+  loss_scale_period: int = 2000,
 ) -> Callable:
   """Returns ``step(state, images, labels) -> (state, per_device_loss)``, jitted, donating ``state``.
 
@@ -124,24 +143,41 @@ def make_train_step(
   skipped (state unchanged but for ``step`` and ``nonfinite_steps``). ``inject_nan_at_step`` >= 0
   poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
   ``epoch_first_steps`` (``EpochPlan.first_steps``) resets the epoch loss accumulators at each epoch's
-  first step.
+  first step. ``micro_batches``: slices of the device's batch run one after the other, their gradients
+  summed before the one reduction (gradient accumulation). ``loss_scale_period``: finite steps after
+  which dynamic loss scaling doubles the scale (with ``state.loss_scale``).
   """
 
   def device_step(state: TrainState, images, labels):
-    x = normalize(images, info.mean, info.std)
+    scaling = (
+      jmp.DynamicLossScale(state.loss_scale["scale"], state.loss_scale["counter"], loss_scale_period)
+      if state.loss_scale
+      else jmp.NoOpLossScale()
+    )
 
-    def loss_fn(params):
+    def loss_fn(params, batch_stats, images, labels):
       logits, updates = model.apply(
-        {"params": params, "batch_stats": state.batch_stats}, x, train=True, mutable=["batch_stats"]
+        {"params": params, "batch_stats": batch_stats},
+        normalize(images, info.mean, info.std),
+        train=True,
+        mutable=["batch_stats"],
       )
       loss = optim.cross_entropy(logits, labels, info.num_classes, label_smoothing)
       if inject_nan_at_step >= 0:
         loss = loss * jnp.where(state.step == inject_nan_at_step, jnp.nan, 1.0)
-      return loss, updates.get("batch_stats", {})
+      return scaling.scale(loss), (loss, updates.get("batch_stats", {}))
 
+    grad_fn = jax.grad(loss_fn, has_aux=True)
     # check_vma=False below: grad of replicated params is the *local* gradient, not JAX's implicit
     # psum of it, so the reducer is the only reduction (no silent double sum; tested).
-    (loss, batch_stats), local_grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    if micro_batches == 1:
+      local_grads, (loss, batch_stats) = grad_fn(state.params, state.batch_stats, images, labels)
+    else:
+      local_grads, loss, batch_stats = accumulate_gradients(
+        grad_fn, state.params, state.batch_stats, images, labels, micro_batches
+      )
+    # Unscaled before the reduction: error-feedback residuals outlive a change of scale.
+    local_grads = scaling.unscale(local_grads)
     grads, comm_state = reducer.reduce(local_grads, state.comm_state)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     # The reduced gradient is identical on every device, so every device takes the same decision.
@@ -149,6 +185,10 @@ def make_train_step(
       lax.pmin(jnp.isfinite(loss).astype(jnp.int32), AXES) > 0,
       jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])),
     )
+    loss_scale = {}
+    if state.loss_scale:  # lower the scale after an overflow, raise it after `loss_scale_period` good steps
+      adjusted = scaling.adjust(finite)
+      loss_scale = {"scale": adjusted.loss_scale, "counter": adjusted.counter}
     updated = (optax.apply_updates(state.params, updates), mean_over_devices(batch_stats), opt_state, comm_state)
     kept = (state.params, state.batch_stats, state.opt_state, state.comm_state)
     params, batch_stats, opt_state, comm_state = jax.tree.map(
@@ -165,6 +205,7 @@ def make_train_step(
       nonfinite_steps=state.nonfinite_steps + (1 - finite.astype(jnp.int32)),
       loss_sum=jnp.where(new_epoch, 0.0, state.loss_sum) + jnp.where(loss_ok, loss, 0.0),
       loss_count=jnp.where(new_epoch, 0, state.loss_count) + loss_ok.astype(jnp.int32),
+      loss_scale=loss_scale,
     )
     return new_state, loss[None]
 
@@ -176,6 +217,22 @@ def make_train_step(
     check_vma=False,
   )
   return jax.jit(sharded, donate_argnums=0)
+
+
+def accumulate_gradients(grad_fn: Callable, params, batch_stats, images, labels, micro_batches: int):
+  """Runs ``grad_fn`` on ``micro_batches`` slices of the device's batch in turn (``lax.scan``, so one
+  slice's activations are alive at a time); returns (mean gradient, mean loss, BatchNorm statistics
+  after the last slice). Each slice normalises with its own statistics, as a smaller batch would."""
+  slices = jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), (images, labels))
+
+  def one(carry, batch):
+    grad_sum, loss_sum, stats = carry
+    grads, (loss, stats) = grad_fn(params, stats, *batch)
+    return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss, stats), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (grad_sum, loss_sum, stats), _ = lax.scan(one, (zeros, jnp.zeros(()), batch_stats), slices)
+  return jax.tree.map(lambda g: g / micro_batches, grad_sum), loss_sum / micro_batches, stats
 
 
 def mean_over_devices(tree: PyTree) -> PyTree:

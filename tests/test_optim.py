@@ -96,3 +96,48 @@ def test_label_smoothing():
   assert float(optim.cross_entropy(sharp, jnp.array([0]), 2, 0.2)) > float(
     optim.cross_entropy(sharp, jnp.array([0]), 2, 0.0)
   )
+
+
+def test_mlperf_lars_trust_ratio_divides_by_the_sum_of_norms():
+  params = {"kernel": jnp.full((4, 4), 2.0), "bias": jnp.full((4,), 2.0)}
+  grads = {"kernel": jnp.full((4, 4), 0.5), "bias": jnp.full((4,), 0.5)}
+  wd = 0.1
+  config = _config(name="lars", lars_trust="mlperf", weight_decay=wd, momentum=0.0, nesterov=False)
+  tx = optim.build_optimizer(config.optimizer, optax.constant_schedule(1.0))
+  updates, _ = tx.update(grads, tx.init(params), params)
+  # ||w|| = 8, ||g|| = 2: trust = eta * 8 / (2 + 0.1 * 8), applied to g + wd w; the bias: -g, no decay.
+  np.testing.assert_allclose(updates["kernel"], -0.001 * 8 / 2.8 * (0.5 + wd * 2.0), rtol=1e-6)
+  np.testing.assert_allclose(updates["bias"], -0.5, rtol=1e-6)
+  optax_form = optim.build_optimizer(_config(name="lars", weight_decay=wd, momentum=0.0).optimizer, lambda s: 1.0)
+  theirs, _ = optax_form.update(grads, optax_form.init(params), params)
+  # optax: eta * ||w|| / ||g + wd w|| = 0.001 * 8 / (4 * 0.7): a different step.
+  np.testing.assert_allclose(theirs["kernel"], -0.001 * 8 / 2.8 * 0.7, rtol=1e-6)
+
+
+def test_cyclic_momentum_mirrors_the_learning_rate():
+  config = _config(decay="cosine", momentum_schedule="cycle", momentum=0.95, min_momentum=0.85)
+  config.optimizer.end_lr_factor = 0.0
+  plan = EpochPlan(102_400, 10, (), 1024)  # 100 steps per epoch, warm-up 2 epochs
+  momentum = schedules.momentum_schedule(config.optimizer, plan)
+  assert float(momentum(0)) == pytest.approx(0.95)
+  assert float(momentum(100)) == pytest.approx(0.90)  # halfway up the warm-up
+  assert float(momentum(200)) == pytest.approx(0.85)  # at the peak learning rate
+  assert float(momentum(1000)) == pytest.approx(0.95)  # the learning rate decayed to 0
+  assert schedules.momentum_schedule(_config(momentum=0.9).optimizer, plan) == 0.9
+
+
+@pytest.mark.parametrize("name", ["sgd", "lars"])
+def test_a_scheduled_momentum_at_a_constant_value_is_the_constant_momentum(name):
+  params = {"kernel": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "bias": jnp.ones((4,))}
+  grads = [jax.tree.map(lambda p, i=i: jnp.cos(p * (i + 1)), params) for i in range(3)]
+  config = _config(name=name)
+  results = []
+  for momentum in (0.9, lambda step: 0.9):
+    tx = optim.build_optimizer(config.optimizer, optax.constant_schedule(0.1), momentum)
+    state, p = tx.init(params), params
+    for g in grads:
+      updates, state = tx.update(g, state, p)
+      p = optax.apply_updates(p, updates)
+    results.append(p)
+  for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -87,3 +87,13 @@ def test_a_run_stopped_on_a_nonfinite_step_resumes_past_it(tmp_path):
     train_lib.train_and_evaluate(config, str(tmp_path))
   summary = train_lib.train_and_evaluate(config, str(tmp_path))
   assert summary["steps"] == 8 and summary["resumed_from_step"] == 4 and summary["nonfinite_steps"] == 1
+
+
+def test_float16_with_dynamic_loss_scaling_trains_like_float32(tmp_path):
+  fp32 = train_lib.train_and_evaluate(small_config(num_epochs=2), str(tmp_path / "fp32"))
+  fp16 = train_lib.train_and_evaluate(small_config(num_epochs=2, model__dtype="float16"), str(tmp_path / "fp16"))
+  records = read_metrics(tmp_path / "fp16")
+  assert [r["loss_scale"] for r in records] == [2.0**15] * 2  # no overflow in 64 steps at this size
+  assert "loss_scale" not in read_metrics(tmp_path / "fp32")[0]
+  assert fp16["final_eval_top1"] > 0.5 and abs(fp16["final_eval_top1"] - fp32["final_eval_top1"]) < 0.05
+  assert fp16["final_train_loss"] == pytest.approx(fp32["final_train_loss"], rel=0.05)

@@ -31,17 +31,18 @@ def _config(optimizer: str) -> ml_collections.ConfigDict:
         "decay": "cosine",
         "end_lr_factor": 0.0,
         "lars_eta": 0.001,
+        "lars_trust": "optax",
         "label_smoothing": 0.1,
       },
     }
   )
 
 
-def _run_sharded(model, tx, info, batches, shape, strategy):
+def _run_sharded(model, tx, info, batches, shape, strategy, micro_batches=1):
   mesh = mesh_lib.make_mesh(*shape)
   reducer = reducer_lib.make_gradient_reducer(strategy, *shape)
   state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
-  step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
+  step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1, micro_batches=micro_batches)
   sharding = mesh_lib.batch_sharding(mesh)
   for images, labels in batches:
     state, loss = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
@@ -126,6 +127,28 @@ def test_resnet_step_with_per_device_batchnorm_matches_one_device():
   assert _max_diff(ours.batch_stats, sync_stats) > 1e-4
 
 
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
+def test_gradient_accumulation_matches_one_device_with_the_whole_batch(shape):
+  # 4 examples per device in 2 micro-batches of 2: without BatchNorm, the mean of the slices' mean
+  # gradients is the whole batch's, reduced once.
+  batches, info = _batches(3)
+  tx = optim.build_optimizer(_config("lars").optimizer, optax.constant_schedule(1.0))
+  ours = _run_sharded(TinyCNN(), tx, info, batches, shape, "hierarchical", micro_batches=2)
+  ref_params, _ = _run_reference(TinyCNN(), tx, info, batches, num_shards=1)
+  assert _max_diff(ours.params, ref_params) < 1e-5
+
+
+def test_gradient_accumulation_normalises_each_micro_batch_on_its_own():
+  batches, info = _batches(2, shape=(16, 16, 1))
+  model = create_model("resnet8_small", num_classes=10, width=4)
+  tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
+  ours = _run_sharded(model, tx, info, batches, (2, 4), "hierarchical", micro_batches=2)
+  ref_params, _ = _run_reference(model, tx, info, batches, num_shards=16)  # BatchNorm over 2 rows at a time
+  assert _max_diff(ours.params, ref_params) < 1e-5
+  per_device, _ = _run_reference(model, tx, info, batches, num_shards=8)
+  assert _max_diff(ours.params, per_device) > 1e-4  # the slices really normalise apart
+
+
 def test_train_state_is_donated():
   batches, info = _batches(1)
   tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
@@ -137,3 +160,28 @@ def test_train_state_is_donated():
   images, labels = batches[0]
   step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
   assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
+
+
+def test_dynamic_loss_scaling_skips_an_overflow_halves_the_scale_then_grows_it():
+  batches, info = _batches(4)
+  tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
+  mesh = mesh_lib.make_mesh(2, 4)
+  reducer = reducer_lib.make_gradient_reducer("hierarchical", 2, 4)
+  state = step_lib.create_train_state(
+    TinyCNN(), tx, reducer, info.image_shape, mesh, seed=0, initial_loss_scale=2.0**15
+  )
+  step = step_lib.make_train_step(TinyCNN(), tx, reducer, mesh, info, 0.1, inject_nan_at_step=1, loss_scale_period=2)
+  sharding = mesh_lib.batch_sharding(mesh)
+  scales = []
+  for images, labels in batches:
+    before = jax.device_get(state.params)
+    state, _ = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
+    scales.append((float(state.loss_scale["scale"]), int(state.loss_scale["counter"])))
+    if len(scales) == 2:  # the poisoned step changed nothing
+      assert _max_diff(jax.device_get(state.params), before) == 0.0
+  # Step 0 fine (1 of 2 towards growth), step 1 overflows (halved, counter reset), steps 2-3: 2 good steps.
+  assert scales == [(2.0**15, 1), (2.0**14, 0), (2.0**14, 1), (2.0**15, 0)]
+  assert int(state.nonfinite_steps) == 1
+  # Scaling is exact in powers of two: the good steps equal an unscaled run's (steps 0, 2, 3; 1 skipped).
+  plain = _run_sharded(TinyCNN(), tx, info, [batches[0], batches[2], batches[3]], (2, 4), "hierarchical")
+  assert _max_diff(jax.device_get(state.params), plain.params) < 1e-6

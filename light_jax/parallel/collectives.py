@@ -8,7 +8,8 @@ Dense strategies (``comm.strategy``), ``flat vector -> its sum over all devices`
 - ``hierarchical``: reduce-scatter over ``local`` (fast links), all-reduce of the 1/n shard over
   ``node`` (slow links), all-gather over ``local``. Only d/n elements per device cross machines.
 
-Compressed strategies, ``(flat vector, residual) -> (approximate sum, new residual)``:
+Compressed strategies, ``(flat vector, residual) -> (approximate sum, new residual)`` (the residual is a
+``compression.Memory`` with its velocity under DGC momentum correction, ``momentum`` > 0):
 - ``hitopk`` (HiTopKComm): reduce-scatter over ``local`` (dense), error feedback + top-k
   on the device's 1/n shard, all-gather of (values, int32 indices) over ``node`` among
   devices of the same local rank, scatter-add, all-gather over ``local``. The slow link carries 2k
@@ -83,8 +84,14 @@ def hierarchical_allreduce(x: jax.Array, wire_dtype=jnp.float32) -> jax.Array:
 
 
 def hierarchical_topk_allreduce(
-  x: jax.Array, residual: jax.Array, k: int, selector: str, error_feedback: bool, wire_dtype=jnp.float32
-) -> tuple[jax.Array, jax.Array]:
+  x: jax.Array,
+  residual: jax.Array | compression.Memory,
+  k: int,
+  selector: str,
+  error_feedback: bool,
+  wire_dtype=jnp.float32,
+  momentum: float = 0.0,
+) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """HiTopK: dense inside the node, k (value, index) pairs per device across nodes.
 
   Args:
@@ -94,7 +101,7 @@ def hierarchical_topk_allreduce(
     wire_dtype: dtype of the two dense intra-node hops; the sparse values cross nodes in float32.
   """
   shard = _scatter_to_local_shard(x, wire_dtype)
-  indices, values, residual = compression.apply_error_feedback(shard, residual, k, selector, error_feedback)
+  indices, values, residual = compression.apply_error_feedback(shard, residual, k, selector, error_feedback, momentum)
   all_indices = lax.all_gather(indices, NODE)  # (nodes, k): same local rank on every node
   all_values = lax.all_gather(values, NODE)
   shard = jnp.zeros_like(shard).at[all_indices.reshape(-1)].add(all_values.reshape(-1))
@@ -102,28 +109,40 @@ def hierarchical_topk_allreduce(
 
 
 def topk_allreduce(
-  x: jax.Array, residual: jax.Array, k: int, selector: str, error_feedback: bool, wire_dtype=jnp.float32
-) -> tuple[jax.Array, jax.Array]:
+  x: jax.Array,
+  residual: jax.Array | compression.Memory,
+  k: int,
+  selector: str,
+  error_feedback: bool,
+  wire_dtype=jnp.float32,
+  momentum: float = 0.0,
+) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """Flat top-k: every device selects k entries of its whole gradient; all-gather over all devices.
 
   No dense hop, so ``wire_dtype`` does not apply."""
   del wire_dtype
-  indices, values, residual = compression.apply_error_feedback(x, residual, k, selector, error_feedback)
+  indices, values, residual = compression.apply_error_feedback(x, residual, k, selector, error_feedback, momentum)
   all_indices = lax.all_gather(indices, AXES)
   all_values = lax.all_gather(values, AXES)
   return jnp.zeros_like(x).at[all_indices.reshape(-1)].add(all_values.reshape(-1)), residual
 
 
 def gtopk_allreduce(
-  x: jax.Array, residual: jax.Array, k: int, selector: str, error_feedback: bool, wire_dtype=jnp.float32
-) -> tuple[jax.Array, jax.Array]:
+  x: jax.Array,
+  residual: jax.Array | compression.Memory,
+  k: int,
+  selector: str,
+  error_feedback: bool,
+  wire_dtype=jnp.float32,
+  momentum: float = 0.0,
+) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """gTop-k: recursive-doubling merge of the devices' top-k sets, then exact sums at the winners.
 
   Rounds whose partner distance is below ``local`` stay inside the node; the last log2(nodes) cross
   nodes, k (value, index) pairs each. No dense hop, so ``wire_dtype`` does not apply.
   """
   del wire_dtype
-  corrected = x + residual if error_feedback else x
+  corrected, forget_sent = compression.compensate(x, residual, error_feedback, momentum)
   select = compression.SELECTORS[selector]
   indices, values = select(corrected, k)
   num_devices = lax.axis_size(NODE) * lax.axis_size(LOCAL)
@@ -135,5 +154,4 @@ def gtopk_allreduce(
     merged = jnp.zeros_like(x).at[indices].add(values).at[their_indices].add(their_values)
     indices, values = select(merged, k)
   summed = lax.psum(corrected[indices], AXES)  # exact sums at the global top-k set
-  new_residual = corrected.at[indices].set(0.0) if error_feedback else residual
-  return jnp.zeros_like(x).at[indices].set(summed), new_residual
+  return jnp.zeros_like(x).at[indices].set(summed), forget_sent(indices)

@@ -18,6 +18,14 @@ by magnitude, with static shapes (XLA needs them):
 Error feedback (Seide et al. 2014; Lin et al. 2018, DGC): what top-k does not send is kept in a
 per-device residual and added to the next step's gradient, so no gradient mass is ever lost, only
 delayed. ``apply_error_feedback`` is that bookkeeping for one flat vector.
+
+Momentum correction (DGC, Lin et al. 2018): with momentum m, error feedback on the raw gradient
+delays each entry's contribution to the momentum until it is sent, which is not the same as momentum
+SGD. DGC moves the momentum before the selection, per device: u <- m u + g (velocity), v <- v + u
+(what is accumulated and not yet sent), top-k of v; both u and v are zeroed where entries were sent
+(momentum factor masking, so a sent entry's stale momentum does not push it again). The optimizer then
+runs without momentum. The per-device state is ``Memory(residual=v, velocity=u)`` instead of a bare
+residual.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import fractions
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,14 +93,37 @@ SELECTORS: dict[str, Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]] = 
 }
 
 
+class Memory(NamedTuple):
+  """A device's state for one bucket with momentum correction: accumulated v and velocity u."""
+
+  residual: jax.Array
+  velocity: jax.Array
+
+
+def compensate(
+  x: jax.Array, memory: jax.Array | Memory, error_feedback: bool, momentum: float = 0.0
+) -> tuple[jax.Array, Callable[[jax.Array], jax.Array | Memory]]:
+  """(the vector top-k selects from, ``indices -> new memory`` once those entries are sent).
+
+  ``memory`` is a residual (error feedback; untouched when it is off) or a ``Memory`` (momentum correction).
+  """
+  if isinstance(memory, Memory):
+    velocity = momentum * memory.velocity + x
+    accumulated = memory.residual + velocity
+    return accumulated, lambda sent: Memory(accumulated.at[sent].set(0.0), velocity.at[sent].set(0.0))
+  if not error_feedback:
+    return x, lambda sent: memory
+  corrected = x + memory
+  return corrected, lambda sent: corrected.at[sent].set(0.0)
+
+
 def apply_error_feedback(
-  x: jax.Array, residual: jax.Array, k: int, selector: str, error_feedback: bool
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Selects k entries of ``x + residual``; returns (indices, values, new residual).
+  x: jax.Array, memory: jax.Array | Memory, k: int, selector: str, error_feedback: bool, momentum: float = 0.0
+) -> tuple[jax.Array, jax.Array, jax.Array | Memory]:
+  """Selects k entries of ``x + residual`` (see ``compensate``); returns (indices, values, new memory).
 
   With error feedback off the residual is neither added nor updated (it stays zero).
   """
-  corrected = x + residual if error_feedback else x
+  corrected, forget_sent = compensate(x, memory, error_feedback, momentum)
   indices, values = SELECTORS[selector](corrected, k)
-  new_residual = corrected.at[indices].set(0.0) if error_feedback else residual
-  return indices, values, new_residual
+  return indices, values, forget_sent(indices)

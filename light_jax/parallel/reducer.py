@@ -3,8 +3,9 @@
 Local gradients are packed into buckets (``fusion.py``), each bucket is reduced by the strategy's
 collective (or its dense fallback when too small to compress), and the sums are divided by the device
 count, so the result is the mean gradient over the global batch. The residuals of the compressed
-strategies are ``comm_state``: one float32 vector per compressed bucket per device, carried in the train
-state with leading dims (nodes, local), sharded over both mesh axes.
+strategies are ``comm_state``: one float32 vector per compressed bucket per device (with DGC momentum
+correction a ``compression.Memory`` of two: residual and velocity), carried in the train state with
+leading dims (nodes, local), sharded over both mesh axes.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class GradientReducer:
     order: leaf indices in backward order (``fusion.profile_parameters``); None = reversed pytree order.
     groups: for ``"adaptive"``, the buckets as positions in ``order``.
     choices: for ``strategy="auto"``, the strategy of each bucket (``cost_model.plan_auto``).
+    momentum_correction: > 0: DGC momentum correction with this momentum (``compression.compensate``);
+      the optimizer then runs without momentum.
+    local_clip_norm: > 0: each device's local gradient is clipped to this global norm / sqrt(devices)
+      before the reduction (DGC's local gradient clipping).
   """
 
   strategy: str
@@ -62,6 +67,8 @@ class GradientReducer:
   order: tuple[int, ...] | None = None
   groups: tuple[tuple[int, ...], ...] | None = None
   choices: tuple[str, ...] | None = None
+  momentum_correction: float = 0.0
+  local_clip_norm: float = 0.0
 
   @property
   def spec(self) -> strategies.Strategy:
@@ -119,17 +126,21 @@ class GradientReducer:
     return order, buckets, sizes
 
   # --- state -------------------------------------------------------------------------------------
-  def init_state(self, params: PyTree) -> dict[str, jax.Array]:
-    """Zero residuals, {"bucket_i": float32 (nodes, local, compressed size)}, for compressed buckets."""
+  def init_state(self, params: PyTree) -> dict[str, jax.Array | compression.Memory]:
+    """Zero residuals, {"bucket_i": float32 (nodes, local, compressed size)}, for compressed buckets
+    (a ``compression.Memory`` of two such arrays with momentum correction)."""
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
-    return {
-      _key(b): jnp.zeros((self.nodes, self.local, self.for_bucket(b).compressed_size(n)), jnp.float32)
-      for b, n in enumerate(sizes)
-      if self.for_bucket(b).is_compressed(n)
-    }
+    state = {}
+    for b, n in enumerate(sizes):
+      if self.for_bucket(b).is_compressed(n):
+        zeros = jnp.zeros((self.nodes, self.local, self.for_bucket(b).compressed_size(n)), jnp.float32)
+        state[_key(b)] = compression.Memory(zeros, zeros) if self.momentum_correction else zeros
+    return state
 
   # --- the reduction (inside shard_map) ----------------------------------------------------------
   def reduce(self, local_grads: PyTree, comm_state: dict[str, jax.Array]) -> tuple[PyTree, dict[str, jax.Array]]:
+    if self.local_clip_norm:
+      local_grads = _clip(local_grads, self.local_clip_norm / math.sqrt(self.nodes * self.local))
     leaves, treedef = jax.tree.flatten(local_grads)
     order, buckets, sizes = self._bucket_sizes(leaves)
     wire_dtype = jnp.dtype(self.wire_dtype)
@@ -141,9 +152,12 @@ class GradientReducer:
       one = self.for_bucket(b)
       spec = one.bucket_strategy(size)
       if spec.compressed:
-        residual = comm_state[_key(b)][0, 0]  # this device's block of the (nodes, local, ...) array
-        flat, residual = spec.reduce(flat, residual, one.k_for(size), self.selector, self.error_feedback, wire_dtype)
-        new_state[_key(b)] = residual[None, None]
+        # This device's block of the (nodes, local, ...) arrays.
+        memory = jax.tree.map(lambda x: x[0, 0], comm_state[_key(b)])
+        flat, memory = spec.reduce(
+          flat, memory, one.k_for(size), self.selector, self.error_feedback, wire_dtype, self.momentum_correction
+        )
+        new_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
         flat = spec.reduce(flat, wire_dtype)
       for m, g in zip(members, fusion_lib.unpack(flat, [leaves[m] for m in members])):
@@ -184,11 +198,14 @@ def make_gradient_reducer(
   )
 
 
-def reducer_from_config(comm, nodes: int, local: int, order: tuple[int, ...] | None = None) -> GradientReducer:
+def reducer_from_config(
+  comm, nodes: int, local: int, order: tuple[int, ...] | None = None, momentum: float = 0.0
+) -> GradientReducer:
   """The reducer the config's ``comm`` block describes on a ``nodes`` x ``local`` mesh, leaves reduced in
-  ``order``. With ``comm.fusion="adaptive"`` it has fixed buckets until ``cost_model.plan_adaptive_fusion``
-  plans its MG-WFBP groups; with ``comm.strategy="auto"`` it is hierarchical until ``cost_model.plan_auto``
-  chooses each bucket's strategy."""
+  ``order``; ``momentum`` (``optimizer.momentum``) is the velocity's with ``comm.momentum_correction``.
+  With ``comm.fusion="adaptive"`` it has fixed buckets until ``cost_model.plan_adaptive_fusion`` plans its
+  MG-WFBP groups; with ``comm.strategy="auto"`` it is hierarchical until ``cost_model.plan_auto`` chooses
+  each bucket's strategy."""
   return make_gradient_reducer(
     "hierarchical" if comm.strategy == AUTO else comm.strategy,
     nodes,
@@ -201,7 +218,15 @@ def reducer_from_config(comm, nodes: int, local: int, order: tuple[int, ...] | N
     min_compress_elements=comm.min_compress_elements,
     wire_dtype=comm.dtype,
     order=order,
+    momentum_correction=momentum if comm.momentum_correction else 0.0,
+    local_clip_norm=comm.local_clip_norm,
   )
+
+
+def _clip(tree: PyTree, max_norm: float) -> PyTree:
+  """``tree`` scaled down to global norm ``max_norm`` if it is longer."""
+  norm = jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+  return jax.tree.map(lambda x: x * jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12)), tree)
 
 
 def _key(bucket: int) -> str:
