@@ -28,6 +28,12 @@ _PEER_TIMEOUT = flags.DEFINE_float(
   "Multi-process: seconds without a sign of life from another process before every "
   "process stops with an error (JAX's own heartbeat timeout is set to twice this, as a backstop).",
 )
+_STEP_TIMEOUT = flags.DEFINE_float(
+  "step_timeout",
+  600.0,
+  "Multi-process: seconds without a finished training step, every process alive, before every process stops "
+  "with an error (a stuck collective); counted from the first step. 0: never.",
+)
 _INIT_TIMEOUT = flags.DEFINE_integer(
   "init_timeout", 300, "Multi-process: seconds to wait for every process to join at start-up."
 )
@@ -89,11 +95,11 @@ def main(argv):
 
   # In a multi-process run, a process that dies or fails makes the others stop too, with a message.
   watchdog = liveness.PeerWatchdog(
-    jax.process_index(), jax.process_count(), _PEER_TIMEOUT.value, _WORKDIR.value
+    jax.process_index(), jax.process_count(), _PEER_TIMEOUT.value, _WORKDIR.value, _STEP_TIMEOUT.value
   ).start()
   failure = "unexpected error (see its log)"  # what the peers are told if this process fails
   try:
-    exit_code, failure = _run(jax, config)
+    exit_code, failure = _run(jax, config, watchdog)
   except Exception as e:
     if jax.process_count() == 1:
       raise
@@ -119,7 +125,7 @@ def main(argv):
     _exit(exit_code, jax.process_count())
 
 
-def _run(jax, config) -> tuple[int, str | None]:
+def _run(jax, config, watchdog) -> tuple[int, str | None]:
   """Validates and trains. Returns (exit code, reason to give the other processes or None)."""
   from light_jax import checkpoint as checkpoint_lib
   from light_jax import config as config_lib
@@ -142,7 +148,7 @@ def _run(jax, config) -> tuple[int, str | None]:
   )
   logging.info("resolved config:\n%s", config)
   try:
-    summary = train_lib.train_and_evaluate(config, _WORKDIR.value)
+    summary = train_lib.train_and_evaluate(config, _WORKDIR.value, extra_hooks=[(watchdog.step_done, 1)])
   except (data_lib.DataError, schedules.ScheduleError, checkpoint_lib.CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return ExitCode.BAD_INPUT, str(e)

@@ -5,6 +5,8 @@ momentum, the hierarchical gradient all-reduce. Variants (``--config configs/fas
   lars     LARS (the large-batch optimizer) at batch 1024.
   dense    one flat psum instead of the hierarchical reduction.
   hitopk   hierarchical top-k compression at 1% density with error feedback.
+  large_batch  batch 4,096 (7% of the training set per step) with LARS: the large-batch recipe
+           (docs/measurements.md, "Large batch"; its values come from the AutoML study, scripts/tune.py).
 """
 
 import ml_collections
@@ -17,6 +19,20 @@ def lars(config: ml_collections.ConfigDict) -> None:
   config.optimizer.update(name="lars", base_lr=2.0, weight_decay=5e-5, nesterov=False, decay="poly")
 
 
+def large_batch(config: ml_collections.ConfigDict) -> None:
+  config.global_batch_size = 4096
+  config.optimizer.update(
+    name="lars",
+    lars_trust="mlperf",
+    base_lr=2.0,
+    weight_decay=5e-5,
+    warmup_epochs=2.0,
+    nesterov=False,
+    decay="poly",
+    lars_eta=0.001,
+  )
+
+
 def dense(config: ml_collections.ConfigDict) -> None:
   config.comm.strategy = "dense"
 
@@ -26,4 +42,9 @@ def hitopk(config: ml_collections.ConfigDict) -> None:
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
-  return apply_variant(base_config(), variant, {"lars": lars, "dense": dense, "hitopk": hitopk}, "fashion_mnist.py")
+  return apply_variant(
+    base_config(),
+    variant,
+    {"lars": lars, "large_batch": large_batch, "dense": dense, "hitopk": hitopk},
+    "fashion_mnist.py",
+  )

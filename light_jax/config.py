@@ -136,6 +136,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.train = dict(
     on_nonfinite="skip",  # skip: drop the update and go on; stop: save a checkpoint and stop
     inject_nan_at_step=-1,  # fault drill: poison this step's loss (-1: off)
+    inject_hang_at_step=-1,  # fault drill: process 0 stops stepping after this step, alive (-1: off)
     # True: wait for every step and append its seconds and the bytes this machine sent to
     # WORKDIR/step_times.jsonl (steps then do not overlap; for the mesh lab, benchmarks/mesh_lab.py).
     time_steps=False,

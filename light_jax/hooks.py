@@ -202,6 +202,20 @@ class EpochEvaluation:
     self._start_step, self._start_time, self._start_wait = info.step, time.perf_counter(), self.prefetcher.wait_seconds
 
 
+class HangDrill:
+  """Fault drill (``train.inject_hang_at_step``): after step ``step`` process 0 sleeps, alive, as if stuck in a
+  collective; the others then block in theirs. train.py's ``--step_timeout`` must end every process."""
+
+  def __init__(self, step: int):
+    self.step = step
+
+  def __call__(self, info: StepInfo) -> None:
+    if info.step == self.step and jax.process_index() == 0:
+      logging.warning("fault drill: process 0 hangs after step %d (train.inject_hang_at_step)", info.step)
+      while True:
+        time.sleep(3600)
+
+
 class ProfileTrace:
   """A jax.profiler trace of the steps after step ``first`` up to step ``last``, written to ``logdir``."""
 

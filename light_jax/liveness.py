@@ -9,7 +9,11 @@ key-value store every ``interval`` seconds and reads everyone else's in one call
   memory, machine gone);
 * a peer that failed with a Python error (bad data on its machine, say) publishes the reason, so the
   others stop at once and say why;
-* losing the key-value store itself means the coordinator (process 0) is gone.
+* losing the key-value store itself means the coordinator (process 0) is gone;
+* every process alive but no training step finished here for ``step_timeout`` seconds means a collective
+  is stuck (gloo has been seen to deadlock with all processes alive, each waiting in an all-reduce):
+  the loop calls ``step_done`` after each step, and the clock starts at the first one (compilation
+  before it takes as long as it takes).
 
 In each case the watchdog prints one line naming the process and the cause and ends this process with
 ``ExitCode.PEER_FAILURE``; the main thread may be stuck inside a collective, so only ``os._exit`` is sure to
@@ -39,10 +43,14 @@ def _client():
 class PeerWatchdog:
   """Publishes this process's liveness and ends it when a peer stops publishing theirs."""
 
-  def __init__(self, process_index: int, process_count: int, peer_timeout: float, workdir: str):
+  def __init__(
+    self, process_index: int, process_count: int, peer_timeout: float, workdir: str, step_timeout: float = 0.0
+  ):
     self.process_index = process_index
     self.process_count = process_count
     self.peer_timeout = peer_timeout
+    self.step_timeout = step_timeout  # 0: off
+    self._last_step: float | None = None  # monotonic time of the last finished step
     self.interval = min(2.0, peer_timeout / 5)
     self.workdir = workdir
     self._stop = threading.Event()
@@ -53,6 +61,11 @@ class PeerWatchdog:
       self._thread = threading.Thread(target=self._run, name="peer-watchdog", daemon=True)
       self._thread.start()
     return self
+
+  def step_done(self, info=None) -> None:
+    """Called by the training loop after each step (a hook): the step-progress clock restarts."""
+    del info
+    self._last_step = time.monotonic()
 
   def close(self, failure: str | None = None) -> None:
     """Stops watching. ``failure`` (a one-line reason) tells the peers to stop too, instead of waiting."""
@@ -81,6 +94,13 @@ class PeerWatchdog:
     last_contact = time.monotonic()
     while not self._stop.wait(self.interval):
       now = time.monotonic()
+      last_step = self._last_step
+      if self.step_timeout and last_step is not None and now - last_step > self.step_timeout:
+        self._fail(
+          f"no training step has finished for {now - last_step:.0f} s (step_timeout {self.step_timeout:g} s) "
+          f"although every process is alive: a collective is probably stuck (gloo has been seen to deadlock so)"
+        )
+        return
       try:
         counter += 1
         client.key_value_set(self._key(self.process_index), str(counter), allow_overwrite=True)

@@ -36,6 +36,7 @@ from light_jax.hooks import (
   PREEMPTED,
   CheckpointSaver,
   EpochEvaluation,
+  HangDrill,
   Hook,
   Hooks,
   NonFiniteCheck,
@@ -114,6 +115,8 @@ def train_and_evaluate(
     hooks.add(saver, every=config.checkpoint.every_steps)
     if config.train.time_steps and is_main:
       hooks.add(StepTimer(os.path.join(workdir, "step_times.jsonl")), every=1)
+    if config.train.inject_hang_at_step >= 0:
+      hooks.add(HangDrill(config.train.inject_hang_at_step), every=1)
     if config.train.profile_steps:
       first, last = parse_profile_steps(config.train.profile_steps)
       hooks.add(ProfileTrace(first, last, os.path.join(workdir, "profile")), every=1)

@@ -208,6 +208,20 @@ def test_survivor_stops_when_a_process_dies_or_hangs(tmp_path, victim, sig):
     assert seconds > PEER_TIMEOUT - 2
 
 
+def test_a_stuck_collective_with_every_process_alive_stops_both_after_step_timeout(tmp_path):
+  """Process 0 stops stepping but stays alive (its liveness counter moves): the peer watchdog sees nothing
+  wrong, the step-progress clock does (the gtopk time-to-accuracy run hung so in gloo)."""
+  hang = ["--config.train.inject_hang_at_step=3", "--step_timeout=8"]
+  procs, logs = _start_pair(tmp_path, [hang, hang])
+  for i in (0, 1):
+    _exit_within(procs[i], 240, logs[i])
+  for i in (0, 1):
+    out = logs[i].read_text()
+    assert procs[i].returncode == ExitCode.PEER_FAILURE, out[-3000:]
+    assert "no training step has finished for" in out and "a collective is probably stuck" in out, out[-3000:]
+  assert "process 0 hangs after step 3" in logs[0].read_text()
+
+
 def test_survivor_stops_with_the_reason_when_a_process_fails(tmp_path):
   """Process 1 cannot read its data (a bad path on that machine): process 0 stops at once and says why."""
   procs, logs = _start_pair(tmp_path, [[], [f"--config.data.data_dir={tmp_path}/missing"]])

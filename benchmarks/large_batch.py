@@ -1,0 +1,164 @@
+"""The large-batch study: Fashion-MNIST at batch 256 against batch 4,096 with each part of the recipe.
+
+  python benchmarks/large_batch.py --workdir runs/large_batch --plot docs/large_batch.png
+  python benchmarks/large_batch.py --workdir runs/large_batch --only sgd_256,lars_tuned --report_only
+
+Every run is a whole `train.py` run of configs/fashion_mnist.py (8 epochs, the same for all), one after
+the other on this machine's cores (RUNS below: label, config, overrides). Reported per run: final test
+top-1 and top-5, the difference in top-1 points to the batch-256 run, training seconds (`train_seconds`,
+evaluations left out), images/s, inter-node bytes per step, and the steps skipped as non-finite (float16
+overflows). A run whose workdir already holds a summary.json from the same command is reused, not
+rerun (--rerun to force). The last line is one JSON object keyed by label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from light_jax import metrics  # noqa: E402
+
+BASE = "configs/fashion_mnist.py"
+HITOPK = ["--config.comm.strategy=hitopk", "--config.comm.density=0.001"]
+# label -> (config, overrides, what it shows)
+RUNS = {
+  "sgd_256": (BASE, [], "the default: SGD + Nesterov at batch 256"),
+  "sgd_4096": (BASE, ["--config.global_batch_size=4096"], "SGD, linear scaling rule, 1 epoch warm-up"),
+  "lars_4096": (
+    f"{BASE}:lars",
+    ["--config.global_batch_size=4096"],
+    "LARS (optax trust ratio), the batch-1,024 values",
+  ),
+  "lamb_4096": (
+    f"{BASE}:lars",
+    [
+      "--config.global_batch_size=4096",
+      "--config.optimizer.name=lamb",
+      "--config.optimizer.base_lr=0.001",
+      "--config.optimizer.weight_decay=0.01",
+    ],  # fmt: skip
+    "LAMB, peak lr 0.016",
+  ),
+  "lars_tuned": (f"{BASE}:large_batch", [], "LARS, MLPerf trust ratio, values from the AutoML study"),
+  "lars_tuned_hitopk_ef": (f"{BASE}:large_batch", HITOPK, "+ hitopk at 0.1%, error feedback"),
+  "lars_tuned_hitopk_mc": (
+    f"{BASE}:large_batch",
+    [*HITOPK, "--config.comm.momentum_correction=True"],
+    "+ hitopk at 0.1%, DGC momentum correction",
+  ),
+  "lars_tuned_bf16": (f"{BASE}:large_batch", ["--config.model.dtype=bfloat16"], "bfloat16 compute"),
+  "lars_tuned_fp16": (f"{BASE}:large_batch", ["--config.model.dtype=float16"], "float16 compute, loss scaling"),
+}
+
+
+def run(label: str, workdir: str, rerun: bool) -> None:
+  config, overrides, _ = RUNS[label]
+  command = [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
+  stamp = os.path.join(workdir, "command.txt")
+  if not rerun and os.path.exists(os.path.join(workdir, "summary.json")) and _read(stamp) == shlex.join(command[1:]):
+    print(f"{label}: reusing {workdir}", file=sys.stderr)
+    return
+  if os.path.exists(workdir):
+    subprocess.run(["rm", "-rf", workdir], check=True)
+  os.makedirs(workdir)
+  with open(stamp, "w") as f:
+    f.write(shlex.join(command[1:]))
+  print(f"{label}: {shlex.join(command[1:])}", file=sys.stderr, flush=True)
+  with open(os.path.join(workdir, "train.log"), "w") as log:
+    subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+
+
+def _read(path: str) -> str | None:
+  try:
+    with open(path) as f:
+      return f.read()
+  except FileNotFoundError:
+    return None
+
+
+def report(labels: list[str], root: str) -> dict[str, dict]:
+  results = {}
+  for label in labels:
+    workdir = os.path.join(root, label)
+    if not os.path.exists(os.path.join(workdir, "summary.json")):
+      continue
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = json.load(f)
+    records = metrics.read_metrics(workdir)
+    results[label] = {
+      "batch": summary["config"]["global_batch_size"],
+      "top1": summary["final_eval_top1"],
+      "top5": summary["final_eval_top5"],
+      "train_seconds": records[-1]["train_seconds"],
+      "images_per_sec": summary["images_per_sec_mean"],
+      "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
+      "nonfinite_steps": summary["nonfinite_steps"],
+      "records": records,
+    }
+  reference = results.get("sgd_256", {}).get("top1")
+  header = ("run", "batch", "top-1", "vs 256", "top-5", "train s", "img/s", "inter B/step", "skipped")
+  print("{:22} {:>5} {:>7} {:>7} {:>7} {:>8} {:>6} {:>13} {:>7}  what".format(*header))
+  for label, r in results.items():
+    delta = f"{100 * (r['top1'] - reference):+.2f}" if reference is not None else ""
+    print(
+      f"{label:22} {r['batch']:5d} {100 * r['top1']:6.2f}% {delta:>7} {100 * r['top5']:6.2f}% "
+      f"{r['train_seconds']:8.0f} {r['images_per_sec']:6.0f} {r['inter_node_bytes_per_step']:13,d} "
+      f"{r['nonfinite_steps']:7d}  {RUNS[label][2]}"
+    )
+  return results
+
+
+def plot(results: dict[str, dict], path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+  for label, r in results.items():
+    top1 = [100 * x["eval_top1"] for x in r["records"]]
+    style = "--" if r["batch"] == 256 else "-"
+    by_epoch.plot([x["epoch"] for x in r["records"]], top1, style, marker="o", ms=3, label=label)
+    by_time.plot([x["train_seconds"] for x in r["records"]], top1, style, marker="o", ms=3, label=label)
+  by_epoch.set(xlabel="epoch", ylabel="test top-1 (%)", title="Fashion-MNIST, 8 epochs: batch 256 vs 4,096")
+  by_time.set(xlabel="training seconds (this machine's 2 cores, 8 simulated devices)", title="against time")
+  low = min(min(100 * x["eval_top1"] for x in r["records"][1:] or r["records"]) for r in results.values())
+  by_epoch.set_ylim(max(low - 1, 70), None)
+  for ax in (by_epoch, by_time):
+    ax.grid(alpha=0.3)
+  by_time.legend(fontsize=8, loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}", file=sys.stderr)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--workdir", default="runs/large_batch")
+  parser.add_argument("--only", default="", help="comma-separated labels (default: all): " + ",".join(RUNS))
+  parser.add_argument("--rerun", action="store_true", help="rerun runs whose workdir already has a result")
+  parser.add_argument("--report_only", action="store_true")
+  parser.add_argument("--plot", default="", help="PNG of test top-1 against epoch and training seconds")
+  args = parser.parse_args()
+  labels = args.only.split(",") if args.only else list(RUNS)
+  unknown = [label for label in labels if label not in RUNS]
+  if unknown:
+    parser.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
+  if not args.report_only:
+    for label in labels:
+      run(label, os.path.join(args.workdir, label), args.rerun)
+  results = report(labels, args.workdir)
+  if args.plot and results:
+    plot(results, args.plot)
+  print(json.dumps({label: {k: v for k, v in r.items() if k != "records"} for label, r in results.items()}))
+
+
+if __name__ == "__main__":
+  main()

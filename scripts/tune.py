@@ -1,0 +1,300 @@
+"""AutoML: an Optuna study of a training config's hyper-parameters, each trial a real train.py run.
+
+  python scripts/tune.py --config configs/fashion_mnist.py:large_batch --study_dir runs/tune --trials 16
+  python scripts/tune.py --config configs/fashion_mnist.py:large_batch --study_dir runs/tune --trials 24
+
+The search space is a config file (--space, default configs/search_spaces.py). The sampler is TPE; a
+median pruner stops a trial whose test top-1 after an epoch is below the median of earlier trials at that
+epoch (train.py writes one evaluation per epoch to its metrics.jsonl, which this script follows). The
+study lives in STUDY_DIR/study.db (SQLite): --trials is the number of finished (completed + pruned)
+trials the study should hold, so the same command continues a killed study, and a larger --trials
+extends a finished one. Several machines can share a study through the same storage (--storage, e.g. a
+PostgreSQL URL). A trial killed with its study is marked failed once its heartbeat stops and is retried
+once with the same parameters, resuming from its checkpoint.
+
+Output: a table of the trials, STUDY_DIR/best_config.py (a config file train.py accepts: the base config,
+the --config overrides and the best trial's parameters), Optuna's plots as PNG in STUDY_DIR, and as the
+last line one JSON object: {"trials", "completed", "pruned", "failed", "best": {"number", "value",
+"params"}, "best_config", "seconds"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import optuna
+from optuna.storages import RDBStorage, RetryFailedTrialCallback
+from optuna.trial import TrialState
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+HEARTBEAT_SECONDS = 20  # a trial whose study process is gone is marked failed after GRACE_SECONDS
+GRACE_SECONDS = 60
+
+
+class TrialFailed(RuntimeError):
+  """train.py exited with an error; the message says where its log is."""
+
+
+def load_space(spec: str) -> dict[str, tuple]:
+  path, _, variant = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("search_space", os.path.join(ROOT, path))
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_space(variant or None)
+
+
+def suggest(trial: optuna.Trial, space: dict[str, tuple]) -> dict:
+  params = {}
+  for name, (kind, *args) in space.items():
+    if kind in ("log", "float"):
+      params[name] = trial.suggest_float(name, *args, log=kind == "log")
+    elif kind == "int":
+      params[name] = trial.suggest_int(name, *args)
+    elif kind == "choice":
+      params[name] = trial.suggest_categorical(name, args[0])
+    else:
+      raise ValueError(f"search space field {name}: unknown kind {kind!r}; use log, float, int or choice")
+  return params
+
+
+def read_records(workdir: str) -> list[dict]:
+  """The epoch records train.py has written so far (a line being written is left for the next read)."""
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      lines = f.read().split("\n")
+  except FileNotFoundError:
+    return []
+  records = []
+  for line in lines[:-1]:  # the text after the last newline may be incomplete
+    if line.strip():
+      records.append(json.loads(line))
+  return records
+
+
+def _die_with_parent() -> None:
+  """In the child: SIGTERM when the study process dies, so no trial outlives its study (Linux)."""
+  ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
+  """Trains one sample of ``space``; reports each epoch's test top-1 to the pruner; returns the final one."""
+  params = suggest(trial, space)
+  retried = RetryFailedTrialCallback.retried_trial_number(trial)
+  number = trial.number if retried is None else retried  # a retried trial resumes in its first workdir
+  workdir = os.path.join(args.study_dir, "trials", f"{number:04d}")
+  os.makedirs(workdir, exist_ok=True)
+  command = [
+    sys.executable,
+    os.path.join(ROOT, "train.py"),
+    f"--config={args.config}",
+    f"--workdir={workdir}",
+    *args.overrides,
+    *(f"--config.{name}={value!r}" for name, value in params.items()),
+  ]
+  log_path = os.path.join(args.study_dir, "trials", f"{number:04d}.log")
+  print(f"trial {trial.number}: " + ", ".join(f"{k}={v:.4g}" for k, v in params.items()), flush=True)
+  start = time.time()
+  with open(log_path, "a") as log:
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=_die_with_parent)
+    try:
+      reported = set()
+      while True:
+        exited = process.poll() is not None
+        for record in read_records(workdir):
+          epoch = round(record["epoch"])
+          if epoch in reported:
+            continue
+          reported.add(epoch)
+          trial.report(record["eval_top1"], epoch)
+          print(f"  epoch {epoch}: test top-1 {100 * record['eval_top1']:.2f}%", flush=True)
+          if trial.should_prune():
+            raise optuna.TrialPruned(f"test top-1 {record['eval_top1']:.4f} after epoch {epoch} is below the median")
+        if exited:
+          break
+        time.sleep(1.0)
+    finally:
+      if process.poll() is None:  # pruned, interrupted or failed here: stop the run (it saves a checkpoint)
+        process.terminate()
+        try:
+          process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+          process.kill()
+  trial.set_user_attr("seconds", time.time() - start)
+  if process.returncode != 0:
+    raise TrialFailed(f"trial {trial.number}: train.py exited with {process.returncode}; see {log_path}")
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  trial.set_user_attr("wall_seconds", summary["wall_seconds"])
+  return summary["final_eval_top1"]
+
+
+def write_best_config(path: str, args, study: optuna.Study) -> None:
+  """A config file for train.py: the study's base config and overrides, then the best trial's values."""
+  best = study.best_trial
+  overrides = dict(item[len("--config.") :].split("=", 1) for item in args.overrides)
+  fields = {**{k: _literal(v) for k, v in overrides.items()}, **best.params}
+  base, _, variant = args.config.partition(":")
+  lines = [
+    f'"""The best trial of the Optuna study in {args.study_dir}: trial {best.number}, test top-1 {best.value:.4f}.',
+    "",
+    "Written by scripts/tune.py:",
+    f"  python train.py --config {path} --workdir runs/best",
+    '"""',
+    "",
+    "import importlib.util",
+    "import os",
+    "",
+    f"BASE = {os.path.join(ROOT, base)!r}",
+    f"VARIANT = {variant or None!r}",
+    "FIELDS = {",
+    *(f"  {k!r}: {v!r}," for k, v in fields.items()),
+    "}",
+    "",
+    "",
+    "def get_config():",
+    '  spec = importlib.util.spec_from_file_location("base_config", BASE)',
+    "  module = importlib.util.module_from_spec(spec)",
+    "  spec.loader.exec_module(module)",
+    "  config = module.get_config(VARIANT)",
+    "  config.update_from_flattened_dict(FIELDS)",
+    "  return config",
+    "",
+  ]
+  with open(path, "w") as f:
+    f.write("\n".join(lines))
+
+
+def _literal(text: str):
+  import ast
+
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def save_plots(study: optuna.Study, study_dir: str) -> list[str]:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from optuna.visualization import matplotlib as optuna_plots
+
+  written = []
+  plots = {
+    "optimization_history": optuna_plots.plot_optimization_history,
+    "intermediate_values": optuna_plots.plot_intermediate_values,
+    "param_importances": optuna_plots.plot_param_importances,
+    "slice": optuna_plots.plot_slice,
+  }
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+    for name, plot in plots.items():
+      try:
+        axes = plot(study)
+      except (ValueError, RuntimeError) as e:  # e.g. importances need two completed trials
+        print(f"no {name} plot: {e}", file=sys.stderr)
+        continue
+      figure = (axes.flat[0] if hasattr(axes, "flat") else axes).get_figure()
+      figure.set_size_inches(max(figure.get_size_inches()[0], 8), 5)
+      figure.tight_layout()
+      path = os.path.join(study_dir, f"{name}.png")
+      figure.savefig(path, dpi=110)
+      plt.close(figure)
+      written.append(path)
+  return written
+
+
+def print_table(study: optuna.Study) -> None:
+  names = list(dict.fromkeys(k for t in study.trials for k in t.params))
+  short = [n.split(".")[-1] for n in names]
+  print(f"{'trial':>5}  {'state':8} {'top-1':>7} {'epochs':>6} {'seconds':>7}  " + "  ".join(f"{s:>13}" for s in short))
+  ranked = sorted(study.trials, key=lambda t: (t.value is None, -(t.value or 0.0), t.number))
+  for t in ranked:
+    last = max(t.intermediate_values, default=0)
+    value = t.value if t.value is not None else t.intermediate_values.get(last)
+    print(
+      f"{t.number:>5}  {t.state.name.lower():8} {'' if value is None else f'{100 * value:6.2f}%':>7} {last:>6} "
+      f"{t.user_attrs.get('seconds', 0):7.0f}  " + "  ".join(f"{t.params.get(n, float('nan')):13.4g}" for n in names)
+    )
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config", required=True, help="config file[:variant], as for train.py")
+  parser.add_argument("--study_dir", required=True)
+  parser.add_argument("--trials", type=int, required=True, help="finished trials (completed + pruned) to reach")
+  parser.add_argument("--space", default="configs/search_spaces.py", help="search space file[:variant]")
+  parser.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite in --study_dir)")
+  parser.add_argument("--study_name", default="light_jax")
+  parser.add_argument("--startup_trials", type=int, default=5, help="random trials before TPE models the space")
+  parser.add_argument("--pruner_warmup_epochs", type=int, default=1, help="epochs before a trial may be pruned")
+  parser.add_argument("--seed", type=int, default=0)
+  args, unknown = parser.parse_known_args()
+  bad = [u for u in unknown if not u.startswith("--config.") or "=" not in u]
+  if bad:
+    parser.error(f"unrecognised arguments {bad}; config overrides look like --config.optimizer.base_lr=2.0")
+  args.overrides = unknown
+  if args.trials < 1:
+    parser.error("--trials must be >= 1")
+  start = time.time()
+  space = load_space(args.space)
+  os.makedirs(os.path.join(args.study_dir, "trials"), exist_ok=True)
+  optuna.logging.set_verbosity(optuna.logging.WARNING)
+  logging.getLogger("optuna").setLevel(logging.WARNING)
+  storage = RDBStorage(
+    args.storage or f"sqlite:///{os.path.abspath(os.path.join(args.study_dir, 'study.db'))}",
+    heartbeat_interval=HEARTBEAT_SECONDS,
+    grace_period=GRACE_SECONDS,
+    failed_trial_callback=RetryFailedTrialCallback(max_retry=1),
+  )
+  study = optuna.create_study(
+    study_name=args.study_name,
+    storage=storage,
+    direction="maximize",
+    load_if_exists=True,
+    sampler=optuna.samplers.TPESampler(n_startup_trials=args.startup_trials, seed=args.seed),
+    pruner=optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials, n_warmup_steps=args.pruner_warmup_epochs),
+  )
+  finished = lambda: sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))  # noqa: E731
+  print(f"study {args.study_name} in {args.study_dir}: {finished()} of {args.trials} trials finished", flush=True)
+  failures = 0
+  while finished() < args.trials:
+    before = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
+    study.optimize(lambda trial: run_trial(trial, args, space), n_trials=1, catch=(TrialFailed,))
+    failures += len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,))) - before
+    if failures > max(3, args.trials // 4):
+      sys.exit(f"error: {failures} trials failed in this run; see the logs in {args.study_dir}/trials")
+
+  print_table(study)
+  states = [t.state for t in study.trials]
+  best = study.best_trial
+  best_config = os.path.join(args.study_dir, "best_config.py")
+  write_best_config(best_config, args, study)
+  plots = save_plots(study, args.study_dir)
+  print(f"best: trial {best.number}, test top-1 {100 * best.value:.2f}%; wrote {best_config} and {len(plots)} plots")
+  result = {
+    "trials": sum(s in FINISHED for s in states),
+    "completed": states.count(TrialState.COMPLETE),
+    "pruned": states.count(TrialState.PRUNED),
+    "failed": states.count(TrialState.FAIL),
+    "best": {"number": best.number, "value": best.value, "params": best.params},
+    "best_config": best_config,
+    "seconds": round(time.time() - start, 1),
+  }
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()

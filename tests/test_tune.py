@@ -1,0 +1,79 @@
+"""scripts/tune.py: an Optuna study of real train.py runs that survives a kill and writes a usable config."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+
+from light_jax import config as config_lib
+from tests.helpers import ROOT
+
+TINY = [  # two epochs of 8 steps each: the study's mechanics, not its accuracy
+  "--config.data.train_subset=1024",
+  "--config.data.eval_subset=200",
+  "--config.data.eval_batch_size=40",
+  "--config.global_batch_size=128",
+  "--config.num_epochs=2",
+]
+
+
+def _tune(study_dir, trials, **popen):
+  command = [
+    sys.executable,
+    "scripts/tune.py",
+    "--config=configs/fashion_mnist.py:large_batch",
+    f"--study_dir={study_dir}",
+    f"--trials={trials}",
+    "--startup_trials=2",
+    *TINY,
+  ]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.Popen(
+    command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+  )
+
+
+def _finished(study_dir):
+  try:
+    study = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{study_dir}/study.db")
+  except KeyError:  # not created yet
+    return 0
+  return sum(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED) for t in study.trials)
+
+
+def test_a_killed_study_resumes_to_its_trial_count_and_writes_the_best_config(tmp_path):
+  study_dir = str(tmp_path / "study")
+  first = _tune(study_dir, 3, start_new_session=True)
+  deadline = time.time() + 300
+  while _finished(study_dir) < 1 and first.poll() is None and time.time() < deadline:
+    time.sleep(1)
+  assert first.poll() is None, first.communicate()[0]
+  os.killpg(first.pid, signal.SIGKILL)  # the study and its running trial, mid-way
+  first.wait()
+  assert 1 <= _finished(study_dir) < 3
+
+  second = _tune(study_dir, 3)
+  output = second.communicate(timeout=600)[0]
+  assert second.returncode == 0, output
+  assert "1 of 3 trials finished" in output or "2 of 3 trials finished" in output
+  result = json.loads(output.strip().splitlines()[-1])
+  assert result["trials"] == 3 and result["completed"] + result["pruned"] == 3
+  study = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{study_dir}/study.db")
+  assert result["best"]["value"] == study.best_value and 0.1 < study.best_value <= 1.0
+  assert len(study.trials[0].intermediate_values) >= 1  # the pruner was fed per-epoch evaluations
+  for plot in ("optimization_history", "intermediate_values", "slice"):
+    assert os.path.getsize(os.path.join(study_dir, f"{plot}.png")) > 10_000
+
+  # The best config: the base config with the overrides and the best trial's values, valid for train.py.
+  spec = importlib.util.spec_from_file_location("best", result["best_config"])
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  assert config.global_batch_size == 128 and config.optimizer.name == "lars"
+  assert config.optimizer.base_lr == result["best"]["params"]["optimizer.base_lr"]
+  assert config_lib.validate(config, 8) == (2, 4)
