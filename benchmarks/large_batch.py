@@ -1,4 +1,5 @@
-"""The large-batch study: Fashion-MNIST at batch 256 against batch 4,096 with each part of the recipe.
+"""The large-batch study: Fashion-MNIST at batch 256 against batch 4,096 with each part of the recipe,
+and the default config in float16 and bfloat16 against float32.
 
   python benchmarks/large_batch.py --workdir runs/large_batch --plot docs/large_batch.png
   python benchmarks/large_batch.py --workdir runs/large_batch --only sgd_256,lars_tuned --report_only
@@ -53,8 +54,8 @@ RUNS = {
     [*HITOPK, "--config.comm.momentum_correction=True"],
     "+ hitopk at 0.1%, DGC momentum correction",
   ),
-  "lars_tuned_bf16": (f"{BASE}:large_batch", ["--config.model.dtype=bfloat16"], "bfloat16 compute"),
-  "lars_tuned_fp16": (f"{BASE}:large_batch", ["--config.model.dtype=float16"], "float16 compute, loss scaling"),
+  "fp16_256": (BASE, ["--config.model.dtype=float16"], "the default in float16, dynamic loss scaling"),
+  "bf16_256": (BASE, ["--config.model.dtype=bfloat16"], "the default in bfloat16"),
 }
 
 

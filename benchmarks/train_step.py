@@ -1,6 +1,7 @@
 """Step time of our shard_map train step (dense, hierarchical) against plain jit data parallelism.
 
   python benchmarks/train_step.py [--model resnet8_fast --batch 256 --steps 20 --rounds 5]
+  python benchmarks/train_step.py --batch 4096 --micro_batches 8 --steps 2 --rounds 3
 
 "dense" and "hierarchical" pack the gradients into 25 MiB buckets (comm.fusion="fixed", the default);
 the "_unfused" rows reduce tensor by tensor (comm.fusion="none"). Same model, batch, optimizer and
@@ -9,6 +10,10 @@ gradient over the global batch. "plain_jit" is what XLA does by itself: the mode
 a leading device axis of the batch (sharded over node x local), parameters are replicated, and XLA
 inserts the gradient all-reduce. Variants run interleaved (A B C A B C ...) so machine noise hits
 all of them alike; the table gives the median step time and the ratio to plain jit.
+With --micro_batches M, two more rows run hierarchical with gradient accumulation (each device's share
+in M slices, one reduction per step): the slices as XLA's loop ("rolled", what accelerators run) and
+unrolled (what the CPU runs). Their BatchNorm normalises per slice, so their parameters differ from
+plain jit's after a step (not checked).
 """
 
 import argparse
@@ -31,6 +36,7 @@ def main():
   parser.add_argument("--local", type=int, default=4)
   parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--micro_batches", type=int, default=1, help="> 1: add gradient-accumulation rows")
   args = parser.parse_args()
 
   import jax
@@ -70,6 +76,16 @@ def main():
     state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
     step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
     variants[name] = [step, state, lambda step, state: step(state, images, labels)]
+  micro = {}
+  if args.micro_batches > 1:
+    for rolled in (True, False):
+      name = f"hierarchical_micro{args.micro_batches}_{'rolled' if rolled else 'unrolled'}"
+      reducer = reducer_lib.make_gradient_reducer("hierarchical", args.nodes, args.local, "fixed")
+      state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
+      step = step_lib.make_train_step(
+        model, tx, reducer, mesh, info, 0.1, micro_batches=args.micro_batches, unroll_micro_batches=not rolled
+      )
+      micro[name] = [step, state, lambda step, state: step(state, images, labels)]
 
   # Plain jit: XLA partitions the step and inserts the all-reduce itself.
   reducer = reducer_lib.make_gradient_reducer("dense", args.nodes, args.local)
@@ -104,6 +120,7 @@ def main():
   replicated = mesh_lib.replicated(mesh)
   plain = jax.jit(plain_step, donate_argnums=0, out_shardings=(jax.tree.map(lambda _: replicated, state), replicated))
   variants["plain_jit"] = [plain, state, lambda step, state: step(state, g_images, g_labels)]
+  variants.update(micro)
 
   # Same maths: after one step, all three hold the same parameters.
   firsts = {}
@@ -130,7 +147,7 @@ def main():
   )
   print(f"{'variant':<22}{'median step (ms)':>18}{'min (ms)':>10}{'images/s':>10}{'vs plain jit':>14}")
   result = {}
-  for name in ("plain_jit", *ours):
+  for name in ("plain_jit", *ours, *micro):
     med = statistics.median(times[name])
     print(f"{name:<22}{1e3 * med:>18.1f}{1e3 * min(times[name]):>10.1f}{args.batch / med:>10.0f}{med / base:>13.3f}x")
     result[name] = {"step_seconds": med, "ratio_to_plain_jit": med / base}

@@ -132,6 +132,7 @@ def make_train_step(
   epoch_first_steps: tuple[int, ...] = (),
   micro_batches: int = 1,
   loss_scale_period: int = 2000,
+  unroll_micro_batches: bool | None = None,
 ) -> Callable:
   """Returns ``step(state, images, labels) -> (state, per_device_loss)``, jitted, donating ``state``.
 
@@ -144,7 +145,8 @@ def make_train_step(
   poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
   ``epoch_first_steps`` (``EpochPlan.first_steps``) resets the epoch loss accumulators at each epoch's
   first step. ``micro_batches``: slices of the device's batch run one after the other, their gradients
-  summed before the one reduction (gradient accumulation). ``loss_scale_period``: finite steps after
+  summed before the one reduction (gradient accumulation; ``unroll_micro_batches``: None = unrolled on the
+  CPU only, see ``accumulate_gradients``). ``loss_scale_period``: finite steps after
   which dynamic loss scaling doubles the scale (with ``state.loss_scale``).
   """
 
@@ -174,7 +176,7 @@ def make_train_step(
       local_grads, (loss, batch_stats) = grad_fn(state.params, state.batch_stats, images, labels)
     else:
       local_grads, loss, batch_stats = accumulate_gradients(
-        grad_fn, state.params, state.batch_stats, images, labels, micro_batches
+        grad_fn, state.params, state.batch_stats, images, labels, micro_batches, unroll_micro_batches
       )
     # Unscaled before the reduction: error-feedback residuals outlive a change of scale.
     local_grads = scaling.unscale(local_grads)
@@ -219,10 +221,17 @@ def make_train_step(
   return jax.jit(sharded, donate_argnums=0)
 
 
-def accumulate_gradients(grad_fn: Callable, params, batch_stats, images, labels, micro_batches: int):
+def accumulate_gradients(
+  grad_fn: Callable, params, batch_stats, images, labels, micro_batches: int, unroll: bool | None = None
+):
   """Runs ``grad_fn`` on ``micro_batches`` slices of the device's batch in turn (``lax.scan``, so one
   slice's activations are alive at a time); returns (mean gradient, mean loss, BatchNorm statistics
-  after the last slice). Each slice normalises with its own statistics, as a smaller batch would."""
+  after the last slice). Each slice normalises with its own statistics, as a smaller batch would.
+
+  ``unroll`` None: unrolled on the CPU, where XLA ran the rolled loop of convolutions many times slower
+  than the same slices unrolled (``benchmarks/train_step.py --micro_batches``, docs/measurements.md);
+  accelerators keep the rolled loop, which bounds the memory to one slice's activations.
+  """
   slices = jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), (images, labels))
 
   def one(carry, batch):
@@ -231,7 +240,9 @@ def accumulate_gradients(grad_fn: Callable, params, batch_stats, images, labels,
     return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss, stats), None
 
   zeros = jax.tree.map(jnp.zeros_like, params)
-  (grad_sum, loss_sum, stats), _ = lax.scan(one, (zeros, jnp.zeros(()), batch_stats), slices)
+  if unroll is None:
+    unroll = jax.devices()[0].platform == "cpu"
+  (grad_sum, loss_sum, stats), _ = lax.scan(one, (zeros, jnp.zeros(()), batch_stats), slices, unroll=unroll)
   return jax.tree.map(lambda g: g / micro_batches, grad_sum), loss_sum / micro_batches, stats
 
 

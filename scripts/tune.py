@@ -26,6 +26,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ import time
 import warnings
 
 import optuna
-from optuna.storages import RDBStorage, RetryFailedTrialCallback
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,9 +91,12 @@ def _die_with_parent() -> None:
 def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
   """Trains one sample of ``space``; reports each epoch's test top-1 to the pruner; returns the final one."""
   params = suggest(trial, space)
-  retried = RetryFailedTrialCallback.retried_trial_number(trial)
+  frozen = trial.study.get_trials(deepcopy=False)[trial.number]
+  retried = RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
   number = trial.number if retried is None else retried  # a retried trial resumes in its first workdir
   workdir = os.path.join(args.study_dir, "trials", f"{number:04d}")
+  if retried is None and os.path.exists(workdir):  # left by an earlier study of this name: start afresh
+    shutil.rmtree(workdir)
   os.makedirs(workdir, exist_ok=True)
   command = [
     sys.executable,
@@ -253,11 +257,12 @@ def main() -> None:
   os.makedirs(os.path.join(args.study_dir, "trials"), exist_ok=True)
   optuna.logging.set_verbosity(optuna.logging.WARNING)
   logging.getLogger("optuna").setLevel(logging.WARNING)
+  warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # the heartbeat's, in Optuna 5
   storage = RDBStorage(
     args.storage or f"sqlite:///{os.path.abspath(os.path.join(args.study_dir, 'study.db'))}",
     heartbeat_interval=HEARTBEAT_SECONDS,
     grace_period=GRACE_SECONDS,
-    failed_trial_callback=RetryFailedTrialCallback(max_retry=1),
+    heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
   )
   study = optuna.create_study(
     study_name=args.study_name,
