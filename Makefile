@@ -6,7 +6,7 @@ FASHION_MNIST_DIR := /usr/share/datasets/fashion-mnist
 WORKDIR ?= runs/fashion_mnist
 CONFIG ?= configs/fashion_mnist.py
 
-.PHONY: .venv train test lint format bench time-to-accuracy data jpeg-build-deps clean
+.PHONY: .venv train test lint format bench time-to-accuracy large-batch tune data jpeg-build-deps clean
 
 .venv: $(VENV)/.installed data
 
@@ -72,6 +72,15 @@ bench: .venv
 time-to-accuracy: .venv
 	$(PY) benchmarks/time_to_accuracy.py --nodes 2 --local 4 --bandwidth 50mbit \
 	  --strategies hierarchical,hitopk@0.01,hitopk@0.001,gtopk@0.01 --target 0.92 --plot docs/time_to_accuracy.png
+
+# The large-batch study (README "Large batch"): whole runs, one after the other (about an hour here).
+large-batch: .venv
+	$(PY) benchmarks/large_batch.py --workdir runs/large_batch --plot docs/large_batch.png
+
+# The AutoML study behind configs/fashion_mnist.py:large_batch (16 trials of 3 epochs; resumable).
+tune: .venv
+	$(PY) scripts/tune.py --config configs/fashion_mnist.py:large_batch --study_dir runs/tune --trials 16 \
+	  --startup_trials 4 --config.num_epochs=3
 
 clean:
 	rm -rf runs .pytest_cache

@@ -128,13 +128,13 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
           break
         time.sleep(1.0)
     finally:
+      trial.set_user_attr("seconds", time.time() - start)
       if process.poll() is None:  # pruned, interrupted or failed here: stop the run (it saves a checkpoint)
         process.terminate()
         try:
           process.wait(timeout=60)
         except subprocess.TimeoutExpired:
           process.kill()
-  trial.set_user_attr("seconds", time.time() - start)
   if process.returncode != 0:
     raise TrialFailed(f"trial {trial.number}: train.py exited with {process.returncode}; see {log_path}")
   with open(os.path.join(workdir, "summary.json")) as f:
