@@ -28,19 +28,21 @@ from light_jax import metrics  # noqa: E402
 
 BASE = "configs/fashion_mnist.py"
 HITOPK = ["--config.comm.strategy=hitopk", "--config.comm.density=0.001"]
+# Batch 4,096 in 8 micro-batches of 64 per device, as configs/fashion_mnist.py:large_batch (3.7x faster here).
+B4096 = ["--config.global_batch_size=4096", "--config.micro_batches=8"]
 # label -> (config, overrides, what it shows)
 RUNS = {
   "sgd_256": (BASE, [], "the default: SGD + Nesterov at batch 256"),
-  "sgd_4096": (BASE, ["--config.global_batch_size=4096"], "SGD, linear scaling rule, 1 epoch warm-up"),
+  "sgd_4096": (BASE, B4096, "SGD, linear scaling rule, 1 epoch warm-up"),
   "lars_4096": (
     f"{BASE}:lars",
-    ["--config.global_batch_size=4096"],
+    B4096,
     "LARS (optax trust ratio), the batch-1,024 values",
   ),
   "lamb_4096": (
     f"{BASE}:lars",
     [
-      "--config.global_batch_size=4096",
+      *B4096,
       "--config.optimizer.name=lamb",
       "--config.optimizer.base_lr=0.001",
       "--config.optimizer.weight_decay=0.01",
@@ -84,11 +86,14 @@ def _read(path: str) -> str | None:
     return None
 
 
-def report(labels: list[str], root: str) -> dict[str, dict]:
-  results = {}
+def report(labels: list[str], root: str) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+  """(finished runs' figures, the records of runs stopped before the end) found under ``root``."""
+  results, stopped = {}, {}
   for label in labels:
     workdir = os.path.join(root, label)
     if not os.path.exists(os.path.join(workdir, "summary.json")):
+      if os.path.exists(os.path.join(workdir, "metrics.jsonl")):  # stopped early: curves only
+        stopped[label] = metrics.read_metrics(workdir)
       continue
     with open(os.path.join(workdir, "summary.json")) as f:
       summary = json.load(f)
@@ -113,25 +118,28 @@ def report(labels: list[str], root: str) -> dict[str, dict]:
       f"{r['train_seconds']:8.0f} {r['images_per_sec']:6.0f} {r['inter_node_bytes_per_step']:13,d} "
       f"{r['nonfinite_steps']:7d}  {RUNS[label][2]}"
     )
-  return results
+  for label, records in stopped.items():
+    last = records[-1]
+    print(f"{label:22} stopped after epoch {last['epoch']:g}: top-1 {100 * last['eval_top1']:.2f}%  {RUNS[label][2]}")
+  return results, stopped
 
 
-def plot(results: dict[str, dict], path: str) -> None:
+def plot(results: dict[str, dict], stopped: dict[str, list[dict]], path: str) -> None:
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   fig, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
-  for label, r in results.items():
-    top1 = [100 * x["eval_top1"] for x in r["records"]]
-    style = "--" if r["batch"] == 256 else "-"
-    by_epoch.plot([x["epoch"] for x in r["records"]], top1, style, marker="o", ms=3, label=label)
-    by_time.plot([x["train_seconds"] for x in r["records"]], top1, style, marker="o", ms=3, label=label)
+  curves = {label: (r["records"], "--" if r["batch"] == 256 else "-") for label, r in results.items()}
+  curves |= {f"{label} (stopped)": (records, ":") for label, records in stopped.items()}
+  for label, (records, style) in curves.items():
+    top1 = [100 * x["eval_top1"] for x in records]
+    by_epoch.plot([x["epoch"] for x in records], top1, style, marker="o", ms=3, label=label)
+    by_time.plot([x["train_seconds"] for x in records], top1, style, marker="o", ms=3, label=label)
   by_epoch.set(xlabel="epoch", ylabel="test top-1 (%)", title="Fashion-MNIST, 8 epochs: batch 256 vs 4,096")
   by_time.set(xlabel="training seconds (this machine's 2 cores, 8 simulated devices)", title="against time")
-  low = min(min(100 * x["eval_top1"] for x in r["records"][1:] or r["records"]) for r in results.values())
-  by_epoch.set_ylim(max(low - 1, 70), None)
+  by_epoch.set_ylim(0, 100)
   for ax in (by_epoch, by_time):
     ax.grid(alpha=0.3)
   by_time.legend(fontsize=8, loc="lower right")
@@ -155,9 +163,9 @@ def main() -> None:
   if not args.report_only:
     for label in labels:
       run(label, os.path.join(args.workdir, label), args.rerun)
-  results = report(labels, args.workdir)
-  if args.plot and results:
-    plot(results, args.plot)
+  results, stopped = report(labels, args.workdir)
+  if args.plot and (results or stopped):
+    plot(results, stopped, args.plot)
   print(json.dumps({label: {k: v for k, v in r.items() if k != "records"} for label, r in results.items()}))
 
 
