@@ -211,15 +211,18 @@ def test_survivor_stops_when_a_process_dies_or_hangs(tmp_path, victim, sig):
 def test_a_stuck_collective_with_every_process_alive_stops_both_after_step_timeout(tmp_path):
   """Process 0 stops stepping but stays alive (its liveness counter moves): the peer watchdog sees nothing
   wrong, the step-progress clock does (the gtopk time-to-accuracy run hung so in gloo)."""
-  hang = ["--config.train.inject_hang_at_step=3", "--step_timeout=8"]
+  hang = ["--config.train.inject_hang_at_step=3", "--step_timeout=20"]  # steps take seconds under CI load
   procs, logs = _start_pair(tmp_path, [hang, hang])
   for i in (0, 1):
-    _exit_within(procs[i], 240, logs[i])
-  for i in (0, 1):
-    out = logs[i].read_text()
-    assert procs[i].returncode == ExitCode.PEER_FAILURE, out[-3000:]
-    assert "no training step has finished for" in out and "a collective is probably stuck" in out, out[-3000:]
-  assert "process 0 hangs after step 3" in logs[0].read_text()
+    _exit_within(procs[i], 300, logs[i])
+  out = logs[0].read_text()
+  assert "process 0 hangs after step 3" in out, out[-3000:]
+  assert procs[0].returncode == ExitCode.PEER_FAILURE, out[-3000:]
+  assert "no training step has finished for" in out and "a collective is probably stuck" in out, out[-3000:]
+  # Process 1 stops the same way, or, if process 0 (the coordinator) left first, JAX ends it at once.
+  out = logs[1].read_text()
+  assert procs[1].returncode != 0, out[-3000:]
+  assert "no training step has finished for" in out or "another task died" in out, out[-3000:]
 
 
 def test_survivor_stops_with_the_reason_when_a_process_fails(tmp_path):
