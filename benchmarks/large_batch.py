@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -69,7 +70,7 @@ def run(label: str, workdir: str, rerun: bool) -> None:
     print(f"{label}: reusing {workdir}", file=sys.stderr)
     return
   if os.path.exists(workdir):
-    subprocess.run(["rm", "-rf", workdir], check=True)
+    shutil.rmtree(workdir)
   os.makedirs(workdir)
   with open(stamp, "w") as f:
     f.write(shlex.join(command[1:]))

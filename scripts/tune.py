@@ -21,6 +21,7 @@ last line one JSON object: {"trials", "completed", "pruned", "failed", "best": {
 from __future__ import annotations
 
 import argparse
+import ast
 import ctypes
 import importlib.util
 import json
@@ -180,8 +181,6 @@ def write_best_config(path: str, args, study: optuna.Study) -> None:
 
 
 def _literal(text: str):
-  import ast
-
   try:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from light_jax.parallel import compression, strategies
 from light_jax.parallel import fusion as fusion_lib
@@ -225,7 +226,7 @@ def reducer_from_config(
 
 def _clip(tree: PyTree, max_norm: float) -> PyTree:
   """``tree`` scaled down to global norm ``max_norm`` if it is longer."""
-  norm = jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+  norm = optax.global_norm(tree)
   return jax.tree.map(lambda x: x * jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12)), tree)
 
 
