@@ -296,25 +296,26 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     parse_profile_steps(config.train.profile_steps)
   _positive("global_batch_size", config.global_batch_size)
   _positive("data.eval_batch_size", config.data.eval_batch_size)
-  batch_sizes = {
+  train_batches = {
     f"global_batch_size={config.global_batch_size}": config.global_batch_size,
-    f"data.eval_batch_size={config.data.eval_batch_size}": config.data.eval_batch_size,
     **{f"the batch {b} in data.resolution_schedule": b for b in sorted(phase_batches)},
   }
-  if not isinstance(config.micro_batches, int) or config.micro_batches < 1:
-    raise ConfigError(f"micro_batches={config.micro_batches!r} must be an integer >= 1.")
+  batch_sizes = {**train_batches, f"data.eval_batch_size={config.data.eval_batch_size}": config.data.eval_batch_size}
   for field, value in batch_sizes.items():
-    per_device = value // num_devices
-    if not field.startswith("data.eval") and per_device % config.micro_batches and not value % num_devices:
-      raise ConfigError(
-        f"{field} gives {per_device} examples per device, which do not split into micro_batches="
-        f"{config.micro_batches} equal slices; use a micro_batches that divides {per_device}."
-      )
     if value % num_devices:
       lower = value // num_devices * num_devices
       raise ConfigError(
         f"{field} does not divide over {num_devices} devices; use a multiple of {num_devices} "
         f"(e.g. {max(lower, num_devices)} or {lower + num_devices})."
+      )
+  if not isinstance(config.micro_batches, int) or config.micro_batches < 1:
+    raise ConfigError(f"micro_batches={config.micro_batches!r} must be an integer >= 1.")
+  for field, value in train_batches.items():  # gradient accumulation slices each device's share of a step
+    per_device = value // num_devices
+    if per_device % config.micro_batches:
+      raise ConfigError(
+        f"{field} gives {per_device} examples per device, which do not split into micro_batches="
+        f"{config.micro_batches} equal slices; use a micro_batches that divides {per_device}."
       )
   return nodes, local
 
