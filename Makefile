@@ -49,7 +49,7 @@ train: .venv
 	$(PY) train.py --config $(CONFIG) --workdir $(WORKDIR)
 
 test: .venv $(VENV)/.installed-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 # ruff's formatter (check only) and linter, configured in pyproject.toml; `make format` applies the formatter.
 $(VENV)/.installed-lint: $(VENV)/.installed

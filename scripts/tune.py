@@ -35,6 +35,7 @@ import time
 import warnings
 
 import optuna
+import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
@@ -233,6 +234,23 @@ def print_table(study: optuna.Study) -> None:
     )
 
 
+def open_storage(url: str) -> RDBStorage:
+  """The study's storage. Two processes creating the same new database at once (machines sharing a study, or a
+  monitor reading it) race on its schema table; the loser retries against the schema the winner wrote."""
+  for attempt in range(3):
+    try:
+      return RDBStorage(
+        url,
+        heartbeat_interval=HEARTBEAT_SECONDS,
+        grace_period=GRACE_SECONDS,
+        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
+      )
+    except sqlalchemy.exc.DBAPIError:  # IntegrityError or "database is locked" while the other one creates it
+      if attempt == 2:
+        raise
+      time.sleep(1 + attempt)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", required=True, help="config file[:variant], as for train.py")
@@ -257,12 +275,7 @@ def main() -> None:
   optuna.logging.set_verbosity(optuna.logging.WARNING)
   logging.getLogger("optuna").setLevel(logging.WARNING)
   warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # the heartbeat's, in Optuna 5
-  storage = RDBStorage(
-    args.storage or f"sqlite:///{os.path.abspath(os.path.join(args.study_dir, 'study.db'))}",
-    heartbeat_interval=HEARTBEAT_SECONDS,
-    grace_period=GRACE_SECONDS,
-    heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
-  )
+  storage = open_storage(args.storage or f"sqlite:///{os.path.abspath(os.path.join(args.study_dir, 'study.db'))}")
   study = optuna.create_study(
     study_name=args.study_name,
     storage=storage,

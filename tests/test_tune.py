@@ -39,6 +39,8 @@ def _tune(study_dir, trials, **popen):
 
 
 def _finished(study_dir):
+  if not os.path.exists(os.path.join(study_dir, "trials", "0000.log")):
+    return 0  # tune.py is still creating the study: reading the database now would race with it
   try:
     study = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{study_dir}/study.db")
   except KeyError:  # not created yet

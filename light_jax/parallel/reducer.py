@@ -226,7 +226,7 @@ def reducer_from_config(
 
 def _clip(tree: PyTree, max_norm: float) -> PyTree:
   """``tree`` scaled down to global norm ``max_norm`` if it is longer."""
-  norm = optax.global_norm(tree)
+  norm = optax.tree.norm(tree)
   return jax.tree.map(lambda x: x * jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12)), tree)
 
 
