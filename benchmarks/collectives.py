@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = {
-  # name: (strategy, fusion, density, selector)
+  # name: (strategy, fusion, density, selector); powersgd: (strategy, fusion, rank, None)
   "dense": ("dense", "fixed", 1.0, "exact"),
   "hierarchical": ("hierarchical", "fixed", 1.0, "exact"),
   "hierarchical/unfused": ("hierarchical", "none", 1.0, "exact"),
@@ -37,6 +37,8 @@ VARIANTS = {
   "hitopk@0.001/unfused": ("hitopk", "none", 0.001, "exact"),
   "hierarchical/adaptive": ("hierarchical", "adaptive", 1.0, "exact"),
   "hitopk@0.001/adaptive": ("hitopk", "adaptive", 0.001, "exact"),
+  "powersgd@1": ("powersgd", "fixed", 1, None),
+  "powersgd@4": ("powersgd", "fixed", 4, None),
 }
 
 
@@ -92,15 +94,18 @@ def main():
   rows = {}
   for name in names:
     strategy, fusion, density, selector = VARIANTS[name]
-    reducer = reducer_lib.make_gradient_reducer(
-      strategy,
-      args.nodes,
-      args.local,
-      "fixed" if fusion == "adaptive" else fusion,
-      density=density,
-      selector=selector,
-      order=profile.order,
-    )
+    if strategy == reducer_lib.POWERSGD:  # P and Q of every tensor in one all-reduce each: no buckets
+      reducer = reducer_lib.make_gradient_reducer(strategy, args.nodes, args.local, rank=density)
+    else:
+      reducer = reducer_lib.make_gradient_reducer(
+        strategy,
+        args.nodes,
+        args.local,
+        "fixed" if fusion == "adaptive" else fusion,
+        density=density,
+        selector=selector,
+        order=profile.order,
+      )
     if fusion == "adaptive":
       reducer = cost_model.plan_adaptive_fusion(
         reducer, profile, cost_model.PRESETS[args.cost_model], args.device_tflops * 1e12, args.examples_per_device
@@ -132,7 +137,7 @@ def main():
       "intra_node_bytes": nbytes.intra_node,
       "compile_seconds": compile_seconds,
     }
-    rows[name]["buckets"] = len(reducer.buckets(jax.tree.leaves(shapes))[1])
+    rows[name]["buckets"] = len(reducer.bucket_plan(shapes))  # collectives per step
     print(f"  measured {name}: {rows[name]['seconds']:.3f} s", file=sys.stderr)
     del out, state
 

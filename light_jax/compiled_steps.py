@@ -86,7 +86,7 @@ class CompiledSteps:
     return self._compiled[key]
 
   def _compile(self, step: int, state: step_lib.TrainState) -> tuple[Callable, CommBytes]:
-    density, batch_shape = self.density_at(step), self.batch_shape_at(step)
+    batch_shape = self.batch_shape_at(step)
     reducer = self.reducer_at(step)
     abstract_state = checkpoint_lib.abstract(state)
     images = jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=self.sharding)
@@ -110,7 +110,7 @@ class CompiledSteps:
       "train step compiled in %.1f s (batch %s%s): %s intra-node and %s inter-node bytes per device per step",
       time.time() - start,
       "x".join(map(str, batch_shape)),
-      f", top-k density {density:.4g}" if reducer.keeps_residuals else "",
+      f", {reducer.compression}" if reducer.compression else "",
       f"{comm_bytes.intra_node:,}",
       f"{comm_bytes.inter_node:,}",
     )

@@ -108,8 +108,9 @@ def base_config() -> ml_collections.ConfigDict:
   )
 
   config.comm = dict(
-    # dense | hierarchical | hitopk | topk | gtopk (light_jax/parallel/strategies.py), or auto: a strategy per
-    # bucket, the one the cost model (cost_model, device_tflops) says ends soonest (exact where it is hidden)
+    # dense | hierarchical | hitopk | topk | gtopk (light_jax/parallel/strategies.py), powersgd (rank-r
+    # tensors, light_jax/parallel/powersgd.py), or auto: a strategy per bucket, the one the cost model
+    # (cost_model, device_tflops) says ends soonest (exact where it is hidden)
     strategy="hierarchical",
     fusion="fixed",  # none | fixed (buckets of bucket_bytes) | adaptive (MG-WFBP)
     bucket_bytes=25 * 2**20,
@@ -128,6 +129,7 @@ def base_config() -> ml_collections.ConfigDict:
     # local_clip_norm / sqrt(devices) before compression.
     momentum_correction=False,
     local_clip_norm=0.0,
+    rank=4,  # powersgd: columns of P and Q (error_feedback, min_compress_elements, dtype apply too)
   )
 
   config.log_every_steps = 20
@@ -187,9 +189,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   from light_jax.models import ARCHITECTURES
   from light_jax.parallel import compression, cost_model, strategies
   from light_jax.parallel import mesh as mesh_lib
-  from light_jax.parallel.reducer import AUTO, FUSIONS
+  from light_jax.parallel.reducer import AUTO, FUSIONS, POWERSGD, STRATEGIES
 
-  _choice("comm.strategy", config.comm.strategy, (*strategies.NAMES, AUTO))
+  _choice("comm.strategy", config.comm.strategy, STRATEGIES)
   _choice("comm.fusion", config.comm.fusion, FUSIONS)
   if config.comm.fusion == "adaptive" or config.comm.strategy == AUTO:
     try:
@@ -201,13 +203,24 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _choice("comm.topk_selector", config.comm.topk_selector, tuple(compression.SELECTORS))
   _choice("comm.dtype", config.comm.dtype, DTYPES)
   _positive("comm.local_clip_norm", config.comm.local_clip_norm, allow_zero=True)
-  compensation = config.comm.momentum_correction or config.comm.local_clip_norm > 0
-  compressed = config.comm.strategy != AUTO and strategies.get(config.comm.strategy).compressed
-  if compensation and not compressed:
+  top_k = config.comm.strategy in strategies.NAMES and strategies.get(config.comm.strategy).compressed
+  if config.comm.momentum_correction and not top_k:
     raise ConfigError(
-      f"comm.momentum_correction and comm.local_clip_norm compensate top-k compression; comm.strategy="
-      f"{config.comm.strategy!r} does not compress. Use a top-k strategy (hitopk, topk, gtopk) or turn them off."
+      f"comm.momentum_correction masks the velocity where top-k sent entries; comm.strategy="
+      f"{config.comm.strategy!r} is not a top-k strategy. Use hitopk, topk or gtopk, or turn it off."
     )
+  if config.comm.local_clip_norm > 0 and not (top_k or config.comm.strategy == POWERSGD):
+    raise ConfigError(
+      f"comm.local_clip_norm compensates gradient compression; comm.strategy={config.comm.strategy!r} does not "
+      "compress. Use a top-k strategy (hitopk, topk, gtopk) or powersgd, or set comm.local_clip_norm=0."
+    )
+  if config.comm.strategy == POWERSGD:
+    _positive("comm.rank", config.comm.rank)
+    if config.comm.fusion == "adaptive":
+      raise ConfigError(
+        "comm.strategy='powersgd' packs every P and every Q into one all-reduce each; comm.fusion='adaptive' "
+        "does not apply. Set comm.fusion=fixed."
+      )
   if config.comm.momentum_correction and not config.comm.error_feedback:
     raise ConfigError(
       "comm.momentum_correction accumulates what top-k did not send (it is error feedback with momentum); "
@@ -283,7 +296,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   except mesh_lib.MeshError as e:
     raise ConfigError(str(e)) from None
   devices = nodes * local
-  strategy = strategies.get("hierarchical" if config.comm.strategy == AUTO else config.comm.strategy)
+  # auto starts from hierarchical; powersgd sums its P and Q with it.
+  strategy = strategies.get(config.comm.strategy if config.comm.strategy in strategies.NAMES else "hierarchical")
   if strategy.needs_power_of_two_devices and devices & (devices - 1):
     others = [s.name for s in strategies.REGISTRY.values() if s.compressed and not s.needs_power_of_two_devices]
     raise ConfigError(

@@ -70,8 +70,8 @@ def main():
   # Replicated arrays: every process holds a full copy on its own devices.
   arrays = {jax.tree_util.keystr(k): np.asarray(v.addressable_data(0)) for k, v in leaves}
   # Residuals are per device: gather them all (node-major) to compare with the one-process run.
-  for key, residual in state.comm_state.items():
-    arrays[f"residual/{key}"] = np.asarray(
+  for path, residual in jax.tree_util.tree_leaves_with_path(state.comm_state):
+    arrays[f"residual/{jax.tree_util.keystr(path)}"] = np.asarray(
       jax.jit(lambda r: r, out_shardings=mesh_lib.replicated(mesh))(residual).addressable_data(0)
     )
   arrays["__loss"] = np.asarray(jax.device_get(loss.addressable_data(0)))

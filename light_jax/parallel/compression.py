@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 MSTOPK_ROUNDS = 24
@@ -127,3 +128,9 @@ def apply_error_feedback(
   corrected, forget_sent = compensate(x, memory, error_feedback, momentum)
   indices, values = SELECTORS[selector](corrected, k)
   return indices, values, forget_sent(indices)
+
+
+def clip_to_norm(tree, max_norm: float):
+  """``tree`` scaled down to global norm ``max_norm`` if it is longer (DGC's local gradient clipping)."""
+  norm = optax.tree.norm(tree)
+  return jax.tree.map(lambda x: x * jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12)), tree)

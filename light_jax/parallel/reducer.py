@@ -16,15 +16,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from light_jax.parallel import compression, strategies
+from light_jax.parallel import compression, powersgd, strategies
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel.strategies import CommBytes
 
 PyTree = Any
 FUSIONS = ("none", "fixed", "adaptive")
 AUTO = "auto"  # comm.strategy: a strategy per bucket, chosen by the cost model (cost_model.plan_auto)
+POWERSGD = powersgd.NAME  # comm.strategy: rank-r compression of whole tensors (powersgd.PowerSGDReducer)
+STRATEGIES = (*strategies.NAMES, POWERSGD, AUTO)  # every comm.strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,11 @@ class GradientReducer:
   def keeps_residuals(self) -> bool:
     """Whether some bucket may be compressed (its residual then fixes the buckets for the whole run)."""
     return self.strategy == AUTO or self.spec.compressed
+
+  @property
+  def compression(self) -> str:
+    """How this reducer compresses, for the logs ("" when it does not)."""
+    return f"top-k density {self.density:.4g}" if self.keeps_residuals else ""
 
   def for_bucket(self, bucket: int) -> GradientReducer:
     """The one-strategy reducer of bucket ``bucket``: this one, or for "auto" the strategy chosen for it."""
@@ -141,7 +147,7 @@ class GradientReducer:
   # --- the reduction (inside shard_map) ----------------------------------------------------------
   def reduce(self, local_grads: PyTree, comm_state: dict[str, jax.Array]) -> tuple[PyTree, dict[str, jax.Array]]:
     if self.local_clip_norm:
-      local_grads = _clip(local_grads, self.local_clip_norm / math.sqrt(self.nodes * self.local))
+      local_grads = compression.clip_to_norm(local_grads, self.local_clip_norm / math.sqrt(self.nodes * self.local))
     leaves, treedef = jax.tree.flatten(local_grads)
     order, buckets, sizes = self._bucket_sizes(leaves)
     wire_dtype = jnp.dtype(self.wire_dtype)
@@ -188,8 +194,11 @@ def make_gradient_reducer(
   fusion: str = "none",
   bucket_bytes: int = fusion_lib.DEFAULT_BUCKET_BYTES,
   **compression_options,
-) -> GradientReducer:
-  """A reducer for ``strategy``; ``compression_options`` are density, selector, error_feedback, ..."""
+) -> GradientReducer | powersgd.PowerSGDReducer:
+  """A reducer for ``strategy``; ``compression_options`` are density, selector, error_feedback, ...
+  (for "powersgd": rank, error_feedback, min_compress_elements, wire_dtype, local_clip_norm)."""
+  if strategy == POWERSGD:
+    return powersgd.PowerSGDReducer(nodes, local, **compression_options)
   if strategy != AUTO:
     strategies.get(strategy)  # a clear error for an unknown name
   if fusion not in FUSIONS:
@@ -201,12 +210,22 @@ def make_gradient_reducer(
 
 def reducer_from_config(
   comm, nodes: int, local: int, order: tuple[int, ...] | None = None, momentum: float = 0.0
-) -> GradientReducer:
+) -> GradientReducer | powersgd.PowerSGDReducer:
   """The reducer the config's ``comm`` block describes on a ``nodes`` x ``local`` mesh, leaves reduced in
   ``order``; ``momentum`` (``optimizer.momentum``) is the velocity's with ``comm.momentum_correction``.
   With ``comm.fusion="adaptive"`` it has fixed buckets until ``cost_model.plan_adaptive_fusion`` plans its
   MG-WFBP groups; with ``comm.strategy="auto"`` it is hierarchical until ``cost_model.plan_auto`` chooses
   each bucket's strategy."""
+  if comm.strategy == POWERSGD:
+    return powersgd.PowerSGDReducer(
+      nodes,
+      local,
+      rank=comm.rank,
+      error_feedback=comm.error_feedback,
+      min_compress_elements=comm.min_compress_elements,
+      wire_dtype=comm.dtype,
+      local_clip_norm=comm.local_clip_norm,
+    )
   return make_gradient_reducer(
     "hierarchical" if comm.strategy == AUTO else comm.strategy,
     nodes,
@@ -222,12 +241,6 @@ def reducer_from_config(
     momentum_correction=momentum if comm.momentum_correction else 0.0,
     local_clip_norm=comm.local_clip_norm,
   )
-
-
-def _clip(tree: PyTree, max_norm: float) -> PyTree:
-  """``tree`` scaled down to global norm ``max_norm`` if it is longer."""
-  norm = optax.tree.norm(tree)
-  return jax.tree.map(lambda x: x * jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12)), tree)
 
 
 def _key(bucket: int) -> str:
