@@ -17,15 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import shutil
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from light_jax import metrics  # noqa: E402
+import train_runs  # benchmarks/, this script's directory
 
 BASE = "configs/fashion_mnist.py"
 HITOPK = ["--config.comm.strategy=hitopk", "--config.comm.density=0.001"]
@@ -62,53 +56,15 @@ RUNS = {
 }
 
 
-def run(label: str, workdir: str, rerun: bool) -> None:
-  config, overrides, _ = RUNS[label]
-  command = [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
-  stamp = os.path.join(workdir, "command.txt")
-  if not rerun and os.path.exists(os.path.join(workdir, "summary.json")) and _read(stamp) == shlex.join(command[1:]):
-    print(f"{label}: reusing {workdir}", file=sys.stderr)
-    return
-  if os.path.exists(workdir):
-    shutil.rmtree(workdir)
-  os.makedirs(workdir)
-  with open(stamp, "w") as f:
-    f.write(shlex.join(command[1:]))
-  print(f"{label}: {shlex.join(command[1:])}", file=sys.stderr, flush=True)
-  with open(os.path.join(workdir, "train.log"), "w") as log:
-    subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-
-
-def _read(path: str) -> str | None:
-  try:
-    with open(path) as f:
-      return f.read()
-  except FileNotFoundError:
-    return None
-
-
 def report(labels: list[str], root: str) -> tuple[dict[str, dict], dict[str, list[dict]]]:
   """(finished runs' figures, the records of runs stopped before the end) found under ``root``."""
   results, stopped = {}, {}
   for label in labels:
-    workdir = os.path.join(root, label)
-    if not os.path.exists(os.path.join(workdir, "summary.json")):
-      if os.path.exists(os.path.join(workdir, "metrics.jsonl")):  # stopped early: curves only
-        stopped[label] = metrics.read_metrics(workdir)
-      continue
-    with open(os.path.join(workdir, "summary.json")) as f:
-      summary = json.load(f)
-    records = metrics.read_metrics(workdir)
-    results[label] = {
-      "batch": summary["config"]["global_batch_size"],
-      "top1": summary["final_eval_top1"],
-      "top5": summary["final_eval_top5"],
-      "train_seconds": records[-1]["train_seconds"],
-      "images_per_sec": summary["images_per_sec_mean"],
-      "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
-      "nonfinite_steps": summary["nonfinite_steps"],
-      "records": records,
-    }
+    result, records = train_runs.read(os.path.join(root, label))
+    if result:
+      results[label] = result | {"records": records}
+    elif records:  # stopped early: curves only
+      stopped[label] = records
   reference = results.get("sgd_256", {}).get("top1")
   header = ("run", "batch", "top-1", "vs 256", "top-5", "train s", "img/s", "inter B/step", "skipped")
   print("{:22} {:>5} {:>7} {:>7} {:>7} {:>8} {:>6} {:>13} {:>7}  what".format(*header))
@@ -163,7 +119,8 @@ def main() -> None:
     parser.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
   if not args.report_only:
     for label in labels:
-      run(label, os.path.join(args.workdir, label), args.rerun)
+      config, overrides, _ = RUNS[label]
+      train_runs.run(label, config, overrides, os.path.join(args.workdir, label), args.rerun)
   results, stopped = report(labels, args.workdir)
   if args.plot and (results or stopped):
     plot(results, stopped, args.plot)

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from light_jax import data as data_lib
 from light_jax import optim
 from light_jax.parallel import fusion as fusion_lib
+from light_jax.parallel.diloco import DiLoCo
 from light_jax.parallel.mesh import AXES, BATCH_SPEC, LOCAL, NODE
 from light_jax.parallel.reducer import GradientReducer
 
@@ -102,7 +103,8 @@ def create_train_state(
       step=jnp.zeros((), jnp.int32),
       params=params,
       batch_stats=variables.get("batch_stats", {}),
-      opt_state=tx.init(params),
+      # DiLoCo: the outer optimizer's state (its inner optimizer's is per device, in comm_state).
+      opt_state=reducer.init_optimizer_state(params) if isinstance(reducer, DiLoCo) else tx.init(params),
       comm_state=reducer.init_state(params),
       nonfinite_steps=jnp.zeros((), jnp.int32),
       loss_sum=jnp.zeros(mesh.devices.shape),
@@ -170,28 +172,36 @@ def make_train_step(
       return scaling.scale(loss), (loss, updates.get("batch_stats", {}))
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
+    local_steps = isinstance(reducer, DiLoCo)  # each machine steps on its own copy between outer steps
+    params = reducer.machine_params(state.params, state.comm_state) if local_steps else state.params
     # check_vma=False below: grad of replicated params is the *local* gradient, not JAX's implicit
     # psum of it, so the reducer is the only reduction (no silent double sum; tested).
     if micro_batches == 1:
-      local_grads, (loss, batch_stats) = grad_fn(state.params, state.batch_stats, images, labels)
+      local_grads, (loss, batch_stats) = grad_fn(params, state.batch_stats, images, labels)
     else:
       local_grads, loss, batch_stats = accumulate_gradients(
-        grad_fn, state.params, state.batch_stats, images, labels, micro_batches, unroll_micro_batches
+        grad_fn, params, state.batch_stats, images, labels, micro_batches, unroll_micro_batches
       )
     # Unscaled before the reduction: error-feedback residuals outlive a change of scale.
     local_grads = scaling.unscale(local_grads)
     grads, comm_state = reducer.reduce(local_grads, state.comm_state)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    # The reduced gradient is identical on every device, so every device takes the same decision.
-    finite = jnp.logical_and(
-      lax.pmin(jnp.isfinite(loss).astype(jnp.int32), AXES) > 0,
-      jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])),
-    )
+    if local_steps:
+      sync = (state.step + 1) % reducer.sync_every == 0
+      if epoch_first_steps:  # and at each epoch's end, so evaluations see the machines' common model
+        sync = jnp.logical_or(sync, jnp.isin(state.step + 1, jnp.asarray(epoch_first_steps[1:], jnp.int32)))
+      new_params, opt_state, comm_state = reducer.apply(grads, state.params, state.opt_state, comm_state, sync)
+    else:
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      new_params = optax.apply_updates(state.params, updates)
+    # One decision for every device (with DiLoCo the machines' gradients differ): skip the update if any
+    # device saw a non-finite loss or gradient.
+    grads_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    finite = lax.pmin(jnp.logical_and(jnp.isfinite(loss), grads_finite).astype(jnp.int32), AXES) > 0
     loss_scale = {}
     if state.loss_scale:  # lower the scale after an overflow, raise it after `loss_scale_period` good steps
       adjusted = scaling.adjust(finite)
       loss_scale = {"scale": adjusted.loss_scale, "counter": adjusted.counter}
-    updated = (optax.apply_updates(state.params, updates), mean_over_devices(batch_stats), opt_state, comm_state)
+    updated = (new_params, mean_over_devices(batch_stats), opt_state, comm_state)
     kept = (state.params, state.batch_stats, state.opt_state, state.comm_state)
     params, batch_stats, opt_state, comm_state = jax.tree.map(
       lambda new, old: jnp.where(finite, new, old), updated, kept

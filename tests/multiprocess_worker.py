@@ -38,6 +38,7 @@ def main():
   from light_jax import data as data_lib
   from light_jax import train_step as step_lib
   from light_jax.models import create_model
+  from light_jax.parallel import diloco
   from light_jax.parallel import mesh as mesh_lib
   from light_jax.parallel import reducer as reducer_lib
   from tests.helpers import info_for, random_source
@@ -59,9 +60,12 @@ def main():
   )
   model = create_model("resnet8_small", num_classes=10, width=4)
   tx = optax.sgd(0.1, momentum=0.9)
-  reducer = reducer_lib.make_gradient_reducer(
-    args.strategy, 2, 4, fusion="fixed", bucket_bytes=4096, density=args.density, min_compress_elements=64
-  )
+  if args.strategy == "diloco":  # an outer step after step 2; step 3 leaves the machines apart
+    reducer = diloco.DiLoCo(2, 4, sync_every=2, inner_tx=tx)
+  else:
+    reducer = reducer_lib.make_gradient_reducer(
+      args.strategy, 2, 4, fusion="fixed", bucket_bytes=4096, density=args.density, min_compress_elements=64
+    )
   state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
   step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
   for batch in data_lib.DevicePrefetcher(batches.iterator(), mesh_lib.batch_sharding(mesh)):

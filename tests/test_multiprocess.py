@@ -69,7 +69,7 @@ def _run(num_processes, out, strategy):
 
 # hierarchical (the default) across processes: test_train_py_on_two_processes_matches_one_process
 # below, through train.py; dense is one psum over both axes, the same collective across processes.
-@pytest.mark.parametrize("strategy", ["hitopk", "gtopk", "powersgd"])
+@pytest.mark.parametrize("strategy", ["hitopk", "gtopk", "powersgd", "diloco"])
 def test_two_processes_match_one_process(tmp_path, strategy):
   single = _run(1, tmp_path / "one.npz", strategy)
   multi = _run(2, tmp_path / "two.npz", strategy)

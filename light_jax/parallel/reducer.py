@@ -16,8 +16,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from light_jax.parallel import compression, powersgd, strategies
+from light_jax.parallel import compression, diloco, powersgd, strategies
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel.strategies import CommBytes
 
@@ -25,7 +26,8 @@ PyTree = Any
 FUSIONS = ("none", "fixed", "adaptive")
 AUTO = "auto"  # comm.strategy: a strategy per bucket, chosen by the cost model (cost_model.plan_auto)
 POWERSGD = powersgd.NAME  # comm.strategy: rank-r compression of whole tensors (powersgd.PowerSGDReducer)
-STRATEGIES = (*strategies.NAMES, POWERSGD, AUTO)  # every comm.strategy
+DILOCO = diloco.NAME  # comm.strategy: local steps in each machine, an outer step across machines (diloco.DiLoCo)
+STRATEGIES = (*strategies.NAMES, POWERSGD, DILOCO, AUTO)  # every comm.strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +189,9 @@ class GradientReducer:
     return total
 
 
+Reducer = GradientReducer | powersgd.PowerSGDReducer | diloco.DiLoCo  # what the train step reduces with
+
+
 def make_gradient_reducer(
   strategy: str,
   nodes: int,
@@ -194,7 +199,7 @@ def make_gradient_reducer(
   fusion: str = "none",
   bucket_bytes: int = fusion_lib.DEFAULT_BUCKET_BYTES,
   **compression_options,
-) -> GradientReducer | powersgd.PowerSGDReducer:
+) -> Reducer:
   """A reducer for ``strategy``; ``compression_options`` are density, selector, error_feedback, ...
   (for "powersgd": rank, error_feedback, min_compress_elements, wire_dtype, local_clip_norm)."""
   if strategy == POWERSGD:
@@ -209,13 +214,28 @@ def make_gradient_reducer(
 
 
 def reducer_from_config(
-  comm, nodes: int, local: int, order: tuple[int, ...] | None = None, momentum: float = 0.0
-) -> GradientReducer | powersgd.PowerSGDReducer:
+  comm,
+  nodes: int,
+  local: int,
+  order: tuple[int, ...] | None = None,
+  momentum: float = 0.0,
+  optimizer: optax.GradientTransformation | None = None,
+) -> Reducer:
   """The reducer the config's ``comm`` block describes on a ``nodes`` x ``local`` mesh, leaves reduced in
   ``order``; ``momentum`` (``optimizer.momentum``) is the velocity's with ``comm.momentum_correction``.
   With ``comm.fusion="adaptive"`` it has fixed buckets until ``cost_model.plan_adaptive_fusion`` plans its
   MG-WFBP groups; with ``comm.strategy="auto"`` it is hierarchical until ``cost_model.plan_auto`` chooses
-  each bucket's strategy."""
+  each bucket's strategy. ``optimizer``: DiLoCo's inner optimizer."""
+  if comm.strategy == DILOCO:
+    return diloco.DiLoCo(
+      nodes,
+      local,
+      sync_every=comm.sync_every,
+      outer_lr=comm.outer_lr,
+      outer_momentum=comm.outer_momentum,
+      inner_tx=optimizer,
+      wire_dtype=comm.dtype,
+    )
   if comm.strategy == POWERSGD:
     return powersgd.PowerSGDReducer(
       nodes,

@@ -1,0 +1,64 @@
+"""Whole `train.py` runs for the studies under benchmarks/ (large_batch.py, compression_accuracy.py).
+
+``run`` starts one run and waits for it, or reuses its workdir when that already holds the summary of the
+same command; ``read`` returns what a run left: its figures when it finished, its per-epoch records when it
+was stopped before the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from light_jax import metrics  # noqa: E402
+
+
+def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool = False) -> None:
+  """``python train.py --config=CONFIG --workdir=WORKDIR OVERRIDES``, its output in WORKDIR/train.log."""
+  command = [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
+  stamp = os.path.join(workdir, "command.txt")
+  if not rerun and os.path.exists(os.path.join(workdir, "summary.json")) and _read(stamp) == shlex.join(command[1:]):
+    print(f"{label}: reusing {workdir}", file=sys.stderr)
+    return
+  if os.path.exists(workdir):
+    shutil.rmtree(workdir)
+  os.makedirs(workdir)
+  with open(stamp, "w") as f:
+    f.write(shlex.join(command[1:]))
+  print(f"{label}: {shlex.join(command[1:])}", file=sys.stderr, flush=True)
+  with open(os.path.join(workdir, "train.log"), "w") as log:
+    subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+
+
+def read(workdir: str) -> tuple[dict | None, list[dict]]:
+  """(the run's figures, or None if it did not finish; its per-evaluation records, [] if none)."""
+  records = metrics.read_metrics(workdir) if os.path.exists(os.path.join(workdir, "metrics.jsonl")) else []
+  if not os.path.exists(os.path.join(workdir, "summary.json")):
+    return None, records
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  return {
+    "batch": summary["config"]["global_batch_size"],
+    "top1": summary["final_eval_top1"],
+    "top5": summary["final_eval_top5"],
+    "train_seconds": records[-1]["train_seconds"],
+    "images_per_sec": summary["images_per_sec_mean"],
+    "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
+    "intra_node_bytes_per_step": summary["intra_node_bytes_per_step"],
+    "nonfinite_steps": summary["nonfinite_steps"],
+  }, records
+
+
+def _read(path: str) -> str | None:
+  try:
+    with open(path) as f:
+      return f.read()
+  except FileNotFoundError:
+    return None

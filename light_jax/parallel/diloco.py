@@ -1,0 +1,141 @@
+"""Local steps across machines: DiLoCo (Douillard et al. 2023), ``comm.strategy="diloco"``.
+
+Each machine (``node``) trains on its own for ``sync_every`` = H steps: its devices average their
+gradients inside the machine only (one all-reduce over ``local``, the fast links) and the inner optimizer
+(``optimizer.*``: SGD, LARS or LAMB with its schedule) updates the machine's own copy of the parameters.
+Every H steps, and at the end of every epoch (so evaluations and checkpoints at epoch ends see one
+model), the machines average how far they moved, the pseudo-gradient
+
+  outer_grad = theta_outer - mean over machines of theta_machine,
+
+and an outer optimizer, SGD with Nesterov momentum (``comm.outer_lr``, ``comm.outer_momentum``), applies
+it to the shared parameters, from which every machine starts its next round. The slow link carries one
+hierarchical all-reduce of the parameters every H steps instead of the gradients every step: about H
+times fewer inter-node bytes. With H = 1, outer lr 1 and no outer momentum it is the synchronous run.
+
+Layout in the train state: ``params`` and ``opt_state`` are the outer parameters and the outer
+optimizer's state (replicated, what evaluation and checkpoints use); each device's ``comm_state`` holds
+its machine's ``delta`` = theta_machine - theta_outer and the inner optimizer's state (equal on the
+devices of one machine). The algorithm: docs/techniques.md section 13.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from light_jax.parallel import collectives, strategies
+from light_jax.parallel import fusion as fusion_lib
+from light_jax.parallel.mesh import LOCAL
+from light_jax.parallel.strategies import CommBytes
+
+PyTree = Any
+NAME = "diloco"
+
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCo:
+  """Inner steps inside each machine, an outer step across machines every ``sync_every`` steps.
+
+  Attributes:
+    nodes, local: the mesh shape.
+    sync_every: H, inner steps between two outer steps.
+    outer_lr, outer_momentum: the outer optimizer, SGD with Nesterov momentum.
+    inner_tx: the inner optimizer (the config's ``optimizer``), set by ``with_inner_optimizer``.
+    wire_dtype: dtype of the dense hops of the outer all-reduce.
+  """
+
+  nodes: int
+  local: int
+  sync_every: int = 8
+  outer_lr: float = 0.7
+  outer_momentum: float = 0.9
+  inner_tx: optax.GradientTransformation | None = None
+  wire_dtype: str = "float32"
+  density: float = 1.0  # not used; as PowerSGDReducer's
+  strategy: str = NAME
+  keeps_residuals: bool = True  # per-device state (delta, inner optimizer state)
+
+  @property
+  def compression(self) -> str:
+    return f"DiLoCo, an outer step every {self.sync_every} steps"
+
+  @property
+  def outer_tx(self) -> optax.GradientTransformation:
+    return optax.sgd(self.outer_lr, momentum=self.outer_momentum or None, nesterov=bool(self.outer_momentum))
+
+  def with_inner_optimizer(self, tx: optax.GradientTransformation) -> DiLoCo:
+    return dataclasses.replace(self, inner_tx=tx)
+
+  # --- state -------------------------------------------------------------------------------------
+  def init_optimizer_state(self, params: PyTree) -> PyTree:
+    """The train state's ``opt_state``: the outer optimizer's."""
+    return self.outer_tx.init(params)
+
+  def init_state(self, params: PyTree) -> dict[str, PyTree]:
+    """Per device, leading dims (nodes, local): the machine's delta (zero) and inner optimizer state."""
+    if self.inner_tx is None:
+      raise ValueError("DiLoCo needs its inner optimizer: reducer.with_inner_optimizer(tx)")
+    per_device = lambda x: jnp.broadcast_to(x, (self.nodes, self.local, *jnp.shape(x)))  # noqa: E731
+    state = {"delta": jax.tree.map(jnp.zeros_like, params), "inner_opt": self.inner_tx.init(params)}
+    return jax.tree.map(per_device, state)
+
+  # --- one step (inside shard_map) ---------------------------------------------------------------
+  def machine_params(self, params: PyTree, comm_state: PyTree) -> PyTree:
+    """This machine's parameters, where its forward and backward pass run."""
+    return jax.tree.map(lambda p, d: p + d[0, 0], params, comm_state["delta"])
+
+  def reduce(self, local_grads: PyTree, comm_state: PyTree) -> tuple[PyTree, PyTree]:
+    """The mean gradient over this machine's devices: one packed all-reduce over ``local``."""
+    leaves, treedef = jax.tree.flatten(local_grads)
+    summed = lax.psum(fusion_lib.pack(leaves), LOCAL)
+    return jax.tree.unflatten(treedef, [g / self.local for g in fusion_lib.unpack(summed, leaves)]), comm_state
+
+  def apply(
+    self, grads: PyTree, params: PyTree, opt_state: PyTree, comm_state: PyTree, sync: jax.Array
+  ) -> tuple[PyTree, PyTree, PyTree]:
+    """Inner step on this machine's parameters; when ``sync``, the outer step across machines.
+    Returns (outer params, outer optimizer state, comm_state)."""
+    mine = lambda tree: jax.tree.map(lambda x: x[0, 0], tree)  # noqa: E731
+    delta, inner_opt = mine(comm_state["delta"]), mine(comm_state["inner_opt"])
+    machine = jax.tree.map(jnp.add, params, delta)
+    updates, inner_opt = self.inner_tx.update(grads, inner_opt, machine)
+    delta = jax.tree.map(jnp.add, delta, updates)
+
+    def outer_step(params, opt_state, delta):
+      # Every device of a machine holds the same delta: the hierarchical sum over all devices counts
+      # each machine `local` times, and only 1/local of the parameters crosses the slow link per device.
+      leaves, treedef = jax.tree.flatten(delta)
+      summed = collectives.hierarchical_allreduce(fusion_lib.pack(leaves), jnp.dtype(self.wire_dtype))
+      mean = fusion_lib.unpack(summed / (self.nodes * self.local), leaves)
+      outer_grad = jax.tree.map(jnp.negative, jax.tree.unflatten(treedef, mean))
+      outer_updates, opt_state = self.outer_tx.update(outer_grad, opt_state, params)
+      return optax.apply_updates(params, outer_updates), opt_state, jax.tree.map(jnp.zeros_like, delta)
+
+    # lax.cond: the inter-node all-reduce runs only on sync steps (every device takes the same branch).
+    params, opt_state, delta = lax.cond(sync, outer_step, lambda *a: a, params, opt_state, delta)
+    per_device = lambda tree: jax.tree.map(lambda x: x[None, None], tree)  # noqa: E731
+    return params, opt_state, {"delta": per_device(delta), "inner_opt": per_device(inner_opt)}
+
+  # --- accounting (static, from shapes) ----------------------------------------------------------
+  def bucket_plan(self, params: PyTree) -> list[tuple[str, int, int]]:
+    """The collectives of a sync step: the hierarchical all-reduce of the parameters' change."""
+    return [("hierarchical", sum(x.size for x in jax.tree.leaves(params)), 0)]
+
+  def bytes_per_step(self, params: PyTree) -> CommBytes:
+    """Per step on average: the inner all-reduce over ``local`` every step, the outer one every H steps
+    (a little more often where an epoch ends between two syncs)."""
+    leaves = jax.tree.leaves(params)
+    elements = sum(x.size for x in leaves)
+    itemsize = jnp.dtype(leaves[0].dtype).itemsize
+    wire = jnp.dtype(self.wire_dtype).itemsize
+    outer = strategies.hierarchical_bytes(strategies.Buffer(elements, itemsize, self.nodes, self.local, 0, wire))
+    inner = strategies.ring_allreduce_bytes(elements * itemsize, self.local)
+    return CommBytes(
+      intra_node=inner + outer.intra_node // self.sync_every, inter_node=outer.inter_node // self.sync_every
+    )

@@ -1,0 +1,100 @@
+"""DiLoCo (comm.strategy="diloco"): local steps in each machine, an outer Nesterov step across machines."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from light_jax import config as config_lib
+from light_jax import optim
+from light_jax import train_step as step_lib
+from light_jax.parallel import diloco, strategies
+from light_jax.parallel import mesh as mesh_lib
+from light_jax.parallel import reducer as reducer_lib
+from tests.helpers import TinyCNN
+from tests.test_train_step import GLOBAL_BATCH, _batches, _config, _max_diff, _run_reference, _run_sharded
+
+
+def _sgd():
+  return optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))  # momentum, Nesterov, wd
+
+
+def _run_diloco(batches, info, shape, **options):
+  tx = _sgd()
+  mesh = mesh_lib.make_mesh(*shape)
+  reducer = diloco.DiLoCo(*shape, inner_tx=tx, **options)
+  state = step_lib.create_train_state(TinyCNN(), tx, reducer, info.image_shape, mesh, seed=0)
+  step = step_lib.make_train_step(TinyCNN(), tx, reducer, mesh, info, label_smoothing=0.1)
+  sharding = mesh_lib.batch_sharding(mesh)
+  for images, labels in batches:
+    state, _ = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
+  return jax.device_get(state)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_one_local_step_with_plain_outer_sgd_is_the_synchronous_run(shape):
+  """H = 1, outer lr 1, no outer momentum: the machines' mean change is the synchronous update (SGD with
+  momentum is linear in the gradient)."""
+  batches, info = _batches(3)
+  ours = _run_diloco(batches, info, shape, sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+  synchronous = _run_sharded(TinyCNN(), _sgd(), info, batches, shape, "hierarchical")
+  assert _max_diff(ours.params, synchronous.params) < 1e-5
+  assert _max_diff(ours.params, TinyCNN().init(jax.random.key(0), jnp.zeros((1, *info.image_shape)))["params"]) > 1e-3
+  assert float(np.abs(np.asarray(jax.tree.leaves(ours.comm_state["delta"])[0])).max()) == 0.0  # synced each step
+
+
+def test_four_local_steps_per_machine_then_one_nesterov_outer_step():
+  """2 machines x 4 devices, H = 4: each machine trains on its half of every batch alone (its own
+  momentum), the outer parameters stay put until step 4, then move by Nesterov SGD on the mean change."""
+  batches, info = _batches(4)
+  tx = _sgd()
+  after = {}
+  for steps in (3, 4):
+    after[steps] = _run_diloco(batches[:steps], info, (2, 4), sync_every=4, outer_lr=0.7, outer_momentum=0.9)
+  init = TinyCNN().init(jax.random.key(0), jnp.zeros((1, *info.image_shape)))["params"]
+  assert _max_diff(after[3].params, init) == 0.0  # no outer step yet
+  half = GLOBAL_BATCH // 2  # the batch is sharded node-major: machine n holds rows [n * half, (n + 1) * half)
+  machines = [
+    _run_reference(
+      TinyCNN(), tx, info, [(x[n * half : (n + 1) * half], y[n * half : (n + 1) * half]) for x, y in batches], 1
+    )[0]
+    for n in range(2)
+  ]
+  outer_grad = jax.tree.map(lambda p, a, b: p - (a + b) / 2, init, *machines)
+  outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  updates, _ = outer.update(outer_grad, outer.init(init), init)
+  expected = optax.apply_updates(init, updates)
+  assert _max_diff(after[4].params, expected) < 1e-5
+  assert _max_diff(machines[0], machines[1]) > 1e-3  # the machines did drift apart
+  # After the sync every machine starts again from the outer parameters.
+  assert all(float(np.abs(np.asarray(d)).max()) == 0.0 for d in jax.tree.leaves(after[4].comm_state["delta"]))
+
+
+def test_bytes_the_slow_link_carries_once_every_h_steps():
+  params = {"w": jnp.zeros((3, 3, 64, 128)), "b": jnp.zeros((128,))}
+  n = 3 * 3 * 64 * 128 + 128
+  reducer = diloco.DiLoCo(2, 4, sync_every=8)
+  hierarchical = strategies.strategy_bytes("hierarchical", n, 4, 2, 4)
+  assert reducer.bytes_per_step(params) == strategies.CommBytes(
+    intra_node=strategies.ring_allreduce_bytes(4 * n, 4) + hierarchical.intra_node // 8,
+    inter_node=hierarchical.inter_node // 8,
+  )
+
+
+def test_config_builds_diloco_with_the_inner_optimizer_and_refuses_bad_values():
+  config = config_lib.base_config()
+  config.comm.strategy = "diloco"
+  assert config_lib.validate(config, 8) == (2, 4)
+  reducer = reducer_lib.reducer_from_config(config.comm, 2, 4, optimizer=_sgd())
+  assert isinstance(reducer, diloco.DiLoCo) and reducer.sync_every == 8 and reducer.inner_tx is not None
+  for field, value, message in [
+    ("sync_every", 0, "comm.sync_every=0 must be > 0"),
+    ("outer_momentum", 1.0, "must be in"),
+    ("fusion", "adaptive", "does not apply"),
+  ]:
+    bad = config_lib.base_config()
+    bad.comm.strategy = "diloco"
+    setattr(bad.comm, field, value)
+    with pytest.raises(config_lib.ConfigError, match=message):
+      config_lib.validate(bad, 8)
