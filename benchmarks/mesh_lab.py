@@ -24,7 +24,8 @@ measured difference from the unshaped step: the time the step waits on the shape
 added (the kernel has no sch_netem). All processes share this machine's CPU cores, which inflates
 compute time with --nodes x --local devices.
 
-Strategies: NAME or NAME@DENSITY, with "/bfloat16" for the bfloat16 wire dtype ("hierarchical/bfloat16");
+Strategies: NAME or NAME@DENSITY (powersgd@RANK, diloco@STEPS_BETWEEN_SYNCS), with "/bfloat16" for the
+bfloat16 wire dtype ("hierarchical/bfloat16");
 "auto" (or auto@DENSITY) chooses per bucket from the links calibrated at that bandwidth.
 --plot FILE draws predicted against measured step seconds for every cell. The last line is one JSON
 object keyed "<strategy>@<bandwidth>" (e.g. "hitopk@0.001@50mbit"); each cell also holds `inter_link`,
@@ -47,22 +48,17 @@ sys.path.insert(0, ROOT)
 
 from calibrate_links import calibrate_on_cluster  # noqa: E402  (benchmarks/, this script's directory)
 
+from light_jax import config as config_lib  # noqa: E402
 from light_jax import simulation  # noqa: E402
 from light_jax.emulated_cluster import ClusterError, EmulatedCluster, free_port, parse_rate  # noqa: E402
 from light_jax.parallel import cost_model  # noqa: E402
 
 
 def parse_strategy(text: str) -> tuple[str, list[str]]:
-  """ "hitopk@0.001" -> ("hitopk@0.001", [strategy and density overrides]); a "/bfloat16" suffix sends the
-  dense hops in bfloat16 (comm.dtype): "hierarchical/bfloat16"."""
-  spec, _, wire = text.partition("/")
-  name, _, density = spec.partition("@")
-  overrides = [f"--config.comm.strategy={name}"]
-  if density:
-    overrides.append(f"--config.comm.density={float(density)}")
-  if wire:
-    overrides.append(f"--config.comm.dtype={wire}")
-  return text, overrides
+  """ "hitopk@0.001" -> ("hitopk@0.001", its comm overrides): NAME@VALUE sets the density of the top-k
+  strategies, the rank of powersgd, the steps between syncs of diloco; "/bfloat16" sends the dense hops
+  in bfloat16 (comm.dtype): "hierarchical/bfloat16"."""
+  return text, [f"--config.comm.{field}={value}" for field, value in config_lib.strategy_fields(text).items()]
 
 
 def train_on_cluster(

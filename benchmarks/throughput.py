@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from light_jax import config as config_lib  # noqa: E402
 from light_jax import xla_flags  # noqa: E402
 from light_jax.config import base_config  # noqa: E402
 
@@ -81,10 +82,7 @@ def main(argv):
   config = _CONFIG.value
   config.model.update(name=_MODEL.value, dtype=_DTYPE.value)
   if _STRATEGY.value:
-    name, _, density = _STRATEGY.value.partition("@")
-    config.comm.strategy = name
-    if density:
-      config.comm.density = float(density)
+    config.comm.update(config_lib.strategy_fields(_STRATEGY.value))
   mesh = mesh_lib.make_mesh(_NODES.value, -1)
   size, per_device = _IMAGE_SIZE.value, _BATCH.value
   global_batch = per_device * mesh.size

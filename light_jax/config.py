@@ -9,6 +9,7 @@ what to change, before anything heavy starts.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import ml_collections
 
@@ -152,6 +153,28 @@ def base_config() -> ml_collections.ConfigDict:
     profile_steps="",
   )
   return config
+
+
+# What VALUE sets in a strategy label "NAME@VALUE" (the top-k strategies and auto: comm.density).
+STRATEGY_PARAMETER = {"powersgd": ("rank", int), "diloco": ("sync_every", int)}
+
+
+def strategy_fields(label: str) -> dict[str, Any]:
+  """The ``comm`` fields a strategy label "NAME[@VALUE][/WIRE]" stands for, as benchmarks and scripts take
+  them: "hitopk@0.001" -> strategy and density, "powersgd@4" -> rank 4, "diloco@8" -> sync_every 8,
+  "hierarchical/bfloat16" -> the wire dtype (comm.dtype)."""
+  spec, _, wire = label.partition("/")
+  name, _, value = spec.partition("@")
+  fields: dict[str, Any] = {"strategy": name}
+  if value:
+    field, kind = STRATEGY_PARAMETER.get(name, ("density", float))
+    try:
+      fields[field] = kind(value)
+    except ValueError:
+      raise ConfigError(f"strategy {label!r}: {value!r} is not a valid comm.{field} ({kind.__name__})") from None
+  if wire:
+    fields["dtype"] = wire
+  return fields
 
 
 def apply_variant(

@@ -38,9 +38,9 @@ import jax
 import ml_collections
 
 from light_jax import schedules
-from light_jax.parallel import cost_model
+from light_jax.parallel import cost_model, strategies
 from light_jax.parallel import fusion as fusion_lib
-from light_jax.parallel.reducer import AUTO, reducer_from_config
+from light_jax.parallel.reducer import AUTO, DILOCO, POWERSGD, reducer_from_config
 
 UPDATE_BYTES_PER_PARAMETER = 20  # float32: read parameter, gradient, momentum; write parameter, momentum
 
@@ -283,6 +283,11 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
     num_train, num_eval, num_classes, channels = DATASETS[config.data.dataset]
   except KeyError:
     raise ValueError(f"the simulator knows the datasets {sorted(DATASETS)}, not {config.data.dataset!r}") from None
+  if config.comm.strategy in (POWERSGD, DILOCO):
+    raise ValueError(
+      f"the simulator times bucketed strategies ({', '.join(strategies.NAMES)}, auto), not "
+      f"{config.comm.strategy!r}: its step (QR factorisations; DiLoCo's rare outer step) has no model yet"
+    )
   eval_size = config.data.image_size or 28
   model = create_model(config.model.name, num_classes, config.model.dtype, config.model.width)
   profile = fusion_lib.profile_parameters(model, (eval_size, eval_size, channels))

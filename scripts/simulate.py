@@ -47,15 +47,11 @@ DEVICE_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def with_strategy(config, text: str):
-  """A copy of ``config`` with "NAME[@DENSITY][/WIRE]" as its comm strategy."""
+  """A copy of ``config`` with "NAME[@VALUE][/WIRE]" as its comm strategy (config.strategy_fields)."""
+  from light_jax import config as config_lib
+
   config = config.copy_and_resolve_references()
-  spec, _, wire = text.partition("/")
-  name, _, density = spec.partition("@")
-  config.comm.strategy = name
-  if density:
-    config.comm.density = float(density)
-  if wire:
-    config.comm.dtype = wire
+  config.comm.update(config_lib.strategy_fields(text))
   return config
 
 

@@ -25,7 +25,7 @@ def test_default_configs_validate():
   [
     (
       {"comm__strategy": "ring"},
-      r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical', 'hitopk', 'topk', 'gtopk', 'auto'\]",
+      r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical', 'hitopk', 'topk', 'gtopk', 'powersgd', 'diloco', 'auto'\]",
     ),
     ({"comm__topk_selector": "sort"}, r"comm.topk_selector='sort' is unknown; use one of \['exact', 'mstopk'\]"),
     ({"train__profile_steps": "5"}, r"train.profile_steps='5' is not 'A:B' with 0 <= A < B"),
@@ -50,7 +50,8 @@ def test_default_configs_validate():
       {"optimizer__momentum_schedule": "cycle", "optimizer__min_momentum": 0.95},
       r"optimizer.min_momentum=0.95 must be in \[0, optimizer.momentum=0.9\]",
     ),
-    ({"comm__momentum_correction": True}, r"comm.strategy='hierarchical' does not compress"),
+    ({"comm__momentum_correction": True}, r"comm.strategy='hierarchical' is not a top-k strategy"),
+    ({"comm__local_clip_norm": 1.0}, r"comm.strategy='hierarchical' does not compress"),
     (
       {"comm__strategy": "hitopk", "comm__momentum_correction": True, "comm__error_feedback": False},
       r"set comm.error_feedback=True",
