@@ -6,7 +6,7 @@ FASHION_MNIST_DIR := /usr/share/datasets/fashion-mnist
 WORKDIR ?= runs/fashion_mnist
 CONFIG ?= configs/fashion_mnist.py
 
-.PHONY: .venv train test lint format bench time-to-accuracy large-batch tune data jpeg-build-deps clean
+.PHONY: .venv train test test-all lint format bench time-to-accuracy large-batch tune data jpeg-build-deps clean
 
 .venv: $(VENV)/.installed data
 
@@ -50,6 +50,11 @@ train: .venv
 
 test: .venv $(VENV)/.installed-test
 	$(PY) -m pytest -q --durations=30 tests
+
+# Also the tests marked slow (pyproject.toml): the fault drills on the emulated cluster, every strategy across
+# two processes, the prepared GPU check at toy size.
+test-all: .venv $(VENV)/.installed-test
+	$(PY) -m pytest -q --durations=30 -m "" tests
 
 # ruff's formatter (check only) and linter, configured in pyproject.toml; `make format` applies the formatter.
 $(VENV)/.installed-lint: $(VENV)/.installed

@@ -25,7 +25,8 @@ def test_default_configs_validate():
   [
     (
       {"comm__strategy": "ring"},
-      r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical', 'hitopk', 'topk', 'gtopk', 'powersgd', 'diloco', 'auto'\]",
+      r"comm.strategy='ring' is unknown; use one of \['dense', 'hierarchical', 'hitopk', 'topk', 'gtopk', "
+      r"'powersgd', 'diloco', 'auto'\]",
     ),
     ({"comm__topk_selector": "sort"}, r"comm.topk_selector='sort' is unknown; use one of \['exact', 'mstopk'\]"),
     ({"train__profile_steps": "5"}, r"train.profile_steps='5' is not 'A:B' with 0 <= A < B"),

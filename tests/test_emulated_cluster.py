@@ -116,6 +116,7 @@ def _train_pair(cluster, workdir, logs):
   ]  # fmt: skip
 
 
+@pytest.mark.slow  # two whole fault drills, ~2 min each: `make test-all`
 @pytest.mark.parametrize("fault", ["link_down", "killed"])
 def test_a_machine_cut_off_or_killed_stops_the_run_and_the_same_command_resumes(tmp_path, fault):
   """Machine 1's link goes down (its process keeps running) or its process is killed, mid-run: machine 0

@@ -69,7 +69,10 @@ def _run(num_processes, out, strategy):
 
 # hierarchical (the default) across processes: test_train_py_on_two_processes_matches_one_process
 # below, through train.py; dense is one psum over both axes, the same collective across processes.
-@pytest.mark.parametrize("strategy", ["hitopk", "gtopk", "powersgd", "diloco"])
+@pytest.mark.parametrize(
+  "strategy",
+  ["hitopk", *(pytest.param(s, marks=pytest.mark.slow) for s in ("gtopk", "powersgd", "diloco"))],  # ~1.5 min each
+)
 def test_two_processes_match_one_process(tmp_path, strategy):
   single = _run(1, tmp_path / "one.npz", strategy)
   multi = _run(2, tmp_path / "two.npz", strategy)
@@ -178,7 +181,7 @@ def _exit_within(proc, bound, log):
 
 # Process 0 (the coordinator) dying is JAX's own case: its client ends the others at once ("another task
 # died"); checked by hand, not here, to keep the suite short.
-@pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (1, signal.SIGSTOP)])
+@pytest.mark.parametrize("victim,sig", [pytest.param(1, signal.SIGKILL, marks=pytest.mark.slow), (1, signal.SIGSTOP)])
 def test_survivor_stops_when_a_process_dies_or_hangs(tmp_path, victim, sig):
   procs, logs = _start_pair(tmp_path, [[], []])
   _wait_for(logs[0], "step compiled", procs)
@@ -208,6 +211,7 @@ def test_survivor_stops_when_a_process_dies_or_hangs(tmp_path, victim, sig):
     assert seconds > PEER_TIMEOUT - 2
 
 
+@pytest.mark.slow
 def test_a_stuck_collective_with_every_process_alive_stops_both_after_step_timeout(tmp_path):
   """Process 0 stops stepping but stays alive (its liveness counter moves): the peer watchdog sees nothing
   wrong, the step-progress clock does (the gtopk time-to-accuracy run hung so in gloo)."""

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from light_jax import xla_flags
 from tests.helpers import ROOT
 
@@ -20,6 +22,7 @@ def test_gpu_xla_flags_yield_to_the_users_own():
   assert env["XLA_FLAGS"] == ""
 
 
+@pytest.mark.slow  # the whole prepared GPU check at toy size, ~1 min
 def test_gpu_check_script_runs_every_step_at_toy_size_on_cpu(tmp_path):
   """benchmarks/gpu_check.sh --toy: throughput, collectives, input pipeline, a training run with a profile."""
   out = tmp_path / "check"
