@@ -13,6 +13,10 @@ steps: the median step seconds, the inter-node bytes per device per step from ou
 bytes node 0 really sent over its link per step (`wire_bytes_per_step`, from the kernel's counters,
 all of its devices together: --local times the per-device figure, plus protocol overhead).
 
+--loopback (no root or iproute2 needed): the processes run on this machine's 127.0.0.1 instead of in
+namespaces, --bandwidth unshaped only; the wire bytes are not measured there (null), since every process
+shares the loopback interface.
+
 `predicted_step_seconds`: the simulator's step (light_jax/simulation.py) on the cost model of
 `comm.fusion="adaptive"` (light_jax/parallel/cost_model.py), calibrated on these links: before the
 cells of a bandwidth, benchmarks/calibrate_links.py runs on the cluster at that shaping and fits
@@ -50,7 +54,7 @@ from calibrate_links import calibrate_on_cluster  # noqa: E402  (benchmarks/, th
 
 from light_jax import config as config_lib  # noqa: E402
 from light_jax import simulation  # noqa: E402
-from light_jax.emulated_cluster import ClusterError, EmulatedCluster, free_port, parse_rate  # noqa: E402
+from light_jax.emulated_cluster import ClusterError, EmulatedCluster, LoopbackCluster, free_port, parse_rate  # noqa: E402
 from light_jax.parallel import cost_model  # noqa: E402
 
 
@@ -62,7 +66,7 @@ def parse_strategy(text: str) -> tuple[str, list[str]]:
 
 
 def train_on_cluster(
-  cluster: EmulatedCluster,
+  cluster: EmulatedCluster | LoopbackCluster,
   local: int,
   config: str,
   overrides: list[str],
@@ -79,7 +83,9 @@ def train_on_cluster(
   cluster.run_everywhere(argv, timeout, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
-def run_cell(cluster: EmulatedCluster, args, strategy_overrides: list[str], workdir: str, links: str) -> dict:
+def run_cell(
+  cluster: EmulatedCluster | LoopbackCluster, args, strategy_overrides: list[str], workdir: str, links: str
+) -> dict:
   """One short timed training run on the cluster; returns its median step and bytes from process 0's records.
   ``links``: the calibration file of the current shaping, the cost model of comm.strategy=auto and adaptive fusion."""
   overrides = [
@@ -99,7 +105,8 @@ def run_cell(cluster: EmulatedCluster, args, strategy_overrides: list[str], work
   return {
     "step_seconds": statistics.median(s["seconds"] for s in steps),
     "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
-    "wire_bytes_per_step": statistics.median(s["sent_bytes"] for s in steps),
+    # On 127.0.0.1 every process shares the loopback interface: no per-machine count.
+    "wire_bytes_per_step": statistics.median(s["sent_bytes"] for s in steps) if cluster.measures_wire else None,
     "comm_buckets": summary["comm_buckets"],
     "wire_itemsize": 2 if summary["config"]["comm"]["dtype"] == "bfloat16" else 4,
   }
@@ -124,7 +131,8 @@ def run_mesh(
   and the link calibration per bandwidth."""
   results, calibration, links = {}, {}, {}
   order = sorted(rates.items(), key=lambda item: item[1] is not None)  # unshaped first
-  with EmulatedCluster(args.nodes) as cluster, tempfile.TemporaryDirectory(prefix="mesh_lab_") as tmp:
+  cluster = LoopbackCluster(args.nodes) if args.loopback else EmulatedCluster(args.nodes)
+  with cluster, tempfile.TemporaryDirectory(prefix="mesh_lab_") as tmp:
     for text, rate in order:
       cluster.shape(rate)
       print(f"calibrating the links at {text} ...", file=sys.stderr, flush=True)
@@ -213,6 +221,8 @@ def main() -> None:
   parser.add_argument("--experiment", metavar="FILE[:VARIANT]",
                       help="a mesh experiment config (meshes, bandwidths, strategies, steps, config): replaces "
                            "--nodes to --config; --set still adds overrides")  # fmt: skip
+  parser.add_argument("--loopback", action="store_true",
+                      help="the unshaped 127.0.0.1 mode: no namespaces or root; --bandwidth unshaped")  # fmt: skip
   parser.add_argument("--peer_timeout", type=float, default=60.0)
   parser.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
   parser.add_argument("--plot", metavar="FILE.png", help="draw predicted against measured step seconds")
@@ -248,8 +258,9 @@ def main() -> None:
     error = f"{100 * (predicted / measured - 1):+.0f}%" if predicted is not None else "-"
     link = f"{cell['link_seconds']:.3f}" if cell["link_seconds"] is not None else "-"
     predicted = f"{predicted:.3f}" if predicted is not None else "-"
+    wire = f"{cell['wire_bytes_per_step']:,.0f}" if cell["wire_bytes_per_step"] is not None else "-"
     print(f"{key:<34}{measured:>9.3f}{predicted:>13}{error:>8}"
-          f"{link:>9}{cell['inter_node_bytes_per_step']:>18,}{cell['wire_bytes_per_step']:>14,.0f}")  # fmt: skip
+          f"{link:>9}{cell['inter_node_bytes_per_step']:>18,}{wire:>14}")  # fmt: skip
   if args.plot:
     plot_predictions(results, args.plot)
   print(json.dumps(results))

@@ -41,13 +41,13 @@ def check_privileges() -> None:
   """Raises ClusterError unless this process can make namespaces (root and iproute2)."""
   if os.geteuid() != 0:
     raise ClusterError(
-      "an emulated cluster needs root (network namespaces, veth links, tc); run as root, or run train.py's "
-      "processes unshaped on 127.0.0.1 (--coordinator=127.0.0.1:PORT, see README 'Several processes')"
+      "an emulated cluster needs root (network namespaces, veth links, tc); run as root, or use the unshaped "
+      "127.0.0.1 mode (benchmarks/mesh_lab.py --loopback --bandwidth unshaped)"
     )
   if shutil.which("ip") is None or shutil.which("tc") is None:
     raise ClusterError(
-      "an emulated cluster needs iproute2 (`ip`, `tc`): apt-get install -y iproute2, or run train.py's "
-      "processes unshaped on 127.0.0.1 (--coordinator=127.0.0.1:PORT, see README 'Several processes')"
+      "an emulated cluster needs iproute2 (`ip`, `tc`): apt-get install -y iproute2, or use the unshaped "
+      "127.0.0.1 mode (benchmarks/mesh_lab.py --loopback --bandwidth unshaped)"
     )
 
 
@@ -74,12 +74,83 @@ def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
   return result
 
 
-class EmulatedCluster:
+class _Machines:
+  """What both clusters share: one process per node started together as one multi-process job."""
+
+  nodes: int
+
+  def run(self, node: int, argv: Sequence[str], **popen_kwargs) -> subprocess.Popen:
+    raise NotImplementedError
+
+  def run_everywhere(self, argv: Sequence[str], timeout: float, **popen_kwargs) -> list[str]:
+    """Runs ``argv`` + ``--process_id=NODE`` on every node at once, as one multi-process job; returns each
+    node's output (stdout and stderr), or raises RuntimeError naming the first node that failed."""
+    procs = [
+      self.run(
+        node,
+        [*argv, f"--process_id={node}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen_kwargs,
+      )  # fmt: skip
+      for node in range(self.nodes)
+    ]
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for node, (proc, output) in enumerate(zip(procs, outputs)):
+      if proc.returncode:
+        raise RuntimeError(f"`{' '.join(argv[:2])}` on node {node} exited {proc.returncode}:\n{output[-3000:]}")
+    return outputs
+
+
+class LoopbackCluster(_Machines):
+  """The unshaped 127.0.0.1 mode, for machines without root or iproute2: ``nodes`` processes on this
+  machine's loopback, joined through jax.distributed on 127.0.0.1 like several machines. No namespaces,
+  so nothing to clean up but the processes, and nothing to shape, cut or count per node: links run at
+  memory speed, and their bytes are not measured (``measures_wire`` False)."""
+
+  measures_wire = False
+  coordinator = "127.0.0.1"
+  bandwidth_bits = None
+
+  def __init__(self, nodes: int):
+    if nodes < 1:
+      raise ClusterError(f"nodes={nodes}: use at least 1")
+    self.nodes = nodes
+    self._processes: list[subprocess.Popen] = []
+
+  def shape(self, bandwidth_bits: int | None) -> None:
+    if bandwidth_bits:
+      raise ClusterError(
+        "the 127.0.0.1 mode cannot shape links (that needs root and tc: network namespaces); use --bandwidth unshaped"
+      )
+
+  def run(self, node: int, argv: Sequence[str], **popen_kwargs) -> subprocess.Popen:
+    proc = subprocess.Popen(list(argv), **popen_kwargs)
+    self._processes.append(proc)
+    return proc
+
+  def close(self) -> None:
+    for proc in self._processes:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+  def __enter__(self) -> LoopbackCluster:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class EmulatedCluster(_Machines):
   """``nodes`` namespaces on a bridge, each node's egress shaped to ``bandwidth_bits`` (None: unshaped).
 
   Use as a context manager; ``run(node, argv)`` starts a process in a node, ``sent_bytes(node)`` reads
   what the node has sent over its link so far.
   """
+
+  measures_wire = True  # each node's traffic crosses its own link, counted in sysfs
 
   def __init__(self, nodes: int, bandwidth_bits: int | None = None):
     check_privileges()
@@ -147,26 +218,6 @@ class EmulatedCluster:
     proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], **popen_kwargs)
     self._processes.append(proc)
     return proc
-
-  def run_everywhere(self, argv: Sequence[str], timeout: float, **popen_kwargs) -> list[str]:
-    """Runs ``argv`` + ``--process_id=NODE`` on every node at once, as one multi-process job; returns each
-    node's output (stdout and stderr), or raises RuntimeError naming the first node that failed."""
-    procs = [
-      self.run(
-        node,
-        [*argv, f"--process_id={node}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **popen_kwargs,
-      )  # fmt: skip
-      for node in range(self.nodes)
-    ]
-    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    for node, (proc, output) in enumerate(zip(procs, outputs)):
-      if proc.returncode:
-        raise RuntimeError(f"`{' '.join(argv[:2])}` on node {node} exited {proc.returncode}:\n{output[-3000:]}")
-    return outputs
 
   def set_link(self, node: int, up: bool) -> None:
     """Takes ``node``'s link down (as if its cable were pulled: its processes keep running) or up again."""

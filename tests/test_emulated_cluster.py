@@ -80,25 +80,39 @@ def test_failing_and_running_processes_do_not_keep_the_cluster_alive():
   cluster.close()  # idempotent
 
 
-def test_two_namespace_training_run_through_the_mesh_lab():
-  """train.py on 2 processes in 2 namespaces: step times recorded, and the bytes node 0 sent per step at
-  least the accounted inter-node bytes of its devices (the rest: TCP/IP and the collectives outside the
-  gradient reduction)."""
-  result = subprocess.run(
+def _mesh_lab(*extra):
+  return subprocess.run(
     [sys.executable, "benchmarks/mesh_lab.py", "--nodes", "2", "--local", "2", "--bandwidth", "unshaped",
      "--strategies", "hierarchical", "--steps", "4", "--warmup", "2", "--set", "data.train_subset=1024",
-     "--set", "global_batch_size=64", "--set", "data.eval_subset=200", "--set", "data.eval_batch_size=100"],
+     "--set", "global_batch_size=64", "--set", "data.eval_subset=200", "--set", "data.eval_batch_size=100", *extra],
     cwd=ROOT, capture_output=True, text=True, timeout=600,
   )  # fmt: skip
+
+
+@pytest.mark.parametrize("loopback", [False, True], ids=["namespaces", "loopback"])
+def test_two_namespace_training_run_through_the_mesh_lab(loopback):
+  """train.py on 2 processes in 2 namespaces: step times recorded, and the bytes node 0 sent per step at
+  least the accounted inter-node bytes of its devices (the rest: TCP/IP and the collectives outside the
+  gradient reduction). --loopback: the same run on 127.0.0.1 without namespaces; no wire count there."""
+  result = _mesh_lab(*(["--loopback"] if loopback else []))
   assert result.returncode == 0, result.stderr[-4000:]
   cell = json.loads(result.stdout.strip().splitlines()[-1])["hierarchical@unshaped"]
   assert (
     cell["inter_node_bytes_per_step"] == 616_148
   )  # 4 bytes x 308,074 / 2 devices: a ring over 2 nodes sends it once
   assert 0 < cell["step_seconds"] < 10
-  assert (
-    2 * cell["inter_node_bytes_per_step"] <= cell["wire_bytes_per_step"] < 3 * 2 * cell["inter_node_bytes_per_step"]
-  )
+  if loopback:
+    assert cell["wire_bytes_per_step"] is None
+  else:
+    assert (
+      2 * cell["inter_node_bytes_per_step"] <= cell["wire_bytes_per_step"] < 3 * 2 * cell["inter_node_bytes_per_step"]
+    )
+
+
+def test_the_loopback_mode_refuses_a_shaped_bandwidth():
+  result = _mesh_lab("--loopback", "--bandwidth", "10mbit")
+  assert result.returncode == 1
+  assert "error: the 127.0.0.1 mode cannot shape links" in result.stderr and "--bandwidth unshaped" in result.stderr
 
 
 def _train_pair(cluster, workdir, logs):
