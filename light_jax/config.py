@@ -105,6 +105,7 @@ def base_config() -> ml_collections.ConfigDict:
     end_lr_factor=0.0,  # final lr = peak lr * end_lr_factor
     lars_eta=0.001,  # LARS trust coefficient
     lars_trust="optax",  # optax: eta|w| / |g + wd w| | mlperf: eta|w| / (|g| + wd|w|) (MLPerf ResNet-50)
+    fused_norms=False,  # lars: every tensor's norms from packed buffers in two passes (optim.tensor_norms)
     label_smoothing=0.1,
   )
 
@@ -273,6 +274,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _choice("optimizer.name", config.optimizer.name, OPTIMIZERS)
   _choice("optimizer.decay", config.optimizer.decay, DECAYS)
   _choice("optimizer.lars_trust", config.optimizer.lars_trust, optim.LARS_TRUST)
+  if config.optimizer.fused_norms and config.optimizer.name != "lars":
+    raise ConfigError(
+      f"optimizer.fused_norms computes LARS's trust ratios; optimizer.name={config.optimizer.name!r} has none "
+      "(LAMB's are optax's own). Set optimizer.fused_norms=False."
+    )
   _choice("optimizer.momentum_schedule", config.optimizer.momentum_schedule, MOMENTUM_SCHEDULES)
   if config.optimizer.momentum_schedule != "constant":
     if config.optimizer.name == "lamb":

@@ -8,6 +8,9 @@
   ``eta ||w|| / ||g + wd w||`` and the MLPerf reference's ``eta ||w|| / (||g|| + wd ||w||)``.
 - With ``comm.momentum_correction`` the gradient reducer keeps the momentum (DGC): the optimizer then
   runs without its own (``momentum_in_optimizer``).
+- ``optimizer.fused_norms``: LARS computes the norms of every tensor in two passes over packed buffers
+  (``tensor_norms``) instead of two reductions per tensor (Light's "parallel tensor operator";
+  docs/techniques.md section 14).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 LARS_TRUST = ("optax", "mlperf")
@@ -55,6 +59,9 @@ def build_optimizer(
       _trace(momentum, opt.nesterov),
       optax.scale_by_learning_rate(schedule),
     )
+  if opt.name == "lars" and opt.fused_norms:
+    trust = scale_by_fused_trust_ratio(opt.lars_eta, opt.weight_decay, decay_mask, opt.lars_trust)
+    return optax.chain(trust, optax.scale_by_learning_rate(schedule), _trace(momentum, opt.nesterov))
   if opt.name == "lars" and opt.lars_trust == "optax" and not scheduled:
     return optax.lars(
       schedule,
@@ -103,6 +110,46 @@ def scale_by_mlperf_trust_ratio(eta: float, weight_decay: float, mask: Callable)
       return ratio * (g + weight_decay * w)
 
     return jax.tree.map(one, updates, params, mask(params)), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+NORM_BLOCK = 1024  # tensors are padded to whole rows of this many entries in the packed buffer
+
+
+def tensor_norms(leaves: list[jax.Array]) -> jax.Array:
+  """The L2 norm of every tensor in ``leaves``, in two passes over one packed buffer instead of one
+  reduction per tensor: each tensor padded with zeros to whole rows of ``NORM_BLOCK``, the rows summed,
+  then the row sums of each tensor added (a segment sum over rows, whose ids are a small constant)."""
+  padded = [jnp.pad(x.reshape(-1).astype(jnp.float32), (0, -x.size % NORM_BLOCK)) for x in leaves]
+  rows = jnp.concatenate(padded).reshape(-1, NORM_BLOCK)
+  row_sums = jnp.sum(rows * rows, axis=1)
+  segment = np.repeat(np.arange(len(leaves)), [p.size // NORM_BLOCK for p in padded])
+  return jnp.sqrt(jax.ops.segment_sum(row_sums, segment, num_segments=len(leaves), indices_are_sorted=True))
+
+
+def scale_by_fused_trust_ratio(
+  eta: float, weight_decay: float, mask: Callable, form: str
+) -> optax.GradientTransformation:
+  """LARS's weight decay and trust ratio, as ``optax.lars`` (``form="optax"``: eta ||w|| / ||g + wd w||) or
+  ``scale_by_mlperf_trust_ratio`` (``"mlperf"``: eta ||w|| / (||g|| + wd ||w||)) compute them, with the
+  norms of all selected tensors from ``tensor_norms``. A zero norm gives a ratio of 1."""
+
+  def update_fn(updates, state, params):
+    g, treedef = jax.tree.flatten(updates)
+    w = treedef.flatten_up_to(params)
+    chosen = [i for i, m in enumerate(treedef.flatten_up_to(mask(params))) if m]
+    decayed = {i: g[i] + weight_decay * w[i] for i in chosen}
+    w_norms = tensor_norms([w[i] for i in chosen])
+    other = tensor_norms([(decayed if form == "optax" else dict(enumerate(g)))[i] for i in chosen])
+    if form == "optax":
+      ratios = jnp.where((w_norms > 0) & (other > 0), eta * w_norms / other, 1.0)
+    else:
+      ratios = jnp.where((w_norms > 0) & (other > 0), eta * w_norms / (other + weight_decay * w_norms), 1.0)
+    out = list(g)
+    for r, i in enumerate(chosen):
+      out[i] = ratios[r] * decayed[i]
+    return jax.tree.unflatten(treedef, out), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 

@@ -141,3 +141,33 @@ def test_a_scheduled_momentum_at_a_constant_value_is_the_constant_momentum(name)
     results.append(p)
   for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
     np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_tensor_norms_from_one_packed_buffer_equal_the_norms_tensor_by_tensor():
+  rng = np.random.default_rng(0)
+  leaves = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(3, 3, 8, 16), (7,), (1024,), (1025, 3), (5, 2)]]
+  leaves.append(jnp.zeros((4, 4)))  # a zero tensor: norm 0, not NaN
+  np.testing.assert_allclose(optim.tensor_norms(leaves), [float(jnp.linalg.norm(x)) for x in leaves], rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["optax", "mlperf"])
+def test_fused_lars_norms_give_the_same_steps_as_the_tensor_by_tensor_lars(form):
+  config = fashion_mnist.get_config("lars").optimizer
+  config.lars_trust = form
+  model = create_model("resnet8_small", num_classes=10, width=4)
+  params = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 1)))["params"]
+  schedule = optax.constant_schedule(0.5)
+  plain = optim.build_optimizer(config, schedule)
+  config.fused_norms = True
+  fused = optim.build_optimizer(config, schedule)
+  states = [tx.init(params) for tx in (plain, fused)]
+  outs = [params, params]
+  for step in range(3):
+    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(step), p.shape) * 1e-2, params)
+    for k, tx in enumerate((plain, fused)):
+      updates, states[k] = jax.jit(tx.update)(grads, states[k], outs[k])
+      outs[k] = optax.apply_updates(outs[k], updates)
+  moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(params)))
+  assert moved > 1e-4
+  for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
