@@ -106,6 +106,9 @@ def base_config() -> ml_collections.ConfigDict:
     lars_eta=0.001,  # LARS trust coefficient
     lars_trust="optax",  # optax: eta|w| / |g + wd w| | mlperf: eta|w| / (|g| + wd|w|) (MLPerf ResNet-50)
     fused_norms=False,  # lars: every tensor's norms from packed buffers in two passes (optim.tensor_norms)
+    # Each device applies the optimizer to the shard it owns after the hierarchical reduce-scatter, with
+    # 1/local of the optimizer state; the all-gather carries parameters (sgd, lars; hierarchical only).
+    sharded_update=False,
     label_smoothing=0.1,
   )
 
@@ -274,6 +277,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _choice("optimizer.name", config.optimizer.name, OPTIMIZERS)
   _choice("optimizer.decay", config.optimizer.decay, DECAYS)
   _choice("optimizer.lars_trust", config.optimizer.lars_trust, optim.LARS_TRUST)
+  if config.optimizer.sharded_update:
+    if config.comm.strategy != "hierarchical" or config.comm.fusion == "adaptive":
+      raise ConfigError(
+        f"optimizer.sharded_update updates the shards of the hierarchical reduction's buckets; it needs "
+        f"comm.strategy='hierarchical' (not {config.comm.strategy!r}) and comm.fusion 'fixed' or 'none' "
+        f"(not {config.comm.fusion!r})."
+      )
+    if config.optimizer.name not in ("sgd", "lars"):
+      raise ConfigError(f"optimizer.sharded_update supports sgd and lars, not {config.optimizer.name!r}.")
   if config.optimizer.fused_norms and config.optimizer.name != "lars":
     raise ConfigError(
       f"optimizer.fused_norms computes LARS's trust ratios; optimizer.name={config.optimizer.name!r} has none "

@@ -57,22 +57,29 @@ def build_optimizer(
   if opt.name == "sgd":
     return optax.chain(
       optax.add_decayed_weights(opt.weight_decay, mask=decay_mask),
-      _trace(momentum, opt.nesterov),
+      momentum_transform(momentum, opt.nesterov),
       optax.scale_by_learning_rate(schedule),
     )
   if opt.name == "lars":
     trust = scale_by_lars_trust_ratio(opt.lars_eta, opt.weight_decay, decay_mask, opt.lars_trust, opt.fused_norms)
-    return optax.chain(trust, optax.scale_by_learning_rate(schedule), _trace(momentum, opt.nesterov))
+    return optax.chain(trust, optax.scale_by_learning_rate(schedule), momentum_transform(momentum, opt.nesterov))
   if opt.name == "lamb":
     return optax.lamb(schedule, weight_decay=opt.weight_decay, mask=decay_mask)
   raise ValueError(f"unknown optimizer {opt.name!r}")  # config.validate refuses it first
 
 
-def _trace(momentum: float | Callable, nesterov: bool) -> optax.GradientTransformation:
+def momentum_transform(momentum: float | Callable, nesterov: bool) -> optax.GradientTransformation:
   """Momentum (optax.trace); a schedule of the step goes through optax.inject_hyperparams."""
   if callable(momentum):
     return optax.inject_hyperparams(optax.trace, static_args="nesterov")(decay=momentum, nesterov=nesterov)
   return optax.trace(decay=momentum, nesterov=nesterov)
+
+
+def lars_ratio(form: str, eta: float, weight_decay: float, w_norms: jax.Array, other_norms: jax.Array) -> jax.Array:
+  """Trust ratios from the norms of the weights and of ``g + wd w`` ("optax") or of ``g`` ("mlperf");
+  1 where a norm is zero."""
+  denominator = other_norms if form == "optax" else other_norms + weight_decay * w_norms
+  return jnp.where((w_norms > 0) & (other_norms > 0), eta * w_norms / jnp.where(denominator > 0, denominator, 1.0), 1.0)
 
 
 NORM_BLOCK = 1024  # tensors are padded to whole rows of this many entries in the packed buffer
@@ -109,13 +116,8 @@ def scale_by_lars_trust_ratio(
     chosen = [i for i, m in enumerate(treedef.flatten_up_to(mask(params))) if m]
     decayed = {i: g[i] + weight_decay * w[i] for i in chosen}
     norms = tensor_norms if fused else (lambda xs: jnp.stack([jnp.linalg.norm(x) for x in xs]))
-    w_norms = norms([w[i] for i in chosen])
-    if form == "optax":
-      d_norms = norms([decayed[i] for i in chosen])
-      ratios = jnp.where((w_norms > 0) & (d_norms > 0), eta * w_norms / d_norms, 1.0)
-    else:
-      g_norms = norms([g[i] for i in chosen])
-      ratios = jnp.where((w_norms > 0) & (g_norms > 0), eta * w_norms / (g_norms + weight_decay * w_norms), 1.0)
+    other = [decayed[i] for i in chosen] if form == "optax" else [g[i] for i in chosen]
+    ratios = lars_ratio(form, eta, weight_decay, norms([w[i] for i in chosen]), norms(other))
     out = list(g)
     for r, i in enumerate(chosen):
       out[i] = ratios[r].astype(g[i].dtype) * decayed[i]

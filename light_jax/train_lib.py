@@ -48,6 +48,7 @@ from light_jax.hooks import (
 )
 from light_jax.models import create_model
 from light_jax.parallel import mesh as mesh_lib
+from light_jax.parallel.sharded_update import sharded_update
 from light_jax.preemption import PreemptionGuard
 
 
@@ -76,6 +77,8 @@ def train_and_evaluate(
     momentum = schedules.momentum_schedule(config.optimizer, plan) if optim.momentum_in_optimizer(config) else 0.0
     tx = optim.build_optimizer(config.optimizer, schedule, momentum)
     compiled = CompiledSteps(config, model, tx, mesh, info, plan)
+    if config.optimizer.sharded_update:  # the optimizer moves into the reducer, on each device's shards
+      compiled.reducer = sharded_update(compiled.reducer, compiled.profile.params, config.optimizer, schedule, momentum)
     loss_scale = INITIAL_LOSS_SCALE if loss_scaling(config) else 0.0
     state = step_lib.create_train_state(model, tx, compiled.reducer, info.image_shape, mesh, config.seed, loss_scale)
     _log_setup(config, plan, state, total_steps, len(train_batches.source), len(eval_batches.source))
@@ -275,6 +278,14 @@ def tune_input(
   return {"read_threads": read_threads, "workers": workers, "buffer": depth}
 
 
+def optimizer_state_bytes_per_device(state: step_lib.TrainState, devices: int) -> int:
+  """The optimizer state one device holds: the replicated ``opt_state`` whole, plus its share of a per-device
+  ``comm_state["optimizer"]`` (the sharded update's, DiLoCo's inner optimizer's)."""
+  replicated = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
+  per_device = sum(x.nbytes for x in jax.tree.leaves(state.comm_state.get("optimizer", {}))) // devices
+  return int(replicated + per_device)
+
+
 def run_summary(
   config: ml_collections.ConfigDict,
   final: dict[str, Any],
@@ -310,6 +321,7 @@ def run_summary(
     "checkpoint_overhead_fraction": checkpoint_seconds / loop.seconds if loop.seconds else 0.0,
     "inter_node_bytes_per_step": final["inter_node_bytes_per_step"],
     "intra_node_bytes_per_step": final["intra_node_bytes_per_step"],
+    "optimizer_state_bytes_per_device": optimizer_state_bytes_per_device(loop.state, mesh.size),
     "config": json.loads(config.to_json_best_effort()),
   }
   logging.info(

@@ -8,7 +8,9 @@ One step, on every device at once, inside ``jax.jit`` + ``jax.shard_map``:
      accumulation, for a batch larger than the device holds, with one reduction per step);
   3. the gradient reducer of ``comm.strategy`` (``parallel/reducer.py``) turns local gradients into the
      mean gradient of the global batch (dense psum, hierarchical, or a compressed strategy);
-  4. the optimizer applies it, identically on every device, so parameters stay replicated;
+  4. the optimizer applies it, identically on every device, so parameters stay replicated (with
+     ``optimizer.sharded_update`` each device updates its shard and the parameters are gathered;
+     with DiLoCo each machine steps on its own copy, and every H steps they agree again);
   5. BatchNorm running statistics (computed per device) are averaged over the mesh.
 
 With float16 compute the loss is scaled before the backward pass and the gradients unscaled after it
@@ -103,8 +105,9 @@ def create_train_state(
       step=jnp.zeros((), jnp.int32),
       params=params,
       batch_stats=variables.get("batch_stats", {}),
-      # DiLoCo: the outer optimizer's state (its inner optimizer's is per device, in comm_state).
-      opt_state=reducer.init_optimizer_state(params) if isinstance(reducer, DiLoCo) else tx.init(params),
+      # A reducer that updates the parameters itself keeps its optimizer state per device, in comm_state
+      # (DiLoCo's opt_state is its outer optimizer's; the sharded update's is empty).
+      opt_state=reducer.init_optimizer_state(params) if reducer.updates_parameters else tx.init(params),
       comm_state=reducer.init_state(params),
       nonfinite_steps=jnp.zeros((), jnp.int32),
       loss_sum=jnp.zeros(mesh.devices.shape),
@@ -185,10 +188,12 @@ def make_train_step(
     # Unscaled before the reduction: error-feedback residuals outlive a change of scale.
     local_grads = scaling.unscale(local_grads)
     grads, comm_state = reducer.reduce(local_grads, state.comm_state)
-    if local_steps:
-      sync = (state.step + 1) % reducer.sync_every == 0
-      if epoch_first_steps:  # and at each epoch's end, so evaluations see the machines' common model
-        sync = jnp.logical_or(sync, jnp.isin(state.step + 1, jnp.asarray(epoch_first_steps[1:], jnp.int32)))
+    if reducer.updates_parameters:  # DiLoCo's inner and outer steps; the sharded update (grads: shards)
+      sync = None
+      if local_steps:
+        sync = (state.step + 1) % reducer.sync_every == 0
+        if epoch_first_steps:  # and at each epoch's end, so evaluations see the machines' common model
+          sync = jnp.logical_or(sync, jnp.isin(state.step + 1, jnp.asarray(epoch_first_steps[1:], jnp.int32)))
       new_params, opt_state, comm_state = reducer.apply(grads, state.params, state.opt_state, comm_state, sync)
     else:
       updates, opt_state = tx.update(grads, state.opt_state, state.params)

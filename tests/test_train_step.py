@@ -32,6 +32,7 @@ def _config(optimizer: str) -> ml_collections.ConfigDict:
         "end_lr_factor": 0.0,
         "lars_eta": 0.001,
         "lars_trust": "optax",
+        "fused_norms": False,
         "label_smoothing": 0.1,
       },
     }

@@ -73,14 +73,23 @@ def _scatter_to_local_shard(x: jax.Array, wire_dtype, multiple: int = 1) -> jax.
 
 def hierarchical_allreduce(x: jax.Array, wire_dtype=jnp.float32) -> jax.Array:
   """Sum of flat ``x`` over every device: reduce-scatter(local) -> all-reduce(node) -> all-gather(local)."""
+  return gather_local_shards(hierarchical_reduce_to_shard(x, wire_dtype), wire_dtype)[: x.size]
+
+
+def hierarchical_reduce_to_shard(x: jax.Array, wire_dtype=jnp.float32) -> jax.Array:
+  """This device's shard of the sum of flat ``x`` over every device: ``x`` zero-padded to ``local`` equal
+  shards (x ``nodes`` with a narrower wire dtype), shard ``i`` on the device of local index ``i``."""
   narrow = jnp.dtype(wire_dtype) != x.dtype
   nodes = lax.axis_size(NODE) if narrow else 1
   shard = _scatter_to_local_shard(x, wire_dtype, nodes)  # this device's 1/n of the node's sum
   if narrow:  # all-reduce over nodes as reduce-scatter + all-gather, to accumulate in float32
-    shard = _all_gather(_reduce_scatter(shard, NODE, wire_dtype), NODE, wire_dtype)
-  else:
-    shard = lax.psum(shard, NODE)  # the only inter-node traffic
-  return _all_gather(shard, LOCAL, wire_dtype)[: x.size]
+    return _all_gather(_reduce_scatter(shard, NODE, wire_dtype), NODE, wire_dtype)
+  return lax.psum(shard, NODE)  # the only inter-node traffic
+
+
+def gather_local_shards(shard: jax.Array, wire_dtype=jnp.float32) -> jax.Array:
+  """The shards of every device of the node, in local order (the padded flat vector)."""
+  return _all_gather(shard, LOCAL, wire_dtype)
 
 
 def hierarchical_topk_allreduce(

@@ -60,6 +60,7 @@ class DiLoCo:
   density: float = 1.0  # not used; as PowerSGDReducer's
   strategy: str = NAME
   keeps_residuals: bool = True  # per-device state (delta, inner optimizer state)
+  updates_parameters = True  # the train step calls apply, not the optimizer
 
   @property
   def compression(self) -> str:
@@ -82,7 +83,7 @@ class DiLoCo:
     if self.inner_tx is None:
       raise ValueError("DiLoCo needs its inner optimizer: reducer.with_inner_optimizer(tx)")
     per_device = lambda x: jnp.broadcast_to(x, (self.nodes, self.local, *jnp.shape(x)))  # noqa: E731
-    state = {"delta": jax.tree.map(jnp.zeros_like, params), "inner_opt": self.inner_tx.init(params)}
+    state = {"delta": jax.tree.map(jnp.zeros_like, params), "optimizer": self.inner_tx.init(params)}
     return jax.tree.map(per_device, state)
 
   # --- one step (inside shard_map) ---------------------------------------------------------------
@@ -102,7 +103,7 @@ class DiLoCo:
     """Inner step on this machine's parameters; when ``sync``, the outer step across machines.
     Returns (outer params, outer optimizer state, comm_state)."""
     mine = lambda tree: jax.tree.map(lambda x: x[0, 0], tree)  # noqa: E731
-    delta, inner_opt = mine(comm_state["delta"]), mine(comm_state["inner_opt"])
+    delta, inner_opt = mine(comm_state["delta"]), mine(comm_state["optimizer"])
     machine = jax.tree.map(jnp.add, params, delta)
     updates, inner_opt = self.inner_tx.update(grads, inner_opt, machine)
     delta = jax.tree.map(jnp.add, delta, updates)
@@ -120,7 +121,7 @@ class DiLoCo:
     # lax.cond: the inter-node all-reduce runs only on sync steps (every device takes the same branch).
     params, opt_state, delta = lax.cond(sync, outer_step, lambda *a: a, params, opt_state, delta)
     per_device = lambda tree: jax.tree.map(lambda x: x[None, None], tree)  # noqa: E731
-    return params, opt_state, {"delta": per_device(delta), "inner_opt": per_device(inner_opt)}
+    return params, opt_state, {"delta": per_device(delta), "optimizer": per_device(inner_opt)}
 
   # --- accounting (static, from shapes) ----------------------------------------------------------
   def bucket_plan(self, params: PyTree) -> list[tuple[str, int, int]]:

@@ -78,6 +78,7 @@ class PowerSGDReducer:
   density: float = 1.0
   strategy: str = NAME
   keeps_residuals: bool = True  # its state (residuals, Q) is per device
+  updates_parameters = False
 
   @property
   def compression(self) -> str:

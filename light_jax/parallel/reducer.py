@@ -73,6 +73,7 @@ class GradientReducer:
   choices: tuple[str, ...] | None = None
   momentum_correction: float = 0.0
   local_clip_norm: float = 0.0
+  updates_parameters = False  # the train step applies the optimizer to what ``reduce`` returns
 
   @property
   def spec(self) -> strategies.Strategy:
