@@ -107,7 +107,7 @@ def base_config() -> ml_collections.ConfigDict:
     lars_trust="optax",  # optax: eta|w| / |g + wd w| | mlperf: eta|w| / (|g| + wd|w|) (MLPerf ResNet-50)
     fused_norms=False,  # lars: every tensor's norms from packed buffers in two passes (optim.tensor_norms)
     # Each device applies the optimizer to the shard it owns after the hierarchical reduce-scatter, with
-    # 1/local of the optimizer state; the all-gather carries parameters (sgd, lars; hierarchical only).
+    # 1/local of the optimizer state; the all-gather carries parameters (sgd, lars; hierarchical, hitopk).
     sharded_update=False,
     label_smoothing=0.1,
   )
@@ -278,11 +278,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _choice("optimizer.decay", config.optimizer.decay, DECAYS)
   _choice("optimizer.lars_trust", config.optimizer.lars_trust, optim.LARS_TRUST)
   if config.optimizer.sharded_update:
-    if config.comm.strategy != "hierarchical" or config.comm.fusion == "adaptive":
+    if config.comm.strategy not in ("hierarchical", "hitopk") or config.comm.fusion == "adaptive":
       raise ConfigError(
-        f"optimizer.sharded_update updates the shards of the hierarchical reduction's buckets; it needs "
-        f"comm.strategy='hierarchical' (not {config.comm.strategy!r}) and comm.fusion 'fixed' or 'none' "
-        f"(not {config.comm.fusion!r})."
+        f"optimizer.sharded_update updates the shards that the reduce-scatter over `local` leaves; it needs "
+        f"comm.strategy 'hierarchical' or 'hitopk' (not {config.comm.strategy!r}) and comm.fusion 'fixed' "
+        f"or 'none' (not {config.comm.fusion!r})."
       )
     if config.optimizer.name not in ("sgd", "lars"):
       raise ConfigError(f"optimizer.sharded_update supports sgd and lars, not {config.optimizer.name!r}.")

@@ -20,13 +20,14 @@ from tests.helpers import ROOT, TinyCNN
 from tests.test_train_step import _batches, _config, _max_diff
 
 
-def _train(shape, optimizer, sharded, batches, info, bucket_bytes):
+def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hierarchical"):
   opt = _config(optimizer).optimizer
   opt.lars_trust = "mlperf" if optimizer == "lars" else "optax"
   schedule = optax.constant_schedule({"sgd": 0.1, "lars": 1.0}[optimizer])
   tx = optim.build_optimizer(opt, schedule)
   mesh = mesh_lib.make_mesh(*shape)
-  reducer = reducer_lib.make_gradient_reducer("hierarchical", *shape, "fixed", bucket_bytes)
+  options = {"density": 0.1, "min_compress_elements": 64} if strategy == "hitopk" else {}
+  reducer = reducer_lib.make_gradient_reducer(strategy, *shape, "fixed", bucket_bytes, **options)
   model = TinyCNN()
   if sharded:
     params = model.init(jax.random.key(0), jnp.zeros((1, *info.image_shape)))["params"]
@@ -42,16 +43,22 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes):
 
 
 @pytest.mark.parametrize(
-  "shape,optimizer,bucket_bytes",
-  [((2, 4), "lars", 4096), ((4, 2), "lars", 0), ((2, 4), "sgd", 4096), ((8, 1), "sgd", 4096)],
+  "shape,optimizer,bucket_bytes,strategy",
+  [
+    ((2, 4), "lars", 4096, "hierarchical"),
+    ((4, 2), "lars", 0, "hierarchical"),
+    ((2, 4), "sgd", 4096, "hierarchical"),
+    ((8, 1), "sgd", 4096, "hierarchical"),
+    ((2, 4), "lars", 4096, "hitopk"),
+  ],
   ids=str,
 )
-def test_sharded_update_takes_the_replicated_steps(shape, optimizer, bucket_bytes):
+def test_sharded_update_takes_the_replicated_steps(shape, optimizer, bucket_bytes, strategy):
   """Buckets of 4 KiB split tensors across shards and shards across tensors; LARS's per-tensor norms
-  then need the segment sums and the psum over `local`."""
+  then need the segment sums and the psum over `local`. hitopk (10%, error feedback): the same shard sums."""
   batches, info = _batches(4)
-  replicated, replicated_losses = _train(shape, optimizer, False, batches, info, bucket_bytes)
-  sharded, sharded_losses = _train(shape, optimizer, True, batches, info, bucket_bytes)
+  replicated, replicated_losses = _train(shape, optimizer, False, batches, info, bucket_bytes, strategy)
+  sharded, sharded_losses = _train(shape, optimizer, True, batches, info, bucket_bytes, strategy)
   init = TinyCNN().init(jax.random.key(0), jnp.zeros((1, *info.image_shape)))["params"]
   assert _max_diff(replicated.params, init) > 1e-3
   assert _max_diff(sharded.params, replicated.params) < 1e-5
@@ -61,6 +68,10 @@ def test_sharded_update_takes_the_replicated_steps(shape, optimizer, bucket_byte
   per_device = optimizer_state_bytes_per_device(sharded, 8)
   whole = optimizer_state_bytes_per_device(replicated, 8)
   assert whole / shape[1] <= per_device < whole / shape[1] + 64 * 4 * 8 + 64, (per_device, whole)
+  if strategy == "hitopk":  # the residuals of what top-k held back are the replicated run's
+    residuals = [k for k in sharded.comm_state if k != "optimizer"]
+    assert residuals and residuals == list(replicated.comm_state)
+    assert _max_diff([sharded.comm_state[k] for k in residuals], [replicated.comm_state[k] for k in residuals]) < 1e-6
 
 
 def test_train_py_with_the_sharded_update_matches_the_replicated_run(tmp_path):

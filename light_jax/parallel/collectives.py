@@ -109,12 +109,25 @@ def hierarchical_topk_allreduce(
     k: entries kept per shard.
     wire_dtype: dtype of the two dense intra-node hops; the sparse values cross nodes in float32.
   """
+  shard, residual = hierarchical_topk_reduce_to_shard(x, residual, k, selector, error_feedback, wire_dtype, momentum)
+  return _all_gather(shard, LOCAL, wire_dtype)[: x.size], residual
+
+
+def hierarchical_topk_reduce_to_shard(
+  x: jax.Array,
+  residual: jax.Array | compression.Memory,
+  k: int,
+  selector: str,
+  error_feedback: bool,
+  wire_dtype=jnp.float32,
+  momentum: float = 0.0,
+) -> tuple[jax.Array, jax.Array | compression.Memory]:
+  """HiTopK up to this device's shard of the (approximate) sum: ``x`` zero-padded to ``local`` shards."""
   shard = _scatter_to_local_shard(x, wire_dtype)
   indices, values, residual = compression.apply_error_feedback(shard, residual, k, selector, error_feedback, momentum)
   all_indices = lax.all_gather(indices, NODE)  # (nodes, k): same local rank on every node
   all_values = lax.all_gather(values, NODE)
-  shard = jnp.zeros_like(shard).at[all_indices.reshape(-1)].add(all_values.reshape(-1))
-  return _all_gather(shard, LOCAL, wire_dtype)[: x.size], residual
+  return jnp.zeros_like(shard).at[all_indices.reshape(-1)].add(all_values.reshape(-1)), residual
 
 
 def topk_allreduce(

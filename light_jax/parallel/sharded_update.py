@@ -10,8 +10,9 @@ parameters. Same bytes on both links; optimizer state and update work per device
 LARS needs whole-tensor norms, and a shard holds pieces of several tensors: the squares of the shard are
 summed per tensor with one segment sum (the tensor of each position from the bucket's offsets) and one
 small psum over ``local`` completes them: the fused norms of Light's "parallel tensor operator". SGD and
-LARS (both trust forms) are supported, with the hierarchical strategy; the optimizer state lives in each
-device's ``comm_state["optimizer"]``. docs/techniques.md section 14.
+LARS (both trust forms) are supported, with the hierarchical and hitopk strategies (hitopk's scatter-add
+leaves the same shard); the optimizer state lives in each device's ``comm_state["optimizer"]``.
+docs/techniques.md section 14.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ import optax
 from jax import lax
 
 from light_jax import optim
-from light_jax.parallel import collectives
+from light_jax.parallel import collectives, compression
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel.mesh import LOCAL
 from light_jax.parallel.reducer import GradientReducer
 
 PyTree = Any
 OPTIMIZERS = ("sgd", "lars")
+STRATEGIES = ("hierarchical", "hitopk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,7 @@ class Bucket:
 
 @dataclasses.dataclass(frozen=True)
 class ShardedUpdate:
-  """Hierarchical reduction to shards, the optimizer on each device's shards, parameters gathered.
+  """Hierarchical (or hitopk) reduction to shards, the optimizer on each device's shards, parameters gathered.
 
   ``apply`` updates the parameters itself (like DiLoCo's), so the train step calls it instead of the
   optimizer; ``init_optimizer_state`` is then empty and the state is per device in ``comm_state``.
@@ -112,21 +114,35 @@ class ShardedUpdate:
     return optax.EmptyState()
 
   def init_state(self, params: PyTree) -> dict[str, PyTree]:
+    """The base reducer's residuals (hitopk), and the optimizer state of this device's shards."""
     local = self.base.local
     shards = {_key(b): jnp.zeros((bucket.shard,), jnp.float32) for b, bucket in enumerate(self.buckets)}
-    state = self._tail.init(shards)
-    return {"optimizer": jax.tree.map(lambda x: jnp.broadcast_to(x, (self.base.nodes, local, *jnp.shape(x))), state)}
+    state = jax.tree.map(
+      lambda x: jnp.broadcast_to(x, (self.base.nodes, local, *jnp.shape(x))), self._tail.init(shards)
+    )
+    return self.base.init_state(params) | {"optimizer": state}
 
   # --- one step (inside shard_map) ---------------------------------------------------------------
   def reduce(self, local_grads: PyTree, comm_state: PyTree) -> tuple[PyTree, PyTree]:
-    """This device's shard of each bucket's mean gradient: {bucket key: (shard,)}."""
+    """This device's shard of each bucket's mean gradient, {bucket key: (shard,)}: the hierarchical
+    reduction, or hitopk's (with its residuals) for the buckets it compresses."""
+    base = self.base
+    if base.local_clip_norm:
+      local_grads = compression.clip_to_norm(local_grads, base.local_clip_norm / math.sqrt(base.nodes * base.local))
     leaves = jax.tree.leaves(local_grads)
-    wire = jnp.dtype(self.base.wire_dtype)
-    devices = self.base.nodes * self.base.local
-    shards = {}
+    wire = jnp.dtype(base.wire_dtype)
+    shards, comm_state = {}, dict(comm_state)
     for b, bucket in enumerate(self.buckets):
       flat = fusion_lib.pack([leaves[m] for m in bucket.members]).astype(jnp.float32)
-      shards[_key(b)] = collectives.hierarchical_reduce_to_shard(flat, wire) / devices
+      if base.bucket_strategy(flat.size).compressed:
+        memory = jax.tree.map(lambda x: x[0, 0], comm_state[_key(b)])
+        shard, memory = collectives.hierarchical_topk_reduce_to_shard(
+          flat, memory, base.k_for(flat.size), base.selector, base.error_feedback, wire, base.momentum_correction
+        )
+        comm_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
+      else:
+        shard = collectives.hierarchical_reduce_to_shard(flat, wire)
+      shards[_key(b)] = shard / (base.nodes * base.local)
     return shards, comm_state
 
   def apply(self, grads: PyTree, params: PyTree, opt_state: PyTree, comm_state: PyTree, sync=None):
@@ -164,18 +180,20 @@ def sharded_update(
   base: GradientReducer, params: PyTree, opt: ml_collections.ConfigDict, schedule, momentum
 ) -> ShardedUpdate:
   """The sharded update of ``base``'s buckets for ``params`` (shapes suffice) with the optimizer ``opt``."""
-  if base.strategy != "hierarchical":
-    raise ValueError(f"optimizer.sharded_update needs comm.strategy='hierarchical', not {base.strategy!r}")
+  if base.strategy not in STRATEGIES:
+    raise ValueError(f"optimizer.sharded_update needs comm.strategy in {STRATEGIES}, not {base.strategy!r}")
   if opt.name not in OPTIMIZERS:
     raise ValueError(f"optimizer.sharded_update supports {OPTIMIZERS}, not {opt.name!r}")
   leaves = jax.tree.leaves(params)
   order, groups = base.buckets(leaves)
   narrow = jnp.dtype(base.wire_dtype) != jnp.float32
-  multiple = base.local * (base.nodes if narrow else 1)
   buckets = []
   for group in groups:
     members = tuple(order[i] for i in group)
     sizes = [math.prod(leaves[m].shape) for m in members]
+    # The shard layout of the bucket's collective: hierarchical pads to local x nodes for a narrow wire.
+    dense = not base.bucket_strategy(sum(sizes)).compressed
+    multiple = base.local * (base.nodes if narrow and dense else 1)
     padded = -(-sum(sizes) // multiple) * multiple
     buckets.append(Bucket(members, tuple(int(e) for e in np.cumsum(sizes)), padded // base.local))
   decays = tuple(bool(d) for d in jax.tree.leaves(optim.decay_mask(params)))
