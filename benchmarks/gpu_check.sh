@@ -10,6 +10,7 @@
 #   2. the gradient collectives on the device (benchmarks/collectives.py): per strategy, exact against
 #      MSTopK top-k selection;
 #   3. the input pipeline (benchmarks/input_pipeline.py), images/s per host core;
+#   3b. the optimizer update of ResNet-50 with LARS, norms per tensor against fused (benchmarks/update_step.py);
 #   4. a short training run (train.py on generated JPEGs, ResNet-50 at 128 px) with a profile of 5 steps.
 # Writes OUT_DIR/gpu_check.json (every step's JSON line, its exit code and seconds) and OUT_DIR/report.txt
 # (the tables), plus each step's log and the profile under OUT_DIR/train/profile.
@@ -50,6 +51,7 @@ if [ "$TOY" = "--toy" ]; then
   SIZES=(32); BATCHES=(8 4); DTYPES=(float32)
   COLLECTIVES=(--nodes 1 --local 2 --repeats 1 --only hitopk@0.01/mstopk --model resnet8_small)
   INPUT=(--images 20 --rounds 1 --seconds 0.2)
+  UPDATE=(--model resnet18 --image 32 --batch_per_device 2 --rounds 1)
   TRAIN=(--config.model.name=resnet8_small --config.model.width=8 --config.data.image_size=32
          --config.data.resolution_schedule= --config.mesh.cpu_devices=2 --config.num_epochs=3 --config.global_batch_size=16
          --config.max_steps=12 --config.data.eval_batch_size=20 --config.train.profile_steps=6:9)
@@ -67,8 +69,9 @@ else
   MODEL=(--model resnet50 --steps 20 --warmup 3)
   SIZES=(128 224); BATCHES=(256 192 128 64); DTYPES=(bfloat16 float16)
   COLLECTIVES=(--nodes 1 --local -1 --repeats 5
-               --only hierarchical,hitopk@0.01,hitopk@0.01/mstopk,hitopk@0.001,hitopk@0.001/mstopk,gtopk@0.01,topk@0.001)
+               --only hierarchical,hitopk@0.01,hitopk@0.01/mstopk,hitopk@0.001,hitopk@0.001/mstopk,gtopk@0.01,topk@0.001,powersgd@4)
   INPUT=(--images 200 --rounds 2 --seconds 2)
+  UPDATE=(--model resnet50 --batch_per_device 128 --rounds 10)
   TRAIN=(--config.model.name=resnet50 --config.data.image_size=128 --config.data.resolution_schedule=
          --config.global_batch_size=256 --config.num_epochs=20 --config.max_steps=150
          --config.train.profile_steps=100:105)
@@ -85,6 +88,7 @@ for dtype in "${DTYPES[@]}"; do
 done
 run collectives 120 "$PY" benchmarks/collectives.py "${COLLECTIVES[@]}"
 run input_pipeline 90 "$PY" benchmarks/input_pipeline.py "${INPUT[@]}"
+run update_step 120 "$PY" benchmarks/update_step.py "${UPDATE[@]}"
 
 # Training data: a small folder of generated JPEGs (10 classes), prepared as the README says.
 DATA="$OUT/data"
