@@ -75,17 +75,23 @@ def test_sharded_update_takes_the_replicated_steps(shape, optimizer, bucket_byte
 
 
 def test_train_py_with_the_sharded_update_matches_the_replicated_run(tmp_path):
-  """From the CLI on 4 x 2: the same training loss, and summary.json's optimizer state per device halved."""
+  """From the CLI on 4 x 2: the same training loss, and summary.json's optimizer state per device halved.
+  The sharded run stops after 3 steps and resumes from its checkpoint (the sharded state) to 6."""
   common = [
     "--config.data.train_subset=1024",
     "--config.data.eval_subset=200",
     "--config.global_batch_size=128",
-    "--config.max_steps=6",
     "--config.mesh.nodes=4",
     "--config.mesh.local=2",
+    "--config.checkpoint.every_steps=3",
+  ]
+  runs = [
+    ("replicated", ["--config.max_steps=6"]),
+    ("sharded", ["--config.optimizer.sharded_update=True", "--config.max_steps=3"]),
+    ("sharded", ["--config.optimizer.sharded_update=True", "--config.max_steps=6"]),
   ]
   summaries = {}
-  for name, extra in [("replicated", []), ("sharded", ["--config.optimizer.sharded_update=True"])]:
+  for name, extra in runs:
     result = subprocess.run(
       [sys.executable, "train.py", "--config", "configs/fashion_mnist.py:lars", "--workdir", str(tmp_path / name)]
       + common
@@ -99,6 +105,7 @@ def test_train_py_with_the_sharded_update_matches_the_replicated_run(tmp_path):
     with open(tmp_path / name / "summary.json") as f:
       summaries[name] = json.load(f)
   replicated, sharded = summaries["replicated"], summaries["sharded"]
+  assert sharded["resumed_from_step"] == 3 and sharded["steps"] == replicated["steps"] == 6
   assert abs(sharded["final_train_loss"] - replicated["final_train_loss"]) < 1e-4 * replicated["final_train_loss"]
   ratio = sharded["optimizer_state_bytes_per_device"] / replicated["optimizer_state_bytes_per_device"]
   assert 0.5 <= ratio < 0.501, ratio
