@@ -33,10 +33,10 @@ RUNS = {
   "diloco@8": (BASE, [DILOCO, "--config.comm.sync_every=8"], "DiLoCo: 8 local steps, outer Nesterov lr 0.7"),
   "hitopk@0.03": (BASE, [HITOPK, "--config.comm.density=0.03"], "hitopk 3%: about powersgd@4's inter-node bytes"),
   "hitopk@0.06": (BASE, [HITOPK, "--config.comm.density=0.06"], "hitopk 6%: about diloco@8's inter-node bytes"),
-  "diloco@8/average": (
+  "local_sgd@8": (
     BASE,
     [DILOCO, "--config.comm.sync_every=8", "--config.comm.outer_lr=1.0", "--config.comm.outer_momentum=0.0"],
-    "8 local steps, then the machines' mean (local SGD)",
+    "diloco@8 with outer lr 1, no momentum: the machines' mean",
   ),
   "powersgd@1": (BASE, [POWERSGD, "--config.comm.rank=1"], "PowerSGD rank 1, error feedback"),
   "hitopk@0.01": (BASE, [HITOPK, "--config.comm.density=0.01"], "hitopk 1%: about powersgd@1's inter-node bytes"),
