@@ -90,10 +90,11 @@ def main(argv):
   steps = _WARMUP.value + _STEPS.value + (_PROFILE_STEPS.value if _PROFILE_DIR.value else 0)
   plan = schedules.EpochPlan(global_batch * steps, 1, (schedules.Phase(0, size),), global_batch)
   model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
-  tx = build_optimizer(config.optimizer, optax.constant_schedule(0.1))
+  schedule = optax.constant_schedule(0.1)
+  tx = build_optimizer(config.optimizer, schedule)
 
   start = time.perf_counter()
-  compiled = CompiledSteps(config, model, tx, mesh, info, plan)
+  compiled = CompiledSteps(config, model, tx, mesh, info, plan, schedule, config.optimizer.momentum)
   state = step_lib.create_train_state(model, tx, compiled.reducer, info.image_shape, mesh, config.seed)
   step_fn, comm_bytes = compiled.for_step(0, state)
   compile_seconds = time.perf_counter() - start

@@ -33,6 +33,7 @@ from light_jax.parallel import cost_model
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel.reducer import AUTO, GradientReducer, reducer_from_config
+from light_jax.parallel.sharded_update import sharded_update
 from light_jax.parallel.strategies import CommBytes
 
 
@@ -47,7 +48,11 @@ class CompiledSteps:
     mesh: jax.sharding.Mesh,
     info: DatasetInfo,
     plan: schedules.EpochPlan,
+    schedule: optax.Schedule,
+    momentum: float | Callable,
   ):
+    """``tx`` is built from ``schedule`` and ``momentum`` (optim.build_optimizer); the sharded update
+    (``optimizer.sharded_update``) builds its optimizer on shards from the same two."""
     self.config, self.model, self.tx, self.mesh, self.info, self.plan = config, model, tx, mesh, info, plan
     comm = config.comm
     nodes, local = mesh.devices.shape
@@ -59,6 +64,8 @@ class CompiledSteps:
       reducer = self._planned(reducer, self.batch_shape_at(0))
     if comm.strategy == AUTO:
       reducer = self._chosen(reducer, self.batch_shape_at(0))
+    if config.optimizer.sharded_update:  # the optimizer moves into the reducer, on each device's shards
+      reducer = sharded_update(reducer, self.profile.params, config.optimizer, schedule, momentum)
     # Its init_state is the train state's comm_state; each phase's step uses reducer_at(step), which may
     # re-plan the buckets (adaptive fusion of a dense strategy) but keeps this comm_state's shapes.
     self.reducer = reducer

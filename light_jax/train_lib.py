@@ -48,7 +48,6 @@ from light_jax.hooks import (
 )
 from light_jax.models import create_model
 from light_jax.parallel import mesh as mesh_lib
-from light_jax.parallel.sharded_update import sharded_update
 from light_jax.preemption import PreemptionGuard
 
 
@@ -76,9 +75,7 @@ def train_and_evaluate(
     # The momentum lives in the optimizer, or in the gradient reducer with DGC's momentum correction.
     momentum = schedules.momentum_schedule(config.optimizer, plan) if optim.momentum_in_optimizer(config) else 0.0
     tx = optim.build_optimizer(config.optimizer, schedule, momentum)
-    compiled = CompiledSteps(config, model, tx, mesh, info, plan)
-    if config.optimizer.sharded_update:  # the optimizer moves into the reducer, on each device's shards
-      compiled.reducer = sharded_update(compiled.reducer, compiled.profile.params, config.optimizer, schedule, momentum)
+    compiled = CompiledSteps(config, model, tx, mesh, info, plan, schedule, momentum)
     loss_scale = INITIAL_LOSS_SCALE if loss_scaling(config) else 0.0
     state = step_lib.create_train_state(model, tx, compiled.reducer, info.image_shape, mesh, config.seed, loss_scale)
     _log_setup(config, plan, state, total_steps, len(train_batches.source), len(eval_batches.source))
