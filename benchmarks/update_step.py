@@ -7,8 +7,9 @@ Every device applies the whole update to replicated parameters (the replicated u
 time is the figure. Variants, all jitted with the state donated, timed interleaved (A B C A B C ...) so
 machine noise hits them alike, median over --rounds:
 - `sgd`: momentum SGD with weight decay (no norms), the floor;
-- `lars` / `lars_fused`: optax's LARS (eta ||w|| / ||g + wd w||), norms per tensor / from packed buffers
-  (`optimizer.fused_norms`, light_jax/optim.py `tensor_norms`);
+- `optax_lars`: `optax.lars` itself;
+- `lars` / `lars_fused`: ours, the same steps (eta ||w|| / ||g + wd w||), norms per tensor / from packed
+  buffers (`optimizer.fused_norms`, light_jax/optim.py `tensor_norms`);
 - `lars_mlperf` / `lars_mlperf_fused`: the MLPerf trust ratio, the same two ways.
 `grad` is the forward and backward pass of --batch_per_device images at --image pixels on the same device;
 a row's `share` is its update / (grad + update), the part of a step the update takes. The sharded update
@@ -50,6 +51,10 @@ def main():
 
   def optimizer(name):
     opt = imagenet_resnet50.get_config().optimizer
+    if name == "optax_lars":  # optax's own, the reference our LARS is tested equal to
+      return optax.lars(schedule, weight_decay=opt.weight_decay, weight_decay_mask=optim.decay_mask,
+                        trust_coefficient=opt.lars_eta, trust_ratio_mask=optim.decay_mask, momentum=opt.momentum,
+                        nesterov=opt.nesterov)  # fmt: skip
     opt.name = "sgd" if name == "sgd" else "lars"
     opt.lars_trust = "mlperf" if "mlperf" in name else "optax"
     opt.fused_norms = name.endswith("_fused")
@@ -68,7 +73,7 @@ def main():
 
   grad = jax.jit(jax.grad(loss))
   grads = grad(params, images, labels)
-  names = ["sgd", "lars", "lars_fused", "lars_mlperf", "lars_mlperf_fused"]
+  names = ["sgd", "optax_lars", "lars", "lars_fused", "lars_mlperf", "lars_mlperf_fused"]
   runs = {}
   for name in names:
     tx = optimizer(name)
