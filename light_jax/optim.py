@@ -107,7 +107,7 @@ def scale_by_lars_trust_ratio(
 
   The norms: one ``jnp.linalg.norm`` per tensor, or with ``fused`` all of them from ``tensor_norms``.
   (optax's own ``scale_by_trust_ratio`` takes each norm through ``safe_norm``, three passes over the
-  tensor: its LARS update took 4.5x as long on ResNet-50 here, ``benchmarks/update_step.py``.)
+  tensor: its LARS update took 2x as long on ResNet-50 here, ``benchmarks/update_step.py``.)
   """
 
   def update_fn(updates, state, params):
