@@ -32,7 +32,7 @@ from light_jax.data import DatasetInfo
 from light_jax.parallel import cost_model
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel import mesh as mesh_lib
-from light_jax.parallel.reducer import AUTO, GradientReducer, reducer_from_config
+from light_jax.parallel.reducer import AUTO, GradientReducer, Reducer, reducer_from_config
 from light_jax.parallel.sharded_update import sharded_update
 from light_jax.parallel.strategies import CommBytes
 
@@ -82,7 +82,7 @@ class CompiledSteps:
   def density_at(self, step: int) -> float:
     return schedules.density_at(step, self.config.comm.density, self.density_warmup_steps)
 
-  def reducer_at(self, step: int) -> GradientReducer:
+  def reducer_at(self, step: int) -> Reducer:
     reducer = dataclasses.replace(self.reducer, density=self.density_at(step))
     return self._planned(reducer, self.batch_shape_at(step)) if self.adaptive_per_phase else reducer
 

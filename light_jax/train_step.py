@@ -42,7 +42,7 @@ from light_jax import optim
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel.diloco import DiLoCo
 from light_jax.parallel.mesh import AXES, BATCH_SPEC, LOCAL, NODE
-from light_jax.parallel.reducer import GradientReducer
+from light_jax.parallel.reducer import Reducer
 
 PyTree = Any
 
@@ -87,7 +87,7 @@ STATE_SPECS = TrainState(
 def create_train_state(
   model: nn.Module,
   tx: optax.GradientTransformation,
-  reducer: GradientReducer,
+  reducer: Reducer,
   image_shape: tuple[int, ...],
   mesh: jax.sharding.Mesh,
   seed: int,
@@ -129,7 +129,7 @@ def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]
 def make_train_step(
   model: nn.Module,
   tx: optax.GradientTransformation,
-  reducer: GradientReducer,
+  reducer: Reducer,
   mesh: jax.sharding.Mesh,
   info: data_lib.DatasetInfo,
   label_smoothing: float,

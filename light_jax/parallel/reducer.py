@@ -190,7 +190,9 @@ class GradientReducer:
     return total
 
 
-Reducer = GradientReducer | powersgd.PowerSGDReducer | diloco.DiLoCo  # what the train step reduces with
+# What the train step reduces with (and sharded_update.ShardedUpdate, which wraps a GradientReducer): each has
+# reduce, init_state, bucket_plan, bytes_per_step; those with updates_parameters also apply.
+Reducer = GradientReducer | powersgd.PowerSGDReducer | diloco.DiLoCo
 
 
 def make_gradient_reducer(
