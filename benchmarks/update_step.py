@@ -13,7 +13,8 @@ machine noise hits them alike, median over --rounds:
 - `lars_mlperf` / `lars_mlperf_fused`: the MLPerf trust ratio, the same two ways.
 `grad` is the forward and backward pass of --batch_per_device images at --image pixels on the same device;
 a row's `share` is its update / (grad + update), the part of a step the update takes. The sharded update
-(issue 13's `optimizer.sharded_update`) is not built yet. The last line is one JSON object keyed by row.
+(`optimizer.sharded_update`) is not a row: it runs across `local` devices, and on simulated CPU devices,
+which share the cores, one device's part of it cannot be timed alone. The last line is one JSON object keyed by row.
 """
 
 import argparse
