@@ -15,9 +15,6 @@ JSON object keyed by label.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 
 import train_runs  # benchmarks/, this script's directory
@@ -44,14 +41,9 @@ RUNS = {
 DENSE = "hierarchical"
 
 
-def report(labels: list[str], root: str) -> dict[str, dict]:
-  results = {}
-  for label in labels:
-    result, records = train_runs.read(os.path.join(root, label))
-    if result:
-      results[label] = result | {"records": records}
-    elif records:
-      print(f"{label}: stopped after epoch {records[-1]['epoch']:g} (top-1 {100 * records[-1]['eval_top1']:.2f}%)")
+def report(results: dict[str, dict], stopped: dict[str, list[dict]]) -> None:
+  for label, records in stopped.items():
+    print(f"{label}: stopped after epoch {records[-1]['epoch']:g} (top-1 {100 * records[-1]['eval_top1']:.2f}%)")
   reference = results.get(DENSE, {}).get("top1")
   header = ("run", "top-1", "vs dense", "top-5", "inter B/step", "intra B/step", "train s")
   print("{:17} {:>7} {:>8} {:>7} {:>13} {:>13} {:>8}  what".format(*header))
@@ -61,7 +53,6 @@ def report(labels: list[str], root: str) -> dict[str, dict]:
       f"{label:17} {100 * r['top1']:6.2f}% {delta:>8} {100 * r['top5']:6.2f}% {r['inter_node_bytes_per_step']:13,d} "
       f"{r['intra_node_bytes_per_step']:13,d} {r['train_seconds']:8.0f}  {RUNS[label][2]}"
     )
-  return results
 
 
 def plot(results: dict[str, dict], path: str) -> None:
@@ -90,25 +81,13 @@ def plot(results: dict[str, dict], path: str) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--workdir", default="runs/compression")
-  parser.add_argument("--only", default="", help="comma-separated labels (default: all): " + ",".join(RUNS))
-  parser.add_argument("--rerun", action="store_true", help="rerun runs whose workdir already has a result")
-  parser.add_argument("--report_only", action="store_true")
-  parser.add_argument("--plot", default="", help="PNG: top-1 against epoch, final top-1 against inter-node bytes")
-  args = parser.parse_args()
-  labels = args.only.split(",") if args.only else list(RUNS)
-  unknown = [label for label in labels if label not in RUNS]
-  if unknown:
-    parser.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
-  if not args.report_only:
-    for label in labels:
-      config, overrides, _ = RUNS[label]
-      train_runs.run(label, config, overrides, os.path.join(args.workdir, label), args.rerun)
-  results = report(labels, args.workdir)
+  args, results, stopped = train_runs.study(
+    __doc__.split("\n\n")[0], RUNS, "runs/compression", "PNG: top-1 against epoch, final top-1 against inter-node bytes"
+  )
+  report(results, stopped)
   if args.plot and results:
     plot(results, args.plot)
-  print(json.dumps({label: {k: v for k, v in r.items() if k != "records"} for label, r in results.items()}))
+  print(train_runs.figures(results))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,6 @@ rerun (--rerun to force). The last line is one JSON object keyed by label.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 
 import train_runs  # benchmarks/, this script's directory
@@ -56,15 +53,8 @@ RUNS = {
 }
 
 
-def report(labels: list[str], root: str) -> tuple[dict[str, dict], dict[str, list[dict]]]:
-  """(finished runs' figures, the records of runs stopped before the end) found under ``root``."""
-  results, stopped = {}, {}
-  for label in labels:
-    result, records = train_runs.read(os.path.join(root, label))
-    if result:
-      results[label] = result | {"records": records}
-    elif records:  # stopped early: curves only
-      stopped[label] = records
+def report(results: dict[str, dict], stopped: dict[str, list[dict]]) -> None:
+  """The table of finished runs, then the runs stopped before the end."""
   reference = results.get("sgd_256", {}).get("top1")
   header = ("run", "batch", "top-1", "vs 256", "top-5", "train s", "img/s", "inter B/step", "skipped")
   print("{:22} {:>5} {:>7} {:>7} {:>7} {:>8} {:>6} {:>13} {:>7}  what".format(*header))
@@ -78,7 +68,6 @@ def report(labels: list[str], root: str) -> tuple[dict[str, dict], dict[str, lis
   for label, records in stopped.items():
     last = records[-1]
     print(f"{label:22} stopped after epoch {last['epoch']:g}: top-1 {100 * last['eval_top1']:.2f}%  {RUNS[label][2]}")
-  return results, stopped
 
 
 def plot(results: dict[str, dict], stopped: dict[str, list[dict]], path: str) -> None:
@@ -106,25 +95,13 @@ def plot(results: dict[str, dict], stopped: dict[str, list[dict]], path: str) ->
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--workdir", default="runs/large_batch")
-  parser.add_argument("--only", default="", help="comma-separated labels (default: all): " + ",".join(RUNS))
-  parser.add_argument("--rerun", action="store_true", help="rerun runs whose workdir already has a result")
-  parser.add_argument("--report_only", action="store_true")
-  parser.add_argument("--plot", default="", help="PNG of test top-1 against epoch and training seconds")
-  args = parser.parse_args()
-  labels = args.only.split(",") if args.only else list(RUNS)
-  unknown = [label for label in labels if label not in RUNS]
-  if unknown:
-    parser.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
-  if not args.report_only:
-    for label in labels:
-      config, overrides, _ = RUNS[label]
-      train_runs.run(label, config, overrides, os.path.join(args.workdir, label), args.rerun)
-  results, stopped = report(labels, args.workdir)
+  args, results, stopped = train_runs.study(
+    __doc__.split("\n\n")[0], RUNS, "runs/large_batch", "PNG of test top-1 against epoch and training seconds"
+  )
+  report(results, stopped)
   if args.plot and (results or stopped):
     plot(results, stopped, args.plot)
-  print(json.dumps({label: {k: v for k, v in r.items() if k != "records"} for label, r in results.items()}))
+  print(train_runs.figures(results))
 
 
 if __name__ == "__main__":

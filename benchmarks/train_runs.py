@@ -2,11 +2,13 @@
 
 ``run`` starts one run and waits for it, or reuses its workdir when that already holds the summary of the
 same command; ``read`` returns what a run left: its figures when it finished, its per-epoch records when it
-was stopped before the end.
+was stopped before the end. ``study`` is both studies' command line: parse it, run the chosen runs, read
+them all.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -54,6 +56,40 @@ def read(workdir: str) -> tuple[dict | None, list[dict]]:
     "intra_node_bytes_per_step": summary["intra_node_bytes_per_step"],
     "nonfinite_steps": summary["nonfinite_steps"],
   }, records
+
+
+def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str):
+  """The command line of a study of ``runs`` (label -> (config, overrides, what it shows)): --workdir,
+  --only, --rerun, --report_only, --plot. Runs the chosen ones (unless --report_only); returns (args,
+  finished runs' figures with their "records", the records of runs stopped before the end)."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--workdir", default=workdir)
+  parser.add_argument("--only", default="", help="comma-separated labels (default: all): " + ",".join(runs))
+  parser.add_argument("--rerun", action="store_true", help="rerun runs whose workdir already has a result")
+  parser.add_argument("--report_only", action="store_true")
+  parser.add_argument("--plot", default="", help=plot_help)
+  args = parser.parse_args()
+  labels = args.only.split(",") if args.only else list(runs)
+  unknown = [label for label in labels if label not in runs]
+  if unknown:
+    parser.error(f"unknown runs {unknown}; known: {', '.join(runs)}")
+  if not args.report_only:
+    for label in labels:
+      config, overrides, _ = runs[label]
+      run(label, config, overrides, os.path.join(args.workdir, label), args.rerun)
+  results, stopped = {}, {}
+  for label in labels:
+    result, records = read(os.path.join(args.workdir, label))
+    if result:
+      results[label] = result | {"records": records}
+    elif records:  # stopped early: curves only
+      stopped[label] = records
+  return args, results, stopped
+
+
+def figures(results: dict[str, dict]) -> str:
+  """The study's last line: one JSON object keyed by label, the figures without the records."""
+  return json.dumps({label: {k: v for k, v in r.items() if k != "records"} for label, r in results.items()})
 
 
 def _read(path: str) -> str | None:
