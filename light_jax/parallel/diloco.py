@@ -57,7 +57,6 @@ class DiLoCo:
   outer_momentum: float = 0.9
   inner_tx: optax.GradientTransformation | None = None
   wire_dtype: str = "float32"
-  density: float = 1.0  # not used; as PowerSGDReducer's
   strategy: str = NAME
   keeps_residuals: bool = True  # per-device state (delta, inner optimizer state)
   updates_parameters = True  # the train step calls apply, not the optimizer
@@ -65,6 +64,10 @@ class DiLoCo:
   @property
   def compression(self) -> str:
     return f"DiLoCo, an outer step every {self.sync_every} steps"
+
+  def at_density(self, density: float) -> DiLoCo:
+    """Itself: it has no top-k density."""
+    return self
 
   @property
   def outer_tx(self) -> optax.GradientTransformation:
@@ -104,7 +107,7 @@ class DiLoCo:
     Returns (outer params, outer optimizer state, comm_state)."""
     mine = lambda tree: jax.tree.map(lambda x: x[0, 0], tree)  # noqa: E731
     delta, inner_opt = mine(comm_state["delta"]), mine(comm_state["optimizer"])
-    machine = jax.tree.map(jnp.add, params, delta)
+    machine = self.machine_params(params, comm_state)
     updates, inner_opt = self.inner_tx.update(grads, inner_opt, machine)
     delta = jax.tree.map(jnp.add, delta, updates)
 
