@@ -13,7 +13,6 @@ state fix the buckets of the first phase.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -83,7 +82,7 @@ class CompiledSteps:
     return schedules.density_at(step, self.config.comm.density, self.density_warmup_steps)
 
   def reducer_at(self, step: int) -> Reducer:
-    reducer = dataclasses.replace(self.reducer, density=self.density_at(step))
+    reducer = self.reducer.at_density(self.density_at(step))
     return self._planned(reducer, self.batch_shape_at(step)) if self.adaptive_per_phase else reducer
 
   def for_step(self, step: int, state: step_lib.TrainState) -> tuple[Callable, CommBytes]:

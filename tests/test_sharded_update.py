@@ -110,3 +110,16 @@ def test_train_py_with_the_sharded_update_matches_the_replicated_run(tmp_path):
   ratio = sharded["optimizer_state_bytes_per_device"] / replicated["optimizer_state_bytes_per_device"]
   assert 0.5 <= ratio < 0.501, ratio
   assert sharded["inter_node_bytes_per_step"] == replicated["inter_node_bytes_per_step"]
+
+
+def test_the_density_warmup_reaches_hitopk_under_the_sharded_update():
+  """CompiledSteps varies top-k's density per phase through at_density: with the sharded update it must
+  reach the hitopk reducer inside, and leave the shard layout as it is."""
+  params = TinyCNN().init(jax.random.key(0), jnp.zeros((1, 12, 12, 1)))["params"]
+  opt = _config("lars").optimizer
+  base = reducer_lib.make_gradient_reducer("hitopk", 2, 4, "fixed", 4096, density=0.01, min_compress_elements=64)
+  sharded = sharded_update(base, params, opt, optax.constant_schedule(1.0), opt.momentum)
+  warm = sharded.at_density(0.25)
+  assert warm.base.density == 0.25 and warm.buckets == sharded.buckets
+  size = sum(x.size for x in jax.tree.leaves(params))
+  assert warm.base.k_for(size) > sharded.base.k_for(size) > 0

@@ -64,8 +64,6 @@ class PowerSGDReducer:
     min_compress_elements: smaller matrices go dense.
     wire_dtype: dtype of P, Q and the dense tensors on the wire (accumulated in float32).
     local_clip_norm: as GradientReducer's (DGC's local clipping), before compression.
-    density: not used (PowerSGD's compression is its rank); here so the compiled-step cache, which varies
-      top-k's density, treats both reducers alike.
   """
 
   nodes: int
@@ -75,7 +73,6 @@ class PowerSGDReducer:
   min_compress_elements: int = 512
   wire_dtype: str = "float32"
   local_clip_norm: float = 0.0
-  density: float = 1.0
   strategy: str = NAME
   keeps_residuals: bool = True  # its state (residuals, Q) is per device
   updates_parameters = False
@@ -83,6 +80,10 @@ class PowerSGDReducer:
   @property
   def compression(self) -> str:
     return f"PowerSGD rank {self.rank}"
+
+  def at_density(self, density: float) -> PowerSGDReducer:
+    """Itself: its compression is the rank, not a top-k density (which a density warm-up varies)."""
+    return self
 
   def is_compressed(self, shape: tuple[int, ...]) -> bool:
     if len(shape) < 2:

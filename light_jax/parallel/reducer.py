@@ -86,6 +86,10 @@ class GradientReducer:
     """Whether some bucket may be compressed (its residual then fixes the buckets for the whole run)."""
     return self.strategy == AUTO or self.spec.compressed
 
+  def at_density(self, density: float) -> GradientReducer:
+    """This reducer with top-k keeping ``density`` (the density warm-up of the compressed strategies)."""
+    return dataclasses.replace(self, density=density)
+
   @property
   def compression(self) -> str:
     """How this reducer compresses, for the logs ("" when it does not)."""

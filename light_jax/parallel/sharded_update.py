@@ -67,7 +67,10 @@ class ShardedUpdate:
   updates_parameters = True  # the train step calls apply, not the optimizer
   keeps_residuals: bool = True
   compression: str = "sharded update"
-  density: float = 1.0  # as the other reducers': not used
+
+  def at_density(self, density: float) -> ShardedUpdate:
+    """The same, with hitopk's k at ``density`` (the density warm-up); the shard layout does not change."""
+    return dataclasses.replace(self, base=self.base.at_density(density))
 
   # --- the optimizer on shards ------------------------------------------------------------------------
   @property
