@@ -221,6 +221,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   from light_jax.models import ARCHITECTURES
   from light_jax.parallel import compression, cost_model, strategies
   from light_jax.parallel import mesh as mesh_lib
+  from light_jax.parallel import sharded_update as sharded_lib
   from light_jax.parallel.reducer import AUTO, DILOCO, FUSIONS, POWERSGD, STRATEGIES
 
   _choice("comm.strategy", config.comm.strategy, STRATEGIES)
@@ -278,14 +279,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _choice("optimizer.decay", config.optimizer.decay, DECAYS)
   _choice("optimizer.lars_trust", config.optimizer.lars_trust, optim.LARS_TRUST)
   if config.optimizer.sharded_update:
-    if config.comm.strategy not in ("hierarchical", "hitopk") or config.comm.fusion == "adaptive":
+    if config.comm.strategy not in sharded_lib.STRATEGIES or config.comm.fusion == "adaptive":
       raise ConfigError(
         f"optimizer.sharded_update updates the shards that the reduce-scatter over `local` leaves; it needs "
-        f"comm.strategy 'hierarchical' or 'hitopk' (not {config.comm.strategy!r}) and comm.fusion 'fixed' "
+        f"comm.strategy in {sharded_lib.STRATEGIES} (not {config.comm.strategy!r}) and comm.fusion 'fixed' "
         f"or 'none' (not {config.comm.fusion!r})."
       )
-    if config.optimizer.name not in ("sgd", "lars"):
-      raise ConfigError(f"optimizer.sharded_update supports sgd and lars, not {config.optimizer.name!r}.")
+    if config.optimizer.name not in sharded_lib.OPTIMIZERS:
+      raise ConfigError(f"optimizer.sharded_update supports {sharded_lib.OPTIMIZERS}, not {config.optimizer.name!r}.")
   if config.optimizer.fused_norms and config.optimizer.name != "lars":
     raise ConfigError(
       f"optimizer.fused_norms computes LARS's trust ratios; optimizer.name={config.optimizer.name!r} has none "
