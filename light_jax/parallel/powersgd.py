@@ -94,7 +94,7 @@ class PowerSGDReducer:
   def _split(self, leaves) -> tuple[list[int], list[int]]:
     """(indices of the compressed leaves, indices of the dense ones)."""
     compressed = [i for i, x in enumerate(leaves) if self.is_compressed(tuple(x.shape))]
-    return compressed, [i for i in range(len(leaves)) if i not in set(compressed)]
+    return compressed, [i for i, x in enumerate(leaves) if not self.is_compressed(tuple(x.shape))]
 
   # --- state -------------------------------------------------------------------------------------
   def init_state(self, params: PyTree) -> dict[str, Memory]:
