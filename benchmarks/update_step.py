@@ -12,9 +12,15 @@ machine noise hits them alike, median over --rounds:
   buffers (`optimizer.fused_norms`, light_jax/optim.py `tensor_norms`);
 - `lars_mlperf` / `lars_mlperf_fused`: the MLPerf trust ratio, the same two ways.
 `grad` is the forward and backward pass of --batch_per_device images at --image pixels on the same device;
-a row's `share` is its update / (grad + update), the part of a step the update takes. The sharded update
-(`optimizer.sharded_update`) is not a row: it runs across `local` devices, and on simulated CPU devices,
-which share the cores, one device's part of it cannot be timed alone. The last line is one JSON object keyed by row.
+a row's `share` is its update / (grad + update), the part of a step the update takes.
+
+Then the sharded update (`optimizer.sharded_update`) against the replicated one across --local devices of
+one machine (a 1 x local mesh; on the CPU, --local simulated devices, one per core), both starting from
+the shards of the summed gradient that the hierarchical reduce-scatter leaves (the same in both, so not
+timed): `replicated_lars` gathers the gradient shards and every device updates all parameters;
+`sharded_lars` updates each device's shard (norms from per-piece sums and a psum) and gathers the
+parameters (light_jax/parallel/sharded_update.py). `grad_local` is the forward and backward pass on all
+--local devices at once, the step these rows are a share of. The last line is one JSON object keyed by row.
 """
 
 import argparse
@@ -33,7 +39,9 @@ def main():
   parser.add_argument("--image", type=int, default=224)
   parser.add_argument("--batch_per_device", type=int, default=8)
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--local", type=int, default=2, help="devices of the sharded-vs-replicated rows")
   args = parser.parse_args()
+  os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.local))  # simulated CPU devices; no effect on GPUs
 
   import jax
   import jax.numpy as jnp
@@ -101,14 +109,111 @@ def main():
   print(f"\n{args.model} ({num:,} parameters, {len(jax.tree.leaves(params))} tensors) on one "
         f"{jax.devices()[0].platform} device, median of {args.rounds}; grad: {args.batch_per_device} images of "
         f"{args.image}px")  # fmt: skip
-  print(f"{'row':<20}{'seconds':>10}{'vs lars':>9}{'share of step':>15}")
+  result = table(median, "grad", "lars")
+  del runs
+  if len(jax.devices()) >= 2 and args.local >= 2:
+    local = sharded_vs_replicated(args, loss, params, images, labels, optimizer("lars"), schedule)
+    print(f"\nacross {args.local} {jax.devices()[0].platform} devices (1 x {args.local} mesh), median of {args.rounds}")
+    result |= table(local, "grad_local", "replicated_lars")
+  else:
+    print(f"\nsharded vs replicated: skipped, {len(jax.devices())} device(s) (needs --local >= 2 devices)")
+  print(json.dumps(result))
+
+
+def table(median: dict[str, float], grad: str, reference: str) -> dict[str, dict]:
+  """Prints the rows: seconds, against ``reference``, share of a step (row / (``grad`` + row))."""
+  print(f"{'row':<20}{'seconds':>10}{'vs ' + reference:>22}{'share of step':>15}")
   result = {}
   for name, seconds in median.items():
-    share = seconds / (median["grad"] + seconds) if name != "grad" else None
-    ratio = f"{seconds / median['lars']:.2f}x" if name != "grad" else "-"
-    print(f"{name:<20}{seconds:>10.4f}{ratio:>9}{'' if share is None else f'{100 * share:.1f}%':>15}")
+    share = seconds / (median[grad] + seconds) if name != grad else None
+    ratio = f"{seconds / median[reference]:.2f}x" if name != grad else "-"
+    print(f"{name:<20}{seconds:>10.4f}{ratio:>22}{'' if share is None else f'{100 * share:.1f}%':>15}")
     result[name] = {"seconds": seconds, "share_of_step": share}
-  print(json.dumps(result))
+  return result
+
+
+def sharded_vs_replicated(args, loss, params, images, labels, tx, schedule) -> dict[str, float]:
+  """Median seconds of grad_local, replicated_lars and sharded_lars on a 1 x --local mesh (see the docstring)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from configs import imagenet_resnet50
+  from light_jax.parallel import collectives
+  from light_jax.parallel import fusion as fusion_lib
+  from light_jax.parallel.mesh import LOCAL, NODE, make_mesh
+  from light_jax.parallel.reducer import reducer_from_config
+  from light_jax.parallel.sharded_update import sharded_update
+
+  config = imagenet_resnet50.get_config()
+  config.optimizer.name = "lars"
+  mesh = make_mesh(1, args.local, jax.devices()[: args.local])
+  base = reducer_from_config(config.comm, 1, args.local)
+  sharded = sharded_update(base, params, config.optimizer, schedule, config.optimizer.momentum)
+  per_device = NamedSharding(mesh, P(NODE, LOCAL))
+  # On the mesh from the start: an input placed differently from the last call's would recompile the step.
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  keys = [f"bucket_{b:03d}" for b in range(len(sharded.buckets))]
+
+  def shard_map(f, in_specs, out_specs):
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+  # Every device's own images: the forward and backward pass of the whole 1 x local step.
+  batch = jnp.concatenate([images] * args.local), jnp.concatenate([labels] * args.local)
+  grad_local = shard_map(
+    lambda p, x, y: jax.tree.map(lambda g: g[None], jax.grad(loss)(p, x, y)), (P(), P(LOCAL), P(LOCAL)), P(LOCAL)
+  )
+  grads = jax.tree.map(lambda g: g[0], grad_local(params, *batch))
+  comm_state = jax.device_put(sharded.init_state(params), per_device)
+  shards, comm_state = shard_map(sharded.reduce, (P(), P(NODE, LOCAL)), (P(LOCAL), P(NODE, LOCAL)))(grads, comm_state)
+
+  def replicated(params, opt_state, shards):
+    leaves, treedef = jax.tree.flatten(params)
+    full = list(leaves)
+    for key, bucket in zip(keys, sharded.buckets):
+      members = [leaves[m] for m in bucket.members]
+      for m, g in zip(bucket.members, fusion_lib.unpack(collectives.gather_local_shards(shards[key]), members)):
+        full[m] = g
+    updates, opt_state = tx.update(jax.tree.unflatten(treedef, full), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def on_shards(params, comm_state, shards):
+    new, _, comm_state = sharded.apply(shards, params, optax.EmptyState(), comm_state)
+    return new, comm_state
+
+  arms = {
+    "replicated_lars": [
+      shard_map(replicated, (P(), P(), P(LOCAL)), (P(), P())),
+      params,
+      jax.device_put(tx.init(params), NamedSharding(mesh, P())),
+    ],
+    "sharded_lars": [shard_map(on_shards, (P(), P(NODE, LOCAL), P(LOCAL)), (P(), P(NODE, LOCAL))), params, comm_state],
+  }
+  times = {name: [] for name in ["grad_local", *arms]}
+  for r in range(args.rounds + 1):  # round 0 compiles and warms up
+    start = time.perf_counter()
+    jax.block_until_ready(grad_local(params, *batch))
+    if r:
+      times["grad_local"].append(time.perf_counter() - start)
+    for name, (step, p, s) in arms.items():
+      start = time.perf_counter()
+      p, s = jax.block_until_ready(step(p, s, shards))
+      arms[name][1:] = [p, s]
+      if r:
+        times[name].append(time.perf_counter() - start)
+    print(f"  round {r}: " + ", ".join(f"{n} {t[-1]:.4f} s" for n, t in times.items() if t), file=sys.stderr)
+  # The same optimizer, so the same parameters after the same updates (a check on the comparison itself).
+  diff = max(
+    float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(a)) + 1e-12))
+    for a, b in zip(jax.tree.leaves(arms["replicated_lars"][1]), jax.tree.leaves(arms["sharded_lars"][1]))
+  )
+  state_bytes = {name: sum(x.nbytes for x in jax.tree.leaves(arms[name][2])) for name in arms}
+  print(f"  after {args.rounds + 1} updates: largest relative parameter difference {diff:.1e}; optimizer state "
+        f"{state_bytes['replicated_lars']:,} B per device replicated, "
+        f"{state_bytes['sharded_lars'] // args.local:,} B sharded", file=sys.stderr)  # fmt: skip
+  return {name: statistics.median(t) for name, t in times.items()}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from light_jax import optim
 from light_jax import train_step as step_lib
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel import reducer as reducer_lib
-from light_jax.parallel.sharded_update import sharded_update
+from light_jax.parallel.sharded_update import sharded_update, split_into_shards
 from light_jax.train_lib import optimizer_state_bytes_per_device
 from tests.helpers import ROOT, TinyCNN
 from tests.test_train_step import _batches, _config, _max_diff
@@ -54,7 +54,7 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
 )
 def test_sharded_update_takes_the_replicated_steps(shape, optimizer, bucket_bytes, strategy):
   """Buckets of 4 KiB split tensors across shards and shards across tensors; LARS's per-tensor norms
-  then need the segment sums and the psum over `local`. hitopk (10%, error feedback): the same shard sums."""
+  then need the per-piece sums and the psum over `local`. hitopk (10%, error feedback): the same shard sums."""
   batches, info = _batches(4)
   replicated, replicated_losses = _train(shape, optimizer, False, batches, info, bucket_bytes, strategy)
   sharded, sharded_losses = _train(shape, optimizer, True, batches, info, bucket_bytes, strategy)
@@ -110,6 +110,19 @@ def test_train_py_with_the_sharded_update_matches_the_replicated_run(tmp_path):
   ratio = sharded["optimizer_state_bytes_per_device"] / replicated["optimizer_state_bytes_per_device"]
   assert 0.5 <= ratio < 0.501, ratio
   assert sharded["inter_node_bytes_per_step"] == replicated["inter_node_bytes_per_step"]
+
+
+@pytest.mark.parametrize("sizes,local", [([5, 3, 8], 4), ([1, 30], 4), ([3], 8), ([7, 7, 7, 7], 2)], ids=str)
+def test_the_shards_pieces_cover_each_element_once(sizes, local):
+  """Each device's pieces name, in order, exactly the elements of its shard of the packed tensors (the
+  last shards may be padding only)."""
+  shard = -(-sum(sizes) // local)
+  bucket = split_into_shards(tuple(range(10, 10 + len(sizes))), sizes, shard, local)
+  packed = [(leaf, i) for leaf, size in enumerate(sizes, start=10) for i in range(size)]
+  for device, pieces in enumerate(bucket.pieces):
+    held = [(p.leaf, p.start + i) for p in pieces for i in range(p.size)]
+    assert held == packed[device * shard : (device + 1) * shard]
+    assert [p.offset for p in pieces] == [sum(q.size for q in pieces[:j]) for j in range(len(pieces))]
 
 
 def test_the_density_warmup_reaches_hitopk_under_the_sharded_update():
