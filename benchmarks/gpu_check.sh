@@ -10,7 +10,8 @@
 #   2. the gradient collectives on the device (benchmarks/collectives.py): per strategy, exact against
 #      MSTopK top-k selection;
 #   3. the input pipeline (benchmarks/input_pipeline.py), images/s per host core;
-#   3b. the optimizer update of ResNet-50 with LARS, norms per tensor against fused (benchmarks/update_step.py);
+#   3b. the optimizer update of ResNet-50 with LARS, norms per tensor against fused, and sharded against
+#       replicated across the GPUs when there are several (benchmarks/update_step.py);
 #   4. a short training run (train.py on generated JPEGs, ResNet-50 at 128 px) with a profile of 5 steps.
 # Writes OUT_DIR/gpu_check.json (every step's JSON line, its exit code and seconds) and OUT_DIR/report.txt
 # (the tables), plus each step's log and the profile under OUT_DIR/train/profile.
@@ -71,7 +72,7 @@ else
   COLLECTIVES=(--nodes 1 --local -1 --repeats 5
                --only hierarchical,hitopk@0.01,hitopk@0.01/mstopk,hitopk@0.001,hitopk@0.001/mstopk,gtopk@0.01,topk@0.001,powersgd@4)
   INPUT=(--images 200 --rounds 2 --seconds 2)
-  UPDATE=(--model resnet50 --batch_per_device 128 --rounds 10)
+  UPDATE=(--model resnet50 --batch_per_device 128 --rounds 10 --local "$(nvidia-smi -L | wc -l)")  # sharded: >= 2 GPUs
   TRAIN=(--config.model.name=resnet50 --config.data.image_size=128 --config.data.resolution_schedule=
          --config.global_batch_size=256 --config.num_epochs=20 --config.max_steps=150
          --config.train.profile_steps=100:105)

@@ -116,26 +116,20 @@ class ShardedUpdate:
     branches = [functools.partial(fn, pieces, bucket.shard) for pieces in bucket.pieces]
     return lax.switch(lax.axis_index(LOCAL), branches, *operands)
 
-  def _tensor_norms(self, shards: list[jax.Array]) -> jax.Array:
-    """Whole-tensor norms (``num_leaves`` + 1, the last 0) from every device's shards: sums of squares of
-    this device's pieces, one psum over ``local``."""
-    of_pieces = functools.partial(_sums_of_squares, length=self.num_leaves + 1)
-    sums = sum(self._on_device(b, of_pieces, x) for b, x in enumerate(shards))
-    return jnp.sqrt(lax.psum(sums, LOCAL))
-
   def _direction(self, grads: list[jax.Array], params: list[jax.Array]) -> list[jax.Array]:
-    """g + wd w on the decayed tensors, times LARS's trust ratio per tensor."""
-    decays = jnp.asarray((*self.decays, False), jnp.float32)  # per leaf, then the padding
-    wd = self.opt.weight_decay
-    decayed = [g + wd * self._on_device(b, _spread, decays) * w for b, (g, w) in enumerate(zip(grads, params))]
-    if self.opt.name == "sgd":
-      return decayed
-    other = decayed if self.opt.lars_trust == "optax" else grads
-    ratios = optim.lars_ratio(
-      self.opt.lars_trust, self.opt.lars_eta, wd, self._tensor_norms(params), self._tensor_norms(other)
-    )
-    ratios = jnp.where(decays > 0, ratios, 1.0)
-    return [self._on_device(b, _spread, ratios) * d for b, d in enumerate(decayed)]
+    """g + wd w on the decayed tensors, times LARS's trust ratio per tensor: per bucket one branch for the
+    sums of squares of this device's pieces, one psum over ``local`` of them all, one branch for the result
+    (few branches: each branch's output is materialised, so the per-piece work stays inside them)."""
+    wd, lars = self.opt.weight_decay, self.opt.name == "lars"
+    ratios = jnp.ones((self.num_leaves,), jnp.float32)
+    if lars:
+      # Rows: |w|^2 and |g + wd w|^2 (optax's form) or |g|^2 (MLPerf's), per decayed leaf.
+      sums = functools.partial(_sums_of_squares, decays=self.decays, wd=wd if self.opt.lars_trust == "optax" else 0.0)
+      local_sums = sum(self._on_device(b, sums, g, w) for b, (g, w) in enumerate(zip(grads, params)))
+      norms = jnp.sqrt(lax.psum(local_sums, LOCAL))
+      ratios = optim.lars_ratio(self.opt.lars_trust, self.opt.lars_eta, wd, norms[0], norms[1])
+    scale = functools.partial(_decay_and_scale, decays=self.decays, wd=wd)
+    return [self._on_device(b, scale, g, w, ratios) for b, (g, w) in enumerate(zip(grads, params))]
 
   # --- state -------------------------------------------------------------------------------------
   def init_optimizer_state(self, params: PyTree) -> PyTree:
@@ -234,15 +228,34 @@ def _take_pieces(pieces: tuple[Piece, ...], shard: int, leaves: list[jax.Array])
   return jnp.concatenate([*parts, jnp.zeros((shard - sum(p.size for p in pieces),), jnp.float32)])
 
 
-def _sums_of_squares(pieces: tuple[Piece, ...], shard: int, x: jax.Array, length: int) -> jax.Array:
-  """Per leaf, the sum of squares of its piece of the shard ``x`` (0 for leaves not in it)."""
-  sums = jnp.zeros((length,), jnp.float32)
+def _sums_of_squares(
+  pieces: tuple[Piece, ...], shard: int, g: jax.Array, w: jax.Array, decays: tuple[bool, ...], wd: float
+) -> jax.Array:
+  """(2, leaves): per decayed leaf, the sums of squares of its pieces of ``w`` and of ``g + wd w`` (0 for
+  leaves not in this shard or not decayed)."""
+  sums = jnp.zeros((2, len(decays)), jnp.float32)
   for p in pieces:
-    sums = sums.at[p.leaf].set(jnp.sum(jnp.square(x[p.offset : p.offset + p.size])))
+    if decays[p.leaf]:
+      w_piece, g_piece = w[p.offset : p.offset + p.size], g[p.offset : p.offset + p.size]
+      sums = sums.at[:, p.leaf].set(
+        jnp.stack([jnp.sum(jnp.square(w_piece)), jnp.sum(jnp.square(g_piece + wd * w_piece))])
+      )
   return sums
 
 
-def _spread(pieces: tuple[Piece, ...], shard: int, per_leaf: jax.Array) -> jax.Array:
-  """Each position of the shard gets its leaf's value of ``per_leaf`` (the padding its last value)."""
-  parts = [jnp.broadcast_to(per_leaf[p.leaf], (p.size,)) for p in pieces]
-  return jnp.concatenate([*parts, jnp.broadcast_to(per_leaf[-1], (shard - sum(p.size for p in pieces),))])
+def _decay_and_scale(
+  pieces: tuple[Piece, ...],
+  shard: int,
+  g: jax.Array,
+  w: jax.Array,
+  ratios: jax.Array,
+  decays: tuple[bool, ...],
+  wd: float,
+) -> jax.Array:
+  """Per piece: ``ratio x (g + wd w)`` for a decayed leaf, ``g`` for the others (and the padding)."""
+  parts = []
+  for p in pieces:
+    g_piece, w_piece = g[p.offset : p.offset + p.size], w[p.offset : p.offset + p.size]
+    parts.append(ratios[p.leaf] * (g_piece + wd * w_piece) if decays[p.leaf] else g_piece)
+  used = sum(p.size for p in pieces)
+  return jnp.concatenate([*parts, g[used:]])
