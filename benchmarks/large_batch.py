@@ -31,6 +31,11 @@ RUNS = {
   # 28 epochs, the seed's count (configs/fashion_mnist.py:large_batch)
   "sgd_256": (BASE, E28, "the default: SGD + Nesterov at batch 256"),
   "lars_tuned": (f"{BASE}:large_batch", [], "LARS, MLPerf trust ratio, values from the AutoML study"),
+  "lars_tuned_wd": (
+    f"{BASE}:large_batch",
+    ["--config.optimizer.weight_decay=5e-4", "--config.optimizer.label_smoothing=0.1"],
+    "the same with the batch-256 run's weight decay and label smoothing",
+  ),
   "lamb_4096": (f"{BASE}:lars", [*B4096, *E28, *LAMB], "LAMB, peak lr 0.016"),
   "sgd_4096": (BASE, [*B4096, *E28], "SGD, linear scaling rule, 1 epoch warm-up"),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
