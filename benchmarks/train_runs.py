@@ -48,6 +48,7 @@ def read(workdir: str) -> tuple[dict | None, list[dict]]:
     summary = json.load(f)
   return {
     "batch": summary["config"]["global_batch_size"],
+    "epochs": summary["config"]["num_epochs"],
     "top1": summary["final_eval_top1"],
     "top5": summary["final_eval_top5"],
     "train_seconds": records[-1]["train_seconds"],
