@@ -25,7 +25,7 @@ import ml_collections
 import optax
 
 from light_jax import checkpoint as checkpoint_lib
-from light_jax import schedules
+from light_jax import optim, schedules
 from light_jax import train_step as step_lib
 from light_jax.data import DatasetInfo
 from light_jax.parallel import cost_model
@@ -109,6 +109,7 @@ class CompiledSteps:
       tuple(self.plan.first_steps),
       micro_batches=self.config.micro_batches,
       loss_scale_period=self.config.model.loss_scale_period,
+      local_tx=optim.local_transform(self.config),
     )
     compiled = train.lower(abstract_state, images, labels).compile()
     comm_bytes = reducer.bytes_per_step(abstract_state.params)

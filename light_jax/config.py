@@ -134,6 +134,10 @@ def base_config() -> ml_collections.ConfigDict:
     # local_clip_norm / sqrt(devices) before compression.
     momentum_correction=False,
     local_clip_norm=0.0,
+    # LARS's weight decay and trust ratio on each device's gradient before the reduction, the optimizer
+    # keeping the learning rate and momentum: top-k then sends pieces of the scaled update (error feedback
+    # conserves it) instead of LARS rescaling the few sent entries to a whole layer's step.
+    local_trust_ratio=False,
     rank=4,  # powersgd: columns of P and Q (error_feedback, min_compress_elements, dtype apply too)
     # diloco: each machine takes sync_every steps on its own (gradients averaged inside it), then an outer
     # step, SGD with Nesterov momentum, applies the machines' mean change to the shared parameters.
@@ -271,6 +275,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     )
   if config.comm.momentum_correction and config.optimizer.name == "lamb":
     raise ConfigError("comm.momentum_correction moves SGD/LARS momentum into the reducer; LAMB has none to move.")
+  if config.comm.local_trust_ratio and config.optimizer.name != "lars":
+    raise ConfigError(
+      f"comm.local_trust_ratio moves LARS's trust ratio before the reduction; optimizer.name="
+      f"{config.optimizer.name!r} has none. Set optimizer.name=lars, or comm.local_trust_ratio=False."
+    )
+  if config.comm.local_trust_ratio and (config.comm.strategy == DILOCO or config.optimizer.sharded_update):
+    raise ConfigError(
+      "comm.local_trust_ratio runs LARS's trust ratio on each device before the gradient reduction; "
+      "comm.strategy=diloco and optimizer.sharded_update apply the optimizer their own way. Turn one off."
+    )
   _positive("comm.min_compress_elements", config.comm.min_compress_elements, allow_zero=True)
   _positive("comm.density_warmup_epochs", config.comm.density_warmup_epochs, allow_zero=True)
   if not 0.0 < config.comm.density <= 1.0:

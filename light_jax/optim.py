@@ -8,6 +8,9 @@
   ``eta ||w|| / ||g + wd w||`` and the MLPerf reference's ``eta ||w|| / (||g|| + wd ||w||)``.
 - With ``comm.momentum_correction`` the gradient reducer keeps the momentum (DGC): the optimizer then
   runs without its own (``momentum_in_optimizer``).
+- With ``comm.local_trust_ratio`` LARS's weight decay and trust ratio run on each device's gradient
+  before the reduction (``local_transform``) and the optimizer keeps only the learning rate and momentum:
+  a top-k reduction then sends pieces of the scaled update, and error feedback conserves it.
 - LARS is ``scale_by_lars_trust_ratio`` + optax's learning rate and momentum: the same steps as
   ``optax.lars`` (tested), one pass per norm instead of three. ``optimizer.fused_norms`` computes the
   norms of every tensor from packed buffers (``tensor_norms``) instead of two reductions per tensor
@@ -37,15 +40,27 @@ def momentum_in_optimizer(config: ml_collections.ConfigDict) -> bool:
   return not config.comm.momentum_correction
 
 
+def local_transform(config: ml_collections.ConfigDict) -> optax.GradientTransformation | None:
+  """What runs on each device's own gradient before the reduction: LARS's weight decay and trust ratio
+  with ``comm.local_trust_ratio`` (stateless), else None."""
+  if not config.comm.local_trust_ratio:
+    return None
+  opt = config.optimizer
+  return scale_by_lars_trust_ratio(opt.lars_eta, opt.weight_decay, decay_mask, opt.lars_trust, opt.fused_norms)
+
+
 def build_optimizer(
   opt: ml_collections.ConfigDict,
   schedule: optax.Schedule,
   momentum: float | Callable | None = None,
+  trust_ratio: bool = True,
 ) -> optax.GradientTransformation:
   """The optimizer named by ``opt.name`` (``config.optimizer``), applied to the reduced mean gradient.
 
   ``momentum``: a float, a schedule of the step (``schedules.momentum_schedule``), or None for
   ``opt.momentum``; 0 turns momentum off (DGC momentum correction keeps it in the reducer instead).
+  ``trust_ratio=False``: LARS without its weight decay and trust ratio, which ``local_transform`` then
+  applies on each device before the reduction (``comm.local_trust_ratio``).
   """
   momentum = opt.momentum if momentum is None else momentum
   scheduled = callable(momentum)
@@ -61,8 +76,11 @@ def build_optimizer(
       optax.scale_by_learning_rate(schedule),
     )
   if opt.name == "lars":
+    tail = [optax.scale_by_learning_rate(schedule), momentum_transform(momentum, opt.nesterov)]
+    if not trust_ratio:
+      return optax.chain(*tail)
     trust = scale_by_lars_trust_ratio(opt.lars_eta, opt.weight_decay, decay_mask, opt.lars_trust, opt.fused_norms)
-    return optax.chain(trust, optax.scale_by_learning_rate(schedule), momentum_transform(momentum, opt.nesterov))
+    return optax.chain(trust, *tail)
   if opt.name == "lamb":
     return optax.lamb(schedule, weight_decay=opt.weight_decay, mask=decay_mask)
   raise ValueError(f"unknown optimizer {opt.name!r}")  # config.validate refuses it first

@@ -138,6 +138,7 @@ def make_train_step(
   micro_batches: int = 1,
   loss_scale_period: int = 2000,
   unroll_micro_batches: bool | None = None,
+  local_tx: optax.GradientTransformation | None = None,
 ) -> Callable:
   """Returns ``step(state, images, labels) -> (state, per_device_loss)``, jitted, donating ``state``.
 
@@ -152,7 +153,8 @@ def make_train_step(
   first step. ``micro_batches``: slices of the device's batch run one after the other, their gradients
   summed before the one reduction (gradient accumulation; ``unroll_micro_batches``: None = unrolled on the
   CPU only, see ``accumulate_gradients``). ``loss_scale_period``: finite steps after
-  which dynamic loss scaling doubles the scale (with ``state.loss_scale``).
+  which dynamic loss scaling doubles the scale (with ``state.loss_scale``). ``local_tx``: a stateless
+  transformation of each device's gradient before the reduction (``optim.local_transform``).
   """
 
   def device_step(state: TrainState, images, labels):
@@ -187,6 +189,8 @@ def make_train_step(
       )
     # Unscaled before the reduction: error-feedback residuals outlive a change of scale.
     local_grads = scaling.unscale(local_grads)
+    if local_tx is not None:  # LARS's trust ratio per device, before compression (comm.local_trust_ratio)
+      local_grads, _ = local_tx.update(local_grads, optax.EmptyState(), params)
     grads, comm_state = reducer.reduce(local_grads, state.comm_state)
     if reducer.updates_parameters:  # DiLoCo's inner and outer steps; the sharded update (grads: shards)
       sync = None

@@ -53,6 +53,11 @@ def test_default_configs_validate():
     ),
     ({"comm__momentum_correction": True}, r"comm.strategy='hierarchical' is not a top-k strategy"),
     ({"comm__local_clip_norm": 1.0}, r"comm.strategy='hierarchical' does not compress"),
+    ({"comm__local_trust_ratio": True}, r"optimizer.name='sgd' has none. Set optimizer.name=lars"),
+    (
+      {"comm__local_trust_ratio": True, "optimizer__name": "lars", "optimizer__sharded_update": True},
+      r"comm.strategy=diloco and optimizer.sharded_update apply the optimizer their own way",
+    ),
     (
       {"comm__strategy": "hitopk", "comm__momentum_correction": True, "comm__error_feedback": False},
       r"set comm.error_feedback=True",
