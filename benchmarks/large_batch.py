@@ -46,6 +46,11 @@ RUNS = {
     [*HITOPK, "--config.comm.momentum_correction=True"],
     "+ hitopk at 0.1%, DGC momentum correction",
   ),
+  "lars_tuned_hitopk_ltr": (
+    f"{BASE}:large_batch",
+    [*HITOPK, "--config.comm.local_trust_ratio=True"],
+    "+ hitopk at 0.1%, error feedback, LARS's trust ratio on each device before compression",
+  ),
   # 8 epochs (the default's count)
   "sgd_256_8ep": (BASE, E8, "the default: SGD + Nesterov at batch 256"),
   "sgd_4096_8ep": (BASE, [*B4096, *E8], "SGD, linear scaling rule, 1 epoch warm-up"),
