@@ -37,6 +37,11 @@ RUNS = {
     ["--config.optimizer.weight_decay=5e-4", "--config.optimizer.label_smoothing=0.1"],
     "the same with the batch-256 run's weight decay and label smoothing",
   ),
+  "lars_tuned_bn32": (
+    f"{BASE}:large_batch",
+    ["--config.micro_batches=16"],
+    "the same, BatchNorm over 32 images as at batch 256 (16 micro-batches: ghost batch norm)",
+  ),
   "lamb_4096": (f"{BASE}:lars", [*B4096, *E28, *LAMB], "LAMB, peak lr 0.016"),
   "sgd_4096": (BASE, [*B4096, *E28], "SGD, linear scaling rule, 1 epoch warm-up"),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
