@@ -48,16 +48,13 @@ data:
 train: .venv
 	$(PY) train.py --config $(CONFIG) --workdir $(WORKDIR)
 
-# Two pytest workers (pytest-xdist), a test file per worker at a time: most tests are single-threaded
-# XLA compiles or wait on train.py subprocesses, so two run side by side on two cores.
-TEST_WORKERS ?= 2
 test: .venv $(VENV)/.installed-test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
+	$(PY) -m pytest -q --durations=30 tests
 
 # Also the tests marked slow (pyproject.toml): the fault drills on the emulated cluster, every strategy across
 # two processes, the prepared GPU check at toy size.
 test-all: .venv $(VENV)/.installed-test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 -m "" tests
+	$(PY) -m pytest -q --durations=30 -m "" tests
 
 # ruff's formatter (check only) and linter, configured in pyproject.toml; `make format` applies the formatter.
 $(VENV)/.installed-lint: $(VENV)/.installed
