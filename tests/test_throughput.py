@@ -40,5 +40,6 @@ def test_gpu_check_script_runs_every_step_at_toy_size_on_cpu(tmp_path):
   assert throughput["peak_memory_bytes_per_device"] > 0
   steps = {s["step"]: s for s in summary["steps"]}
   assert steps["collectives"]["result"] and steps["input_pipeline"]["result"]
-  assert steps["update_step"]["result"]["lars_fused"]["seconds"] > 0
+  update = steps["update_step"]["result"]
+  assert update["lars_fused"]["seconds"] > 0 and update["sharded_lars"]["seconds"] > 0  # 2 CPU devices
   assert json.loads(result.stdout.strip().splitlines()[-1])["failed"] == []
