@@ -89,7 +89,7 @@ for dtype in "${DTYPES[@]}"; do
 done
 run collectives 120 "$PY" benchmarks/collectives.py "${COLLECTIVES[@]}"
 run input_pipeline 90 "$PY" benchmarks/input_pipeline.py "${INPUT[@]}"
-run update_step 120 "$PY" benchmarks/update_step.py "${UPDATE[@]}"
+run update_step 400 "$PY" benchmarks/update_step.py "${UPDATE[@]}"  # compiles ~10 programs (2 on a mesh)
 
 # Training data: a small folder of generated JPEGs (10 classes), prepared as the README says.
 DATA="$OUT/data"
