@@ -45,7 +45,11 @@ def local_transform(config: ml_collections.ConfigDict) -> optax.GradientTransfor
   with ``comm.local_trust_ratio`` (stateless), else None."""
   if not config.comm.local_trust_ratio:
     return None
-  opt = config.optimizer
+  return _lars_trust(config.optimizer)
+
+
+def _lars_trust(opt: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """LARS's weight decay and trust ratio with ``opt``'s values (before the reduction or after it)."""
   return scale_by_lars_trust_ratio(opt.lars_eta, opt.weight_decay, decay_mask, opt.lars_trust, opt.fused_norms)
 
 
@@ -79,8 +83,7 @@ def build_optimizer(
     tail = [optax.scale_by_learning_rate(schedule), momentum_transform(momentum, opt.nesterov)]
     if not trust_ratio:
       return optax.chain(*tail)
-    trust = scale_by_lars_trust_ratio(opt.lars_eta, opt.weight_decay, decay_mask, opt.lars_trust, opt.fused_norms)
-    return optax.chain(trust, *tail)
+    return optax.chain(_lars_trust(opt), *tail)
   if opt.name == "lamb":
     return optax.lamb(schedule, weight_decay=opt.weight_decay, mask=decay_mask)
   raise ValueError(f"unknown optimizer {opt.name!r}")  # config.validate refuses it first
