@@ -15,7 +15,7 @@ machine noise hits them alike, median over --rounds:
 a row's `share` is its update / (grad + update), the part of a step the update takes.
 
 Then the sharded update (`optimizer.sharded_update`) against the replicated one across --local devices of
-one machine (a 1 x local mesh; on the CPU, --local simulated devices, one per core), both starting from
+one machine (a 1 x local mesh; on the CPU, --local simulated devices sharing the cores), both starting from
 the shards of the summed gradient that the hierarchical reduce-scatter leaves (the same in both, so not
 timed): `replicated_lars` gathers the gradient shards and every device updates all parameters;
 `sharded_lars` updates each device's shard (norms from per-piece sums and a psum) and gathers the
