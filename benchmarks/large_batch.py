@@ -42,6 +42,11 @@ RUNS = {
     ["--config.micro_batches=16"],
     "the same, BatchNorm over 32 images as at batch 256 (16 micro-batches: ghost batch norm)",
   ),
+  "lars_tuned_cosine": (
+    f"{BASE}:large_batch",
+    ["--config.optimizer.decay=cosine"],
+    "the same with cosine decay (the batch-256 run's) instead of poly",
+  ),
   "lamb_4096": (f"{BASE}:lars", [*B4096, *E28, *LAMB], "LAMB, peak lr 0.016"),
   "sgd_4096": (BASE, [*B4096, *E28], "SGD, linear scaling rule, 1 epoch warm-up"),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
