@@ -61,6 +61,16 @@ RUNS = {
     [*HITOPK, "--config.comm.local_trust_ratio=True"],
     "+ hitopk at 0.1%, error feedback, LARS's trust ratio on each device before compression",
   ),
+  "lars_tuned_hitopk_dgc": (
+    f"{BASE}:large_batch",
+    [
+      *HITOPK,
+      "--config.comm.local_trust_ratio=True",
+      "--config.comm.momentum_correction=True",
+      "--config.comm.density_warmup_epochs=4",
+    ],
+    "+ hitopk at 0.1%, LARS's trust ratio before compression, DGC momentum correction and density warm-up",
+  ),
   # 8 epochs (the default's count)
   "sgd_256_8ep": (BASE, E8, "the default: SGD + Nesterov at batch 256"),
   "sgd_4096_8ep": (BASE, [*B4096, *E8], "SGD, linear scaling rule, 1 epoch warm-up"),
