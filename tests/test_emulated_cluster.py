@@ -16,7 +16,8 @@ from light_jax.emulated_cluster import EmulatedCluster, free_port, parse_rate
 from light_jax.exit_codes import ExitCode
 from tests.helpers import ROOT
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+# serial: `make test` runs this file alone, after the others (two gloo processes; shaped-link timings).
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"), pytest.mark.serial]
 PEER_TIMEOUT = 6
 
 SERVER = textwrap.dedent("""
