@@ -48,20 +48,13 @@ data:
 train: .venv
 	$(PY) train.py --config $(CONFIG) --workdir $(WORKDIR)
 
-# Two pytest-xdist workers, a test file per worker at a time (most tests are single-threaded XLA compiles
-# or wait on train.py subprocesses); then, alone, the tests marked serial (pyproject.toml): several
-# processes joined by gloo, whose 30 s rendezvous and shaped-link timings a second worker's load can break.
-TEST_WORKERS ?= 2
-PYTEST = $(PY) -m pytest -q --durations=20
 test: .venv $(VENV)/.installed-test
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not slow and not serial" tests
-	$(PYTEST) -m "not slow and serial" tests
+	$(PY) -m pytest -q --durations=30 tests
 
 # Also the tests marked slow (pyproject.toml): the fault drills on the emulated cluster, every strategy across
 # two processes, the prepared GPU check at toy size.
 test-all: .venv $(VENV)/.installed-test
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests
-	$(PYTEST) -m "serial" tests
+	$(PY) -m pytest -q --durations=30 -m "" tests
 
 # ruff's formatter (check only) and linter, configured in pyproject.toml; `make format` applies the formatter.
 $(VENV)/.installed-lint: $(VENV)/.installed

@@ -16,8 +16,7 @@ from light_jax.emulated_cluster import EmulatedCluster, free_port, parse_rate
 from light_jax.exit_codes import ExitCode
 from tests.helpers import ROOT
 
-# serial: `make test` runs this file alone, after the others (two gloo processes; shaped-link timings).
-pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"), pytest.mark.serial]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 PEER_TIMEOUT = 6
 
 SERVER = textwrap.dedent("""

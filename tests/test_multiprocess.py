@@ -13,9 +13,6 @@ import pytest
 from light_jax.exit_codes import ExitCode
 from light_jax.metrics import read_metrics
 
-# serial: `make test` runs this file alone, after the others (gloo's 30 s rendezvous between processes).
-pytestmark = pytest.mark.serial
-
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
 
 
