@@ -26,7 +26,7 @@ def test_family_parameter_counts_match_torchvision(name, count):
 
 def test_last_batchnorm_of_each_block_starts_at_zero():
   model = create_model("resnet8_small", 10, width=4)
-  params = model.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)), train=False)["params"]
+  params = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(jnp.zeros((1, 28, 28, 1)))["params"]
   blocks = [k for k in params if k.startswith("BasicBlock")]
   assert len(blocks) == 3
   for b in blocks:
@@ -37,9 +37,9 @@ def test_last_batchnorm_of_each_block_starts_at_zero():
 def test_bfloat16_compute_keeps_float32_params_and_logits():
   model = create_model("resnet8_fast", 10, dtype="bfloat16")
   x = jnp.ones((2, 28, 28, 1))
-  variables = model.init(jax.random.key(0), x, train=False)
+  variables = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(x)
   assert {p.dtype for p in jax.tree.leaves(variables["params"])} == {jnp.dtype(jnp.float32)}
-  logits = model.apply(variables, x, train=False)
+  logits = jax.jit(lambda v: model.apply(v, x, train=False))(variables)
   assert logits.shape == (2, 10) and logits.dtype == jnp.float32
   jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x, train=False))(variables)
   assert "bf16" in str(jaxpr)

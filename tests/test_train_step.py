@@ -53,18 +53,22 @@ def _run_sharded(model, tx, info, batches, shape, strategy, micro_batches=1):
 
 def _run_reference(model, tx, info, batches, num_shards):
   """One device, whole batch; BatchNorm statistics per shard of `GLOBAL_BATCH / num_shards` rows, as on devices."""
-  variables = model.init(jax.random.key(0), jnp.zeros((1, *info.image_shape)), train=False)
+  init = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))  # one program, not one per layer
+  variables = init(jnp.zeros((1, *info.image_shape)))
   params, batch_stats = variables["params"], variables.get("batch_stats", {})
   opt_state = tx.init(params)
 
   def loss_fn(params, batch_stats, images, labels):
     x = step_lib.normalize(images, info.mean, info.std)
-    losses, stats = [], []
-    for xs, ys in zip(jnp.split(x, num_shards), jnp.split(labels, num_shards)):
+
+    def shard_loss(xs, ys):  # vmapped over the shards: one copy of the model in the program, not num_shards
       logits, upd = model.apply({"params": params, "batch_stats": batch_stats}, xs, train=True, mutable=["batch_stats"])
-      losses.append(optim.cross_entropy(logits, ys, info.num_classes, 0.1))
-      stats.append(upd.get("batch_stats", {}))
-    return jnp.mean(jnp.stack(losses)), jax.tree.map(lambda *s: jnp.mean(jnp.stack(s), axis=0), *stats)
+      return optim.cross_entropy(logits, ys, info.num_classes, 0.1), upd.get("batch_stats", {})
+
+    losses, stats = jax.vmap(shard_loss)(
+      x.reshape(num_shards, -1, *x.shape[1:]), labels.reshape(num_shards, -1, *labels.shape[1:])
+    )
+    return jnp.mean(losses), jax.tree.map(lambda s: jnp.mean(s, axis=0), stats)
 
   @jax.jit
   def step(params, batch_stats, opt_state, images, labels):
