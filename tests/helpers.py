@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -38,6 +39,12 @@ def override(config: ml_collections.ConfigDict, **fields) -> ml_collections.Conf
       node = node[p]
     node[leaf] = value
   return config
+
+
+def init_variables(model: nn.Module, image_shape) -> dict:
+  """``model.init`` (key 0, inference mode) on one zero image of ``image_shape``: one jitted program,
+  not one per layer."""
+  return jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(jnp.zeros((1, *image_shape)))
 
 
 class TinyCNN(nn.Module):

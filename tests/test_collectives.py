@@ -17,7 +17,7 @@ from light_jax import optim
 from light_jax.parallel import fusion, strategies
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel import reducer as reducer_lib
-from tests.helpers import TinyCNN
+from tests.helpers import TinyCNN, init_variables
 
 MESH_SHAPES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 
@@ -32,7 +32,7 @@ def problem():
   rng = np.random.default_rng(0)
   images = jnp.asarray(rng.normal(size=(32, 12, 12, 1)), jnp.float32)
   labels = jnp.asarray(rng.integers(0, 10, size=32), jnp.int32)
-  params = model.init(jax.random.key(0), images[:1])["params"]
+  params = init_variables(model, images.shape[1:])["params"]
   reference = jax.jit(jax.grad(lambda p: _loss(model, p, images, labels)))(params)
   return model, params, images, labels, reference
 

@@ -12,7 +12,7 @@ from light_jax import train_step as step_lib
 from light_jax.parallel import diloco, strategies
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel import reducer as reducer_lib
-from tests.helpers import TinyCNN
+from tests.helpers import TinyCNN, init_variables
 from tests.test_train_step import GLOBAL_BATCH, _batches, _config, _max_diff, _run_reference, _run_sharded
 
 
@@ -40,7 +40,7 @@ def test_one_local_step_with_plain_outer_sgd_is_the_synchronous_run(shape):
   ours = _run_diloco(batches, info, shape, sync_every=1, outer_lr=1.0, outer_momentum=0.0)
   synchronous = _run_sharded(TinyCNN(), _sgd(), info, batches, shape, "hierarchical")
   assert _max_diff(ours.params, synchronous.params) < 1e-5
-  assert _max_diff(ours.params, TinyCNN().init(jax.random.key(0), jnp.zeros((1, *info.image_shape)))["params"]) > 1e-3
+  assert _max_diff(ours.params, init_variables(TinyCNN(), info.image_shape)["params"]) > 1e-3
   assert float(np.abs(np.asarray(jax.tree.leaves(ours.comm_state["delta"])[0])).max()) == 0.0  # synced each step
 
 
@@ -52,7 +52,7 @@ def test_four_local_steps_per_machine_then_one_nesterov_outer_step():
   after = {}
   for steps in (3, 4):
     after[steps] = _run_diloco(batches[:steps], info, (2, 4), sync_every=4, outer_lr=0.7, outer_momentum=0.9)
-  init = TinyCNN().init(jax.random.key(0), jnp.zeros((1, *info.image_shape)))["params"]
+  init = init_variables(TinyCNN(), info.image_shape)["params"]
   assert _max_diff(after[3].params, init) == 0.0  # no outer step yet
   half = GLOBAL_BATCH // 2  # the batch is sharded node-major: machine n holds rows [n * half, (n + 1) * half)
   machines = [

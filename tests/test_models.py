@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import pytest
 
 from light_jax.models import ARCHITECTURES, create_model
+from tests.helpers import init_variables
 
 
 def _params(name, num_classes, shape):
@@ -26,7 +27,7 @@ def test_family_parameter_counts_match_torchvision(name, count):
 
 def test_last_batchnorm_of_each_block_starts_at_zero():
   model = create_model("resnet8_small", 10, width=4)
-  params = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(jnp.zeros((1, 28, 28, 1)))["params"]
+  params = init_variables(model, (28, 28, 1))["params"]
   blocks = [k for k in params if k.startswith("BasicBlock")]
   assert len(blocks) == 3
   for b in blocks:
@@ -37,7 +38,7 @@ def test_last_batchnorm_of_each_block_starts_at_zero():
 def test_bfloat16_compute_keeps_float32_params_and_logits():
   model = create_model("resnet8_fast", 10, dtype="bfloat16")
   x = jnp.ones((2, 28, 28, 1))
-  variables = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(x)
+  variables = init_variables(model, x.shape[1:])
   assert {p.dtype for p in jax.tree.leaves(variables["params"])} == {jnp.dtype(jnp.float32)}
   logits = jax.jit(lambda v: model.apply(v, x, train=False))(variables)
   assert logits.shape == (2, 10) and logits.dtype == jnp.float32

@@ -8,6 +8,7 @@ from configs import fashion_mnist
 from light_jax import optim, schedules
 from light_jax.models import create_model
 from light_jax.schedules import EpochPlan, Phase
+from tests.helpers import init_variables
 
 
 def _config(**opt):
@@ -57,7 +58,7 @@ def test_schedule_with_a_batch_per_phase_keeps_its_shape_in_epochs_and_scales_th
 
 def test_no_weight_decay_or_trust_ratio_on_biases_and_batchnorm():
   model = create_model("resnet8_small", 10, width=4)
-  params = model.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)), train=False)["params"]
+  params = init_variables(model, (28, 28, 1))["params"]
   mask = optim.decay_mask(params)
   flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(mask)}
   assert flat["['Dense_0']['kernel']"] and flat["['conv_init']['kernel']"]
@@ -155,7 +156,7 @@ def test_lars_per_tensor_and_fused_take_the_same_steps_and_the_optax_form_is_opt
   config = fashion_mnist.get_config("lars").optimizer
   config.lars_trust = form
   model = create_model("resnet8_small", num_classes=10, width=4)
-  params = jax.jit(lambda x: model.init(jax.random.key(0), x)["params"])(jnp.zeros((1, 16, 16, 1)))
+  params = init_variables(model, (16, 16, 1))["params"]
   schedule = optax.constant_schedule(0.5)
   optimizers = [optim.build_optimizer(config, schedule)]
   config.fused_norms = True

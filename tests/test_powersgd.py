@@ -12,7 +12,7 @@ from light_jax.models import create_model
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel import powersgd, strategies
 from light_jax.parallel import reducer as reducer_lib
-from tests.helpers import TinyCNN
+from tests.helpers import TinyCNN, init_variables
 from tests.test_collectives import _loss, reduce_on_mesh
 
 MESH_SHAPES = [(1, 8), (2, 4), (4, 2), (8, 1)]
@@ -45,7 +45,7 @@ def test_rank_at_least_the_gradients_rank_gives_the_whole_batch_gradient(shape):
   batch; on a new batch the warm start spans the old gradient's rows, so in float32 the directions the two
   share least come back only approximately (error feedback keeps the rest: the next test)."""
   model = MLP()
-  params = model.init(jax.random.key(0), jnp.zeros((1, 12, 12, 1)))["params"]
+  params = init_variables(model, (12, 12, 1))["params"]
   reducer = reducer_lib.make_gradient_reducer("powersgd", *shape, rank=8, min_compress_elements=1)
   assert len(reducer.init_state(params)) == 2  # the 144x64 and 64x32 kernels; the 32x10 one would not shrink
   mesh = mesh_lib.make_mesh(*shape)
@@ -74,7 +74,7 @@ def test_error_feedback_keeps_what_rank_one_did_not_send(shape):
   """sum over devices of (sent + residual) = sum of the local gradients; without error feedback it is lost."""
   model = TinyCNN()
   images, labels = next(_batches(1, 32, seed=1))
-  params = model.init(jax.random.key(0), images[:1])["params"]
+  params = init_variables(model, images.shape[1:])["params"]
   reference = jax.grad(lambda p: _loss(model, p, images, labels))(params)  # = sum of local gradients / 8
   mesh = mesh_lib.make_mesh(*shape)
   for feedback in (True, False):

@@ -16,7 +16,7 @@ from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel import reducer as reducer_lib
 from light_jax.parallel.sharded_update import sharded_update, split_into_shards
 from light_jax.train_lib import optimizer_state_bytes_per_device
-from tests.helpers import ROOT, TinyCNN
+from tests.helpers import ROOT, TinyCNN, init_variables
 from tests.test_train_step import _batches, _config, _max_diff
 
 
@@ -30,7 +30,7 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
   reducer = reducer_lib.make_gradient_reducer(strategy, *shape, "fixed", bucket_bytes, **options)
   model = TinyCNN()
   if sharded:
-    params = model.init(jax.random.key(0), jnp.zeros((1, *info.image_shape)))["params"]
+    params = init_variables(model, info.image_shape)["params"]
     reducer = sharded_update(reducer, params, opt, schedule, opt.momentum)
   state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
   step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
@@ -58,7 +58,7 @@ def test_sharded_update_takes_the_replicated_steps(shape, optimizer, bucket_byte
   batches, info = _batches(4)
   replicated, replicated_losses = _train(shape, optimizer, False, batches, info, bucket_bytes, strategy)
   sharded, sharded_losses = _train(shape, optimizer, True, batches, info, bucket_bytes, strategy)
-  init = TinyCNN().init(jax.random.key(0), jnp.zeros((1, *info.image_shape)))["params"]
+  init = init_variables(TinyCNN(), info.image_shape)["params"]
   assert _max_diff(replicated.params, init) > 1e-3
   assert _max_diff(sharded.params, replicated.params) < 1e-5
   for a, b in zip(sharded_losses, replicated_losses):

@@ -12,7 +12,7 @@ from light_jax import train_step as step_lib
 from light_jax.models import create_model
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel import reducer as reducer_lib
-from tests.helpers import TinyCNN, info_for, random_source
+from tests.helpers import TinyCNN, info_for, init_variables, random_source
 
 GLOBAL_BATCH = 32
 
@@ -53,8 +53,7 @@ def _run_sharded(model, tx, info, batches, shape, strategy, micro_batches=1):
 
 def _run_reference(model, tx, info, batches, num_shards):
   """One device, whole batch; BatchNorm statistics per shard of `GLOBAL_BATCH / num_shards` rows, as on devices."""
-  init = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))  # one program, not one per layer
-  variables = init(jnp.zeros((1, *info.image_shape)))
+  variables = init_variables(model, info.image_shape)
   params, batch_stats = variables["params"], variables.get("batch_stats", {})
   opt_state = tx.init(params)
 
@@ -113,7 +112,7 @@ def test_step_without_batchnorm_matches_one_device(strategy, shape, optimizer):
   )
   ours = _run_sharded(TinyCNN(), tx, info, batches, shape, strategy)
   ref_params, _ = _run_reference(TinyCNN(), tx, info, batches, num_shards=1)
-  init = TinyCNN().init(jax.random.key(0), jnp.zeros((1, *info.image_shape)))["params"]
+  init = init_variables(TinyCNN(), info.image_shape)["params"]
   assert _max_diff(ref_params, init) > 1e-3  # the step really moved the parameters
   assert _max_diff(ours.params, ref_params) < 1e-5
   assert int(ours.step) == 3
