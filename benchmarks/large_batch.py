@@ -57,6 +57,11 @@ RUNS = {
     ["--config.optimizer.decay=cosine", "--config.optimizer.base_lr=1.0", "--config.optimizer.warmup_epochs=5"],
     "the cosine run with base lr 1.0 instead of 0.64, warmed up over 5 epochs instead of 2",
   ),
+  "lars_tuned_lr16": (
+    f"{BASE}:large_batch",
+    ["--config.optimizer.decay=cosine", "--config.optimizer.base_lr=1.6", "--config.optimizer.warmup_epochs=5"],
+    "the lr 1.0 run with base lr 1.6 (peak 25.6)",
+  ),
   "lamb_4096": (f"{BASE}:lars", [*B4096, *E28, *LAMB], "LAMB, peak lr 0.016"),
   "sgd_4096": (BASE, [*B4096, *E28], "SGD, linear scaling rule, 1 epoch warm-up"),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
