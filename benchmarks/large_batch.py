@@ -65,7 +65,7 @@ RUNS = {
   "lars_tuned_lr1": (
     f"{BASE}:large_batch",
     ["--config.optimizer.decay=cosine", "--config.optimizer.base_lr=1.0", "--config.optimizer.warmup_epochs=5"],
-    "the cosine run with base lr 1.0 instead of 0.64, warmed up over 5 epochs instead of 2 (:large_batch now)",
+    "the cosine run, base lr 1.0 over 5 warm-up epochs instead of 0.64 over 2 (:large_batch since 6d2bbe9)",
   ),
   "lars_tuned_lr16": (
     f"{BASE}:large_batch",

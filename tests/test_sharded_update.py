@@ -128,7 +128,7 @@ def test_the_shards_pieces_cover_each_element_once(sizes, local):
 def test_the_density_warmup_reaches_hitopk_under_the_sharded_update():
   """CompiledSteps varies top-k's density per phase through at_density: with the sharded update it must
   reach the hitopk reducer inside, and leave the shard layout as it is."""
-  params = TinyCNN().init(jax.random.key(0), jnp.zeros((1, 12, 12, 1)))["params"]
+  params = init_variables(TinyCNN(), (12, 12, 1))["params"]
   opt = _config("lars").optimizer
   base = reducer_lib.make_gradient_reducer("hitopk", 2, 4, "fixed", 4096, density=0.01, min_compress_elements=64)
   sharded = sharded_update(base, params, opt, optax.constant_schedule(1.0), opt.momentum)
