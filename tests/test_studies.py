@@ -6,6 +6,7 @@ import importlib
 import os
 import sys
 
+import ml_collections
 import pytest
 from absl import flags
 from ml_collections import config_flags
@@ -17,8 +18,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 STUDIES = ("large_batch", "compression_accuracy")
 
 
-def _resolve(config: str, overrides: list[str]) -> dict:
-  """The config ``train.py --config=CONFIG OVERRIDES`` runs, as a plain dict."""
+def _resolve(config: str, overrides: list[str]) -> ml_collections.ConfigDict:
+  """The config ``train.py --config=CONFIG OVERRIDES`` runs."""
   argv = ["train.py", f"--config={config}", *overrides]
   flag_values = flags.FlagValues()
   config_flags.DEFINE_config_file("config", flag_values=flag_values, lock_config=True, sys_argv=argv)
