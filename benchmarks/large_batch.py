@@ -74,6 +74,12 @@ RUNS = {
   ),
   "lamb_4096": (f"{BASE}:lars", [*B4096, *E28, *LAMB], "LAMB, peak lr 0.016"),
   "sgd_4096": (BASE, [*B4096, *E28], "SGD, linear scaling rule, 1 epoch warm-up"),
+  "sgd_4096_seed1": (BASE, [*B4096, *E28, "--config.seed=1"], "the same with seed 1 (the spread of one run)"),
+  "sgd_4096_w3": (
+    BASE,
+    [*B4096, *E28, "--config.optimizer.warmup_epochs=3"],
+    "SGD, linear scaling rule, 3 warm-up epochs instead of 1",
+  ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
   "lars_tuned_hitopk_ef": (f"{BASE}:large_batch", [*FIRST, *W2, *HITOPK], "+ hitopk at 0.1%, error feedback"),
   "lars_tuned_hitopk_mc": (
