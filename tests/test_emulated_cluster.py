@@ -195,14 +195,22 @@ def test_mesh_experiment_configs_name_runnable_cells(variant):
 
 
 def test_link_calibration_on_the_emulated_cluster_finds_the_shaped_rate(tmp_path):
-  """benchmarks/calibrate_links.py on 2 namespaces at 20 Mbit/s: psums over `node` from both processes; the
-  fitted inter-node bandwidth is the shaped rate less TCP/IP overhead."""
+  """benchmarks/calibrate_links.py on 2 namespaces at 20 Mbit/s: psums over `node` from both processes. The
+  largest one moves its link bytes at the shaped rate less TCP/IP overhead (never faster: the shaper is the
+  limit); the fitted bandwidth is near it. The fit of a few sub-second sizes spreads: 16.3-21.8 Mbit/s over
+  22 calibrations beside a training run (a CI run failed on 22.0 under the old bound of 20.5), against
+  17.4-18.8 for the largest size alone, so the fit gets 25% either way (an error in the link-byte count
+  is a factor of 2 or more)."""
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   from calibrate_links import calibrate_on_cluster
 
-  with EmulatedCluster(2, bandwidth_bits=parse_rate("20mbit")) as cluster:
-    fit, output = calibrate_on_cluster(cluster, 2, str(tmp_path / "links.json"), repeats=1, max_seconds=0.3, max_mib=1)
+  rate = parse_rate("20mbit")
+  with EmulatedCluster(2, bandwidth_bits=rate) as cluster:
+    fit, output = calibrate_on_cluster(cluster, 2, str(tmp_path / "links.json"), repeats=3, max_seconds=0.3, max_mib=1)
   assert "2 processes" in output
-  bandwidth = 8 / fit["inter"]["beta"]
-  assert 0.8 * 20e6 < bandwidth <= 20.5e6, output
+  # the report's inter rows: level, buffer bytes, link bytes, seconds, fitted seconds
+  inter = [line.split() for line in output.splitlines() if line.startswith("inter ")]
+  link_bytes, seconds = int(inter[-1][2].replace(",", "")), float(inter[-1][3])
+  assert 0.8 * rate < 8 * link_bytes / seconds <= rate, output
+  assert 0.75 * rate < 8 / fit["inter"]["beta"] < 1.25 * rate, output
   assert fit["intra"]["beta"] > 0 and 0 <= fit["inter"]["alpha"] < 0.05
