@@ -29,6 +29,7 @@ LAMB = ["--config.optimizer.name=lamb", "--config.optimizer.base_lr=0.001", "--c
 # measured on the first values state them, so that they rerun as they ran.
 FIRST = ["--config.optimizer.decay=poly", "--config.optimizer.base_lr=0.64"]
 W2 = ["--config.optimizer.warmup_epochs=2"]
+W3 = ["--config.optimizer.warmup_epochs=3"]
 # The first values at 8 epochs, as first measured (the warm-up was a fifth of the run).
 AT_8 = [*FIRST, "--config.num_epochs=8", "--config.optimizer.warmup_epochs=1.6"]
 E28, E8 = ["--config.num_epochs=28"], ["--config.num_epochs=8"]
@@ -74,11 +75,19 @@ RUNS = {
   ),
   "lamb_4096": (f"{BASE}:lars", [*B4096, *E28, *LAMB], "LAMB, peak lr 0.016"),
   "sgd_4096": (BASE, [*B4096, *E28], "SGD, linear scaling rule, 1 epoch warm-up"),
-  "sgd_4096_seed1": (BASE, [*B4096, *E28, "--config.seed=1"], "the same with seed 1 (the spread of one run)"),
-  "sgd_4096_w3": (
+  "sgd_4096_w3": (BASE, [*B4096, *E28, *W3], "SGD, linear scaling rule, 3 warm-up epochs instead of 1"),
+  "sgd_4096_w3_seed1": (BASE, [*B4096, *E28, *W3, "--config.seed=1"], "the same with seed 1 (the spread of a run)"),
+  "sgd_4096_w3_hitopk_dgc": (
     BASE,
-    [*B4096, *E28, "--config.optimizer.warmup_epochs=3"],
-    "SGD, linear scaling rule, 3 warm-up epochs instead of 1",
+    [
+      *B4096,
+      *E28,
+      *W3,
+      *HITOPK,
+      "--config.comm.momentum_correction=True",
+      "--config.comm.density_warmup_epochs=4",
+    ],
+    "+ hitopk at 0.1%, DGC momentum correction and density warm-up",
   ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
   "lars_tuned_hitopk_ef": (f"{BASE}:large_batch", [*FIRST, *W2, *HITOPK], "+ hitopk at 0.1%, error feedback"),
