@@ -82,10 +82,10 @@ time-to-accuracy: .venv
 large-batch: .venv
 	$(PY) benchmarks/large_batch.py --workdir runs/large_batch --plot docs/large_batch.png
 
-# The AutoML study behind configs/fashion_mnist.py:large_batch (16 trials of 3 epochs; resumable), as it ran:
-# with poly decay, the variant's decay then (docs/measurements.md, "Large batch").
+# The AutoML study behind configs/fashion_mnist.py:large_batch_lars (16 trials of 3 epochs; resumable), as it
+# ran: with poly decay, the variant's decay then (docs/measurements.md, "Large batch").
 tune: .venv
-	$(PY) scripts/tune.py --config configs/fashion_mnist.py:large_batch --study_dir runs/tune --trials 16 \
+	$(PY) scripts/tune.py --config configs/fashion_mnist.py:large_batch_lars --study_dir runs/tune --trials 16 \
 	  --startup_trials 4 --config.num_epochs=3 --config.optimizer.decay=poly
 
 clean:

@@ -20,12 +20,13 @@ import sys
 import train_runs  # benchmarks/, this script's directory
 
 BASE = "configs/fashion_mnist.py"
+LARS_4096 = f"{BASE}:large_batch_lars"  # LARS at batch 4,096; :large_batch is the best run, SGD (sgd_4096_w3)
 HITOPK = ["--config.comm.strategy=hitopk", "--config.comm.density=0.001"]
 # Batch 4,096 in 8 micro-batches of 64 per device, as configs/fashion_mnist.py:large_batch (3.7x faster here).
 B4096 = ["--config.global_batch_size=4096", "--config.micro_batches=8"]
 LAMB = ["--config.optimizer.name=lamb", "--config.optimizer.base_lr=0.001", "--config.optimizer.weight_decay=0.01"]
-# :large_batch's first values, from the AutoML study's 3-epoch trials: poly decay, base lr 0.64 (peak 10.24),
-# warmed up over 2 epochs. The variant has since taken the best 28-epoch run's (lars_tuned_lr1); the rows
+# The LARS variant's first values, from the AutoML study's 3-epoch trials: poly decay, base lr 0.64 (peak
+# 10.24), warmed up over 2 epochs. It has since taken the best 28-epoch LARS run's (lars_tuned_lr1); the rows
 # measured on the first values state them, so that they rerun as they ran.
 FIRST = ["--config.optimizer.decay=poly", "--config.optimizer.base_lr=0.64"]
 W2 = ["--config.optimizer.warmup_epochs=2"]
@@ -37,24 +38,24 @@ E28, E8 = ["--config.num_epochs=28"], ["--config.num_epochs=8"]
 RUNS = {
   # 28 epochs, the seed's count (configs/fashion_mnist.py:large_batch)
   "sgd_256": (BASE, E28, "the default: SGD + Nesterov at batch 256"),
-  "lars_tuned": (f"{BASE}:large_batch", [*FIRST, *W2], "LARS, MLPerf trust ratio, values from the AutoML study"),
+  "lars_tuned": (LARS_4096, [*FIRST, *W2], "LARS, MLPerf trust ratio, values from the AutoML study"),
   "lars_tuned_wd": (
-    f"{BASE}:large_batch",
+    LARS_4096,
     [*FIRST, *W2, "--config.optimizer.weight_decay=5e-4", "--config.optimizer.label_smoothing=0.1"],
     "the same with the batch-256 run's weight decay and label smoothing",
   ),
   "lars_tuned_bn32": (
-    f"{BASE}:large_batch",
+    LARS_4096,
     [*FIRST, *W2, "--config.micro_batches=16"],
     "the same, BatchNorm over 32 images as at batch 256 (16 micro-batches: ghost batch norm)",
   ),
   "lars_tuned_cosine": (
-    f"{BASE}:large_batch",
+    LARS_4096,
     ["--config.optimizer.decay=cosine", "--config.optimizer.base_lr=0.64", *W2],
     "the same with cosine decay (the batch-256 run's) instead of poly",
   ),
   "lars_tuned_ls05": (
-    f"{BASE}:large_batch",
+    LARS_4096,
     [
       "--config.optimizer.decay=cosine",
       "--config.optimizer.base_lr=0.64",
@@ -64,18 +65,18 @@ RUNS = {
     "the cosine run with label smoothing 0.05 instead of 0.18 (the runs under-fit)",
   ),
   "lars_tuned_lr1": (
-    f"{BASE}:large_batch",
+    LARS_4096,
     ["--config.optimizer.decay=cosine", "--config.optimizer.base_lr=1.0", "--config.optimizer.warmup_epochs=5"],
-    "the cosine run, base lr 1.0 over 5 warm-up epochs instead of 0.64 over 2 (:large_batch since 6d2bbe9)",
+    "the cosine run, base lr 1.0 over 5 warm-up epochs instead of 0.64 over 2 (:large_batch_lars)",
   ),
   "lars_tuned_lr16": (
-    f"{BASE}:large_batch",
+    LARS_4096,
     ["--config.optimizer.decay=cosine", "--config.optimizer.base_lr=1.6", "--config.optimizer.warmup_epochs=5"],
     "the lr 1.0 run with base lr 1.6 (peak 25.6)",
   ),
   "lamb_4096": (f"{BASE}:lars", [*B4096, *E28, *LAMB], "LAMB, peak lr 0.016"),
   "sgd_4096": (BASE, [*B4096, *E28], "SGD, linear scaling rule, 1 epoch warm-up"),
-  "sgd_4096_w3": (BASE, [*B4096, *E28, *W3], "SGD, linear scaling rule, 3 warm-up epochs instead of 1"),
+  "sgd_4096_w3": (BASE, [*B4096, *E28, *W3], "SGD, linear scaling rule, 3 warm-up epochs (:large_batch)"),
   "sgd_4096_w3_seed1": (BASE, [*B4096, *E28, *W3, "--config.seed=1"], "the same with seed 1 (the spread of a run)"),
   "sgd_4096_w3_hitopk_dgc": (
     BASE,
@@ -90,19 +91,19 @@ RUNS = {
     "+ hitopk at 0.1%, DGC momentum correction and density warm-up",
   ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
-  "lars_tuned_hitopk_ef": (f"{BASE}:large_batch", [*FIRST, *W2, *HITOPK], "+ hitopk at 0.1%, error feedback"),
+  "lars_tuned_hitopk_ef": (LARS_4096, [*FIRST, *W2, *HITOPK], "+ hitopk at 0.1%, error feedback"),
   "lars_tuned_hitopk_mc": (
-    f"{BASE}:large_batch",
+    LARS_4096,
     [*FIRST, *W2, *HITOPK, "--config.comm.momentum_correction=True"],
     "+ hitopk at 0.1%, DGC momentum correction",
   ),
   "lars_tuned_hitopk_ltr": (
-    f"{BASE}:large_batch",
+    LARS_4096,
     [*FIRST, *W2, *HITOPK, "--config.comm.local_trust_ratio=True"],
     "+ hitopk at 0.1%, error feedback, LARS's trust ratio on each device before compression",
   ),
   "lars_tuned_hitopk_dgc": (
-    f"{BASE}:large_batch",
+    LARS_4096,
     [
       *FIRST,
       *W2,
@@ -116,10 +117,10 @@ RUNS = {
   # 8 epochs (the default's count)
   "sgd_256_8ep": (BASE, E8, "the default: SGD + Nesterov at batch 256"),
   "sgd_4096_8ep": (BASE, [*B4096, *E8], "SGD, linear scaling rule, 1 epoch warm-up"),
-  "lars_tuned_8ep": (f"{BASE}:large_batch", AT_8, "LARS, MLPerf trust ratio, values from the AutoML study"),
-  "lars_tuned_hitopk_ef_8ep": (f"{BASE}:large_batch", [*AT_8, *HITOPK], "+ hitopk at 0.1%, error feedback"),
+  "lars_tuned_8ep": (LARS_4096, AT_8, "LARS, MLPerf trust ratio, values from the AutoML study"),
+  "lars_tuned_hitopk_ef_8ep": (LARS_4096, [*AT_8, *HITOPK], "+ hitopk at 0.1%, error feedback"),
   "lars_tuned_hitopk_mc_8ep": (
-    f"{BASE}:large_batch",
+    LARS_4096,
     [*AT_8, *HITOPK, "--config.comm.momentum_correction=True"],
     "+ hitopk at 0.1%, DGC momentum correction",
   ),

@@ -5,10 +5,10 @@ A space maps a config field (dotted, as on the command line) to how to sample it
   ("int", low, high)     an integer, inclusive      ("choice", [a, b, ...]) one of the values
 Every trial is ``train.py --config CONFIG --config.FIELD=VALUE ...`` with one sample of each field.
 
-  (none)  LARS at a large batch (configs/fashion_mnist.py:large_batch): peak learning rate, warm-up,
+  (none)  LARS at a large batch (configs/fashion_mnist.py:large_batch_lars): peak learning rate, warm-up,
           weight decay, momentum and label smoothing. The trust coefficient stays at MLPerf's 0.001: the
           step is proportional to lr x eta, so tuning both would search one direction twice.
-  sgd     SGD with momentum: the same with an SGD learning-rate range.
+  sgd     SGD with momentum (configs/fashion_mnist.py:large_batch): the same with an SGD learning-rate range.
 """
 
 

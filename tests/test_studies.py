@@ -36,8 +36,9 @@ def test_every_study_row_is_a_valid_config(study, label, monkeypatch):
   assert config_lib.validate(_resolve(config, overrides), num_devices=8) == (2, 4)
 
 
-def test_the_large_batch_variant_is_the_row_that_measured_it(monkeypatch):
-  """README reports `lars_tuned_lr1`'s run as :large_batch's: the two must stay the same config."""
+@pytest.mark.parametrize("variant,label", [("large_batch", "sgd_4096_w3"), ("large_batch_lars", "lars_tuned_lr1")])
+def test_the_large_batch_variants_are_the_rows_that_measured_them(variant, label, monkeypatch):
+  """README reports these rows' runs as the variants' own: each pair must stay the same config."""
   monkeypatch.chdir(ROOT)
-  config, overrides, _ = importlib.import_module("large_batch").RUNS["lars_tuned_lr1"]
-  assert _resolve(config, overrides).to_dict() == _resolve("configs/fashion_mnist.py:large_batch", []).to_dict()
+  config, overrides, _ = importlib.import_module("large_batch").RUNS[label]
+  assert _resolve(config, overrides).to_dict() == _resolve(f"configs/fashion_mnist.py:{variant}", []).to_dict()
