@@ -164,10 +164,11 @@ def plot(results: dict[str, dict], stopped: dict[str, list[dict]], path: str) ->
     for label, r in results.items()
   }
   curves |= {f"{label} (stopped)": (records, ":", 0.35) for label, records in stopped.items()}
-  colors = plt.cm.tab20.colors  # more than tab10's 10 curves: each run its own colour
+  colors = plt.cm.tab20.colors  # with the marker, each run its own look past 20 curves
   for i, (label, (records, style, alpha)) in enumerate(curves.items()):
     top1 = [100 * x["eval_top1"] for x in records]
-    kwargs = dict(marker="o", ms=2, alpha=alpha, label=label, color=colors[i % len(colors)])
+    marker = "os^"[i // len(colors) % 3]
+    kwargs = dict(marker=marker, ms=2, alpha=alpha, label=label, color=colors[i % len(colors)])
     by_epoch.plot([x["epoch"] for x in records], top1, style, **kwargs)
     by_time.plot([x["train_seconds"] for x in records], top1, style, **kwargs)
   title = f"Fashion-MNIST, batch 256 vs 4,096 ({longest} epochs; shorter runs faint)"

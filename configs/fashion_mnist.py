@@ -33,7 +33,7 @@ def large_batch(config: ml_collections.ConfigDict) -> None:
 
 
 def large_batch_lars(config: ml_collections.ConfigDict) -> None:
-  large_batch(config)
+  large_batch(config)  # the batch, epochs and micro-batches; its optimizer fields are replaced below
   # Weight decay, momentum and label smoothing: the best of 16 trials of `scripts/tune.py` (3-epoch trials;
   # docs/measurements.md, "Large batch"). The schedule: the best of the 28-epoch runs after it (base lr 1.0,
   # peak 16, over 5 warm-up epochs with cosine decay: 92.79%, against 92.15% with the study's 0.64 over 2

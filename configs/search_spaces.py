@@ -3,7 +3,8 @@
 A space maps a config field (dotted, as on the command line) to how to sample it:
   ("log", low, high)     a float, log-uniform       ("float", low, high)   a float, uniform
   ("int", low, high)     an integer, inclusive      ("choice", [a, b, ...]) one of the values
-Every trial is ``train.py --config CONFIG --config.FIELD=VALUE ...`` with one sample of each field.
+Every trial is ``train.py --config CONFIG --config.FIELD=VALUE ...`` with one sample of each field. The
+ranges are for short trials (3 epochs, as ``make tune``): a 28-epoch run wants a longer warm-up.
 
   (none)  LARS at a large batch (configs/fashion_mnist.py:large_batch_lars): peak learning rate, warm-up,
           weight decay, momentum and label smoothing. The trust coefficient stays at MLPerf's 0.001: the

@@ -3,7 +3,7 @@
   python scripts/tune.py --config configs/fashion_mnist.py:large_batch_lars --study_dir runs/tune --trials 16
   python scripts/tune.py --config configs/fashion_mnist.py:large_batch_lars --study_dir runs/tune --trials 24
   python scripts/tune.py --config configs/fashion_mnist.py:large_batch --space configs/search_spaces.py:sgd \
-      --study_dir runs/tune_sgd --trials 16
+      --study_dir runs/tune_sgd --trials 16 --config.num_epochs=3
 
 The search space is a config file (--space, default configs/search_spaces.py). The sampler is TPE; a
 median pruner stops a trial whose test top-1 after an epoch is below the median of earlier trials at that

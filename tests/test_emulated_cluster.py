@@ -210,6 +210,7 @@ def test_link_calibration_on_the_emulated_cluster_finds_the_shaped_rate(tmp_path
   assert "2 processes" in output
   # the report's inter rows: level, buffer bytes, link bytes, seconds, fitted seconds
   inter = [line.split() for line in output.splitlines() if line.startswith("inter ")]
+  assert inter, output
   link_bytes, seconds = int(inter[-1][2].replace(",", "")), float(inter[-1][3])
   assert 0.8 * rate < 8 * link_bytes / seconds <= rate, output
   assert 0.75 * rate < 8 / fit["inter"]["beta"] < 1.25 * rate, output
