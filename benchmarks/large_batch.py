@@ -90,6 +90,19 @@ RUNS = {
     ],
     "+ hitopk at 0.1%, DGC momentum correction and density warm-up",
   ),
+  "sgd_4096_w3_hitopk_dgc_per_tensor": (
+    BASE,
+    [
+      *B4096,
+      *E28,
+      *W3,
+      *HITOPK,
+      "--config.comm.momentum_correction=True",
+      "--config.comm.density_warmup_epochs=4",
+      "--config.comm.fusion=none",
+    ],
+    "the same, top-k per tensor (DGC's), tensors under 2,048 entries sent dense",
+  ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
   "lars_tuned_hitopk_ef": (LARS_4096, [*FIRST, *W2, *HITOPK], "+ hitopk at 0.1%, error feedback"),
   "lars_tuned_hitopk_mc": (

@@ -7,7 +7,7 @@
 - LARS has two trust ratios (``optimizer.lars_trust``, docs/techniques.md section 11): optax's
   ``eta ||w|| / ||g + wd w||`` and the MLPerf reference's ``eta ||w|| / (||g|| + wd ||w||)``.
 - With ``comm.momentum_correction`` the gradient reducer keeps the momentum (DGC): the optimizer then
-  runs without its own (``momentum_in_optimizer``).
+  runs without its own (``momentum_in_optimizer``), and SGD's weight decay moves before the reduction.
 - With ``comm.local_trust_ratio`` LARS's weight decay and trust ratio run on each device's gradient
   before the reduction (``local_transform``) and the optimizer keeps only the learning rate and momentum:
   a top-k reduction then sends pieces of the scaled update, and error feedback conserves it.
@@ -41,11 +41,25 @@ def momentum_in_optimizer(config: ml_collections.ConfigDict) -> bool:
 
 
 def local_transform(config: ml_collections.ConfigDict) -> optax.GradientTransformation | None:
-  """What runs on each device's own gradient before the reduction: LARS's weight decay and trust ratio
-  with ``comm.local_trust_ratio`` (stateless), else None."""
-  if not config.comm.local_trust_ratio:
-    return None
-  return _lars_trust(config.optimizer)
+  """What runs on each device's own gradient before the reduction (stateless), else None: LARS's weight
+  decay and trust ratio with ``comm.local_trust_ratio``; SGD's weight decay with ``comm.momentum_correction``
+  (``decay_before_reduction``)."""
+  if config.comm.local_trust_ratio:
+    return _lars_trust(config.optimizer)
+  if decay_before_reduction(config):
+    return optax.add_decayed_weights(config.optimizer.weight_decay, mask=decay_mask)
+  return None
+
+
+def decay_before_reduction(config: ml_collections.ConfigDict) -> bool:
+  """Whether the weight decay (and LARS's trust ratio) runs on each device before the reduction.
+
+  With ``comm.local_trust_ratio``; and for SGD with DGC's momentum correction, so that ``wd w`` enters the
+  reducer's velocity as it enters optax's momentum (DGC's algorithm; after the reduction it would skip
+  the momentum and decay 1 / (1 - momentum) times less). The sharded update decays on its shards.
+  """
+  comm, opt = config.comm, config.optimizer
+  return comm.local_trust_ratio or (comm.momentum_correction and opt.name == "sgd" and not opt.sharded_update)
 
 
 def _lars_trust(opt: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -57,31 +71,32 @@ def build_optimizer(
   opt: ml_collections.ConfigDict,
   schedule: optax.Schedule,
   momentum: float | Callable | None = None,
-  trust_ratio: bool = True,
+  decay: bool = True,
 ) -> optax.GradientTransformation:
   """The optimizer named by ``opt.name`` (``config.optimizer``), applied to the reduced mean gradient.
 
   ``momentum``: a float, a schedule of the step (``schedules.momentum_schedule``), or None for
   ``opt.momentum``; 0 turns momentum off (DGC momentum correction keeps it in the reducer instead).
-  ``trust_ratio=False``: LARS without its weight decay and trust ratio, which ``local_transform`` then
-  applies on each device before the reduction (``comm.local_trust_ratio``).
+  ``decay=False``: without the weight decay (and LARS's trust ratio), which ``local_transform`` then
+  applies on each device before the reduction (``decay_before_reduction``).
   """
   momentum = opt.momentum if momentum is None else momentum
   scheduled = callable(momentum)
+  weight_decay = opt.weight_decay if decay else 0.0
   if opt.name == "sgd" and not scheduled:
     return optax.chain(
-      optax.add_decayed_weights(opt.weight_decay, mask=decay_mask),
+      optax.add_decayed_weights(weight_decay, mask=decay_mask),
       optax.sgd(schedule, momentum=momentum or None, nesterov=opt.nesterov),
     )
   if opt.name == "sgd":
     return optax.chain(
-      optax.add_decayed_weights(opt.weight_decay, mask=decay_mask),
+      optax.add_decayed_weights(weight_decay, mask=decay_mask),
       momentum_transform(momentum, opt.nesterov),
       optax.scale_by_learning_rate(schedule),
     )
   if opt.name == "lars":
     tail = [optax.scale_by_learning_rate(schedule), momentum_transform(momentum, opt.nesterov)]
-    if not trust_ratio:
+    if not decay:
       return optax.chain(*tail)
     return optax.chain(_lars_trust(opt), *tail)
   if opt.name == "lamb":

@@ -189,8 +189,8 @@ def make_train_step(
       )
     # Unscaled before the reduction: error-feedback residuals outlive a change of scale.
     local_grads = scaling.unscale(local_grads)
-    if local_tx is not None:  # LARS's trust ratio per device, before compression (comm.local_trust_ratio)
-      local_grads, _ = local_tx.update(local_grads, optax.EmptyState(), params)
+    if local_tx is not None:  # optim.local_transform: LARS's trust ratio or SGD's decay per device
+      local_grads, _ = local_tx.update(local_grads, local_tx.init(params), params)
     grads, comm_state = reducer.reduce(local_grads, state.comm_state)
     if reducer.updates_parameters:  # DiLoCo's inner and outer steps; the sharded update (grads: shards)
       sync = None

@@ -16,10 +16,10 @@ from tests.test_train_step import _batches, _config, _max_diff
 
 
 def _train(shape, batches, info, local_trust: bool, form: str):
-  comm = {"local_trust_ratio": local_trust}
+  comm = {"local_trust_ratio": local_trust, "momentum_correction": False}
   config = ml_collections.ConfigDict({"optimizer": _config("lars").optimizer, "comm": comm})
   config.optimizer.lars_trust = form
-  tx = optim.build_optimizer(config.optimizer, optax.constant_schedule(1.0), trust_ratio=not local_trust)
+  tx = optim.build_optimizer(config.optimizer, optax.constant_schedule(1.0), decay=not local_trust)
   mesh = mesh_lib.make_mesh(*shape)
   reducer = reducer_lib.make_gradient_reducer("hierarchical", *shape)
   model = TinyCNN()

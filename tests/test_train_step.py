@@ -131,6 +131,38 @@ def test_resnet_step_with_per_device_batchnorm_matches_one_device():
   assert _max_diff(ours.batch_stats, sync_stats) > 1e-4
 
 
+def test_momentum_correction_is_momentum_sgd_with_weight_decay_on_the_buckets_it_does_not_compress():
+  """DGC's momentum correction moves SGD's momentum into the reducer (optax's is off). A bucket too small
+  to compress keeps a velocity there too, and the weight decay runs before the reduction so that it enters
+  the velocity (optim.decay_before_reduction): with every bucket dense the steps are momentum SGD's."""
+  batches, info = _batches(3)
+  config = _config("sgd")
+  config.optimizer.update(nesterov=False, sharded_update=False)  # DGC's velocity is heavy-ball momentum
+  config.comm = {"momentum_correction": True, "local_trust_ratio": False}
+  schedule, shape, mesh = optax.constant_schedule(0.1), (2, 4), mesh_lib.make_mesh(2, 4)
+  ref_params, _ = _run_reference(TinyCNN(), optim.build_optimizer(config.optimizer, schedule), info, batches, 1)
+  assert optim.decay_before_reduction(config)
+  tx = optim.build_optimizer(config.optimizer, schedule, momentum=0.0, decay=False)
+
+  def train(momentum):
+    # min_compress_elements above every tensor: hitopk sends each bucket through its dense fallback.
+    reducer = reducer_lib.make_gradient_reducer(
+      "hitopk", *shape, min_compress_elements=10**9, momentum_correction=momentum
+    )
+    state = step_lib.create_train_state(TinyCNN(), tx, reducer, info.image_shape, mesh, seed=0)
+    local_tx = optim.local_transform(config)
+    step = step_lib.make_train_step(TinyCNN(), tx, reducer, mesh, info, label_smoothing=0.1, local_tx=local_tx)
+    for images, labels in batches:
+      sharding = mesh_lib.batch_sharding(mesh)
+      state, _ = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
+    return jax.device_get(state)
+
+  ours = train(momentum=0.9)
+  assert all(v.shape[:2] == shape for v in ours.comm_state.values()) and ours.comm_state  # the velocities
+  assert _max_diff(ours.params, ref_params) < 1e-5
+  assert _max_diff(train(momentum=0.0).params, ref_params) > 1e-3  # without the velocity: another run
+
+
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
 def test_gradient_accumulation_matches_one_device_with_the_whole_batch(shape):
   # 4 examples per device in 2 micro-batches of 2: without BatchNorm, the mean of the slices' mean

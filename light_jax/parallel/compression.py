@@ -25,7 +25,7 @@ SGD. DGC moves the momentum before the selection, per device: u <- m u + g (velo
 (what is accumulated and not yet sent), top-k of v; both u and v are zeroed where entries were sent
 (momentum factor masking, so a sent entry's stale momentum does not push it again). The optimizer then
 runs without momentum. The per-device state is ``Memory(residual=v, velocity=u)`` instead of a bare
-residual.
+residual; the buckets too small to compress keep a velocity of their own (``dense_velocity``).
 """
 
 from __future__ import annotations
@@ -116,6 +116,15 @@ def compensate(
     return x, lambda sent: memory
   corrected = x + memory
   return corrected, lambda sent: corrected.at[sent].set(0.0)
+
+
+def dense_velocity(x: jax.Array, velocity: jax.Array, momentum: float) -> jax.Array:
+  """A dense bucket's velocity under momentum correction, ``m u + g``, which it then sends whole.
+
+  The optimizer runs without momentum, so the buckets too small to compress keep theirs here; the
+  reduction is linear, so the sum of the devices' velocities is momentum SGD's on the summed gradient.
+  """
+  return momentum * velocity + x
 
 
 def apply_error_feedback(

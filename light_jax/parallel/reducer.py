@@ -4,8 +4,8 @@ Local gradients are packed into buckets (``fusion.py``), each bucket is reduced 
 collective (or its dense fallback when too small to compress), and the sums are divided by the device
 count, so the result is the mean gradient over the global batch. The residuals of the compressed
 strategies are ``comm_state``: one float32 vector per compressed bucket per device (with DGC momentum
-correction a ``compression.Memory`` of two: residual and velocity), carried in the train state with
-leading dims (nodes, local), sharded over both mesh axes.
+correction a ``compression.Memory`` of two, residual and velocity, and a velocity for each dense bucket),
+carried in the train state with leading dims (nodes, local), sharded over both mesh axes.
 """
 
 from __future__ import annotations
@@ -149,6 +149,8 @@ class GradientReducer:
       if self.for_bucket(b).is_compressed(n):
         zeros = jnp.zeros((self.nodes, self.local, self.for_bucket(b).compressed_size(n)), jnp.float32)
         state[_key(b)] = compression.Memory(zeros, zeros) if self.momentum_correction else zeros
+      elif self.momentum_correction:  # a dense bucket keeps its velocity too: the optimizer has no momentum
+        state[_key(b)] = jnp.zeros((self.nodes, self.local, n), jnp.float32)
     return state
 
   # --- the reduction (inside shard_map) ----------------------------------------------------------
@@ -173,6 +175,9 @@ class GradientReducer:
         )
         new_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
+        if self.momentum_correction:  # u <- m u + g on each device; the sum of the u is the global velocity
+          flat = compression.dense_velocity(flat, comm_state[_key(b)][0, 0], self.momentum_correction)
+          new_state[_key(b)] = flat[None, None]
         flat = spec.reduce(flat, wire_dtype)
       for m, g in zip(members, fusion_lib.unpack(flat, [leaves[m] for m in members])):
         summed[m] = g

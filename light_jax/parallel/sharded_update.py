@@ -163,6 +163,9 @@ class ShardedUpdate:
         )
         comm_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
+        if base.momentum_correction:  # the dense buckets' velocity (GradientReducer.reduce)
+          flat = compression.dense_velocity(flat, comm_state[_key(b)][0, 0], base.momentum_correction)
+          comm_state[_key(b)] = flat[None, None]
         shard = collectives.hierarchical_reduce_to_shard(flat, wire)
       shards[_key(b)] = shard / (base.nodes * base.local)
     return shards, comm_state
