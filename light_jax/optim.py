@@ -56,10 +56,9 @@ def decay_before_reduction(config: ml_collections.ConfigDict) -> bool:
 
   With ``comm.local_trust_ratio``; and for SGD with DGC's momentum correction, so that ``wd w`` enters the
   reducer's velocity as it enters optax's momentum (DGC's algorithm; after the reduction it would skip
-  the momentum and decay 1 / (1 - momentum) times less). The sharded update decays on its shards.
+  the momentum and decay 1 / (1 - momentum) times less).
   """
-  comm, opt = config.comm, config.optimizer
-  return comm.local_trust_ratio or (comm.momentum_correction and opt.name == "sgd" and not opt.sharded_update)
+  return config.comm.local_trust_ratio or (config.comm.momentum_correction and config.optimizer.name == "sgd")
 
 
 def _lars_trust(opt: ml_collections.ConfigDict) -> optax.GradientTransformation:

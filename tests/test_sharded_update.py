@@ -7,6 +7,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 import pytest
 
@@ -21,19 +22,26 @@ from tests.test_train_step import _batches, _config, _max_diff
 
 
 def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hierarchical"):
-  opt = _config(optimizer).optimizer
-  opt.lars_trust = "mlperf" if optimizer == "lars" else "optax"
+  """``strategy`` "hitopk+mc": hitopk with DGC's momentum correction (the momentum and SGD's decay move)."""
+  config = ml_collections.ConfigDict({"optimizer": _config(optimizer).optimizer})
+  opt = config.optimizer
+  opt.update(lars_trust="mlperf" if optimizer == "lars" else "optax", sharded_update=sharded)
+  config.comm = {"local_trust_ratio": False, "momentum_correction": strategy == "hitopk+mc"}
+  momentum = 0.0 if config.comm.momentum_correction else opt.momentum
   schedule = optax.constant_schedule({"sgd": 0.1, "lars": 1.0}[optimizer])
-  tx = optim.build_optimizer(opt, schedule)
+  tx = optim.build_optimizer(opt, schedule, momentum, decay=not optim.decay_before_reduction(config))
   mesh = mesh_lib.make_mesh(*shape)
-  options = {"density": 0.1, "min_compress_elements": 64} if strategy == "hitopk" else {}
-  reducer = reducer_lib.make_gradient_reducer(strategy, *shape, "fixed", bucket_bytes, **options)
+  options = {"density": 0.1, "min_compress_elements": 64} if strategy.startswith("hitopk") else {}
+  if config.comm.momentum_correction:
+    options["momentum_correction"] = opt.momentum
+  reducer = reducer_lib.make_gradient_reducer(strategy.split("+")[0], *shape, "fixed", bucket_bytes, **options)
   model = TinyCNN()
   if sharded:
     params = init_variables(model, info.image_shape)["params"]
-    reducer = sharded_update(reducer, params, opt, schedule, opt.momentum)
+    reducer = sharded_update(reducer, params, opt, schedule, momentum)
   state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
-  step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
+  local_tx = optim.local_transform(config)
+  step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1, local_tx=local_tx)
   sharding = mesh_lib.batch_sharding(mesh)
   losses = []
   for images, labels in batches:
@@ -49,6 +57,7 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
     ((4, 2), "lars", 0, "hierarchical"),
     ((8, 1), "sgd", 4096, "hierarchical"),
     ((2, 4), "lars", 4096, "hitopk"),
+    ((2, 4), "sgd", 4096, "hitopk+mc"),
   ],
   ids=str,
 )
@@ -67,7 +76,7 @@ def test_sharded_update_takes_the_replicated_steps(shape, optimizer, bucket_byte
   per_device = optimizer_state_bytes_per_device(sharded, 8)
   whole = optimizer_state_bytes_per_device(replicated, 8)
   assert whole / shape[1] <= per_device < whole / shape[1] + 64 * 4 * 8 + 64, (per_device, whole)
-  if strategy == "hitopk":  # the residuals of what top-k held back are the replicated run's
+  if strategy.startswith("hitopk"):  # the residuals (and velocities) are the replicated run's
     residuals = [k for k in sharded.comm_state if k != "optimizer"]
     assert residuals and residuals == list(replicated.comm_state)
     assert _max_diff([sharded.comm_state[k] for k in residuals], [replicated.comm_state[k] for k in residuals]) < 1e-6

@@ -121,6 +121,8 @@ class ShardedUpdate:
     sums of squares of this device's pieces, one psum over ``local`` of them all, one branch for the result
     (few branches: each branch's output is materialised, so the per-piece work stays inside them)."""
     wd, lars = self.opt.weight_decay, self.opt.name == "lars"
+    if self.base.momentum_correction and not lars:  # SGD's decay ran before the reduction (optim.py)
+      wd = 0.0
     ratios = jnp.ones((self.num_leaves,), jnp.float32)
     if lars:
       # Rows: |w|^2 and |g + wd w|^2 (optax's form) or |g|^2 (MLPerf's), per decayed leaf.
