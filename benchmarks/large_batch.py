@@ -32,6 +32,8 @@ FIRST = ["--config.optimizer.decay=poly", "--config.optimizer.base_lr=0.64"]
 W2 = ["--config.optimizer.warmup_epochs=2"]
 W3 = ["--config.optimizer.warmup_epochs=3"]
 DGC = ["--config.comm.momentum_correction=True", "--config.comm.density_warmup_epochs=4"]
+# Rows measured before the reducer's velocity followed optimizer.nesterov: it was heavy-ball whatever the flag.
+HEAVY_BALL = ["--config.optimizer.nesterov=False"]
 # The first values at 8 epochs, as first measured (the warm-up was a fifth of the run).
 AT_8 = [*FIRST, "--config.num_epochs=8", "--config.optimizer.warmup_epochs=1.6"]
 E28, E8 = ["--config.num_epochs=28"], ["--config.num_epochs=8"]
@@ -81,18 +83,23 @@ RUNS = {
   "sgd_4096_w3_seed1": (BASE, [*B4096, *E28, *W3, "--config.seed=1"], "the same with seed 1 (the spread of a run)"),
   "sgd_4096_w3_hitopk_dgc": (
     BASE,
-    [*B4096, *E28, *W3, *HITOPK, *DGC],
-    "+ hitopk at 0.1%, DGC momentum correction and density warm-up",
+    [*B4096, *E28, *W3, *HITOPK, *DGC, *HEAVY_BALL],
+    "+ hitopk at 0.1%, DGC momentum correction (heavy ball) and density warm-up",
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor": (
     BASE,
-    [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none"],
+    [*B4096, *E28, *W3, *HITOPK, *DGC, *HEAVY_BALL, "--config.comm.fusion=none"],
     "the same, top-k per tensor (DGC's), tensors under 2,048 entries sent dense",
+  ),
+  "sgd_4096_w3_hitopk_dgc_per_tensor_nesterov": (
+    BASE,
+    [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none"],
+    "the same with Nesterov momentum in the reducer (the uncompressed run's)",
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_seed1": (
     BASE,
-    [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none", "--config.seed=1"],
-    "the same with seed 1",
+    [*B4096, *E28, *W3, *HITOPK, *DGC, *HEAVY_BALL, "--config.comm.fusion=none", "--config.seed=1"],
+    "the per-tensor run with seed 1",
   ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
   "lars_tuned_hitopk_ef": (LARS_4096, [*FIRST, *W2, *HITOPK], "+ hitopk at 0.1%, error feedback"),

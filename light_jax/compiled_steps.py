@@ -56,7 +56,8 @@ class CompiledSteps:
     comm = config.comm
     nodes, local = mesh.devices.shape
     self.profile = fusion_lib.profile_parameters(model, info.image_shape)  # backward order, FLOPs per tensor
-    reducer = reducer_from_config(comm, nodes, local, self.profile.order, config.optimizer.momentum, tx)
+    opt = config.optimizer
+    reducer = reducer_from_config(comm, nodes, local, self.profile.order, opt.momentum, tx, opt.nesterov)
     # Buckets that may carry residuals (compressed, or "auto") stay those of the first phase.
     self.adaptive_per_phase = comm.fusion == "adaptive" and not (comm.strategy == AUTO or reducer.spec.compressed)
     if comm.fusion == "adaptive" and not self.adaptive_per_phase:

@@ -191,15 +191,20 @@ def test_small_buckets_go_dense():
   assert reducer.bytes_per_step({"bias": params["bias"]}) == strategies.strategy_bytes("hierarchical", 64, 4, 2, 4)
 
 
-def _dgc_reference(vectors, k, momentum):
-  """DGC on each row of ``vectors`` (T, rows, n) in numpy: u <- m u + g, v <- v + u, send top-k of v,
-  zero u and v where sent. Returns what each row sent per step, (T, rows, n)."""
+def _dgc_reference(vectors, k, momentum, nesterov=False):
+  """DGC on each row of ``vectors`` (T, rows, n) in numpy: u <- m u + g, v <- v + u (Nesterov, as DGC's
+  code: u <- m (u + g), v <- v + u + g), send top-k of v, zero u and v where sent. Returns what each row
+  sent per step, (T, rows, n)."""
   u = np.zeros(vectors.shape[1:], np.float64)
   v = np.zeros_like(u)
   sent = np.zeros(vectors.shape, np.float64)
   for t, g in enumerate(vectors):
-    u = momentum * u + g
-    v = v + u
+    if nesterov:
+      u = momentum * (u + g)
+      v = v + u + g
+    else:
+      u = momentum * u + g
+      v = v + u
     for row in range(v.shape[0]):
       top = np.argsort(-np.abs(v[row]))[:k]
       sent[t, row, top] = v[row, top]
@@ -207,19 +212,22 @@ def _dgc_reference(vectors, k, momentum):
   return sent
 
 
-@pytest.mark.parametrize("strategy,shape", [("topk", (2, 4)), ("hitopk", (2, 4)), ("hitopk", (4, 2))])
-def test_momentum_correction_matches_dgc_in_numpy(strategy, shape):
+@pytest.mark.parametrize(
+  "strategy,shape,nesterov",
+  [("topk", (2, 4), False), ("hitopk", (2, 4), False), ("hitopk", (4, 2), False), ("hitopk", (2, 4), True)],
+)
+def test_momentum_correction_matches_dgc_in_numpy(strategy, shape, nesterov):
   steps, d, density, momentum = 5, 800, 0.02, 0.9
   nodes, local = shape
   grads = np.asarray(np.random.default_rng(5).normal(size=(steps, 8, d)), np.float32)
-  outputs, state, _ = _run_steps(strategy, shape, grads, density, momentum_correction=momentum)
+  outputs, state, _ = _run_steps(strategy, shape, grads, density, momentum_correction=momentum, nesterov=nesterov)
   if strategy == "topk":  # every device selects from its own whole gradient
     k = compression.num_selected(d, density)
-    expected = _dgc_reference(grads.astype(np.float64), k, momentum).sum(axis=1) / 8
+    expected = _dgc_reference(grads.astype(np.float64), k, momentum, nesterov).sum(axis=1) / 8
   else:  # device (i, j) selects from shard j of node i's summed gradient
     node_sums = grads.reshape(steps, nodes, local, d).sum(axis=2)
     shards = node_sums.reshape(steps, nodes * local, d // local)
-    sent = _dgc_reference(shards, compression.num_selected(d // local, density), momentum)
+    sent = _dgc_reference(shards, compression.num_selected(d // local, density), momentum, nesterov)
     expected = sent.reshape(steps, nodes, d).sum(axis=1) / 8
   np.testing.assert_allclose(outputs, expected, rtol=1e-4, atol=1e-5)
   (memory,) = state.values()

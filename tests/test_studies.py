@@ -36,7 +36,14 @@ def test_every_study_row_is_a_valid_config(study, label, monkeypatch):
   assert config_lib.validate(_resolve(config, overrides), num_devices=8) == (2, 4)
 
 
-@pytest.mark.parametrize("variant,label", [("large_batch", "sgd_4096_w3"), ("large_batch_lars", "lars_tuned_lr1")])
+@pytest.mark.parametrize(
+  "variant,label",
+  [
+    ("large_batch", "sgd_4096_w3"),
+    ("large_batch_hitopk", "sgd_4096_w3_hitopk_dgc_per_tensor"),
+    ("large_batch_lars", "lars_tuned_lr1"),
+  ],
+)
 def test_the_large_batch_variants_are_the_rows_that_measured_them(variant, label, monkeypatch):
   """README reports these rows' runs as the variants' own: each pair must stay the same config."""
   monkeypatch.chdir(ROOT)

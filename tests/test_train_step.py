@@ -131,13 +131,14 @@ def test_resnet_step_with_per_device_batchnorm_matches_one_device():
   assert _max_diff(ours.batch_stats, sync_stats) > 1e-4
 
 
-def test_momentum_correction_is_momentum_sgd_with_weight_decay_on_the_buckets_it_does_not_compress():
+@pytest.mark.parametrize("nesterov", [False, True], ids=["heavy_ball", "nesterov"])
+def test_momentum_correction_is_momentum_sgd_with_weight_decay_on_the_buckets_it_does_not_compress(nesterov):
   """DGC's momentum correction moves SGD's momentum into the reducer (optax's is off). A bucket too small
   to compress keeps a velocity there too, and the weight decay runs before the reduction so that it enters
   the velocity (optim.decay_before_reduction): with every bucket dense the steps are momentum SGD's."""
   batches, info = _batches(3)
   config = _config("sgd")
-  config.optimizer.update(nesterov=False, sharded_update=False)  # DGC's velocity is heavy-ball momentum
+  config.optimizer.update(nesterov=nesterov, sharded_update=False)
   config.comm = {"momentum_correction": True, "local_trust_ratio": False}
   schedule, shape, mesh = optax.constant_schedule(0.1), (2, 4), mesh_lib.make_mesh(2, 4)
   ref_params, _ = _run_reference(TinyCNN(), optim.build_optimizer(config.optimizer, schedule), info, batches, 1)
@@ -147,7 +148,7 @@ def test_momentum_correction_is_momentum_sgd_with_weight_decay_on_the_buckets_it
   def train(momentum):
     # min_compress_elements above every tensor: hitopk sends each bucket through its dense fallback.
     reducer = reducer_lib.make_gradient_reducer(
-      "hitopk", *shape, min_compress_elements=10**9, momentum_correction=momentum
+      "hitopk", *shape, min_compress_elements=10**9, momentum_correction=momentum, nesterov=nesterov
     )
     state = step_lib.create_train_state(TinyCNN(), tx, reducer, info.image_shape, mesh, seed=0)
     local_tx = optim.local_transform(config)

@@ -23,9 +23,10 @@ Momentum correction (DGC, Lin et al. 2018): with momentum m, error feedback on t
 delays each entry's contribution to the momentum until it is sent, which is not the same as momentum
 SGD. DGC moves the momentum before the selection, per device: u <- m u + g (velocity), v <- v + u
 (what is accumulated and not yet sent), top-k of v; both u and v are zeroed where entries were sent
-(momentum factor masking, so a sent entry's stale momentum does not push it again). The optimizer then
-runs without momentum. The per-device state is ``Memory(residual=v, velocity=u)`` instead of a bare
-residual; the buckets too small to compress keep a velocity of their own (``dense_velocity``).
+(momentum factor masking, so a sent entry's stale momentum does not push it again). With Nesterov
+momentum, u <- m (u + g) and v <- v + u + g (``momentum_step``). The optimizer then runs without
+momentum. The per-device state is ``Memory(residual=v, velocity=u)`` instead of a bare residual; the
+buckets too small to compress keep a velocity of their own and send their step whole.
 """
 
 from __future__ import annotations
@@ -102,15 +103,15 @@ class Memory(NamedTuple):
 
 
 def compensate(
-  x: jax.Array, memory: jax.Array | Memory, error_feedback: bool, momentum: float = 0.0
+  x: jax.Array, memory: jax.Array | Memory, error_feedback: bool, momentum: float = 0.0, nesterov: bool = False
 ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array | Memory]]:
   """(the vector top-k selects from, ``indices -> new memory`` once those entries are sent).
 
   ``memory`` is a residual (error feedback; untouched when it is off) or a ``Memory`` (momentum correction).
   """
   if isinstance(memory, Memory):
-    velocity = momentum * memory.velocity + x
-    accumulated = memory.residual + velocity
+    velocity, step = momentum_step(x, memory.velocity, momentum, nesterov)
+    accumulated = memory.residual + step
     return accumulated, lambda sent: Memory(accumulated.at[sent].set(0.0), velocity.at[sent].set(0.0))
   if not error_feedback:
     return x, lambda sent: memory
@@ -118,23 +119,34 @@ def compensate(
   return corrected, lambda sent: corrected.at[sent].set(0.0)
 
 
-def dense_velocity(x: jax.Array, velocity: jax.Array, momentum: float) -> jax.Array:
-  """A dense bucket's velocity under momentum correction, ``m u + g``, which it then sends whole.
+def momentum_step(x: jax.Array, velocity: jax.Array, momentum: float, nesterov: bool) -> tuple[jax.Array, jax.Array]:
+  """(new velocity u, the step momentum SGD takes) for gradient ``x``: heavy ball u <- m u + g, step u;
+  Nesterov (DGC's form, u = m t for optax's trace t) u <- m (u + g), step u + g.
 
-  The optimizer runs without momentum, so the buckets too small to compress keep theirs here; the
-  reduction is linear, so the sum of the devices' velocities is momentum SGD's on the summed gradient.
+  It also serves the buckets too small to compress, which send the step whole: the optimizer runs
+  without momentum, and the reduction is linear, so the devices' summed steps are momentum SGD's.
   """
-  return momentum * velocity + x
+  if nesterov:
+    velocity = momentum * (velocity + x)
+    return velocity, velocity + x
+  velocity = momentum * velocity + x
+  return velocity, velocity
 
 
 def apply_error_feedback(
-  x: jax.Array, memory: jax.Array | Memory, k: int, selector: str, error_feedback: bool, momentum: float = 0.0
+  x: jax.Array,
+  memory: jax.Array | Memory,
+  k: int,
+  selector: str,
+  error_feedback: bool,
+  momentum: float = 0.0,
+  nesterov: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array | Memory]:
   """Selects k entries of ``x + residual`` (see ``compensate``); returns (indices, values, new memory).
 
   With error feedback off the residual is neither added nor updated (it stays zero).
   """
-  corrected, forget_sent = compensate(x, memory, error_feedback, momentum)
+  corrected, forget_sent = compensate(x, memory, error_feedback, momentum, nesterov)
   indices, values = SELECTORS[selector](corrected, k)
   return indices, values, forget_sent(indices)
 

@@ -54,6 +54,7 @@ class GradientReducer:
     choices: for ``strategy="auto"``, the strategy of each bucket (``cost_model.plan_auto``).
     momentum_correction: > 0: DGC momentum correction with this momentum (``compression.compensate``);
       the optimizer then runs without momentum.
+    nesterov: the momentum correction's momentum is Nesterov's (``compression.momentum_step``).
     local_clip_norm: > 0: each device's local gradient is clipped to this global norm / sqrt(devices)
       before the reduction (DGC's local gradient clipping).
   """
@@ -72,6 +73,7 @@ class GradientReducer:
   groups: tuple[tuple[int, ...], ...] | None = None
   choices: tuple[str, ...] | None = None
   momentum_correction: float = 0.0
+  nesterov: bool = False
   local_clip_norm: float = 0.0
   updates_parameters = False  # the train step applies the optimizer to what ``reduce`` returns
 
@@ -171,13 +173,22 @@ class GradientReducer:
         # This device's block of the (nodes, local, ...) arrays.
         memory = jax.tree.map(lambda x: x[0, 0], comm_state[_key(b)])
         flat, memory = spec.reduce(
-          flat, memory, one.k_for(size), self.selector, self.error_feedback, wire_dtype, self.momentum_correction
+          flat,
+          memory,
+          one.k_for(size),
+          self.selector,
+          self.error_feedback,
+          wire_dtype,
+          self.momentum_correction,
+          self.nesterov,
         )
         new_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
-        if self.momentum_correction:  # u <- m u + g on each device; the sum of the u is the global velocity
-          flat = compression.dense_velocity(flat, comm_state[_key(b)][0, 0], self.momentum_correction)
-          new_state[_key(b)] = flat[None, None]
+        if self.momentum_correction:  # a velocity per device; the sum of their steps is momentum SGD's
+          velocity, flat = compression.momentum_step(
+            flat, comm_state[_key(b)][0, 0], self.momentum_correction, self.nesterov
+          )
+          new_state[_key(b)] = velocity[None, None]
         flat = spec.reduce(flat, wire_dtype)
       for m, g in zip(members, fusion_lib.unpack(flat, [leaves[m] for m in members])):
         summed[m] = g
@@ -232,9 +243,11 @@ def reducer_from_config(
   order: tuple[int, ...] | None = None,
   momentum: float = 0.0,
   optimizer: optax.GradientTransformation | None = None,
+  nesterov: bool = False,
 ) -> Reducer:
   """The reducer the config's ``comm`` block describes on a ``nodes`` x ``local`` mesh, leaves reduced in
-  ``order``; ``momentum`` (``optimizer.momentum``) is the velocity's with ``comm.momentum_correction``.
+  ``order``; ``momentum`` and ``nesterov`` (``optimizer.momentum``, ``optimizer.nesterov``) are the
+  velocity's with ``comm.momentum_correction``.
   With ``comm.fusion="adaptive"`` it has fixed buckets until ``cost_model.plan_adaptive_fusion`` plans its
   MG-WFBP groups; with ``comm.strategy="auto"`` it is hierarchical until ``cost_model.plan_auto`` chooses
   each bucket's strategy. ``optimizer``: DiLoCo's inner optimizer."""
@@ -271,6 +284,7 @@ def reducer_from_config(
     wire_dtype=comm.dtype,
     order=order,
     momentum_correction=momentum if comm.momentum_correction else 0.0,
+    nesterov=nesterov,
     local_clip_norm=comm.local_clip_norm,
   )
 

@@ -161,13 +161,22 @@ class ShardedUpdate:
       if base.bucket_strategy(flat.size).compressed:
         memory = jax.tree.map(lambda x: x[0, 0], comm_state[_key(b)])
         shard, memory = collectives.hierarchical_topk_reduce_to_shard(
-          flat, memory, base.k_for(flat.size), base.selector, base.error_feedback, wire, base.momentum_correction
+          flat,
+          memory,
+          base.k_for(flat.size),
+          base.selector,
+          base.error_feedback,
+          wire,
+          base.momentum_correction,
+          base.nesterov,
         )
         comm_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
         if base.momentum_correction:  # the dense buckets' velocity (GradientReducer.reduce)
-          flat = compression.dense_velocity(flat, comm_state[_key(b)][0, 0], base.momentum_correction)
-          comm_state[_key(b)] = flat[None, None]
+          velocity, flat = compression.momentum_step(
+            flat, comm_state[_key(b)][0, 0], base.momentum_correction, base.nesterov
+          )
+          comm_state[_key(b)] = velocity[None, None]
         shard = collectives.hierarchical_reduce_to_shard(flat, wire)
       shards[_key(b)] = shard / (base.nodes * base.local)
     return shards, comm_state
