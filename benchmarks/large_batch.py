@@ -147,18 +147,21 @@ REFERENCE = {28: "sgd_256", 8: "sgd_256_8ep"}
 def report(results: dict[str, dict], stopped: dict[str, list[dict]]) -> None:
   """The table of finished runs, then the runs stopped before the end."""
   header = ("run", "epochs", "batch", "top-1", "vs 256", "top-5", "train s", "img/s", "inter B/step", "skipped")
-  print("{:26} {:>6} {:>5} {:>7} {:>7} {:>7} {:>8} {:>6} {:>13} {:>7}  what".format(*header))
+  width = max(map(len, [*results, *stopped, "run"]))
+  print(f"{header[0]:{width}} " + "{:>6} {:>5} {:>7} {:>7} {:>7} {:>8} {:>6} {:>13} {:>7}  what".format(*header[1:]))
   for label, r in results.items():
     reference = results.get(REFERENCE.get(r["epochs"], ""), {}).get("top1")
     delta = f"{100 * (r['top1'] - reference):+.2f}" if reference is not None else ""
     print(
-      f"{label:26} {r['epochs']:6d} {r['batch']:5d} {100 * r['top1']:6.2f}% {delta:>7} {100 * r['top5']:6.2f}% "
+      f"{label:{width}} {r['epochs']:6d} {r['batch']:5d} {100 * r['top1']:6.2f}% {delta:>7} {100 * r['top5']:6.2f}% "
       f"{r['train_seconds']:8.0f} {r['images_per_sec']:6.0f} {r['inter_node_bytes_per_step']:13,d} "
       f"{r['nonfinite_steps']:7d}  {RUNS[label][2]}"
     )
   for label, records in stopped.items():
     last = records[-1]
-    print(f"{label:26} stopped after epoch {last['epoch']:g}: top-1 {100 * last['eval_top1']:.2f}%  {RUNS[label][2]}")
+    print(
+      f"{label:{width}} stopped after epoch {last['epoch']:g}: top-1 {100 * last['eval_top1']:.2f}%  {RUNS[label][2]}"
+    )
 
 
 def plot(results: dict[str, dict], stopped: dict[str, list[dict]], path: str) -> None:
@@ -182,7 +185,8 @@ def plot(results: dict[str, dict], stopped: dict[str, list[dict]], path: str) ->
     kwargs = dict(marker=marker, ms=2, alpha=alpha, label=label, color=colors[i % len(colors)])
     by_epoch.plot([x["epoch"] for x in records], top1, style, **kwargs)
     by_time.plot([x["train_seconds"] for x in records], top1, style, **kwargs)
-  title = f"Fashion-MNIST, batch 256 vs 4,096 ({longest} epochs; shorter runs faint)"
+  batches = " vs ".join(f"{b:,}" for b in sorted({r["batch"] for r in results.values()}))
+  title = f"Fashion-MNIST, batch {batches} ({longest} epochs; shorter runs faint)"
   by_epoch.set(xlabel="epoch", ylabel="test top-1 (%)", title=title)
   by_time.set(xlabel="training seconds (this machine's 2 cores, 8 simulated devices)", title="against time")
   by_epoch.set_ylim(80, 95)

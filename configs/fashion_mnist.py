@@ -36,12 +36,12 @@ def large_batch(config: ml_collections.ConfigDict) -> None:
 
 def large_batch_hitopk(config: ml_collections.ConfigDict) -> None:
   large_batch(config)
-  # DGC's compensation: momentum correction, density warm-up, and top-k per tensor (fusion none) so that
-  # every tensor sends its share and the small ones (BatchNorm, biases, the classifier) go dense.
+  # DGC's compensation: momentum correction (Nesterov's, as the optimizer's), density warm-up, and top-k
+  # per tensor (fusion none) so that every tensor sends its share and the small ones (BatchNorm, biases,
+  # the classifier) go dense.
   config.comm.update(
     strategy="hitopk", density=0.001, momentum_correction=True, density_warmup_epochs=4.0, fusion="none"
   )
-  config.optimizer.nesterov = False  # the measured run's heavy-ball velocity in the reducer
 
 
 def large_batch_lars(config: ml_collections.ConfigDict) -> None:
