@@ -65,7 +65,8 @@ class CompiledSteps:
     if comm.strategy == AUTO:
       reducer = self._chosen(reducer, self.batch_shape_at(0))
     if config.optimizer.sharded_update:  # the optimizer moves into the reducer, on each device's shards
-      reducer = sharded_update(reducer, self.profile.params, config.optimizer, schedule, momentum)
+      decay = not optim.decay_before_reduction(config)
+      reducer = sharded_update(reducer, self.profile.params, config.optimizer, schedule, momentum, decay)
     # Its init_state is the train state's comm_state; each phase's step uses reducer_at(step), which may
     # re-plan the buckets (adaptive fusion of a dense strategy) but keeps this comm_state's shapes.
     self.reducer = reducer

@@ -29,7 +29,8 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
   config.comm = {"local_trust_ratio": False, "momentum_correction": strategy == "hitopk+mc"}
   momentum = 0.0 if config.comm.momentum_correction else opt.momentum
   schedule = optax.constant_schedule({"sgd": 0.1, "lars": 1.0}[optimizer])
-  tx = optim.build_optimizer(opt, schedule, momentum, decay=not optim.decay_before_reduction(config))
+  decay = not optim.decay_before_reduction(config)
+  tx = optim.build_optimizer(opt, schedule, momentum, decay=decay)
   mesh = mesh_lib.make_mesh(*shape)
   options = {"density": 0.1, "min_compress_elements": 64} if strategy.startswith("hitopk") else {}
   if config.comm.momentum_correction:
@@ -38,7 +39,7 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
   model = TinyCNN()
   if sharded:
     params = init_variables(model, info.image_shape)["params"]
-    reducer = sharded_update(reducer, params, opt, schedule, momentum)
+    reducer = sharded_update(reducer, params, opt, schedule, momentum, decay)
   state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
   local_tx = optim.local_transform(config)
   step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1, local_tx=local_tx)

@@ -153,8 +153,8 @@ def test_momentum_correction_is_momentum_sgd_with_weight_decay_on_the_buckets_it
     state = step_lib.create_train_state(TinyCNN(), tx, reducer, info.image_shape, mesh, seed=0)
     local_tx = optim.local_transform(config)
     step = step_lib.make_train_step(TinyCNN(), tx, reducer, mesh, info, label_smoothing=0.1, local_tx=local_tx)
+    sharding = mesh_lib.batch_sharding(mesh)
     for images, labels in batches:
-      sharding = mesh_lib.batch_sharding(mesh)
       state, _ = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
     return jax.device_get(state)
 

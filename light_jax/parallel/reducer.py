@@ -184,16 +184,19 @@ class GradientReducer:
         )
         new_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
-        if self.momentum_correction:  # a velocity per device; the sum of their steps is momentum SGD's
-          velocity, flat = compression.momentum_step(
-            flat, comm_state[_key(b)][0, 0], self.momentum_correction, self.nesterov
-          )
-          new_state[_key(b)] = velocity[None, None]
+        if self.momentum_correction:
+          flat, new_state[_key(b)] = self.dense_momentum(flat, comm_state[_key(b)])
         flat = spec.reduce(flat, wire_dtype)
       for m, g in zip(members, fusion_lib.unpack(flat, [leaves[m] for m in members])):
         summed[m] = g
     num_devices = self.nodes * self.local
     return jax.tree.unflatten(treedef, [g / num_devices for g in summed]), new_state
+
+  def dense_momentum(self, flat: jax.Array, velocity: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the step a dense bucket sends, its new velocity) under momentum correction; ``velocity`` is this
+    device's (1, 1, n) block. A velocity per device: the sum of their steps is momentum SGD's."""
+    new, step = compression.momentum_step(flat, velocity[0, 0], self.momentum_correction, self.nesterov)
+    return step, new[None, None]
 
   def bucket_plan(self, params: PyTree) -> list[tuple[str, int, int]]:
     """One step's collectives: (strategy, elements, k) per bucket, in reduction order."""

@@ -92,6 +92,7 @@ class ShardedUpdate:
   num_leaves: int
   buckets: tuple[Bucket, ...]
   decays: tuple[bool, ...]  # per leaf: weight decay and trust ratio (optim.decay_mask)
+  decay: bool = True  # False: the weight decay ran before the reduction (optim.decay_before_reduction)
   strategy: str = "hierarchical"
   updates_parameters = True  # the train step calls apply, not the optimizer
   keeps_residuals: bool = True
@@ -120,9 +121,7 @@ class ShardedUpdate:
     """g + wd w on the decayed tensors, times LARS's trust ratio per tensor: per bucket one branch for the
     sums of squares of this device's pieces, one psum over ``local`` of them all, one branch for the result
     (few branches: each branch's output is materialised, so the per-piece work stays inside them)."""
-    wd, lars = self.opt.weight_decay, self.opt.name == "lars"
-    if self.base.momentum_correction and not lars:  # SGD's decay ran before the reduction (optim.py)
-      wd = 0.0
+    wd, lars = self.opt.weight_decay if self.decay else 0.0, self.opt.name == "lars"
     ratios = jnp.ones((self.num_leaves,), jnp.float32)
     if lars:
       # Rows: |w|^2 and |g + wd w|^2 (optax's form) or |g|^2 (MLPerf's), per decayed leaf.
@@ -172,11 +171,8 @@ class ShardedUpdate:
         )
         comm_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
-        if base.momentum_correction:  # the dense buckets' velocity (GradientReducer.reduce)
-          velocity, flat = compression.momentum_step(
-            flat, comm_state[_key(b)][0, 0], base.momentum_correction, base.nesterov
-          )
-          comm_state[_key(b)] = velocity[None, None]
+        if base.momentum_correction:
+          flat, comm_state[_key(b)] = base.dense_momentum(flat, comm_state[_key(b)])
         shard = collectives.hierarchical_reduce_to_shard(flat, wire)
       shards[_key(b)] = shard / (base.nodes * base.local)
     return shards, comm_state
@@ -208,9 +204,10 @@ class ShardedUpdate:
 
 
 def sharded_update(
-  base: GradientReducer, params: PyTree, opt: ml_collections.ConfigDict, schedule, momentum
+  base: GradientReducer, params: PyTree, opt: ml_collections.ConfigDict, schedule, momentum, decay: bool = True
 ) -> ShardedUpdate:
-  """The sharded update of ``base``'s buckets for ``params`` (shapes suffice) with the optimizer ``opt``."""
+  """The sharded update of ``base``'s buckets for ``params`` (shapes suffice) with the optimizer ``opt``;
+  ``decay=False`` leaves out the weight decay, which ran before the reduction (as ``build_optimizer``'s)."""
   if base.strategy not in STRATEGIES:
     raise ValueError(f"optimizer.sharded_update needs comm.strategy in {STRATEGIES}, not {base.strategy!r}")
   if opt.name not in OPTIMIZERS:
@@ -228,7 +225,7 @@ def sharded_update(
     padded = -(-sum(sizes) // multiple) * multiple
     buckets.append(split_into_shards(members, sizes, padded // base.local, base.local))
   decays = tuple(bool(d) for d in jax.tree.leaves(optim.decay_mask(params)))
-  return ShardedUpdate(base, opt, schedule, momentum, len(leaves), tuple(buckets), decays)
+  return ShardedUpdate(base, opt, schedule, momentum, len(leaves), tuple(buckets), decays, decay)
 
 
 def _key(bucket: int) -> str:
