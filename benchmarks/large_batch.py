@@ -96,10 +96,10 @@ RUNS = {
     [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none"],
     "the same with Nesterov momentum in the reducer (the uncompressed run's)",
   ),
-  "sgd_4096_w3_hitopk_dgc_per_tensor_seed1": (
+  "sgd_4096_w3_hitopk_dgc_per_tensor_nesterov_seed1": (
     BASE,
-    [*B4096, *E28, *W3, *HITOPK, *DGC, *HEAVY_BALL, "--config.comm.fusion=none", "--config.seed=1"],
-    "the per-tensor run with seed 1",
+    [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none", "--config.seed=1"],
+    "the Nesterov per-tensor run (:large_batch_hitopk) with seed 1",
   ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
   "lars_tuned_hitopk_ef": (LARS_4096, [*FIRST, *W2, *HITOPK], "+ hitopk at 0.1%, error feedback"),
