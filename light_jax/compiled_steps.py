@@ -70,6 +70,7 @@ class CompiledSteps:
     # Its init_state is the train state's comm_state; each phase's step uses reducer_at(step), which may
     # re-plan the buckets (adaptive fusion of a dense strategy) but keeps this comm_state's shapes.
     self.reducer = reducer
+    self.residual_scale = schedules.residual_rescale(schedule) if comm.residual_units == "update" else None
     self.density_warmup_steps = plan.step_at(comm.density_warmup_epochs)
     self.sharding = mesh_lib.batch_sharding(mesh)
     self._compiled: dict[tuple, tuple[Callable, CommBytes]] = {}
@@ -112,6 +113,7 @@ class CompiledSteps:
       micro_batches=self.config.micro_batches,
       loss_scale_period=self.config.model.loss_scale_period,
       local_tx=optim.local_transform(self.config),
+      residual_scale=self.residual_scale,
     )
     compiled = train.lower(abstract_state, images, labels).compile()
     comm_bytes = reducer.bytes_per_step(abstract_state.params)

@@ -16,6 +16,7 @@ import ml_collections
 OPTIMIZERS = ("sgd", "lars", "lamb")
 DECAYS = ("poly", "cosine")
 DTYPES = ("float32", "bfloat16")  # comm.dtype
+RESIDUAL_UNITS = ("gradient", "update")  # comm.residual_units
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 LOSS_SCALES = ("auto", "dynamic", "none")
 MOMENTUM_SCHEDULES = ("constant", "cycle")
@@ -134,6 +135,10 @@ def base_config() -> ml_collections.ConfigDict:
     # local_clip_norm / sqrt(devices) before compression.
     momentum_correction=False,
     local_clip_norm=0.0,
+    # What the error-feedback residuals hold: "gradient" (DGC's: summed gradients, applied at the learning
+    # rate of the step that sends them) or "update" (Stich et al. 2018: each step's gradient weighted by
+    # its own learning rate, so an entry sent late is not shrunk by a decayed schedule).
+    residual_units="gradient",
     # LARS's weight decay and trust ratio on each device's gradient before the reduction, the optimizer
     # keeping the learning rate and momentum: top-k then sends pieces of the scaled update (error feedback
     # conserves it) instead of LARS rescaling the few sent entries to a whole layer's step.
@@ -250,6 +255,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     raise ConfigError(
       f"comm.local_clip_norm compensates gradient compression; comm.strategy={config.comm.strategy!r} does not "
       "compress. Use a top-k strategy (hitopk, topk, gtopk) or powersgd, or set comm.local_clip_norm=0."
+    )
+  _choice("comm.residual_units", config.comm.residual_units, RESIDUAL_UNITS)
+  if config.comm.residual_units == "update" and not (top_k and config.comm.error_feedback):
+    raise ConfigError(
+      f"comm.residual_units='update' rescales the top-k strategies' error-feedback residuals; comm.strategy="
+      f"{config.comm.strategy!r} with comm.error_feedback={config.comm.error_feedback} keeps none. Use hitopk, "
+      "topk or gtopk with error feedback, or set comm.residual_units=gradient."
     )
   if config.comm.strategy == POWERSGD:
     _positive("comm.rank", config.comm.rank)

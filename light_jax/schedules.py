@@ -2,7 +2,8 @@
 
 - ``EpochPlan``: which epoch, image size and global batch size a step belongs to (progressive resizing);
 - ``learning_rate_schedule``: linear warm-up, then polynomial or cosine decay, laid out in epochs;
-- ``density_at``: the top-k density warm-up of the compressed strategies.
+- ``density_at``: the top-k density warm-up of the compressed strategies;
+- ``residual_rescale``: the factor that keeps error-feedback residuals in learning-rate-weighted units.
 
 Everything is a function of the config and the step, so a resumed run finds the same schedules.
 
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
@@ -178,6 +181,18 @@ def _schedule_shape(optimizer: ml_collections.ConfigDict, plan: EpochPlan):
     return jnp.where(done < warmup, done / max(warmup, 1e-9), decay)
 
   return shape, peak
+
+
+def residual_rescale(schedule: optax.Schedule) -> Callable[[jax.Array], jax.Array]:
+  """``step -> lr(step - 1) / lr(step)``: what turns residuals kept in units of the last step's learning
+  rate into units of this step's (``comm.residual_units="update"``; 1 at step 0 and wherever lr(step) is 0,
+  where nothing is applied)."""
+
+  def factor(step):
+    now, before = schedule(step), schedule(jnp.maximum(step - 1, 0))
+    return jnp.where(now > 0, before / jnp.where(now > 0, now, 1.0), 1.0).astype(jnp.float32)
+
+  return factor
 
 
 def density_at(step: int, target: float, warmup_steps: int, start: float = 0.25, phases: int = 4) -> float:

@@ -139,6 +139,7 @@ def make_train_step(
   loss_scale_period: int = 2000,
   unroll_micro_batches: bool | None = None,
   local_tx: optax.GradientTransformation | None = None,
+  residual_scale: Callable[[jax.Array], jax.Array] | None = None,
 ) -> Callable:
   """Returns ``step(state, images, labels) -> (state, per_device_loss)``, jitted, donating ``state``.
 
@@ -155,6 +156,8 @@ def make_train_step(
   CPU only, see ``accumulate_gradients``). ``loss_scale_period``: finite steps after
   which dynamic loss scaling doubles the scale (with ``state.loss_scale``). ``local_tx``: a stateless
   transformation of each device's gradient before the reduction (``optim.local_transform``).
+  ``residual_scale``: ``step -> factor`` for the reducer's error-feedback residuals before the step's
+  reduction (``schedules.residual_rescale`` with ``comm.residual_units="update"``).
   """
 
   def device_step(state: TrainState, images, labels):
@@ -191,7 +194,10 @@ def make_train_step(
     local_grads = scaling.unscale(local_grads)
     if local_tx is not None:  # optim.local_transform: LARS's trust ratio or SGD's decay per device
       local_grads, _ = local_tx.update(local_grads, local_tx.init(params), params)
-    grads, comm_state = reducer.reduce(local_grads, state.comm_state)
+    comm_state = state.comm_state
+    if residual_scale is not None:  # residuals in units of this step's learning rate (comm.residual_units)
+      comm_state = reducer.rescale_residuals(comm_state, residual_scale(state.step))
+    grads, comm_state = reducer.reduce(local_grads, comm_state)
     if reducer.updates_parameters:  # DiLoCo's inner and outer steps; the sharded update (grads: shards)
       sync = None
       if local_steps:

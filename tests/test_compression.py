@@ -68,8 +68,11 @@ def test_density_warmup_phases():
   assert len({schedules.density_at(s, 0.001, 100) for s in range(200)}) == 5  # 4 phases + target
 
 
-def _run_steps(strategy, shape, grads, density, error_feedback=True, selector="exact", **options):
-  """Reduces each step's per-device vectors (T, devices, d); returns (outputs (T, d), final state)."""
+def _run_steps(strategy, shape, grads, density, error_feedback=True, selector="exact", lrs=None, **options):
+  """Reduces each step's per-device vectors (T, devices, d); returns (outputs (T, d), final state).
+
+  ``lrs``: a learning rate per step; the residuals then go into its units before each step, as the train
+  step does with ``comm.residual_units="update"``."""
   mesh = mesh_lib.make_mesh(*shape)
   reducer = reducer_lib.make_gradient_reducer(
     strategy,
@@ -85,16 +88,17 @@ def _run_steps(strategy, shape, grads, density, error_feedback=True, selector="e
   state = jax.device_put(reducer.init_state(params), NamedSharding(mesh, per_device))
   step = jax.jit(
     jax.shard_map(
-      lambda g, s: reducer.reduce({"w": g[0]}, s),
+      lambda g, s, factor: reducer.reduce({"w": g[0]}, reducer.rescale_residuals(s, factor)),
       mesh=mesh,
-      in_specs=(mesh_lib.BATCH_SPEC, per_device),
+      in_specs=(mesh_lib.BATCH_SPEC, per_device, P()),
       out_specs=(P(), per_device),
       check_vma=False,
     )
   )
+  factors = np.ones(len(grads)) if lrs is None else [1.0, *(np.asarray(lrs[:-1]) / np.asarray(lrs[1:]))]
   outputs = []
-  for g in grads:
-    out, state = step(jax.device_put(g, mesh_lib.batch_sharding(mesh)), state)
+  for g, factor in zip(grads, factors):
+    out, state = step(jax.device_put(g, mesh_lib.batch_sharding(mesh)), state, jnp.float32(factor))
     outputs.append(np.asarray(out["w"]))
   return np.stack(outputs), jax.device_get(state), reducer
 
@@ -116,6 +120,44 @@ def test_error_feedback_conserves_gradient_mass(strategy, shape):
   np.testing.assert_allclose(outputs.sum(axis=0) + leftover / 8, true_sum, atol=2e-5)
   # Compression really dropped mass each step (otherwise the identity is trivial).
   assert np.abs(leftover).sum() > 0.1 * np.abs(true_sum).sum()
+
+
+@pytest.mark.parametrize("strategy,shape", [("hitopk", (2, 4)), ("topk", (2, 4)), ("gtopk", (4, 2))])
+def test_residuals_in_update_units_conserve_the_learning_rate_weighted_sum(strategy, shape):
+  """comm.residual_units="update": with a decaying learning rate, what the optimizer applies (lr(t) x the
+  reduced gradient) plus lr(T) x the final residuals is sum lr(t) g(t), every gradient at its own step's
+  rate. DGC's gradient units conserve the plain sum instead, so they apply late entries at a lower rate."""
+  steps, d = 6, 1001
+  grads = np.asarray(np.random.default_rng(4).standard_t(df=2, size=(steps, 8, d)), np.float32)
+  lrs = np.asarray([0.5, 1.0, 0.8, 0.4, 0.2, 0.05], np.float32)  # warm-up, then decay
+  intended = np.einsum("t,td->d", lrs, grads.sum(axis=1) / 8)
+
+  def applied(outputs, state):
+    (residual,) = state.values()
+    leftover = residual.sum(axis=0).reshape(-1)[:d] if strategy == "hitopk" else residual.sum(axis=(0, 1))
+    return np.einsum("t,td->d", lrs, outputs) + lrs[-1] * leftover / 8
+
+  update_units = applied(*_run_steps(strategy, shape, grads, density=0.05, lrs=lrs)[:2])
+  np.testing.assert_allclose(update_units, intended, atol=5e-5)
+  gradient_units = applied(*_run_steps(strategy, shape, grads, density=0.05)[:2])
+  assert np.abs(gradient_units - intended).max() > 0.05
+
+
+def test_residual_rescale_is_the_ratio_of_consecutive_learning_rates():
+  factor = schedules.residual_rescale(lambda step: jnp.asarray([0.0, 1.0, 3.0, 1.5, 0.0], jnp.float32)[step])
+  np.testing.assert_allclose([float(factor(s)) for s in range(5)], [1.0, 0.0, 1 / 3, 2.0, 1.0])
+
+
+def test_rescaling_under_momentum_correction_leaves_the_velocities():
+  reducer = reducer_lib.make_gradient_reducer("hitopk", 2, 4, momentum_correction=0.9, min_compress_elements=8)
+  state = reducer.init_state({"big": jnp.zeros(64), "small": jnp.zeros(4)})
+  state = jax.tree.map(lambda x: x + 1.0, state)
+  rescaled = reducer.rescale_residuals(state, 0.5)
+  memories = [m for m in rescaled.values() if isinstance(m, compression.Memory)]
+  velocities = [v for v in rescaled.values() if not isinstance(v, compression.Memory)]
+  assert len(memories) == 1 and len(velocities) == 1
+  assert float(memories[0].residual.max()) == 0.5 and float(memories[0].velocity.min()) == 1.0
+  assert float(velocities[0].min()) == 1.0  # the dense bucket's velocity
 
 
 def test_without_error_feedback_mass_is_lost_and_residual_stays_zero():

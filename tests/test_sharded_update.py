@@ -11,7 +11,7 @@ import ml_collections
 import optax
 import pytest
 
-from light_jax import optim
+from light_jax import optim, schedules
 from light_jax import train_step as step_lib
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel import reducer as reducer_lib
@@ -22,13 +22,18 @@ from tests.test_train_step import _batches, _config, _max_diff
 
 
 def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hierarchical"):
-  """``strategy`` "hitopk+mc": hitopk with DGC's momentum correction (the momentum and SGD's decay move)."""
+  """``strategy`` "hitopk+mc": hitopk with DGC's momentum correction (the momentum and SGD's decay move);
+  "+update": its residuals in learning-rate-weighted units, under a decaying learning rate."""
   config = ml_collections.ConfigDict({"optimizer": _config(optimizer).optimizer})
   opt = config.optimizer
   opt.update(lars_trust="mlperf" if optimizer == "lars" else "optax", sharded_update=sharded)
-  config.comm = {"local_trust_ratio": False, "momentum_correction": strategy == "hitopk+mc"}
+  config.comm = {"local_trust_ratio": False, "momentum_correction": strategy.startswith("hitopk+mc")}
   momentum = 0.0 if config.comm.momentum_correction else opt.momentum
   schedule = optax.constant_schedule({"sgd": 0.1, "lars": 1.0}[optimizer])
+  residual_scale = None
+  if strategy.endswith("+update"):
+    schedule = optax.linear_schedule(0.1, 0.01, len(batches))
+    residual_scale = schedules.residual_rescale(schedule)
   decay = not optim.decay_before_reduction(config)
   tx = optim.build_optimizer(opt, schedule, momentum, decay=decay)
   mesh = mesh_lib.make_mesh(*shape)
@@ -42,7 +47,9 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
     reducer = sharded_update(reducer, params, opt, schedule, momentum, decay)
   state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
   local_tx = optim.local_transform(config)
-  step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1, local_tx=local_tx)
+  step = step_lib.make_train_step(
+    model, tx, reducer, mesh, info, label_smoothing=0.1, local_tx=local_tx, residual_scale=residual_scale
+  )
   sharding = mesh_lib.batch_sharding(mesh)
   losses = []
   for images, labels in batches:
@@ -59,6 +66,7 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
     ((8, 1), "sgd", 4096, "hierarchical"),
     ((2, 4), "lars", 4096, "hitopk"),
     ((2, 4), "sgd", 4096, "hitopk+mc"),
+    ((2, 4), "sgd", 4096, "hitopk+mc+update"),
   ],
   ids=str,
 )

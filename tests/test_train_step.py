@@ -164,6 +164,29 @@ def test_momentum_correction_is_momentum_sgd_with_weight_decay_on_the_buckets_it
   assert _max_diff(train(momentum=0.0).params, ref_params) > 1e-3  # without the velocity: another run
 
 
+def test_the_residual_scale_reaches_the_residuals_each_step():
+  """The train step rescales the residuals before each reduction (comm.residual_units="update"): scaled
+  by 0 every step, error feedback forgets everything, which is a run without error feedback."""
+  batches, info = _batches(3)
+  tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
+  mesh = mesh_lib.make_mesh(2, 4)
+
+  def train(error_feedback, residual_scale=None):
+    reducer = reducer_lib.make_gradient_reducer(
+      "hitopk", 2, 4, density=0.1, min_compress_elements=16, error_feedback=error_feedback
+    )
+    state = step_lib.create_train_state(TinyCNN(), tx, reducer, info.image_shape, mesh, seed=0)
+    step = step_lib.make_train_step(TinyCNN(), tx, reducer, mesh, info, 0.1, residual_scale=residual_scale)
+    sharding = mesh_lib.batch_sharding(mesh)
+    for images, labels in batches:
+      state, _ = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
+    return jax.device_get(state).params
+
+  without = train(error_feedback=False)
+  assert _max_diff(train(True, residual_scale=lambda step: jnp.float32(0.0)), without) < 1e-6
+  assert _max_diff(train(True), without) > 1e-4  # the residuals matter in these 3 steps
+
+
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
 def test_gradient_accumulation_matches_one_device_with_the_whole_batch(shape):
   # 4 examples per device in 2 micro-batches of 2: without BatchNorm, the mean of the slices' mean

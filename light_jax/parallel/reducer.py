@@ -155,6 +155,20 @@ class GradientReducer:
         state[_key(b)] = jnp.zeros((self.nodes, self.local, n), jnp.float32)
     return state
 
+  def rescale_residuals(self, comm_state: dict[str, Any], factor: jax.Array) -> dict[str, Any]:
+    """``comm_state`` with every error-feedback residual times ``factor`` (velocities untouched).
+
+    With ``comm.residual_units="update"`` the train step passes lr(t-1) / lr(t): a residual kept in
+    units of the current learning rate then holds sum lr(s) g(s) / lr(t), so the optimizer's lr(t) applies
+    each unsent gradient at its own step's rate (``schedules.residual_rescale``).
+    """
+    if not self.momentum_correction:  # every entry is a compressed bucket's residual
+      return jax.tree.map(lambda r: r * factor, comm_state)
+    return {  # Memory(residual, velocity) for compressed buckets, a bare velocity for dense ones
+      key: state._replace(residual=state.residual * factor) if isinstance(state, compression.Memory) else state
+      for key, state in comm_state.items()
+    }
+
   # --- the reduction (inside shard_map) ----------------------------------------------------------
   def reduce(self, local_grads: PyTree, comm_state: dict[str, jax.Array]) -> tuple[PyTree, dict[str, jax.Array]]:
     if self.local_clip_norm:

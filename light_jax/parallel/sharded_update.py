@@ -145,6 +145,11 @@ class ShardedUpdate:
     )
     return self.base.init_state(params) | {"optimizer": state}
 
+  def rescale_residuals(self, comm_state: PyTree, factor: jax.Array) -> PyTree:
+    """The base reducer's residuals times ``factor``; the optimizer state untouched."""
+    residuals = {k: v for k, v in comm_state.items() if k != "optimizer"}
+    return self.base.rescale_residuals(residuals, factor) | {"optimizer": comm_state["optimizer"]}
+
   # --- one step (inside shard_map) ---------------------------------------------------------------
   def reduce(self, local_grads: PyTree, comm_state: PyTree) -> tuple[PyTree, PyTree]:
     """This device's shard of each bucket's mean gradient, {bucket key: (shard,)}: the hierarchical
