@@ -17,7 +17,9 @@ by magnitude, with static shapes (XLA needs them):
 
 Error feedback (Seide et al. 2014; Lin et al. 2018, DGC): what top-k does not send is kept in a
 per-device residual and added to the next step's gradient, so no gradient mass is ever lost, only
-delayed. ``apply_error_feedback`` is that bookkeeping for one flat vector.
+delayed. ``apply_error_feedback`` is that bookkeeping for one flat vector. The residual holds summed
+gradients; with ``comm.residual_units="update"`` the reducer rescales it by lr(t-1) / lr(t) before each
+step (``GradientReducer.rescale_residuals``), so it holds learning-rate-weighted gradients instead.
 
 Momentum correction (DGC, Lin et al. 2018): with momentum m, error feedback on the raw gradient
 delays each entry's contribution to the momentum until it is sent, which is not the same as momentum
