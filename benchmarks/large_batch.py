@@ -8,9 +8,10 @@ Every run is a whole `train.py` run of configs/fashion_mnist.py, one after the o
 cores (RUNS below: label, config, overrides): 28 epochs (the seed's count, and :large_batch's), and the
 first runs at 8 epochs (the default's). Reported per run: final test top-1 and top-5, the difference in
 top-1 points to the batch-256 run of the same epoch count, training seconds (`train_seconds`,
-evaluations left out), images/s, inter-node bytes per step, and the steps skipped as non-finite (float16
-overflows). A run whose workdir already holds a summary.json from the same command is reused, not
-rerun (--rerun to force). The last line is one JSON object keyed by label.
+evaluations left out), images/s, inter-node bytes per step (at the end, and the mean over the run, which
+a density warm-up raises), and the steps skipped as non-finite (float16 overflows). A run whose workdir
+already holds a summary.json from the same command is reused, not rerun (--rerun to force). The last line
+is one JSON object keyed by label.
 """
 
 from __future__ import annotations
@@ -165,16 +166,17 @@ REFERENCE = {28: "sgd_256", 8: "sgd_256_8ep"}
 
 def report(results: dict[str, dict], stopped: dict[str, list[dict]]) -> None:
   """The table of finished runs, then the runs stopped before the end."""
-  header = ("run", "epochs", "batch", "top-1", "vs 256", "top-5", "train s", "img/s", "inter B/step", "skipped")
+  header = ("run", "epochs", "batch", "top-1", "vs 256", "top-5", "train s", "img/s", "inter B/step", "mean", "skipped")
   width = max(map(len, [*results, *stopped, "run"]))
-  print(f"{header[0]:{width}} " + "{:>6} {:>5} {:>7} {:>7} {:>7} {:>8} {:>6} {:>13} {:>7}  what".format(*header[1:]))
+  columns = "{:>6} {:>5} {:>7} {:>7} {:>7} {:>8} {:>6} {:>13} {:>9} {:>7}  what"
+  print(f"{header[0]:{width}} " + columns.format(*header[1:]))
   for label, r in results.items():
     reference = results.get(REFERENCE.get(r["epochs"], ""), {}).get("top1")
     delta = f"{100 * (r['top1'] - reference):+.2f}" if reference is not None else ""
     print(
       f"{label:{width}} {r['epochs']:6d} {r['batch']:5d} {100 * r['top1']:6.2f}% {delta:>7} {100 * r['top5']:6.2f}% "
       f"{r['train_seconds']:8.0f} {r['images_per_sec']:6.0f} {r['inter_node_bytes_per_step']:13,d} "
-      f"{r['nonfinite_steps']:7d}  {RUNS[label][2]}"
+      f"{r['inter_node_bytes_mean']:9,d} {r['nonfinite_steps']:7d}  {RUNS[label][2]}"
     )
   for label, records in stopped.items():
     last = records[-1]

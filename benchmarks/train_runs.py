@@ -54,6 +54,7 @@ def read(workdir: str) -> tuple[dict | None, list[dict]]:
     "train_seconds": records[-1]["train_seconds"],
     "images_per_sec": summary["images_per_sec_mean"],
     "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
+    "inter_node_bytes_mean": mean_per_step(records, "inter_node_bytes_per_step"),
     "intra_node_bytes_per_step": summary["intra_node_bytes_per_step"],
     "nonfinite_steps": summary["nonfinite_steps"],
   }, records
@@ -86,6 +87,16 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
     elif records:  # stopped early: curves only
       stopped[label] = records
   return args, results, stopped
+
+
+def mean_per_step(records: list[dict], key: str) -> int:
+  """The mean of ``key`` over the steps, each evaluation's value standing for the steps since the last one
+  (the inter-node bytes of a run whose density warm-up sends more in its first epochs)."""
+  steps, total = 0, 0.0
+  for record in records:
+    total += (record["step"] - steps) * record[key]
+    steps = record["step"]
+  return round(total / steps) if steps else 0
 
 
 def figures(results: dict[str, dict]) -> str:

@@ -49,3 +49,11 @@ def test_the_large_batch_variants_are_the_rows_that_measured_them(variant, label
   monkeypatch.chdir(ROOT)
   config, overrides, _ = importlib.import_module("large_batch").RUNS[label]
   assert _resolve(config, overrides).to_dict() == _resolve(f"configs/fashion_mnist.py:{variant}", []).to_dict()
+
+
+def test_mean_bytes_per_step_weights_each_evaluation_by_its_steps():
+  """A density warm-up sends more in its first epochs: the report's mean covers them, step-weighted."""
+  train_runs = importlib.import_module("train_runs")
+  records = [{"step": 10, "b": 1000}, {"step": 20, "b": 100}, {"step": 40, "b": 10}]
+  assert train_runs.mean_per_step(records, "b") == (10 * 1000 + 10 * 100 + 20 * 10) / 40
+  assert train_runs.mean_per_step([], "b") == 0
