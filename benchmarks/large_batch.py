@@ -102,6 +102,11 @@ RUNS = {
     [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none", "--config.seed=1"],
     "the Nesterov per-tensor run (:large_batch_hitopk) with seed 1",
   ),
+  "sgd_4096_w3_hitopk_dgc_per_tensor_dw8": (
+    BASE,
+    [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none", "--config.comm.density_warmup_epochs=8"],
+    "the Nesterov per-tensor run with the density warm-up over 8 epochs instead of 4",
+  ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_update": (
     BASE,
     [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none", "--config.comm.residual_units=update"],
