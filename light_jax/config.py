@@ -137,7 +137,8 @@ def base_config() -> ml_collections.ConfigDict:
     local_clip_norm=0.0,
     # What the error-feedback residuals hold: "gradient" (DGC's: summed gradients, applied at the learning
     # rate of the step that sends them) or "update" (Stich et al. 2018: each step's gradient weighted by
-    # its own learning rate, so an entry sent late is not shrunk by a decayed schedule).
+    # its own learning rate, so an entry sent late is not shrunk by a decayed schedule; 2 points worse on
+    # :large_batch_hitopk, docs/measurements.md).
     residual_units="gradient",
     # LARS's weight decay and trust ratio on each device's gradient before the reduction, the optimizer
     # keeping the learning rate and momentum: top-k then sends pieces of the scaled update (error feedback
