@@ -112,20 +112,6 @@ RUNS = {
     [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none", "--config.comm.residual_units=update"],
     "the Nesterov per-tensor run with residuals weighted by each step's learning rate",
   ),
-  "sgd_4096_w3_hitopk_dgc_per_tensor_update_seed1": (
-    BASE,
-    [
-      *B4096,
-      *E28,
-      *W3,
-      *HITOPK,
-      *DGC,
-      "--config.comm.fusion=none",
-      "--config.comm.residual_units=update",
-      "--config.seed=1",
-    ],
-    "the same with seed 1",
-  ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
   "lars_tuned_hitopk_ef": (LARS_4096, [*FIRST, *W2, *HITOPK], "+ hitopk at 0.1%, error feedback"),
   "lars_tuned_hitopk_mc": (
