@@ -38,6 +38,8 @@ HEAVY_BALL = ["--config.optimizer.nesterov=False"]
 # The first values at 8 epochs, as first measured (the warm-up was a fifth of the run).
 AT_8 = [*FIRST, "--config.num_epochs=8", "--config.optimizer.warmup_epochs=1.6"]
 E28, E8 = ["--config.num_epochs=28"], ["--config.num_epochs=8"]
+# :large_batch_hitopk's overrides: hitopk at 0.1% with DGC's compensation, top-k per tensor (Nesterov velocity).
+PER_TENSOR = [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none"]
 # label -> (config, overrides, what it shows). Each run is compared with the batch-256 run of its epoch count.
 RUNS = {
   # 28 epochs, the seed's count (configs/fashion_mnist.py:large_batch)
@@ -94,22 +96,22 @@ RUNS = {
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_nesterov": (
     BASE,
-    [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none"],
+    [*PER_TENSOR],
     "the same with Nesterov momentum in the reducer (the uncompressed run's)",
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_nesterov_seed1": (
     BASE,
-    [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none", "--config.seed=1"],
+    [*PER_TENSOR, "--config.seed=1"],
     "the Nesterov per-tensor run (:large_batch_hitopk) with seed 1",
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_dw8": (
     BASE,
-    [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none", "--config.comm.density_warmup_epochs=8"],
+    [*PER_TENSOR, "--config.comm.density_warmup_epochs=8"],  # the later flag wins over DGC's 4
     "the Nesterov per-tensor run with the density warm-up over 8 epochs instead of 4",
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_update": (
     BASE,
-    [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none", "--config.comm.residual_units=update"],
+    [*PER_TENSOR, "--config.comm.residual_units=update"],
     "the Nesterov per-tensor run with residuals weighted by each step's learning rate",
   ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
