@@ -134,6 +134,9 @@ def base_config() -> ml_collections.ConfigDict:
     # optimizer then runs without momentum); local_clip_norm > 0 clips each device's gradient to
     # local_clip_norm / sqrt(devices) before compression.
     momentum_correction=False,
+    # DGC's momentum factor masking: the velocity is zeroed where entries were sent. False zeroes only the
+    # accumulated step, so the velocity stays the device's momentum SGD's (light_jax/parallel/compression.py).
+    momentum_masking=True,
     local_clip_norm=0.0,
     # What the error-feedback residuals hold: "gradient" (DGC's: summed gradients, applied at the learning
     # rate of the step that sends them) or "update" (Stich et al. 2018: each step's gradient weighted by
@@ -280,6 +283,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     raise ConfigError(
       "comm.momentum_correction accumulates what top-k did not send (it is error feedback with momentum); "
       "set comm.error_feedback=True."
+    )
+  if not config.comm.momentum_masking and not config.comm.momentum_correction:
+    raise ConfigError(
+      "comm.momentum_masking=False changes how momentum correction treats the velocity of sent entries; "
+      "comm.momentum_correction is off. Set comm.momentum_correction=True, or leave comm.momentum_masking."
     )
   if config.comm.momentum_correction and config.optimizer.momentum_schedule != "constant":
     raise ConfigError(

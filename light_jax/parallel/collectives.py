@@ -10,7 +10,7 @@ Dense strategies (``comm.strategy``), ``flat vector -> its sum over all devices`
 
 Compressed strategies, ``(flat vector, residual) -> (approximate sum, new residual)`` (the residual is a
 ``compression.Memory`` with its velocity under DGC momentum correction, ``momentum`` > 0, Nesterov's
-with ``nesterov``):
+with ``nesterov``, zeroed where entries were sent with ``masking``):
 - ``hitopk`` (HiTopKComm): reduce-scatter over ``local`` (dense), error feedback + top-k
   on the device's 1/n shard, all-gather of (values, int32 indices) over ``node`` among
   devices of the same local rank, scatter-add, all-gather over ``local``. The slow link carries 2k
@@ -102,6 +102,7 @@ def hierarchical_topk_allreduce(
   wire_dtype=jnp.float32,
   momentum: float = 0.0,
   nesterov: bool = False,
+  masking: bool = True,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """HiTopK: dense inside the node, k (value, index) pairs per device across nodes.
 
@@ -112,7 +113,7 @@ def hierarchical_topk_allreduce(
     wire_dtype: dtype of the two dense intra-node hops; the sparse values cross nodes in float32.
   """
   shard, residual = hierarchical_topk_reduce_to_shard(
-    x, residual, k, selector, error_feedback, wire_dtype, momentum, nesterov
+    x, residual, k, selector, error_feedback, wire_dtype, momentum, nesterov, masking
   )
   return _all_gather(shard, LOCAL, wire_dtype)[: x.size], residual
 
@@ -126,11 +127,12 @@ def hierarchical_topk_reduce_to_shard(
   wire_dtype=jnp.float32,
   momentum: float = 0.0,
   nesterov: bool = False,
+  masking: bool = True,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """HiTopK up to this device's shard of the (approximate) sum: ``x`` zero-padded to ``local`` shards."""
   shard = _scatter_to_local_shard(x, wire_dtype)
   indices, values, residual = compression.apply_error_feedback(
-    shard, residual, k, selector, error_feedback, momentum, nesterov
+    shard, residual, k, selector, error_feedback, momentum, nesterov, masking
   )
   all_indices = lax.all_gather(indices, NODE)  # (nodes, k): same local rank on every node
   all_values = lax.all_gather(values, NODE)
@@ -146,13 +148,14 @@ def topk_allreduce(
   wire_dtype=jnp.float32,
   momentum: float = 0.0,
   nesterov: bool = False,
+  masking: bool = True,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """Flat top-k: every device selects k entries of its whole gradient; all-gather over all devices.
 
   No dense hop, so ``wire_dtype`` does not apply."""
   del wire_dtype
   indices, values, residual = compression.apply_error_feedback(
-    x, residual, k, selector, error_feedback, momentum, nesterov
+    x, residual, k, selector, error_feedback, momentum, nesterov, masking
   )
   all_indices = lax.all_gather(indices, AXES)
   all_values = lax.all_gather(values, AXES)
@@ -168,6 +171,7 @@ def gtopk_allreduce(
   wire_dtype=jnp.float32,
   momentum: float = 0.0,
   nesterov: bool = False,
+  masking: bool = True,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """gTop-k: recursive-doubling merge of the devices' top-k sets, then exact sums at the winners.
 
@@ -175,7 +179,7 @@ def gtopk_allreduce(
   nodes, k (value, index) pairs each. No dense hop, so ``wire_dtype`` does not apply.
   """
   del wire_dtype
-  corrected, forget_sent = compression.compensate(x, residual, error_feedback, momentum, nesterov)
+  corrected, forget_sent = compression.compensate(x, residual, error_feedback, momentum, nesterov, masking)
   select = compression.SELECTORS[selector]
   indices, values = select(corrected, k)
   num_devices = lax.axis_size(NODE) * lax.axis_size(LOCAL)

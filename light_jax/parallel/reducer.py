@@ -55,6 +55,8 @@ class GradientReducer:
     momentum_correction: > 0: DGC momentum correction with this momentum (``compression.compensate``);
       the optimizer then runs without momentum.
     nesterov: the momentum correction's momentum is Nesterov's (``compression.momentum_step``).
+    momentum_masking: the momentum correction zeroes the velocity where entries were sent too (DGC's
+      momentum factor masking; ``compression.compensate``).
     local_clip_norm: > 0: each device's local gradient is clipped to this global norm / sqrt(devices)
       before the reduction (DGC's local gradient clipping).
   """
@@ -74,6 +76,7 @@ class GradientReducer:
   choices: tuple[str, ...] | None = None
   momentum_correction: float = 0.0
   nesterov: bool = False
+  momentum_masking: bool = True
   local_clip_norm: float = 0.0
   updates_parameters = False  # the train step applies the optimizer to what ``reduce`` returns
 
@@ -195,6 +198,7 @@ class GradientReducer:
           wire_dtype,
           self.momentum_correction,
           self.nesterov,
+          self.momentum_masking,
         )
         new_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
@@ -302,6 +306,7 @@ def reducer_from_config(
     order=order,
     momentum_correction=momentum if comm.momentum_correction else 0.0,
     nesterov=nesterov,
+    momentum_masking=comm.momentum_masking,
     local_clip_norm=comm.local_clip_norm,
   )
 

@@ -173,6 +173,7 @@ class ShardedUpdate:
           wire,
           base.momentum_correction,
           base.nesterov,
+          base.momentum_masking,
         )
         comm_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
