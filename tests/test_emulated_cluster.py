@@ -196,11 +196,11 @@ def test_mesh_experiment_configs_name_runnable_cells(variant):
 
 def test_link_calibration_on_the_emulated_cluster_finds_the_shaped_rate(tmp_path):
   """benchmarks/calibrate_links.py on 2 namespaces at 20 Mbit/s: psums over `node` from both processes. The
-    largest one moves its link bytes at the shaped rate less TCP/IP overhead (never faster: the shaper is the
-    limit); the fitted bandwidth is near it. The fit of a few sub-second sizes spreads: 15.7-21.8 Mbit/s over
-    22 calibrations beside a training run, medians of 1, 3 or 5 repeats alike (a CI run failed on 22.0 under
-    the old bound of 20.5), against 17.4-18.8 for the largest size alone (10 of them), so the fit gets 25%
-    either way (an error in the link-byte count is a factor of 2 or more). The intra level (memory copies, not
+  largest one moves its link bytes at the shaped rate less TCP/IP overhead (never faster: the shaper is the
+  limit); the fitted bandwidth is near it. The fit of a few sub-second sizes spreads: 15.7-21.8 Mbit/s over
+  22 calibrations beside a training run, medians of 1, 3 or 5 repeats alike (a CI run failed on 22.0 under
+  the old bound of 20.5), against 17.4-18.8 for the largest size alone (10 of them), so the fit gets 25%
+  either way (an error in the link-byte count is a factor of 2 or more). The intra level (memory copies, not
   shaped) goes up to 16 MiB: up to 1 MiB its times are dispatch noise (0.5-7 ms beside a training run) and
   a CI run fitted a per-byte cost of 0 to them; from 2 MiB they grow with the size."""
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
