@@ -23,7 +23,8 @@ from tests.test_train_step import _batches, _config, _max_diff
 
 def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hierarchical"):
   """``strategy`` "hitopk+mc": hitopk with DGC's momentum correction (the momentum and SGD's decay move);
-  "+update": its residuals in learning-rate-weighted units, under a decaying learning rate."""
+  "+update": its residuals in learning-rate-weighted units, under a decaying learning rate; "+unmasked":
+  without momentum factor masking."""
   config = ml_collections.ConfigDict({"optimizer": _config(optimizer).optimizer})
   opt = config.optimizer
   opt.update(lars_trust="mlperf" if optimizer == "lars" else "optax", sharded_update=sharded)
@@ -40,6 +41,7 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
   options = {"density": 0.1, "min_compress_elements": 64} if strategy.startswith("hitopk") else {}
   if config.comm.momentum_correction:
     options["momentum_correction"] = opt.momentum
+    options["momentum_masking"] = not strategy.endswith("+unmasked")
   reducer = reducer_lib.make_gradient_reducer(strategy.split("+")[0], *shape, "fixed", bucket_bytes, **options)
   model = TinyCNN()
   if sharded:
@@ -67,6 +69,7 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
     ((2, 4), "lars", 4096, "hitopk"),
     ((2, 4), "sgd", 4096, "hitopk+mc"),
     ((2, 4), "sgd", 4096, "hitopk+mc+update"),
+    ((2, 4), "sgd", 4096, "hitopk+mc+unmasked"),
   ],
   ids=str,
 )
