@@ -197,3 +197,23 @@ def _jitted_step(tx):
     return optax.apply_updates(params, updates), state
 
   return step
+
+
+@pytest.mark.parametrize("name", ["sgd", "lars"])
+def test_without_momentum_the_optimizer_keeps_no_velocity(name):
+  """Momentum 0 (DGC's momentum correction keeps it in the reducer): no parameter-sized trace of zeros,
+  and the steps are those of the same optimizer written without momentum."""
+  params = {"kernel": jnp.ones((8, 8)), "bias": jnp.ones(8)}
+  grads = jax.tree.map(lambda p: 0.1 * p, params)
+  opt = _config(name=name, momentum=0.9).optimizer
+  tx = optim.build_optimizer(opt, optax.constant_schedule(0.5), momentum=0.0)
+  state = tx.init(params)
+  assert sum(x.size for x in jax.tree.leaves(state)) < 8  # step counters at most
+  if name == "sgd":
+    plain = optax.chain(optax.add_decayed_weights(opt.weight_decay, mask=optim.decay_mask), optax.sgd(0.5))
+  else:
+    plain = optax.chain(optim._lars_trust(opt), optax.scale_by_learning_rate(0.5))
+  expected, _ = plain.update(grads, plain.init(params), params)
+  updates, _ = tx.update(grads, state, params)
+  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -69,7 +69,7 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
     ((2, 4), "lars", 4096, "hitopk"),
     ((2, 4), "sgd", 4096, "hitopk+mc"),
     ((2, 4), "sgd", 4096, "hitopk+mc+update"),
-    ((2, 4), "sgd", 4096, "hitopk+mc+unmasked"),
+    ((4, 2), "sgd", 4096, "hitopk+mc+unmasked"),
   ],
   ids=str,
 )
