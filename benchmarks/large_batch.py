@@ -84,6 +84,11 @@ RUNS = {
   "sgd_4096": (BASE, [*B4096, *E28], "SGD, linear scaling rule, 1 epoch warm-up"),
   "sgd_4096_w3": (BASE, [*B4096, *E28, *W3], "SGD, linear scaling rule, 3 warm-up epochs (:large_batch)"),
   "sgd_4096_w3_seed1": (BASE, [*B4096, *E28, *W3, "--config.seed=1"], "the same with seed 1 (the spread of a run)"),
+  "sgd_4096_w3_lr015": (
+    BASE,
+    [*B4096, *E28, *W3, "--config.optimizer.base_lr=0.15"],
+    ":large_batch at base lr 0.15 (peak 2.4) instead of 0.2 (3.2): the uncompressed side of the lr015 row",
+  ),
   "sgd_4096_w3_hitopk_dgc": (
     BASE,
     [*B4096, *E28, *W3, *HITOPK, *DGC, *HEAVY_BALL],
@@ -113,6 +118,11 @@ RUNS = {
     BASE,
     [*PER_TENSOR, "--config.comm.residual_units=update"],
     "the Nesterov per-tensor run with residuals weighted by each step's learning rate",
+  ),
+  "sgd_4096_w3_hitopk_dgc_per_tensor_lr015": (
+    BASE,
+    [*PER_TENSOR, "--config.optimizer.base_lr=0.15"],
+    "the Nesterov per-tensor run at base lr 0.15 (peak 2.4) instead of 0.2 (3.2)",
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_unmasked": (
     BASE,
