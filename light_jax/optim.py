@@ -106,10 +106,10 @@ def build_optimizer(
 def momentum_transform(momentum: float | Callable, nesterov: bool) -> optax.GradientTransformation:
   """Momentum (optax.trace); a schedule of the step goes through optax.inject_hyperparams. A momentum of 0
   (DGC's momentum correction keeps it in the reducer) is the identity, without a trace of zeros."""
-  if not callable(momentum) and momentum == 0:
-    return optax.identity()
   if callable(momentum):
     return optax.inject_hyperparams(optax.trace, static_args="nesterov")(decay=momentum, nesterov=nesterov)
+  if momentum == 0:
+    return optax.identity()
   return optax.trace(decay=momentum, nesterov=nesterov)
 
 
