@@ -38,7 +38,8 @@ def large_batch_hitopk(config: ml_collections.ConfigDict) -> None:
   large_batch(config)
   # DGC's compensation: momentum correction (Nesterov's, as the optimizer's), density warm-up, and top-k
   # per tensor (fusion none) so that every tensor sends its share and the small ones (BatchNorm, biases,
-  # the classifier) go dense.
+  # the classifier) go dense. 92.55% (0.66 below :large_batch); with --config.comm.density=0.01, 93.05% (0.16
+  # below) for 2.5x the bytes (docs/measurements.md, "Large batch").
   config.comm.update(
     strategy="hitopk", density=0.001, momentum_correction=True, density_warmup_epochs=4.0, fusion="none"
   )
