@@ -27,8 +27,8 @@ SGD. DGC moves the momentum before the selection, per device: u <- m u + g (velo
 (what is accumulated and not yet sent), top-k of v; both u and v are zeroed where entries were sent
 (momentum factor masking, so a sent entry's stale momentum does not push it again). With Nesterov
 momentum, u <- m (u + g) and v <- v + u + g (``momentum_step``). The optimizer then runs without
-momentum. Masking loses gradient mass: an entry sent every step gets u = g, plain SGD, and one sent every
-T steps gets sum_j (1 - m^j) / (1 - m) g over T steps instead of T g / (1 - m) (for m = 0.9: 2.4x less at
+momentum. Masking loses gradient mass (heavy ball): an entry sent every step gets u = g, plain SGD, and one
+sent every T steps gets sum_j (1 - m^j) / (1 - m) g over T steps instead of T g / (1 - m) (for m = 0.9: 2.4x less at
 T = 10, 5.3x at T = 3). ``masking=False`` (``comm.momentum_masking``) zeroes only v: u then follows the
 device's own momentum SGD, and what is sent plus v is exactly the sum of its momentum SGD steps.
 The per-device state is ``Memory(residual=v, velocity=u)`` instead of a bare residual; the buckets too small
