@@ -101,7 +101,7 @@ RUNS = {
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_nesterov": (
     BASE,
-    [*PER_TENSOR],
+    PER_TENSOR,
     "the same with Nesterov momentum in the reducer (the uncompressed run's)",
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_nesterov_seed1": (
