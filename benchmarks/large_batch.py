@@ -134,6 +134,11 @@ RUNS = {
     [*PER_TENSOR, "--config.comm.momentum_masking=False"],
     "the Nesterov per-tensor run without momentum factor masking (the velocity stays momentum SGD's)",
   ),
+  "sgd_4096_w3_hitopk_dgc_per_tensor_decay_after": (
+    BASE,
+    [*PER_TENSOR, "--config.comm.decay_in_velocity=False"],
+    "the Nesterov per-tensor run with the weight decay after the reduction, with its own momentum",
+  ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
   "lars_tuned_hitopk_ef": (LARS_4096, [*FIRST, *W2, *HITOPK], "+ hitopk at 0.1%, error feedback"),
   "lars_tuned_hitopk_mc": (

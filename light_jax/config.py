@@ -137,6 +137,10 @@ def base_config() -> ml_collections.ConfigDict:
     # DGC's momentum factor masking: the velocity is zeroed where entries were sent. False zeroes only the
     # accumulated step, so the velocity stays the device's momentum SGD's (light_jax/parallel/compression.py).
     momentum_masking=True,
+    # With momentum correction, SGD's weight decay wd w enters each device's velocity before compression
+    # (True, DGC's) or runs after the reduction with a momentum of its own (False): the weights are
+    # replicated, so wd w needs no communication, reaches every entry each step, and takes no top-k slots.
+    decay_in_velocity=True,
     local_clip_norm=0.0,
     # What the error-feedback residuals hold: "gradient" (DGC's: summed gradients, applied at the learning
     # rate of the step that sends them) or "update" (Stich et al. 2018: each step's gradient weighted by
@@ -288,6 +292,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     raise ConfigError(
       "comm.momentum_masking=False changes how momentum correction treats the velocity of sent entries; "
       "comm.momentum_correction is off. Set comm.momentum_correction=True, or leave comm.momentum_masking."
+    )
+  if not config.comm.decay_in_velocity and not (
+    config.comm.momentum_correction and config.optimizer.name == "sgd" and not config.optimizer.sharded_update
+  ):
+    raise ConfigError(
+      "comm.decay_in_velocity=False moves SGD's weight decay out of momentum correction's velocity; it needs "
+      "comm.momentum_correction=True, optimizer.name=sgd and optimizer.sharded_update=False (got "
+      f"{config.comm.momentum_correction}, {config.optimizer.name!r}, {config.optimizer.sharded_update}). "
+      "Change those, or leave comm.decay_in_velocity=True."
     )
   if config.comm.momentum_correction and config.optimizer.momentum_schedule != "constant":
     raise ConfigError(

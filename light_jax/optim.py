@@ -7,7 +7,9 @@
 - LARS has two trust ratios (``optimizer.lars_trust``, docs/techniques.md section 11): optax's
   ``eta ||w|| / ||g + wd w||`` and the MLPerf reference's ``eta ||w|| / (||g|| + wd ||w||)``.
 - With ``comm.momentum_correction`` the gradient reducer keeps the momentum (DGC): the optimizer then
-  runs without its own (``momentum_in_optimizer``), and SGD's weight decay moves before the reduction.
+  runs without its own (``momentum_in_optimizer``), and SGD's weight decay moves before the reduction,
+  or, with ``comm.decay_in_velocity=False``, stays after it with a momentum of its own
+  (``decay_momentum``, ``decayed_weights_with_momentum``).
 - With ``comm.local_trust_ratio`` LARS's weight decay and trust ratio run on each device's gradient
   before the reduction (``local_transform``) and the optimizer keeps only the learning rate and momentum:
   a top-k reduction then sends pieces of the scaled update, and error feedback conserves it.
@@ -55,10 +57,20 @@ def decay_before_reduction(config: ml_collections.ConfigDict) -> bool:
   """Whether the weight decay (and LARS's trust ratio) runs on each device before the reduction.
 
   With ``comm.local_trust_ratio``; and for SGD with DGC's momentum correction, so that ``wd w`` enters the
-  reducer's velocity as it enters optax's momentum (DGC's algorithm; after the reduction it would skip
-  the momentum and decay 1 / (1 - momentum) times less).
+  reducer's velocity as it enters optax's momentum (DGC's algorithm; after the reduction without a
+  momentum it would decay 1 / (1 - momentum) times less), unless ``comm.decay_in_velocity=False``
+  gives it a momentum of its own after the reduction (``decay_momentum``).
   """
-  return config.comm.local_trust_ratio or (config.comm.momentum_correction and config.optimizer.name == "sgd")
+  sgd_with_correction = config.comm.momentum_correction and config.optimizer.name == "sgd"
+  return config.comm.local_trust_ratio or (sgd_with_correction and config.comm.decay_in_velocity)
+
+
+def decay_momentum(config: ml_collections.ConfigDict) -> float:
+  """The momentum of the weight decay alone, after the reduction: ``optimizer.momentum`` when momentum
+  correction keeps the gradient's momentum in the reducer and ``comm.decay_in_velocity=False``, else 0."""
+  if config.comm.momentum_correction and not config.comm.decay_in_velocity:
+    return config.optimizer.momentum
+  return 0.0
 
 
 def _lars_trust(opt: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -71,6 +83,7 @@ def build_optimizer(
   schedule: optax.Schedule,
   momentum: float | Callable | None = None,
   decay: bool = True,
+  decay_momentum: float = 0.0,
 ) -> optax.GradientTransformation:
   """The optimizer named by ``opt.name`` (``config.optimizer``), applied to the reduced mean gradient.
 
@@ -78,10 +91,16 @@ def build_optimizer(
   ``opt.momentum``; 0 turns momentum off (DGC momentum correction keeps it in the reducer instead).
   ``decay=False``: without the weight decay (and LARS's trust ratio), which ``local_transform`` then
   applies on each device before the reduction (``decay_before_reduction``).
+  ``decay_momentum``: SGD's weight decay through a momentum of its own (``decay_momentum(config)``).
   """
   momentum = opt.momentum if momentum is None else momentum
   scheduled = callable(momentum)
   weight_decay = opt.weight_decay if decay else 0.0
+  if opt.name == "sgd" and decay_momentum:
+    return optax.chain(
+      decayed_weights_with_momentum(weight_decay, decay_momentum, opt.nesterov),
+      optax.sgd(schedule, momentum=momentum or None, nesterov=opt.nesterov),
+    )
   if opt.name == "sgd" and not scheduled:
     return optax.chain(
       optax.add_decayed_weights(weight_decay, mask=decay_mask),
@@ -111,6 +130,23 @@ def momentum_transform(momentum: float | Callable, nesterov: bool) -> optax.Grad
   if momentum == 0:
     return optax.identity()
   return optax.trace(decay=momentum, nesterov=nesterov)
+
+
+def decayed_weights_with_momentum(weight_decay: float, momentum: float, nesterov: bool) -> optax.GradientTransformation:
+  """``updates`` plus momentum SGD's step for ``wd w`` alone (``optax.trace`` of it; kernels only).
+
+  Momentum is linear, so momentum SGD's step for ``g + wd w`` is its step for ``g`` plus its step for
+  ``wd w``. With momentum correction the reducer sends the first; this adds the second after the
+  reduction. The weights are the same on every device, so ``wd w`` needs no communication.
+  """
+  trace = optax.trace(decay=momentum, nesterov=nesterov)
+
+  def update_fn(updates, state, params):
+    decay = jax.tree.map(lambda w, d: weight_decay * w if d else jnp.zeros_like(w), params, decay_mask(params))
+    stepped, state = trace.update(decay, state)
+    return jax.tree.map(jnp.add, updates, stepped), state
+
+  return optax.GradientTransformation(trace.init, update_fn)
 
 
 def lars_ratio(form: str, eta: float, weight_decay: float, w_norms: jax.Array, other_norms: jax.Array) -> jax.Array:

@@ -74,7 +74,8 @@ def train_and_evaluate(
     schedule = schedules.learning_rate_schedule(config.optimizer, plan)
     # The momentum lives in the optimizer, or in the gradient reducer with DGC's momentum correction.
     momentum = schedules.momentum_schedule(config.optimizer, plan) if optim.momentum_in_optimizer(config) else 0.0
-    tx = optim.build_optimizer(config.optimizer, schedule, momentum, decay=not optim.decay_before_reduction(config))
+    decay = not optim.decay_before_reduction(config)
+    tx = optim.build_optimizer(config.optimizer, schedule, momentum, decay, optim.decay_momentum(config))
     compiled = CompiledSteps(config, model, tx, mesh, info, plan, schedule, momentum)
     loss_scale = INITIAL_LOSS_SCALE if loss_scaling(config) else 0.0
     state = step_lib.create_train_state(model, tx, compiled.reducer, info.image_shape, mesh, config.seed, loss_scale)

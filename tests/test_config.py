@@ -55,6 +55,15 @@ def test_default_configs_validate():
     ({"comm__local_clip_norm": 1.0}, r"comm.strategy='hierarchical' does not compress"),
     ({"comm__residual_units": "update"}, r"comm.strategy='hierarchical' with comm.error_feedback=True keeps none"),
     ({"comm__strategy": "hitopk", "comm__momentum_masking": False}, r"comm.momentum_correction is off"),
+    (
+      {
+        "comm__strategy": "hitopk",
+        "comm__momentum_correction": True,
+        "optimizer__name": "lars",
+        "comm__decay_in_velocity": False,
+      },
+      r"optimizer.name=sgd and optimizer.sharded_update=False \(got True, 'lars', False\)",
+    ),
     ({"comm__residual_units": "lr"}, r"comm.residual_units='lr' is unknown; use one of \['gradient', 'update'\]"),
     ({"comm__local_trust_ratio": True}, r"optimizer.name='sgd' has none. Set optimizer.name=lars"),
     (

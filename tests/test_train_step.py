@@ -131,21 +131,27 @@ def test_resnet_step_with_per_device_batchnorm_matches_one_device():
   assert _max_diff(ours.batch_stats, sync_stats) > 1e-4
 
 
+@pytest.mark.parametrize("decay_in_velocity", [True, False], ids=["decay_in_velocity", "decay_after"])
 @pytest.mark.parametrize("nesterov", [False, True], ids=["heavy_ball", "nesterov"])
-def test_momentum_correction_is_momentum_sgd_with_weight_decay_on_the_buckets_it_does_not_compress(nesterov):
+def test_momentum_correction_is_momentum_sgd_with_weight_decay_on_the_buckets_it_does_not_compress(
+  nesterov, decay_in_velocity
+):
   """DGC's momentum correction moves SGD's momentum into the reducer (optax's is off). A bucket too small
   to compress keeps a velocity there too, and the weight decay runs before the reduction so that it enters
-  the velocity (optim.decay_before_reduction): with every bucket dense the steps are momentum SGD's."""
+  the velocity (optim.decay_before_reduction), or after it with a momentum of its own
+  (comm.decay_in_velocity=False): either way, with every bucket dense the steps are momentum SGD's."""
   batches, info = _batches(3)
   config = _config("sgd")
   config.optimizer.update(nesterov=nesterov, sharded_update=False)
-  config.comm = {"momentum_correction": True, "local_trust_ratio": False}
+  config.comm = {"momentum_correction": True, "local_trust_ratio": False, "decay_in_velocity": decay_in_velocity}
   schedule, shape, mesh = optax.constant_schedule(0.1), (2, 4), mesh_lib.make_mesh(2, 4)
   ref_params, _ = _run_reference(TinyCNN(), optim.build_optimizer(config.optimizer, schedule), info, batches, 1)
-  assert optim.decay_before_reduction(config)
-  tx = optim.build_optimizer(config.optimizer, schedule, momentum=0.0, decay=False)
+  assert optim.decay_before_reduction(config) == decay_in_velocity
+  decay, decay_momentum = not decay_in_velocity, optim.decay_momentum(config)
+  assert decay_momentum == (0.0 if decay_in_velocity else 0.9)
+  tx = optim.build_optimizer(config.optimizer, schedule, momentum=0.0, decay=decay, decay_momentum=decay_momentum)
 
-  def train(momentum):
+  def train(momentum, tx=tx):
     # min_compress_elements above every tensor: hitopk sends each bucket through its dense fallback.
     reducer = reducer_lib.make_gradient_reducer(
       "hitopk", *shape, min_compress_elements=10**9, momentum_correction=momentum, nesterov=nesterov
@@ -162,6 +168,9 @@ def test_momentum_correction_is_momentum_sgd_with_weight_decay_on_the_buckets_it
   assert all(v.shape[:2] == shape for v in ours.comm_state.values()) and ours.comm_state  # the velocities
   assert _max_diff(ours.params, ref_params) < 1e-5
   assert _max_diff(train(momentum=0.0).params, ref_params) > 1e-3  # without the velocity: another run
+  if not decay_in_velocity:  # the decay after the reduction without its momentum: another run
+    undamped = optim.build_optimizer(config.optimizer, schedule, momentum=0.0, decay=True)
+    assert _max_diff(train(momentum=0.9, tx=undamped).params, ref_params) > 1e-4
 
 
 def test_the_residual_scale_reaches_the_residuals_each_step():
