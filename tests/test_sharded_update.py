@@ -28,7 +28,11 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
   config = ml_collections.ConfigDict({"optimizer": _config(optimizer).optimizer})
   opt = config.optimizer
   opt.update(lars_trust="mlperf" if optimizer == "lars" else "optax", sharded_update=sharded)
-  config.comm = {"local_trust_ratio": False, "momentum_correction": strategy.startswith("hitopk+mc")}
+  config.comm = {
+    "local_trust_ratio": False,
+    "momentum_correction": strategy.startswith("hitopk+mc"),
+    "decay_in_velocity": True,  # the sharded update has no momentum of the decay's own
+  }
   momentum = 0.0 if config.comm.momentum_correction else opt.momentum
   schedule = optax.constant_schedule({"sgd": 0.1, "lars": 1.0}[optimizer])
   residual_scale = None

@@ -9,8 +9,7 @@ Dense strategies (``comm.strategy``), ``flat vector -> its sum over all devices`
   ``node`` (slow links), all-gather over ``local``. Only d/n elements per device cross machines.
 
 Compressed strategies, ``(flat vector, residual) -> (approximate sum, new residual)`` (the residual is a
-``compression.Memory`` with its velocity under DGC momentum correction, ``momentum`` > 0, Nesterov's
-with ``nesterov``, zeroed where entries were sent with ``masking``):
+``compression.Memory`` with its velocity under DGC momentum correction, ``correction``):
 - ``hitopk`` (HiTopKComm): reduce-scatter over ``local`` (dense), error feedback + top-k
   on the device's 1/n shard, all-gather of (values, int32 indices) over ``node`` among
   devices of the same local rank, scatter-add, all-gather over ``local``. The slow link carries 2k
@@ -100,9 +99,7 @@ def hierarchical_topk_allreduce(
   selector: str,
   error_feedback: bool,
   wire_dtype=jnp.float32,
-  momentum: float = 0.0,
-  nesterov: bool = False,
-  masking: bool = True,
+  correction: compression.MomentumCorrection | None = None,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """HiTopK: dense inside the node, k (value, index) pairs per device across nodes.
 
@@ -112,9 +109,7 @@ def hierarchical_topk_allreduce(
     k: entries kept per shard.
     wire_dtype: dtype of the two dense intra-node hops; the sparse values cross nodes in float32.
   """
-  shard, residual = hierarchical_topk_reduce_to_shard(
-    x, residual, k, selector, error_feedback, wire_dtype, momentum, nesterov, masking
-  )
+  shard, residual = hierarchical_topk_reduce_to_shard(x, residual, k, selector, error_feedback, wire_dtype, correction)
   return _all_gather(shard, LOCAL, wire_dtype)[: x.size], residual
 
 
@@ -125,15 +120,11 @@ def hierarchical_topk_reduce_to_shard(
   selector: str,
   error_feedback: bool,
   wire_dtype=jnp.float32,
-  momentum: float = 0.0,
-  nesterov: bool = False,
-  masking: bool = True,
+  correction: compression.MomentumCorrection | None = None,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """HiTopK up to this device's shard of the (approximate) sum: ``x`` zero-padded to ``local`` shards."""
   shard = _scatter_to_local_shard(x, wire_dtype)
-  indices, values, residual = compression.apply_error_feedback(
-    shard, residual, k, selector, error_feedback, momentum, nesterov, masking
-  )
+  indices, values, residual = compression.apply_error_feedback(shard, residual, k, selector, error_feedback, correction)
   all_indices = lax.all_gather(indices, NODE)  # (nodes, k): same local rank on every node
   all_values = lax.all_gather(values, NODE)
   return jnp.zeros_like(shard).at[all_indices.reshape(-1)].add(all_values.reshape(-1)), residual
@@ -146,17 +137,13 @@ def topk_allreduce(
   selector: str,
   error_feedback: bool,
   wire_dtype=jnp.float32,
-  momentum: float = 0.0,
-  nesterov: bool = False,
-  masking: bool = True,
+  correction: compression.MomentumCorrection | None = None,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """Flat top-k: every device selects k entries of its whole gradient; all-gather over all devices.
 
   No dense hop, so ``wire_dtype`` does not apply."""
   del wire_dtype
-  indices, values, residual = compression.apply_error_feedback(
-    x, residual, k, selector, error_feedback, momentum, nesterov, masking
-  )
+  indices, values, residual = compression.apply_error_feedback(x, residual, k, selector, error_feedback, correction)
   all_indices = lax.all_gather(indices, AXES)
   all_values = lax.all_gather(values, AXES)
   return jnp.zeros_like(x).at[all_indices.reshape(-1)].add(all_values.reshape(-1)), residual
@@ -169,9 +156,7 @@ def gtopk_allreduce(
   selector: str,
   error_feedback: bool,
   wire_dtype=jnp.float32,
-  momentum: float = 0.0,
-  nesterov: bool = False,
-  masking: bool = True,
+  correction: compression.MomentumCorrection | None = None,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """gTop-k: recursive-doubling merge of the devices' top-k sets, then exact sums at the winners.
 
@@ -179,7 +164,7 @@ def gtopk_allreduce(
   nodes, k (value, index) pairs each. No dense hop, so ``wire_dtype`` does not apply.
   """
   del wire_dtype
-  corrected, forget_sent = compression.compensate(x, residual, error_feedback, momentum, nesterov, masking)
+  corrected, forget_sent = compression.compensate(x, residual, error_feedback, correction)
   select = compression.SELECTORS[selector]
   indices, values = select(corrected, k)
   num_devices = lax.axis_size(NODE) * lax.axis_size(LOCAL)

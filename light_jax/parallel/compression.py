@@ -26,17 +26,19 @@ delays each entry's contribution to the momentum until it is sent, which is not 
 SGD. DGC moves the momentum before the selection, per device: u <- m u + g (velocity), v <- v + u
 (what is accumulated and not yet sent), top-k of v; both u and v are zeroed where entries were sent
 (momentum factor masking, so a sent entry's stale momentum does not push it again). With Nesterov
-momentum, u <- m (u + g) and v <- v + u + g (``momentum_step``). The optimizer then runs without
+momentum, u <- m (u + g) and v <- v + u + g (``MomentumCorrection.step``). The optimizer then runs without
 momentum. Masking loses gradient mass (heavy ball): an entry sent every step gets u = g, plain SGD, and one
 sent every T steps gets sum_j (1 - m^j) / (1 - m) g over T steps instead of T g / (1 - m) (for m = 0.9: 2.4x less at
-T = 10, 5.3x at T = 3). ``masking=False`` (``comm.momentum_masking``) zeroes only v: u then follows the
-device's own momentum SGD, and what is sent plus v is exactly the sum of its momentum SGD steps.
+T = 10, 5.3x at T = 3). ``MomentumCorrection(masking=False)`` (``comm.momentum_masking``) zeroes only v:
+u then follows the device's own momentum SGD, and what is sent plus v is exactly the sum of its momentum
+SGD steps.
 The per-device state is ``Memory(residual=v, velocity=u)`` instead of a bare residual; the buckets too small
 to compress keep a velocity of their own and send their step whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fractions
 import math
 from collections.abc import Callable
@@ -108,25 +110,43 @@ class Memory(NamedTuple):
   velocity: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class MomentumCorrection:
+  """DGC's momentum correction: the momentum, Nesterov's or heavy ball, and momentum factor masking
+  (the velocity zeroed where entries were sent too; ``comm.momentum_masking``)."""
+
+  momentum: float
+  nesterov: bool = False
+  masking: bool = True
+
+  def step(self, x: jax.Array, velocity: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(new velocity u, the step momentum SGD takes) for gradient ``x``: heavy ball u <- m u + g, step u;
+    Nesterov (DGC's form, u = m t for optax's trace t) u <- m (u + g), step u + g.
+
+    It also serves the buckets too small to compress, which send the step whole: the optimizer runs
+    without momentum, and the reduction is linear, so the devices' summed steps are momentum SGD's.
+    """
+    if self.nesterov:
+      velocity = self.momentum * (velocity + x)
+      return velocity, velocity + x
+    velocity = self.momentum * velocity + x
+    return velocity, velocity
+
+
 def compensate(
-  x: jax.Array,
-  memory: jax.Array | Memory,
-  error_feedback: bool,
-  momentum: float = 0.0,
-  nesterov: bool = False,
-  masking: bool = True,
+  x: jax.Array, memory: jax.Array | Memory, error_feedback: bool, correction: MomentumCorrection | None = None
 ) -> tuple[jax.Array, Callable[[jax.Array], jax.Array | Memory]]:
   """(the vector top-k selects from, ``indices -> new memory`` once those entries are sent).
 
-  ``memory`` is a residual (error feedback; untouched when it is off) or a ``Memory`` (momentum correction;
-  ``masking``: the velocity is zeroed where entries were sent too).
+  ``memory`` is a residual (error feedback; untouched when it is off) or, with ``correction``, a
+  ``Memory`` (momentum correction).
   """
-  if isinstance(memory, Memory):
-    velocity, step = momentum_step(x, memory.velocity, momentum, nesterov)
+  if correction is not None:
+    velocity, step = correction.step(x, memory.velocity)
     accumulated = memory.residual + step
 
     def forget_sent(sent):
-      return Memory(accumulated.at[sent].set(0.0), velocity.at[sent].set(0.0) if masking else velocity)
+      return Memory(accumulated.at[sent].set(0.0), velocity.at[sent].set(0.0) if correction.masking else velocity)
 
     return accumulated, forget_sent
   if not error_feedback:
@@ -135,35 +155,19 @@ def compensate(
   return corrected, lambda sent: corrected.at[sent].set(0.0)
 
 
-def momentum_step(x: jax.Array, velocity: jax.Array, momentum: float, nesterov: bool) -> tuple[jax.Array, jax.Array]:
-  """(new velocity u, the step momentum SGD takes) for gradient ``x``: heavy ball u <- m u + g, step u;
-  Nesterov (DGC's form, u = m t for optax's trace t) u <- m (u + g), step u + g.
-
-  It also serves the buckets too small to compress, which send the step whole: the optimizer runs
-  without momentum, and the reduction is linear, so the devices' summed steps are momentum SGD's.
-  """
-  if nesterov:
-    velocity = momentum * (velocity + x)
-    return velocity, velocity + x
-  velocity = momentum * velocity + x
-  return velocity, velocity
-
-
 def apply_error_feedback(
   x: jax.Array,
   memory: jax.Array | Memory,
   k: int,
   selector: str,
   error_feedback: bool,
-  momentum: float = 0.0,
-  nesterov: bool = False,
-  masking: bool = True,
+  correction: MomentumCorrection | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | Memory]:
   """Selects k entries of ``x + residual`` (see ``compensate``); returns (indices, values, new memory).
 
   With error feedback off the residual is neither added nor updated (it stays zero).
   """
-  corrected, forget_sent = compensate(x, memory, error_feedback, momentum, nesterov, masking)
+  corrected, forget_sent = compensate(x, memory, error_feedback, correction)
   indices, values = SELECTORS[selector](corrected, k)
   return indices, values, forget_sent(indices)
 

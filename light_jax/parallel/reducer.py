@@ -54,9 +54,9 @@ class GradientReducer:
     choices: for ``strategy="auto"``, the strategy of each bucket (``cost_model.plan_auto``).
     momentum_correction: > 0: DGC momentum correction with this momentum (``compression.compensate``);
       the optimizer then runs without momentum.
-    nesterov: the momentum correction's momentum is Nesterov's (``compression.momentum_step``).
+    nesterov: the momentum correction's momentum is Nesterov's (``compression.MomentumCorrection``).
     momentum_masking: the momentum correction zeroes the velocity where entries were sent too (DGC's
-      momentum factor masking; ``compression.compensate``).
+      momentum factor masking; ``compression.MomentumCorrection``).
     local_clip_norm: > 0: each device's local gradient is clipped to this global norm / sqrt(devices)
       before the reduction (DGC's local gradient clipping).
   """
@@ -85,6 +85,13 @@ class GradientReducer:
     if self.strategy == AUTO:
       raise ValueError("strategy='auto' has a strategy per bucket: use for_bucket(b), after cost_model.plan_auto")
     return strategies.get(self.strategy)
+
+  @property
+  def correction(self) -> compression.MomentumCorrection | None:
+    """DGC's momentum correction as the collectives take it, or None without it."""
+    if not self.momentum_correction:
+      return None
+    return compression.MomentumCorrection(self.momentum_correction, self.nesterov, self.momentum_masking)
 
   @property
   def keeps_residuals(self) -> bool:
@@ -196,9 +203,7 @@ class GradientReducer:
           self.selector,
           self.error_feedback,
           wire_dtype,
-          self.momentum_correction,
-          self.nesterov,
-          self.momentum_masking,
+          self.correction,
         )
         new_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
@@ -213,7 +218,7 @@ class GradientReducer:
   def dense_momentum(self, flat: jax.Array, velocity: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(the step a dense bucket sends, its new velocity) under momentum correction; ``velocity`` is this
     device's (1, 1, n) block. A velocity per device: the sum of their steps is momentum SGD's."""
-    new, step = compression.momentum_step(flat, velocity[0, 0], self.momentum_correction, self.nesterov)
+    new, step = self.correction.step(flat, velocity[0, 0])
     return step, new[None, None]
 
   def bucket_plan(self, params: PyTree) -> list[tuple[str, int, int]]:

@@ -171,9 +171,7 @@ class ShardedUpdate:
           base.selector,
           base.error_feedback,
           wire,
-          base.momentum_correction,
-          base.nesterov,
-          base.momentum_masking,
+          base.correction,
         )
         comm_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
