@@ -134,6 +134,11 @@ RUNS = {
     [*PER_TENSOR, "--config.comm.momentum_masking=False"],
     "the Nesterov per-tensor run without momentum factor masking (the velocity stays momentum SGD's)",
   ),
+  "sgd_4096_w3_hitopk_dgc_per_tensor_03pct": (
+    BASE,
+    [*PER_TENSOR, "--config.comm.density=0.003"],  # the later flag wins over HITOPK's 0.001
+    "the Nesterov per-tensor run at density 0.3%: between the 0.1% and 1% runs",
+  ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_decay_after": (
     BASE,
     [*PER_TENSOR, "--config.comm.decay_in_velocity=False"],
