@@ -4,8 +4,10 @@ The loop's other behaviours are tested in-process: tests/test_train_loop.py."""
 
 import json
 import os
+import subprocess
+import sys
 
-from tests.helpers import train_py
+from tests.helpers import ROOT, train_py
 
 
 def test_train_py_short_run_writes_metrics_and_summary(tmp_path):
@@ -56,3 +58,14 @@ def test_train_py_short_run_writes_metrics_and_summary(tmp_path):
   assert 0 < summary["wall_seconds"] < 600
   assert (workdir / "curves.png").stat().st_size > 10_000
   assert any(name.startswith("events.out.tfevents") for name in os.listdir(workdir / "tensorboard"))
+
+  # scripts/kernel_norms.py: the trained kernels beside the same model at initialisation.
+  norms = subprocess.run(
+    [sys.executable, "scripts/kernel_norms.py", str(workdir)], cwd=ROOT, capture_output=True, text=True, timeout=300
+  )
+  assert norms.returncode == 0, norms.stderr[-3000:]
+  columns = json.loads(norms.stdout.splitlines()[-1])
+  assert list(columns) == ["init", "run"] and columns["init"].keys() == columns["run"].keys()
+  assert "Dense_0/kernel" in columns["init"] and "conv_init/kernel" in columns["init"]
+  changed = [k for k in columns["init"] if abs(columns["run"][k] / columns["init"][k] - 1) > 0.01]
+  assert len(changed) >= len(columns["init"]) // 2  # two epochs moved most kernels' norms by more than 1%

@@ -1,0 +1,80 @@
+"""The norm of every kernel (conv and dense weights) of finished runs, at their newest checkpoint, beside
+the same model's norms at initialisation.
+
+python scripts/kernel_norms.py runs/large_batch/sgd_4096_w3_lr015 \
+    runs/large_batch/sgd_4096_w3_hitopk_dgc_per_tensor_nesterov
+
+With BatchNorm after a convolution its output does not depend on the kernel's scale, but the step's
+effect does (it scales as 1 / ||w||): the norms show where weight decay shrank the kernels and where
+they stayed near their initial scale. The runs must share a model and a device count (the checkpoints
+restore onto the mesh shape they were saved from). Last line: JSON, run -> {tensor: norm}, and "init".
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def newest_checkpoint(workdir: str) -> str:
+  directory = os.path.join(workdir, "checkpoints")
+  steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
+  if not steps:
+    raise SystemExit(f"{workdir}: no checkpoint under {directory}; is it a train.py workdir with a saved step?")
+  return os.path.join(directory, str(steps[-1]), "state")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("workdirs", nargs="+", help="train.py workdirs (their summary.json and checkpoints)")
+  args = parser.parse_args()
+  summaries = []
+  for workdir in args.workdirs:
+    path = os.path.join(workdir, "summary.json")
+    if not os.path.exists(path):
+      raise SystemExit(f"{workdir}: no summary.json; kernel norms need a finished train.py run")
+    with open(path) as f:
+      summaries.append(json.load(f))
+  config = summaries[0]["config"]
+  devices = {s["config"]["mesh"]["nodes"] * s["config"]["mesh"]["local"] for s in summaries}
+  models = {json.dumps(s["config"]["model"], sort_keys=True) for s in summaries}
+  if len(devices) > 1 or len(models) > 1:
+    raise SystemExit(f"the runs differ in device count ({sorted(devices)}) or model; compare runs of one kind")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  from light_jax.models import create_model
+
+  jax.config.update("jax_num_cpu_devices", devices.pop())
+
+  def kernel_norms(params) -> dict[str, float]:
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return {
+      jax.tree_util.keystr(p, simple=True, separator="/"): float(np.linalg.norm(x)) for p, x in leaves if x.ndim > 1
+    }
+
+  finals = {}
+  for workdir in args.workdirs:
+    params = ocp.StandardCheckpointer().restore(os.path.abspath(newest_checkpoint(workdir)))["params"]
+    finals[os.path.basename(os.path.normpath(workdir))] = kernel_norms(params)
+  # The same model at initialisation: the classes from the classifier (the one 2-D kernel), the input
+  # channels from the dataset; no kernel's shape depends on the image size.
+  num_classes = next(x.shape[-1] for x in jax.tree.leaves(params) if x.ndim == 2)
+  channels = 1 if config["data"]["dataset"] == "fashion_mnist" else 3
+  model = create_model(config["model"]["name"], num_classes, width=config["model"]["width"])
+  init = model.init(jax.random.key(config["seed"]), jnp.zeros((1, 32, 32, channels)), train=False)["params"]
+  columns = {"init": kernel_norms(init), **finals}
+  names = list(columns)
+  print(f"{'kernel':<28}" + "".join(f"{n[-24:]:>26}" for n in names))
+  for tensor in columns["init"]:
+    print(f"{tensor:<28}" + "".join(f"{columns[n][tensor]:>26.3f}" for n in names))
+  print(json.dumps(columns))
+
+
+if __name__ == "__main__":
+  main()
