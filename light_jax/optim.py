@@ -61,16 +61,20 @@ def decay_before_reduction(config: ml_collections.ConfigDict) -> bool:
   momentum it would decay 1 / (1 - momentum) times less), unless ``comm.decay_in_velocity=False``
   gives it a momentum of its own after the reduction (``decay_momentum``).
   """
-  sgd_with_correction = config.comm.momentum_correction and config.optimizer.name == "sgd"
-  return config.comm.local_trust_ratio or (sgd_with_correction and config.comm.decay_in_velocity)
+  return config.comm.local_trust_ratio or (_sgd_with_momentum_correction(config) and config.comm.decay_in_velocity)
 
 
 def decay_momentum(config: ml_collections.ConfigDict) -> float:
   """The momentum of the weight decay alone, after the reduction: ``optimizer.momentum`` when momentum
   correction keeps the gradient's momentum in the reducer and ``comm.decay_in_velocity=False``, else 0."""
-  if config.comm.momentum_correction and not config.comm.decay_in_velocity:
+  if _sgd_with_momentum_correction(config) and not config.comm.decay_in_velocity:
     return config.optimizer.momentum
   return 0.0
+
+
+def _sgd_with_momentum_correction(config: ml_collections.ConfigDict) -> bool:
+  """SGD whose momentum the reducer keeps (DGC momentum correction), where the weight decay can go either side."""
+  return config.comm.momentum_correction and config.optimizer.name == "sgd"
 
 
 def _lars_trust(opt: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -139,14 +143,16 @@ def decayed_weights_with_momentum(weight_decay: float, momentum: float, nesterov
   ``wd w``. With momentum correction the reducer sends the first; this adds the second after the
   reduction. The weights are the same on every device, so ``wd w`` needs no communication.
   """
-  trace = optax.trace(decay=momentum, nesterov=nesterov)
+  # optax's momentum SGD (with the decay masked to the kernels), run on zero gradients: its step for wd w.
+  decay_step = optax.chain(
+    optax.add_decayed_weights(weight_decay, mask=decay_mask), optax.trace(decay=momentum, nesterov=nesterov)
+  )
 
   def update_fn(updates, state, params):
-    decay = jax.tree.map(lambda w, d: weight_decay * w if d else jnp.zeros_like(w), params, decay_mask(params))
-    stepped, state = trace.update(decay, state)
+    stepped, state = decay_step.update(jax.tree.map(jnp.zeros_like, updates), state, params)
     return jax.tree.map(jnp.add, updates, stepped), state
 
-  return optax.GradientTransformation(trace.init, update_fn)
+  return optax.GradientTransformation(decay_step.init, update_fn)
 
 
 def lars_ratio(form: str, eta: float, weight_decay: float, w_norms: jax.Array, other_norms: jax.Array) -> jax.Array:
