@@ -149,6 +149,11 @@ RUNS = {
     [*PER_TENSOR, "--config.global_batch_size=1024", "--config.micro_batches=2"],  # 64 images per device at a time
     ":large_batch_hitopk at batch 1,024: 4x the steps (1,624), so 4x the entries sent per weight, same density",
   ),
+  "sgd_1024_w3": (
+    BASE,
+    [*B4096, *E28, *W3, "--config.global_batch_size=1024", "--config.micro_batches=2"],
+    ":large_batch at batch 1,024: the uncompressed side of the row above",
+  ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
   "lars_tuned_hitopk_ef": (LARS_4096, [*FIRST, *W2, *HITOPK], "+ hitopk at 0.1%, error feedback"),
   "lars_tuned_hitopk_mc": (
