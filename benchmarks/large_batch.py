@@ -144,6 +144,11 @@ RUNS = {
     [*PER_TENSOR, "--config.comm.decay_in_velocity=False"],
     "the Nesterov per-tensor run with the weight decay after the reduction, with its own momentum",
   ),
+  "sgd_4096_w3_hitopk_dgc_per_tensor_clip": (
+    BASE,
+    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0"],
+    "the Nesterov per-tensor run with DGC's local gradient clipping: each device's gradient to 2 / sqrt(8)",
+  ),
   "sgd_1024_w3_hitopk_dgc_per_tensor": (
     BASE,
     [*PER_TENSOR, "--config.global_batch_size=1024", "--config.micro_batches=2"],  # 64 images per device at a time
