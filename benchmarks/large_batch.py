@@ -151,12 +151,13 @@ RUNS = {
   ),
   "sgd_1024_w3_hitopk_dgc_per_tensor": (
     BASE,
-    [*PER_TENSOR, "--config.global_batch_size=1024", "--config.micro_batches=2"],  # 64 images per device at a time
+    # The later flags win over B4096's: batch 1,024 in 2 micro-batches, 64 images per device at a time as above.
+    [*PER_TENSOR, "--config.global_batch_size=1024", "--config.micro_batches=2"],
     ":large_batch_hitopk at batch 1,024: 4x the steps (1,624), so 4x the entries sent per weight, same density",
   ),
   "sgd_1024_w3": (
     BASE,
-    [*B4096, *E28, *W3, "--config.global_batch_size=1024", "--config.micro_batches=2"],
+    [*B4096, *E28, *W3, "--config.global_batch_size=1024", "--config.micro_batches=2"],  # as the row above
     ":large_batch at batch 1,024: the uncompressed side of the row above",
   ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
