@@ -107,7 +107,7 @@ RUNS = {
   "sgd_4096_w3_hitopk_dgc_per_tensor_nesterov_seed1": (
     BASE,
     [*PER_TENSOR, "--config.seed=1"],
-    "the Nesterov per-tensor run (:large_batch_hitopk) with seed 1",
+    "the Nesterov per-tensor run (:large_batch_hitopk before the clipping) with seed 1",
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_dw8": (
     BASE,
