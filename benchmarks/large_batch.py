@@ -159,11 +159,6 @@ RUNS = {
     [*PER_TENSOR, "--config.comm.local_clip_norm=1.0"],
     "the clipped run with the threshold halved: each device's gradient to 1 / sqrt(8), most steps clipped",
   ),
-  "sgd_4096_w3_hitopk_dgc_per_tensor_clip1_seed1": (
-    BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=1.0", "--config.seed=1"],
-    "the run above with seed 1",
-  ),
   "sgd_1024_w3_hitopk_dgc_per_tensor": (
     BASE,
     # The later flags win over B4096's: batch 1,024 in 2 micro-batches, 64 images per device at a time as above.
