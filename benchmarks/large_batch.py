@@ -170,6 +170,16 @@ RUNS = {
     [*B4096, *E28, *W3, "--config.global_batch_size=1024", "--config.micro_batches=2"],  # as the row above
     ":large_batch at batch 1,024: the uncompressed side of the row above",
   ),
+  "sgd_1024_w3_hitopk_dgc_per_tensor_seed1": (
+    BASE,
+    [*PER_TENSOR, "--config.global_batch_size=1024", "--config.micro_batches=2", "--config.seed=1"],
+    "the batch-1,024 hitopk run with seed 1",
+  ),
+  "sgd_1024_w3_seed1": (
+    BASE,
+    [*B4096, *E28, *W3, "--config.global_batch_size=1024", "--config.micro_batches=2", "--config.seed=1"],
+    "the batch-1,024 uncompressed run with seed 1",
+  ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
   "lars_tuned_hitopk_ef": (LARS_4096, [*FIRST, *W2, *HITOPK], "+ hitopk at 0.1%, error feedback"),
   "lars_tuned_hitopk_mc": (
