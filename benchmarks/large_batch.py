@@ -25,6 +25,8 @@ LARS_4096 = f"{BASE}:large_batch_lars"  # LARS at batch 4,096; :large_batch is t
 HITOPK = ["--config.comm.strategy=hitopk", "--config.comm.density=0.001"]
 # Batch 4,096 in 8 micro-batches of 64 per device, as configs/fashion_mnist.py:large_batch (3.7x faster here).
 B4096 = ["--config.global_batch_size=4096", "--config.micro_batches=8"]
+# Batch 1,024 in 2 micro-batches, 64 images per device at a time as above; given after B4096, whose flags it overrides.
+B1024 = ["--config.global_batch_size=1024", "--config.micro_batches=2"]
 LAMB = ["--config.optimizer.name=lamb", "--config.optimizer.base_lr=0.001", "--config.optimizer.weight_decay=0.01"]
 # The LARS variant's first values, from the AutoML study's 3-epoch trials: poly decay, base lr 0.64 (peak
 # 10.24), warmed up over 2 epochs. It has since taken the best 28-epoch LARS run's (lars_tuned_lr1); the rows
@@ -161,23 +163,22 @@ RUNS = {
   ),
   "sgd_1024_w3_hitopk_dgc_per_tensor": (
     BASE,
-    # The later flags win over B4096's: batch 1,024 in 2 micro-batches, 64 images per device at a time as above.
-    [*PER_TENSOR, "--config.global_batch_size=1024", "--config.micro_batches=2"],
+    [*PER_TENSOR, *B1024],
     ":large_batch_hitopk at batch 1,024: 4x the steps (1,624), so 4x the entries sent per weight, same density",
   ),
   "sgd_1024_w3": (
     BASE,
-    [*B4096, *E28, *W3, "--config.global_batch_size=1024", "--config.micro_batches=2"],  # as the row above
+    [*B4096, *E28, *W3, *B1024],
     ":large_batch at batch 1,024: the uncompressed side of the row above",
   ),
   "sgd_1024_w3_hitopk_dgc_per_tensor_seed1": (
     BASE,
-    [*PER_TENSOR, "--config.global_batch_size=1024", "--config.micro_batches=2", "--config.seed=1"],
+    [*PER_TENSOR, *B1024, "--config.seed=1"],
     "the batch-1,024 hitopk run with seed 1",
   ),
   "sgd_1024_w3_seed1": (
     BASE,
-    [*B4096, *E28, *W3, "--config.global_batch_size=1024", "--config.micro_batches=2", "--config.seed=1"],
+    [*B4096, *E28, *W3, *B1024, "--config.seed=1"],
     "the batch-1,024 uncompressed run with seed 1",
   ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
