@@ -161,6 +161,16 @@ RUNS = {
     [*PER_TENSOR, "--config.comm.local_clip_norm=1.0"],
     "the clipped run with the threshold halved: each device's gradient to 1 / sqrt(8), most steps clipped",
   ),
+  "sgd_4096_w3_hitopk_dgc_per_tensor_clip_sqrt": (
+    BASE,
+    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.comm.k_allocation=sqrt"],
+    "the clipped run with k per tensor in proportion to sqrt(size), the same total: small tensors send more",
+  ),
+  "sgd_4096_w3_hitopk_dgc_per_tensor_clip_sqrt_seed1": (
+    BASE,
+    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.comm.k_allocation=sqrt", "--config.seed=1"],
+    "the square-root run with seed 1",
+  ),
   "sgd_1024_w3_hitopk_dgc_per_tensor": (
     BASE,
     [*PER_TENSOR, *B1024],

@@ -58,6 +58,8 @@ class CompiledSteps:
     self.profile = fusion_lib.profile_parameters(model, info.image_shape)  # backward order, FLOPs per tensor
     opt = config.optimizer
     reducer = reducer_from_config(comm, nodes, local, self.profile.order, opt.momentum, tx, opt.nesterov)
+    if comm.k_allocation == "sqrt":
+      reducer = reducer.with_sqrt_allocation(self.profile.params)
     # Buckets that may carry residuals (compressed, or "auto") stay those of the first phase.
     self.adaptive_per_phase = comm.fusion == "adaptive" and not (comm.strategy == AUTO or reducer.spec.compressed)
     if comm.fusion == "adaptive" and not self.adaptive_per_phase:

@@ -17,6 +17,7 @@ OPTIMIZERS = ("sgd", "lars", "lamb")
 DECAYS = ("poly", "cosine")
 DTYPES = ("float32", "bfloat16")  # comm.dtype
 RESIDUAL_UNITS = ("gradient", "update")  # comm.residual_units
+K_ALLOCATIONS = ("proportional", "sqrt")  # comm.k_allocation
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 LOSS_SCALES = ("auto", "dynamic", "none")
 MOMENTUM_SCHEDULES = ("constant", "cycle")
@@ -129,6 +130,10 @@ def base_config() -> ml_collections.ConfigDict:
     topk_selector="exact",  # exact (lax.top_k) | mstopk (sort-free threshold search)
     min_compress_elements=512,  # smaller buckets / shards go to the strategy's dense fallback
     density_warmup_epochs=0.0,  # >0: DGC-style warm-up from density 0.25 down to `density`
+    # How the top-k budget (density x the compressed entries) is shared between buckets: "proportional" (k =
+    # density x size each) or "sqrt" (k in proportion to sqrt(size), the same total: small tensors get more
+    # than their share, large ones less; light_jax/parallel/reducer.py, GradientReducer.with_sqrt_allocation).
+    k_allocation="proportional",
     # DGC's accuracy compensation (docs/techniques.md section 11): momentum correction moves
     # optimizer.momentum into the reducer (a velocity per device, masked where entries were sent; the
     # optimizer then runs without momentum); local_clip_norm > 0 clips each device's gradient to
@@ -265,6 +270,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       "compress. Use a top-k strategy (hitopk, topk, gtopk) or powersgd, or set comm.local_clip_norm=0."
     )
   _choice("comm.residual_units", config.comm.residual_units, RESIDUAL_UNITS)
+  _choice("comm.k_allocation", config.comm.k_allocation, K_ALLOCATIONS)
+  if config.comm.k_allocation == "sqrt" and not top_k:
+    raise ConfigError(
+      f"comm.k_allocation='sqrt' shares the top-k strategies' budget between buckets; comm.strategy="
+      f"{config.comm.strategy!r} has none. Use hitopk, topk or gtopk, or set comm.k_allocation=proportional."
+    )
   if config.comm.residual_units == "update" and not (top_k and config.comm.error_feedback):
     raise ConfigError(
       f"comm.residual_units='update' rescales the top-k strategies' error-feedback residuals; comm.strategy="

@@ -233,6 +233,27 @@ def test_small_buckets_go_dense():
   assert reducer.bytes_per_step({"bias": params["bias"]}) == strategies.strategy_bytes("hierarchical", 64, 4, 2, 4)
 
 
+def test_sqrt_allocation_keeps_the_total_and_favours_small_tensors():
+  # resnet8_fast's compressed conv kernels, per tensor, on 2 x 4 devices (shards of a quarter each).
+  shapes = [(3, 3, 32, 32), (3, 3, 32, 64), (3, 3, 64, 64), (3, 3, 64, 128), (3, 3, 128, 128), (1, 1, 64, 128)]
+  params = {f"conv{i}": jax.ShapeDtypeStruct(s, jnp.float32) for i, s in enumerate(shapes)}
+  params["bias"] = jax.ShapeDtypeStruct((128,), jnp.float32)  # dense either way
+  proportional = reducer_lib.make_gradient_reducer("hitopk", 2, 4, density=0.001)
+  sqrt = proportional.with_sqrt_allocation(params)
+  units = [int(np.prod(s)) // 4 for s in shapes]
+  assert sqrt.k_reference == pytest.approx((sum(units) / sum(np.sqrt(units))) ** 2)
+  ks = {n: k for _, n, k in sqrt.bucket_plan(params)}
+  by_size = {n: k for _, n, k in proportional.bucket_plan(params)}
+  assert by_size[9216] == 3 and ks[9216] == 7  # 2,304 per shard: 6.03 rounded up, 2.6x its share
+  assert by_size[147456] == 37 and ks[147456] == 25  # 36,864 per shard: 0.65x its share
+  assert ks[128] == by_size[128] == 0  # the bias goes dense
+  # The same budget: within the rounding up of each k.
+  assert abs(sum(ks.values()) - 0.001 * sum(units)) <= len(shapes)
+  assert sqrt.bytes_per_step(params).inter_node < 1.1 * proportional.bytes_per_step(params).inter_node
+  # The density warm-up scales every k alike; none goes past its unit.
+  assert all(k <= n // 4 for _, n, k in sqrt.at_density(0.25).bucket_plan(params) if k)
+
+
 def _dgc_reference(vectors, k, momentum, nesterov=False, masking=True):
   """DGC on each row of ``vectors`` (T, rows, n) in numpy: u <- m u + g, v <- v + u (Nesterov, as DGC's
   code: u <- m (u + g), v <- v + u + g), send top-k of v, zero v and (``masking``) u where sent. Returns
