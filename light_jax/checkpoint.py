@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from light_jax.config import SAFE_TO_CHANGE
+from light_jax.config import SAFE_TO_CHANGE, base_config
 
 
 class CheckpointError(RuntimeError):
@@ -99,7 +99,11 @@ class Checkpointer:
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
-  """(breaking, safe) differences between a checkpoint's config and the current one, as "field: a -> b"."""
+  """(breaking, safe) differences between a checkpoint's config and the current one, as "field: a -> b".
+
+  A field the checkpoint does not have (added to light_jax since it was written) is safe at its default in
+  ``base_config()``: a new field's default is the behaviour before it existed.
+  """
 
   def flatten(d, prefix=""):
     out = {}
@@ -110,12 +114,15 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list
         out[f"{prefix}{k}"] = v
     return out
 
-  old, new = flatten(saved), flatten(current)
+  old, new, defaults = flatten(saved), flatten(current), flatten(base_config().to_dict())
   breaking, safe = [], []
   for key in sorted(old.keys() | new.keys()):
     if old.get(key) != new.get(key):
       change = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-      is_safe = any(key == s or key.startswith(s + ".") for s in SAFE_TO_CHANGE)
+      added_at_default = key not in old and key in defaults and new.get(key) == defaults[key]
+      if added_at_default:
+        change = f"{key}: not in the checkpoint's config (added since), at its default {new.get(key)!r}"
+      is_safe = added_at_default or any(key == s or key.startswith(s + ".") for s in SAFE_TO_CHANGE)
       (safe if is_safe else breaking).append(change)
   return breaking, safe
 

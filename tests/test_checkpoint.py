@@ -18,8 +18,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import fashion_mnist
+from light_jax import checkpoint as checkpoint_lib
 from light_jax import train_lib
 from light_jax.checkpoint import CheckpointError
+from light_jax.config import base_config
 from light_jax.exit_codes import ExitCode
 from light_jax.metrics import read_metrics
 from tests.helpers import small_config, train_py
@@ -168,6 +170,19 @@ def test_incompatible_config_is_refused_with_exit_code_2(tmp_path):
     train_lib.train_and_evaluate(_config(max_steps=4, model__width=16), str(tmp_path))
   err = _run_cli(tmp_path, ExitCode.BAD_INPUT, max_steps=4, model__width=16)
   assert "error: the checkpoint at step 4" in err and "model.width: 0 -> 16" in err and "Traceback" not in err
+
+
+def test_a_field_added_since_the_checkpoint_is_accepted_at_its_default_only():
+  saved = base_config().to_dict()
+  del saved["comm"]["k_allocation"]  # a checkpoint written before the field existed
+  current = base_config().to_dict()
+  breaking, safe = checkpoint_lib.config_changes(saved, current)
+  assert breaking == [] and safe == [
+    "comm.k_allocation: not in the checkpoint's config (added since), at its default 'proportional'"
+  ]
+  current["comm"]["k_allocation"] = "sqrt"
+  breaking, _ = checkpoint_lib.config_changes(saved, current)
+  assert breaking == ["comm.k_allocation: None -> 'sqrt'"]
 
 
 def test_nan_skip_policy_skips_the_step_and_goes_on(tmp_path):
