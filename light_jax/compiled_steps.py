@@ -58,14 +58,14 @@ class CompiledSteps:
     self.profile = fusion_lib.profile_parameters(model, info.image_shape)  # backward order, FLOPs per tensor
     opt = config.optimizer
     reducer = reducer_from_config(comm, nodes, local, self.profile.order, opt.momentum, tx, opt.nesterov)
-    if comm.k_allocation == "sqrt":
-      reducer = reducer.with_sqrt_allocation(self.profile.params)
     # Buckets that may carry residuals (compressed, or "auto") stay those of the first phase.
     self.adaptive_per_phase = comm.fusion == "adaptive" and not (comm.strategy == AUTO or reducer.spec.compressed)
     if comm.fusion == "adaptive" and not self.adaptive_per_phase:
       reducer = self._planned(reducer, self.batch_shape_at(0))
     if comm.strategy == AUTO:
       reducer = self._chosen(reducer, self.batch_shape_at(0))
+    if comm.k_allocation == "sqrt":  # after the buckets are planned: the share depends on their sizes
+      reducer = reducer.with_sqrt_allocation(self.profile.params)
     if config.optimizer.sharded_update:  # the optimizer moves into the reducer, on each device's shards
       decay = not optim.decay_before_reduction(config)
       reducer = sharded_update(reducer, self.profile.params, config.optimizer, schedule, momentum, decay)

@@ -295,8 +295,6 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
   num_params = sum(math.prod(leaf.shape) for leaf in leaves)
   device, nodes, local = cluster.device, cluster.nodes, cluster.devices_per_node
   base = reducer_from_config(config.comm, nodes, local, profile.order)
-  if config.comm.k_allocation == "sqrt":
-    base = base.with_sqrt_allocation(profile.params)
   wire_itemsize = 2 if config.comm.dtype == "bfloat16" else 4
   backward_flops = [profile.backward_flops[i] for i in profile.order]
   total_backward_flops = sum(backward_flops)
@@ -319,6 +317,8 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
         reducer = cost_model.plan_adaptive_fusion(base, profile, cluster.cost, device_flops, examples)
       if config.comm.strategy == AUTO:
         reducer, _ = cost_model.plan_auto(reducer, profile, cluster.cost, device_flops, examples, overlap)
+      if config.comm.k_allocation == "sqrt":  # after the buckets are planned, as CompiledSteps does
+        reducer = reducer.with_sqrt_allocation(profile.params)
     buckets = bucket_comms(reducer, profile.params)
     step = simulate_step(
       cluster.cost,

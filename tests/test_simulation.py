@@ -67,6 +67,10 @@ def test_lights_setting_compression_pays_on_25_gbps_and_stops_paying_on_a_fast_n
   assert hitopk["seconds"] < 0.8 * hier["seconds"]
   assert hier["exposed_comm_fraction"] > 0.2 > 0.02 > hitopk["exposed_comm_fraction"]
   assert 0 < hier["scaling_efficiency"] < hitopk["scaling_efficiency"] <= 1
+  # The square-root share of the same budget (ResNet-50 in 25 MiB buckets of similar sizes): about the same time.
+  config.comm.k_allocation = "sqrt"
+  assert simulation.simulate(config, cluster)["seconds"] == pytest.approx(hitopk["seconds"], rel=0.01)
+  config.comm.k_allocation = "proportional"
   fast = simulation.with_link(cluster, inter_gbps=400)
   config.comm.update(strategy="hierarchical", density=1.0)
   assert simulation.simulate(config, fast)["seconds"] < 1.03 * hitopk["seconds"]
