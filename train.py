@@ -47,7 +47,7 @@ def _start_jax(config):
   """Sets up devices; must run before anything touches a JAX backend (never at import time)."""
   from light_jax import xla_flags
 
-  xla_flags.apply()  # on GPUs: overlap the gradient collectives with the backward pass
+  xla_flags.apply()  # on GPUs: overlap the gradient collectives with the backward pass; on CPU: patience
   import jax
 
   explicit = _COORDINATOR.value is not None

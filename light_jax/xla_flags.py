@@ -1,4 +1,4 @@
-"""XLA flags light_jax sets on GPUs, before JAX starts its backend.
+"""XLA flags light_jax sets before JAX starts its backend: on GPUs, and for the CPU's collectives.
 
 What the defaults are in the XLA of jax 0.10 (read in `xla/debug_options_flags.cc`): collectives run
 asynchronously on GPU already (the old `xla_gpu_enable_async_*` flags are gone), on a high-priority
@@ -12,8 +12,15 @@ default bucket (`comm.bucket_bytes`): our buckets are already the unit of overla
 them into one collective would hold the first back until the second is ready. docs/techniques.md
 section 3 explains why buckets are reduced separately.
 
+On CPU (simulated devices: one thread per device in one process) XLA aborts the whole process when a
+collective's threads wait for a late one more than 40 s after a 20-s warning
+(`xla_cpu_collective_call_terminate_timeout_seconds`, "Termination timeout ... exceeded"). On a busy
+machine with 8 device threads on 2 cores one thread can be that late without anything being wrong: a
+28-epoch study run died so at its 1,334th step. light_jax raises it to 10 minutes (measured: one device
+thread held back 100 s before an all-reduce aborts the process at the default and completes with this).
+
 To override: any flag you put in XLA_FLAGS yourself wins over ours; LIGHT_JAX_XLA_FLAGS=0 sets none.
-Nothing is set where no CUDA plugin is installed (CPU runs stay as they are).
+The GPU flags are set only where a CUDA plugin is installed.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ GPU_FLAGS = {
   "xla_gpu_all_gather_combine_threshold_bytes": str(25 * 2**20),
   "xla_gpu_reduce_scatter_combine_threshold_bytes": str(25 * 2**20),
 }
+CPU_FLAGS = {"xla_cpu_collective_call_terminate_timeout_seconds": "600"}
 CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
 
@@ -42,7 +50,9 @@ def merged(existing: str, flags: dict[str, str]) -> str:
 
 
 def apply(environ=os.environ) -> None:
-  """Adds ``GPU_FLAGS`` to XLA_FLAGS when a CUDA plugin is installed; call before JAX starts a backend."""
-  if environ.get("LIGHT_JAX_XLA_FLAGS", "1") == "0" or not has_cuda_plugin():
+  """Adds ``CPU_FLAGS``, and ``GPU_FLAGS`` when a CUDA plugin is installed, to XLA_FLAGS; call before JAX
+  starts a backend."""
+  if environ.get("LIGHT_JAX_XLA_FLAGS", "1") == "0":
     return
-  environ["XLA_FLAGS"] = merged(environ.get("XLA_FLAGS", ""), GPU_FLAGS)
+  flags = {**CPU_FLAGS, **(GPU_FLAGS if has_cuda_plugin() else {})}
+  environ["XLA_FLAGS"] = merged(environ.get("XLA_FLAGS", ""), flags)

@@ -22,6 +22,45 @@ def test_gpu_xla_flags_yield_to_the_users_own():
   assert env["XLA_FLAGS"] == ""
 
 
+def test_cpu_collectives_wait_ten_minutes_unless_the_user_says_otherwise():
+  env = {}
+  xla_flags.apply(env)
+  assert "--xla_cpu_collective_call_terminate_timeout_seconds=600" in env["XLA_FLAGS"].split()
+  env = {"XLA_FLAGS": "--xla_cpu_collective_call_terminate_timeout_seconds=5"}
+  xla_flags.apply(env)
+  assert env["XLA_FLAGS"].count("terminate_timeout") == 1 and "seconds=5" in env["XLA_FLAGS"]
+
+
+LATE_DEVICE = """
+import sys, time
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from light_jax import xla_flags
+xla_flags.apply()
+jax.config.update("jax_num_cpu_devices", 8)
+mesh = jax.make_mesh((8,), ("d",))
+
+def late(x):  # device 3 reaches the all-reduce 65 s after the others
+  if int(np.asarray(x).ravel()[0]) == 3:
+    time.sleep(65)
+  return x
+
+def f(x):
+  return jax.lax.psum(jax.pure_callback(late, jax.ShapeDtypeStruct(x.shape, x.dtype), x), "d")
+
+x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("d")))
+print("sum", float(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=P()))(x)[0]))
+"""
+
+
+@pytest.mark.slow  # ~70 s: without the flag XLA aborts the process after 60 s (20 s warning + 40 s)
+def test_a_device_thread_late_by_a_minute_does_not_abort_the_process():
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  result = subprocess.run([sys.executable, "-c", LATE_DEVICE], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+  assert result.returncode == 0 and "sum 28.0" in result.stdout, result.stderr[-3000:]
+
+
 @pytest.mark.slow  # the whole prepared GPU check at toy size, ~1 min
 def test_gpu_check_script_runs_every_step_at_toy_size_on_cpu(tmp_path):
   """benchmarks/gpu_check.sh --toy: throughput, collectives, input pipeline, a training run with a profile."""
