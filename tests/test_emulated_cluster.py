@@ -89,7 +89,10 @@ def _mesh_lab(*extra):
   )  # fmt: skip
 
 
-@pytest.mark.parametrize("loopback", [False, True], ids=["namespaces", "loopback"])
+# The loopback run (for machines without root) repeats the namespace run's path but for the wiring: slow.
+@pytest.mark.parametrize(
+  "loopback", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["namespaces", "loopback"]
+)
 def test_two_namespace_training_run_through_the_mesh_lab(loopback):
   """train.py on 2 processes in 2 namespaces: step times recorded, and the bytes node 0 sent per step at
   least the accounted inter-node bytes of its devices (the rest: TCP/IP and the collectives outside the
