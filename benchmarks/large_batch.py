@@ -87,6 +87,7 @@ RUNS = {
   "sgd_4096_w3": (BASE, [*B4096, *E28, *W3], "SGD, linear scaling rule, 3 warm-up epochs (:large_batch)"),
   "sgd_4096_w3_seed1": (BASE, [*B4096, *E28, *W3, "--config.seed=1"], "the same with seed 1 (the spread of a run)"),
   "sgd_4096_w3_seed2": (BASE, [*B4096, *E28, *W3, "--config.seed=2"], "the same with seed 2"),
+  "sgd_4096_w3_seed3": (BASE, [*B4096, *E28, *W3, "--config.seed=3"], "the same with seed 3"),
   "sgd_4096_w3_lr015": (
     BASE,
     [*B4096, *E28, *W3, "--config.optimizer.base_lr=0.15"],
@@ -161,6 +162,11 @@ RUNS = {
     BASE,
     [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.seed=2"],
     "the clipped run (:large_batch_hitopk) with seed 2",
+  ),
+  "sgd_4096_w3_hitopk_dgc_per_tensor_clip_seed3": (
+    BASE,
+    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.seed=3"],
+    "the clipped run (:large_batch_hitopk) with seed 3",
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_clip1": (
     BASE,
