@@ -88,6 +88,8 @@ RUNS = {
   "sgd_4096_w3_seed1": (BASE, [*B4096, *E28, *W3, "--config.seed=1"], "the same with seed 1 (the spread of a run)"),
   "sgd_4096_w3_seed2": (BASE, [*B4096, *E28, *W3, "--config.seed=2"], "the same with seed 2"),
   "sgd_4096_w3_seed3": (BASE, [*B4096, *E28, *W3, "--config.seed=3"], "the same with seed 3"),
+  "sgd_4096_w3_seed4": (BASE, [*B4096, *E28, *W3, "--config.seed=4"], "the same with seed 4"),
+  "sgd_4096_w3_seed5": (BASE, [*B4096, *E28, *W3, "--config.seed=5"], "the same with seed 5"),
   "sgd_4096_w3_lr015": (
     BASE,
     [*B4096, *E28, *W3, "--config.optimizer.base_lr=0.15"],
@@ -167,6 +169,16 @@ RUNS = {
     BASE,
     [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.seed=3"],
     "the clipped run (:large_batch_hitopk) with seed 3",
+  ),
+  "sgd_4096_w3_hitopk_dgc_per_tensor_clip_seed4": (
+    BASE,
+    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.seed=4"],
+    "the clipped run (:large_batch_hitopk) with seed 4",
+  ),
+  "sgd_4096_w3_hitopk_dgc_per_tensor_clip_seed5": (
+    BASE,
+    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.seed=5"],
+    "the clipped run (:large_batch_hitopk) with seed 5",
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_clip1": (
     BASE,
