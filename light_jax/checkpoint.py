@@ -122,6 +122,11 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list
       added_at_default = key not in old and key in defaults and new.get(key) == defaults[key]
       if added_at_default:
         change = f"{key}: not in the checkpoint's config (added since), at its default {new.get(key)!r}"
+      elif key not in old and key in defaults:
+        change = (
+          f"{key}: not in the checkpoint's config (added since, so the run used its default "
+          f"{defaults[key]!r}) -> {new.get(key)!r}"
+        )
       is_safe = added_at_default or any(key == s or key.startswith(s + ".") for s in SAFE_TO_CHANGE)
       (safe if is_safe else breaking).append(change)
   return breaking, safe

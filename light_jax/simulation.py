@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import jax
 import ml_collections
 
+from light_jax import config as config_lib
 from light_jax import schedules
 from light_jax.parallel import cost_model, strategies
 from light_jax.parallel import fusion as fusion_lib
@@ -288,6 +289,7 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
       f"the simulator times bucketed strategies ({', '.join(strategies.NAMES)}, auto), not "
       f"{config.comm.strategy!r}: its step (QR factorisations; DiLoCo's rare outer step) has no model yet"
     )
+  config_lib.check_k_allocation(config)
   eval_size = config.data.image_size or 28
   model = create_model(config.model.name, num_classes, config.model.dtype, config.model.width)
   profile = fusion_lib.profile_parameters(model, (eval_size, eval_size, channels))

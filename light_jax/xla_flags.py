@@ -17,7 +17,10 @@ collective's threads wait for a late one more than 40 s after a 20-s warning
 (`xla_cpu_collective_call_terminate_timeout_seconds`, "Termination timeout ... exceeded"). On a busy
 machine with 8 device threads on 2 cores one thread can be that late without anything being wrong: a
 28-epoch study run died so at its 1,334th step. light_jax raises it to 10 minutes (measured: one device
-thread held back 100 s before an all-reduce aborts the process at the default and completes with this).
+thread held back 100 s before an all-reduce aborts the process at the default and completes with this;
+tests/test_throughput.py holds one back 65 s). In a run of several processes a survivor's device threads
+may also wait this long on a dead peer's collective; light_jax/liveness.py's watchdog, or JAX's heartbeat
+behind it, stops the survivor first.
 
 To override: any flag you put in XLA_FLAGS yourself wins over ours; LIGHT_JAX_XLA_FLAGS=0 sets none.
 The GPU flags are set only where a CUDA plugin is installed.

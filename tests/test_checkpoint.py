@@ -182,7 +182,10 @@ def test_a_field_added_since_the_checkpoint_is_accepted_at_its_default_only():
   ]
   current["comm"]["k_allocation"] = "sqrt"
   breaking, _ = checkpoint_lib.config_changes(saved, current)
-  assert breaking == ["comm.k_allocation: None -> 'sqrt'"]
+  assert breaking == [
+    "comm.k_allocation: not in the checkpoint's config (added since, so the run used its default "
+    "'proportional') -> 'sqrt'"
+  ]
 
 
 def test_nan_skip_policy_skips_the_step_and_goes_on(tmp_path):

@@ -234,7 +234,8 @@ def test_small_buckets_go_dense():
 
 
 def test_sqrt_allocation_keeps_the_total_and_favours_small_tensors():
-  # resnet8_fast's compressed conv kernels, per tensor, on 2 x 4 devices (shards of a quarter each).
+  # Conv kernels of resnet8_fast's sizes, one of each size, per tensor, on 2 x 4 devices (shards of a quarter
+  # each); the model has a second 3x3x32x32 kernel, hence its 2.4x where this set gets 2.6x.
   shapes = [(3, 3, 32, 32), (3, 3, 32, 64), (3, 3, 64, 64), (3, 3, 64, 128), (3, 3, 128, 128), (1, 1, 64, 128)]
   params = {f"conv{i}": jax.ShapeDtypeStruct(s, jnp.float32) for i, s in enumerate(shapes)}
   params["bias"] = jax.ShapeDtypeStruct((128,), jnp.float32)  # dense either way
@@ -250,8 +251,10 @@ def test_sqrt_allocation_keeps_the_total_and_favours_small_tensors():
   # The same budget: within the rounding up of each k.
   assert abs(sum(ks.values()) - 0.001 * sum(units)) <= len(shapes)
   assert sqrt.bytes_per_step(params).inter_node < 1.1 * proportional.bytes_per_step(params).inter_node
-  # The density warm-up scales every k alike; none goes past its unit.
-  assert all(k <= n // 4 for _, n, k in sqrt.at_density(0.25).bucket_plan(params) if k)
+  # Near density 1 the small units' shares pass their size: they send whole, and the total falls short.
+  capped = {n: k for _, n, k in sqrt.at_density(0.9).bucket_plan(params)}
+  assert capped[9216] == 9216 // 4 and capped[147456] < 0.9 * 147456 // 4
+  assert sum(capped.values()) < 0.9 * sum(units)
 
 
 def _dgc_reference(vectors, k, momentum, nesterov=False, masking=True):

@@ -65,7 +65,8 @@ def test_default_configs_validate():
       r"optimizer.name=sgd and optimizer.sharded_update=False \(got True, 'lars', False\)",
     ),
     ({"comm__residual_units": "lr"}, r"comm.residual_units='lr' is unknown; use one of \['gradient', 'update'\]"),
-    ({"comm__k_allocation": "sqrt"}, r"comm.strategy='hierarchical' has none"),
+    ({"comm__k_allocation": "sqrt"}, r"comm.strategy='hierarchical' compresses nothing"),
+    ({"comm__strategy": "auto", "comm__k_allocation": "sqrt"}, r"costs computed with the proportional k"),
     ({"comm__k_allocation": "log"}, r"comm.k_allocation='log' is unknown"),
     ({"comm__local_trust_ratio": True}, r"optimizer.name='sgd' has none. Set optimizer.name=lars"),
     (

@@ -25,7 +25,7 @@ def _free_port() -> int:
 def _env():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("JAX_NUM_CPU_DEVICES", None)
-  # Each worker sets its own device count; keep the other flags (the tests' optimisation level).
+  # Each train.py process sets its own device count; keep the other flags (the tests' optimisation level).
   flags = [f for f in env.pop("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
   if flags:
     env["XLA_FLAGS"] = " ".join(flags)

@@ -28,7 +28,7 @@ def test_cpu_collectives_wait_ten_minutes_unless_the_user_says_otherwise():
   assert "--xla_cpu_collective_call_terminate_timeout_seconds=600" in env["XLA_FLAGS"].split()
   env = {"XLA_FLAGS": "--xla_cpu_collective_call_terminate_timeout_seconds=5"}
   xla_flags.apply(env)
-  assert env["XLA_FLAGS"].count("terminate_timeout") == 1 and "seconds=5" in env["XLA_FLAGS"]
+  assert env["XLA_FLAGS"].split() == ["--xla_cpu_collective_call_terminate_timeout_seconds=5"]
 
 
 LATE_DEVICE = """
@@ -55,7 +55,7 @@ print("sum", float(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_spec
 
 @pytest.mark.slow  # ~70 s: without the flag XLA aborts the process after 60 s (20 s warning + 40 s)
 def test_a_device_thread_late_by_a_minute_does_not_abort_the_process():
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "LIGHT_JAX_XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
   result = subprocess.run([sys.executable, "-c", LATE_DEVICE], cwd=ROOT, capture_output=True, text=True, env=env,
                           timeout=300)  # fmt: skip
   assert result.returncode == 0 and "sum 28.0" in result.stdout, result.stderr[-3000:]

@@ -108,7 +108,9 @@ class GradientReducer:
   @property
   def compression(self) -> str:
     """How this reducer compresses, for the logs ("" when it does not)."""
-    return f"top-k density {self.density:.4g}" if self.keeps_residuals else ""
+    if not self.keeps_residuals:
+      return ""
+    return f"top-k density {self.density:.4g}" + (", k in proportion to sqrt(size)" if self.k_reference else "")
 
   def for_bucket(self, bucket: int) -> GradientReducer:
     """The one-strategy reducer of bucket ``bucket``: this one, or for "auto" the strategy chosen for it."""
@@ -143,15 +145,17 @@ class GradientReducer:
     if not self.is_compressed(elements):
       return 0
     unit = self.compressed_size(elements)
-    if self.k_reference:  # the square-root share: unit x density x sqrt(k_reference / unit)
-      return compression.num_selected(unit, min(1.0, self.density * math.sqrt(self.k_reference / unit)))
+    if self.k_reference:  # the square-root share: unit x density x sqrt(k_reference / unit), at most the unit
+      return compression.num_selected(unit, self.density * math.sqrt(self.k_reference / unit))
     return compression.num_selected(unit, self.density)
 
   def with_sqrt_allocation(self, params: PyTree) -> GradientReducer:
     """This reducer with each compressed bucket's k in proportion to the square root of its top-k unit,
     the total the same as density x all units: sum_i d sqrt(u_i r) = d sum_i u_i for
     r = (sum_i u_i / sum_i sqrt(u_i))^2. For resnet8_fast per tensor (fusion "none") on 2 x 4 devices, the
-    3x3 kernels of 2,304 entries per shard then keep 2.4x their proportional share, the largest (36,864) 0.6x."""
+    3x3 kernels of 2,304 entries per shard then keep 2.4x their proportional share, the largest (36,864) 0.6x.
+    A bucket whose share would exceed its unit sends whole (``num_selected`` caps k), and what it gives up is
+    not passed on, so near density 1 the total falls short of density x all units."""
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
     units = [self.for_bucket(b).compressed_size(n) for b, n in enumerate(sizes) if self.for_bucket(b).is_compressed(n)]
     if not units:
