@@ -90,6 +90,11 @@ RUNS = {
   "sgd_4096_w3_seed3": (BASE, [*B4096, *E28, *W3, "--config.seed=3"], "the same with seed 3"),
   "sgd_4096_w3_seed4": (BASE, [*B4096, *E28, *W3, "--config.seed=4"], "the same with seed 4"),
   "sgd_4096_w3_seed5": (BASE, [*B4096, *E28, *W3, "--config.seed=5"], "the same with seed 5"),
+  "sgd_4096_w5_seed5": (
+    BASE,
+    [*B4096, *E28, "--config.optimizer.warmup_epochs=5", "--config.seed=5"],
+    ":large_batch with seed 5 (whose warm-up went badly) warmed up over 5 epochs instead of 3",
+  ),
   "sgd_4096_w3_lr015": (
     BASE,
     [*B4096, *E28, *W3, "--config.optimizer.base_lr=0.15"],
