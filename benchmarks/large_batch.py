@@ -46,6 +46,7 @@ PER_TENSOR = [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none"]
 RUNS = {
   # 28 epochs, the seed's count (configs/fashion_mnist.py:large_batch)
   "sgd_256": (BASE, E28, "the default: SGD + Nesterov at batch 256"),
+  "sgd_256_seed1": (BASE, [*E28, "--config.seed=1"], "the default with seed 1 (the reference's own spread)"),
   "lars_tuned": (LARS_4096, [*FIRST, *W2], "LARS, MLPerf trust ratio, values from the AutoML study"),
   "lars_tuned_wd": (
     LARS_4096,

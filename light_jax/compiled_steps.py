@@ -58,14 +58,11 @@ class CompiledSteps:
     self.profile = fusion_lib.profile_parameters(model, info.image_shape)  # backward order, FLOPs per tensor
     opt = config.optimizer
     reducer = reducer_from_config(comm, nodes, local, self.profile.order, opt.momentum, tx, opt.nesterov)
-    # Buckets that may carry residuals (compressed, or "auto") stay those of the first phase.
+    # Buckets that may carry residuals (compressed, or "auto") stay those of the first phase; a dense
+    # strategy's adaptive buckets are planned again for each phase (reducer_at).
     self.adaptive_per_phase = comm.fusion == "adaptive" and not (comm.strategy == AUTO or reducer.spec.compressed)
-    if comm.fusion == "adaptive" and not self.adaptive_per_phase:
+    if not self.adaptive_per_phase:
       reducer = self._planned(reducer, self.batch_shape_at(0))
-    if comm.strategy == AUTO:
-      reducer = self._chosen(reducer, self.batch_shape_at(0))
-    if comm.k_allocation == "sqrt":  # after the buckets are planned: the share depends on their sizes
-      reducer = reducer.with_sqrt_allocation(self.profile.params)
     if config.optimizer.sharded_update:  # the optimizer moves into the reducer, on each device's shards
       decay = not optim.decay_before_reduction(config)
       reducer = sharded_update(reducer, self.profile.params, config.optimizer, schedule, momentum, decay)
@@ -133,37 +130,29 @@ class CompiledSteps:
     """Bytes per device of ``step``'s reduction, without compiling."""
     return self.reducer_at(step).bytes_per_step(params)
 
-  def _chosen(self, reducer: GradientReducer, batch_shape: tuple[int, ...]) -> GradientReducer:
-    """``reducer`` with comm.strategy="auto"'s choice of strategy per bucket for this batch shape."""
+  def _planned(self, reducer: GradientReducer, batch_shape: tuple[int, ...]) -> GradientReducer:
+    """``reducer`` planned for this batch shape (``cost_model.plan_reducer``: adaptive fusion, auto, the
+    square-root k share, as configured; the profile is at the eval image size)."""
     comm, info = self.config.comm, self.info
     pixels = math.prod(batch_shape[1:3]) / math.prod(info.image_shape[:2])
-    reducer, reasons = cost_model.plan_auto(
+    timed = comm.fusion == "adaptive" or comm.strategy == AUTO  # the two that need the cluster's costs
+    reducer, reasons = cost_model.plan_reducer(
       reducer,
+      comm,
       self.profile,
-      cost_model.load(comm.cost_model),
+      cost_model.load(comm.cost_model) if timed else None,
       comm.device_tflops * 1e12,
       batch_shape[0] / self.mesh.size * pixels,
       overlap=self.mesh.devices.flat[0].platform != "cpu",  # XLA on CPU runs collectives in line
     )
-    logging.info("comm.strategy=auto (%s), per bucket:\n  %s", comm.cost_model, "\n  ".join(reasons))
-    return reducer
-
-  def _planned(self, reducer: GradientReducer, batch_shape: tuple[int, ...]) -> GradientReducer:
-    """``reducer`` with MG-WFBP buckets for this batch shape (the profile is at the eval image size)."""
-    comm, info = self.config.comm, self.info
-    pixels = math.prod(batch_shape[1:3]) / math.prod(info.image_shape[:2])
-    reducer = cost_model.plan_adaptive_fusion(
-      reducer,
-      self.profile,
-      cost_model.load(comm.cost_model),
-      comm.device_tflops * 1e12,
-      batch_shape[0] / self.mesh.size * pixels,
-    )
-    logging.info(
-      "adaptive fusion (MG-WFBP, %s) for batch %s: %d buckets for %d tensors",
-      comm.cost_model,
-      "x".join(map(str, batch_shape)),
-      len(reducer.groups),
-      len(self.profile.order),
-    )
+    if comm.fusion == "adaptive":
+      logging.info(
+        "adaptive fusion (MG-WFBP, %s) for batch %s: %d buckets for %d tensors",
+        comm.cost_model,
+        "x".join(map(str, batch_shape)),
+        len(reducer.groups),
+        len(self.profile.order),
+      )
+    if reasons:
+      logging.info("comm.strategy=auto (%s), per bucket:\n  %s", comm.cost_model, "\n  ".join(reasons))
     return reducer

@@ -314,13 +314,7 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
     # may carry residuals (a compressed strategy, or auto); auto's choice once.
     if reducer is None or config.comm.fusion == "adaptive" and not keeps_residuals:
       examples = per_device * (size / eval_size) ** 2
-      reducer = base
-      if config.comm.fusion == "adaptive":
-        reducer = cost_model.plan_adaptive_fusion(base, profile, cluster.cost, device_flops, examples)
-      if config.comm.strategy == AUTO:
-        reducer, _ = cost_model.plan_auto(reducer, profile, cluster.cost, device_flops, examples, overlap)
-      if config.comm.k_allocation == "sqrt":  # after the buckets are planned, as CompiledSteps does
-        reducer = reducer.with_sqrt_allocation(profile.params)
+      reducer, _ = cost_model.plan_reducer(base, config.comm, profile, cluster.cost, device_flops, examples, overlap)
     buckets = bucket_comms(reducer, profile.params)
     step = simulate_step(
       cluster.cost,

@@ -242,7 +242,7 @@ def test_sqrt_allocation_keeps_the_total_and_favours_small_tensors():
   proportional = reducer_lib.make_gradient_reducer("hitopk", 2, 4, density=0.001)
   sqrt = proportional.with_sqrt_allocation(params)
   units = [int(np.prod(s)) // 4 for s in shapes]
-  assert sqrt.k_reference == pytest.approx((sum(units) / sum(np.sqrt(units))) ** 2)
+  assert sqrt.sqrt_crossover_size == pytest.approx((sum(units) / sum(np.sqrt(units))) ** 2)
   ks = {n: k for _, n, k in sqrt.bucket_plan(params)}
   by_size = {n: k for _, n, k in proportional.bucket_plan(params)}
   assert by_size[9216] == 3 and ks[9216] == 7  # 2,304 per shard: 6.03 rounded up, 2.6x its share

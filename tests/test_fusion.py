@@ -172,3 +172,31 @@ def test_auto_keeps_hidden_buckets_exact_and_compresses_where_the_link_is_slow()
   singles = [dataclasses.replace(base, strategy=s) for s in ("dense", "hierarchical", "hitopk", "gtopk")]
   for name, cost in (("fast", fast), ("slow", slow)):
     assert step_seconds(chosen[name], cost) <= min(step_seconds(r, cost) for r in singles) * 1.0001
+
+
+def test_plan_reducer_plans_buckets_then_auto_or_the_sqrt_share():
+  """cost_model.plan_reducer, which the trainer and the simulator share, is the planners in the order each
+  needs the one before: fusion first, then auto per bucket or the square-root k share (the config refuses
+  the two together); with none of them configured it needs no cluster costs and returns the reducer as built."""
+  from light_jax import config as config_lib
+
+  model = create_model("resnet8_small", 10, width=4)
+  profile = fusion.profile_parameters(model, (28, 28, 1))
+  cost = cost_model.PRESETS["v100_nvlink_25gbe"]
+  comm = config_lib.base_config().comm
+  comm.update(strategy="hitopk", fusion="adaptive", k_allocation="sqrt", density=0.01, min_compress_elements=16)
+  base = reducer_lib.reducer_from_config(comm, 2, 4, profile.order)
+  planned, reasons = cost_model.plan_reducer(base, comm, profile, cost, 1e9, 4)
+  by_hand = cost_model.plan_adaptive_fusion(base, profile, cost, 1e9, 4).with_sqrt_allocation(profile.params)
+  assert planned == by_hand and reasons == [] and planned.groups and planned.sqrt_crossover_size > 0
+
+  comm.update(strategy="auto", k_allocation="proportional")
+  base = reducer_lib.reducer_from_config(comm, 2, 4, profile.order)
+  planned, reasons = cost_model.plan_reducer(base, comm, profile, cost, 1e9, 4, overlap=False)
+  by_hand = cost_model.plan_adaptive_fusion(base, profile, cost, 1e9, 4)
+  assert (planned, reasons) == cost_model.plan_auto(by_hand, profile, cost, 1e9, 4, overlap=False)
+  assert len(reasons) == len(planned.groups) == len(planned.choices) and planned.sqrt_crossover_size == 0
+
+  comm.update(strategy="hitopk", fusion="none")
+  base = reducer_lib.reducer_from_config(comm, 2, 4, profile.order)
+  assert cost_model.plan_reducer(base, comm, profile, None, 1e9, 4) == (base, [])

@@ -60,6 +60,18 @@ def test_hitopk_with_adaptive_fusion_mstopk_and_density_warmup(tmp_path, caplog)
   assert last["eval_top1"] > 0.3  # learns (chance: 0.1) in 32 steps at 1% density
 
 
+def test_sqrt_k_allocation_and_auto_are_planned_by_the_trainer(tmp_path, caplog):
+  """CompiledSteps plans with cost_model.plan_reducer: the square-root share reaches the compiled step (its
+  log line), and auto logs its choice per bucket."""
+  with caplog.at_level(logging.INFO):
+    train_lib.train_and_evaluate(small_config("hitopk", max_steps=2, comm__k_allocation="sqrt"), str(tmp_path / "a"))
+  assert "top-k density 0.01, k in proportion to sqrt(size)" in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    train_lib.train_and_evaluate(small_config(max_steps=2, comm__strategy="auto"), str(tmp_path / "b"))
+  assert "comm.strategy=auto (v100_nvlink_25gbe), per bucket:" in caplog.text and "sqrt(size)" not in caplog.text
+
+
 def test_resuming_a_finished_run_reports_again_even_without_metrics_jsonl(tmp_path):
   """A finished run has no step left: it evaluates what it restored, on every process alike (before,
   the summary read the last metrics.jsonl record, which only process 0 has: a TypeError elsewhere)."""

@@ -27,11 +27,12 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel import strategies
-from light_jax.parallel.reducer import GradientReducer
+from light_jax.parallel.reducer import AUTO, GradientReducer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,3 +227,28 @@ def plan_auto(
     reasons[b] = f"{sizes[b]:,} elements: {choices[b]}, {why}"
     latest -= d[choices[b]]
   return dataclasses.replace(reducer, strategy="auto", choices=tuple(choices)), reasons
+
+
+def plan_reducer(
+  reducer: GradientReducer,
+  comm: ml_collections.ConfigDict,
+  profile: fusion_lib.ParameterProfile,
+  cost: ClusterCost | None,
+  device_flops: float,
+  examples_per_device: float,
+  overlap: bool = True,
+) -> tuple[GradientReducer, list[str]]:
+  """``reducer`` planned as the config section ``comm`` asks, each part after what it depends on: MG-WFBP
+  buckets first (``comm.fusion="adaptive"``), then on those buckets auto's strategy per bucket
+  (``comm.strategy="auto"``) or the square-root k share (``comm.k_allocation="sqrt"``; the config refuses
+  it with auto). ``cost`` may be None without adaptive fusion or auto, the two that time buckets. Returns
+  the reducer and auto's reason per bucket ([] without auto). The trainer (``CompiledSteps``) and the
+  simulator both plan with this function, so they plan alike."""
+  reasons = []
+  if comm.fusion == "adaptive":
+    reducer = plan_adaptive_fusion(reducer, profile, cost, device_flops, examples_per_device)
+  if comm.strategy == AUTO:
+    reducer, reasons = plan_auto(reducer, profile, cost, device_flops, examples_per_device, overlap)
+  if comm.k_allocation == "sqrt":
+    reducer = reducer.with_sqrt_allocation(profile.params)
+  return reducer, reasons

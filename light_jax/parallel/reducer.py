@@ -59,8 +59,9 @@ class GradientReducer:
       momentum factor masking; ``compression.MomentumCorrection``).
     local_clip_norm: > 0: each device's local gradient is clipped to this global norm / sqrt(devices)
       before the reduction (DGC's local gradient clipping).
-    k_reference: 0: k = density x the bucket's top-k unit; > 0: k = density x sqrt(unit x k_reference),
-      set by ``with_sqrt_allocation`` (``comm.k_allocation="sqrt"``).
+    sqrt_crossover_size: 0: k = density x the bucket's top-k unit; > 0: k = density x sqrt(unit x this),
+      set by ``with_sqrt_allocation`` (``comm.k_allocation="sqrt"``): the unit size at which the square-root
+      share equals the proportional one (smaller units keep more than density x unit, larger less).
   """
 
   strategy: str
@@ -80,7 +81,7 @@ class GradientReducer:
   nesterov: bool = False
   momentum_masking: bool = True
   local_clip_norm: float = 0.0
-  k_reference: float = 0.0
+  sqrt_crossover_size: float = 0.0
   updates_parameters = False  # the train step applies the optimizer to what ``reduce`` returns
 
   @property
@@ -110,7 +111,7 @@ class GradientReducer:
     """How this reducer compresses, for the logs ("" when it does not)."""
     if not self.keeps_residuals:
       return ""
-    return f"top-k density {self.density:.4g}" + (", k in proportion to sqrt(size)" if self.k_reference else "")
+    return f"top-k density {self.density:.4g}" + (", k in proportion to sqrt(size)" if self.sqrt_crossover_size else "")
 
   def for_bucket(self, bucket: int) -> GradientReducer:
     """The one-strategy reducer of bucket ``bucket``: this one, or for "auto" the strategy chosen for it."""
@@ -145,8 +146,8 @@ class GradientReducer:
     if not self.is_compressed(elements):
       return 0
     unit = self.compressed_size(elements)
-    if self.k_reference:  # the square-root share: unit x density x sqrt(k_reference / unit), at most the unit
-      return compression.num_selected(unit, self.density * math.sqrt(self.k_reference / unit))
+    if self.sqrt_crossover_size:  # the square-root share, at most the unit (num_selected caps it)
+      return compression.num_selected(unit, self.density * math.sqrt(self.sqrt_crossover_size / unit))
     return compression.num_selected(unit, self.density)
 
   def with_sqrt_allocation(self, params: PyTree) -> GradientReducer:
@@ -160,7 +161,7 @@ class GradientReducer:
     units = [self.for_bucket(b).compressed_size(n) for b, n in enumerate(sizes) if self.for_bucket(b).is_compressed(n)]
     if not units:
       return self
-    return dataclasses.replace(self, k_reference=(sum(units) / sum(math.sqrt(u) for u in units)) ** 2)
+    return dataclasses.replace(self, sqrt_crossover_size=(sum(units) / sum(math.sqrt(u) for u in units)) ** 2)
 
   def bucket_strategy(self, elements: int) -> strategies.Strategy:
     """The strategy that reduces a bucket of ``elements``: this one, or its dense fallback."""
