@@ -31,7 +31,7 @@ from light_jax.data import DatasetInfo
 from light_jax.parallel import cost_model
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel import mesh as mesh_lib
-from light_jax.parallel.reducer import AUTO, GradientReducer, Reducer, reducer_from_config
+from light_jax.parallel.reducer import AUTO, Reducer, reducer_from_config
 from light_jax.parallel.sharded_update import sharded_update
 from light_jax.parallel.strategies import CommBytes
 
@@ -130,7 +130,7 @@ class CompiledSteps:
     """Bytes per device of ``step``'s reduction, without compiling."""
     return self.reducer_at(step).bytes_per_step(params)
 
-  def _planned(self, reducer: GradientReducer, batch_shape: tuple[int, ...]) -> GradientReducer:
+  def _planned(self, reducer: Reducer, batch_shape: tuple[int, ...]) -> Reducer:
     """``reducer`` planned for this batch shape (``cost_model.plan_reducer``: adaptive fusion, auto, the
     square-root k share, as configured; the profile is at the eval image size)."""
     comm, info = self.config.comm, self.info

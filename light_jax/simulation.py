@@ -9,8 +9,9 @@ For each phase (consecutive epochs with one image size and global batch) it simu
    reference size; a third forward, two thirds backward (a backward pass costs twice a forward one),
    the backward split over the tensors by their backward FLOPs (``fusion.profile_parameters`` on the
    real flax model), in backward order.
-2. Communication: the reducer the config describes (``reducer.reducer_from_config``; adaptive fusion
-   planned by ``cost_model.plan_adaptive_fusion`` with the cluster's costs, as the trainer does), one
+2. Communication: the reducer the config describes (``reducer.reducer_from_config``; adaptive fusion,
+   auto and the square-root k share planned by ``cost_model.plan_reducer`` with the cluster's costs, as
+   the trainer plans them), one
    bucket after the other on one stream: a bucket starts when its last gradient is ready and the
    previous bucket is done, and takes its top-k selection (compressed buckets, at the profile's
    selection rate) plus ``ClusterCost.reduction_seconds``, the function adaptive fusion and the mesh

@@ -189,6 +189,9 @@ def test_plan_reducer_plans_buckets_then_auto_or_the_sqrt_share():
   planned, reasons = cost_model.plan_reducer(base, comm, profile, cost, 1e9, 4)
   by_hand = cost_model.plan_adaptive_fusion(base, profile, cost, 1e9, 4).with_sqrt_allocation(profile.params)
   assert planned == by_hand and reasons == [] and planned.groups and planned.sqrt_crossover_size > 0
+  # The share is computed on the planned buckets: on the buckets before fusion it would differ.
+  too_early = cost_model.plan_adaptive_fusion(base.with_sqrt_allocation(profile.params), profile, cost, 1e9, 4)
+  assert too_early.sqrt_crossover_size != pytest.approx(planned.sqrt_crossover_size, rel=1e-3)
 
   comm.update(strategy="auto", k_allocation="proportional")
   base = reducer_lib.reducer_from_config(comm, 2, 4, profile.order)

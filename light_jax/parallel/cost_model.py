@@ -32,7 +32,7 @@ import numpy as np
 
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel import strategies
-from light_jax.parallel.reducer import AUTO, GradientReducer
+from light_jax.parallel.reducer import AUTO, GradientReducer, Reducer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,14 +230,14 @@ def plan_auto(
 
 
 def plan_reducer(
-  reducer: GradientReducer,
+  reducer: Reducer,
   comm: ml_collections.ConfigDict,
   profile: fusion_lib.ParameterProfile,
   cost: ClusterCost | None,
   device_flops: float,
   examples_per_device: float,
   overlap: bool = True,
-) -> tuple[GradientReducer, list[str]]:
+) -> tuple[Reducer, list[str]]:
   """``reducer`` planned as the config section ``comm`` asks, each part after what it depends on: MG-WFBP
   buckets first (``comm.fusion="adaptive"``), then on those buckets auto's strategy per bucket
   (``comm.strategy="auto"``) or the square-root k share (``comm.k_allocation="sqrt"``; the config refuses
