@@ -318,7 +318,7 @@ def plot(results: dict[str, dict], stopped: dict[str, list[dict]], path: str) ->
     marker = "os^"[i // len(colors) % 3]
     kwargs = dict(marker=marker, ms=2, alpha=alpha, label=label, color=colors[i % len(colors)])
     by_epoch.plot([x["epoch"] for x in records], top1, style, **kwargs)
-    by_time.plot([x["train_seconds"] for x in records], top1, style, **kwargs)
+    by_time.plot(train_runs.elapsed(records), top1, style, **kwargs)
   batches = " vs ".join(f"{b:,}" for b in sorted({r["batch"] for r in results.values()}))
   title = f"Fashion-MNIST, batch {batches} ({longest} epochs; shorter runs faint)"
   by_epoch.set(xlabel="epoch", ylabel="test top-1 (%)", title=title)

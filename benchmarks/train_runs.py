@@ -22,21 +22,61 @@ sys.path.insert(0, ROOT)
 from light_jax import metrics  # noqa: E402
 
 
-def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool = False) -> None:
-  """``python train.py --config=CONFIG --workdir=WORKDIR OVERRIDES``, its output in WORKDIR/train.log."""
+def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool = False, retries: int = 1) -> None:
+  """``python train.py --config=CONFIG --workdir=WORKDIR OVERRIDES``, its output in WORKDIR/train.log.
+
+  A run that stopped before its end (killed, or aborted: XLA's CPU collectives abort a process whose device
+  threads wait too long) resumes from its last checkpoint, exactly, rather than starting over: when its
+  workdir holds a checkpoint of the same command, and up to ``retries`` times when train.py fails after
+  writing one. ``rerun`` starts over."""
   command = [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
   stamp = os.path.join(workdir, "command.txt")
-  if not rerun and os.path.exists(os.path.join(workdir, "summary.json")) and _read(stamp) == shlex.join(command[1:]):
+  same_command = _read(stamp) == shlex.join(command[1:])
+  if not rerun and same_command and os.path.exists(os.path.join(workdir, "summary.json")):
     print(f"{label}: reusing {workdir}", file=sys.stderr)
     return
-  if os.path.exists(workdir):
-    shutil.rmtree(workdir)
-  os.makedirs(workdir)
-  with open(stamp, "w") as f:
-    f.write(shlex.join(command[1:]))
-  print(f"{label}: {shlex.join(command[1:])}", file=sys.stderr, flush=True)
-  with open(os.path.join(workdir, "train.log"), "w") as log:
-    subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+  if not rerun and same_command and has_checkpoint(workdir):
+    print(f"{label}: resuming {workdir} from its last checkpoint", file=sys.stderr, flush=True)
+  else:
+    if os.path.exists(workdir):
+      shutil.rmtree(workdir)
+    os.makedirs(workdir)
+    with open(stamp, "w") as f:
+      f.write(shlex.join(command[1:]))
+    print(f"{label}: {shlex.join(command[1:])}", file=sys.stderr, flush=True)
+  log_path = os.path.join(workdir, "train.log")
+  for attempt in range(retries + 1):
+    with open(log_path, "a") as log:  # a resumed run's output follows the stopped one's
+      returncode = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    if returncode == 0:
+      return
+    if attempt == retries or not has_checkpoint(workdir):
+      raise subprocess.CalledProcessError(returncode, command)
+    print(
+      f"{label}: train.py exited with {returncode} (see {log_path}); resuming from its last checkpoint "
+      f"(retry {attempt + 1} of {retries})",
+      file=sys.stderr,
+      flush=True,
+    )
+
+
+def has_checkpoint(workdir: str) -> bool:
+  directory = os.path.join(workdir, "checkpoints")
+  return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
+def elapsed(records: list[dict]) -> list[float]:
+  """Training seconds at each record, from the run's start: ``train_seconds`` counts from the start of each
+  process, so after a resume the seconds of the processes before are added (the steps redone after a
+  resume count twice)."""
+  offset = previous = 0.0
+  seconds = []
+  for record in records:
+    if record["train_seconds"] < previous:  # a new process: the one before ended at ``previous``
+      offset += previous
+    previous = record["train_seconds"]
+    seconds.append(offset + previous)
+  return seconds
 
 
 def read(workdir: str) -> tuple[dict | None, list[dict]]:
@@ -51,7 +91,7 @@ def read(workdir: str) -> tuple[dict | None, list[dict]]:
     "epochs": summary["config"]["num_epochs"],
     "top1": summary["final_eval_top1"],
     "top5": summary["final_eval_top5"],
-    "train_seconds": records[-1]["train_seconds"],
+    "train_seconds": elapsed(records)[-1],
     "images_per_sec": summary["images_per_sec_mean"],
     "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
     "inter_node_bytes_mean": mean_per_step(records, "inter_node_bytes_per_step"),

@@ -4,6 +4,7 @@ the 8 devices the studies use. No training: a typo in a row would otherwise surf
 
 import importlib
 import os
+import subprocess
 import sys
 
 import ml_collections
@@ -57,3 +58,50 @@ def test_mean_bytes_per_step_weights_each_evaluation_by_its_steps():
   records = [{"step": 10, "b": 1000}, {"step": 20, "b": 100}, {"step": 40, "b": 10}]
   assert train_runs.mean_per_step(records, "b") == (10 * 1000 + 10 * 100 + 20 * 10) / 40
   assert train_runs.mean_per_step([], "b") == 0
+
+
+# A stand-in for train.py, to test the studies' harness alone (train.py's own resume is tested in
+# test_checkpoint.py): its first process writes a checkpoint and a record, then aborts as XLA does
+# (SIGABRT, exit 134); the next resumes, writes the last record and the summary.
+STOPPING_TRAIN_PY = """
+import json, os, sys
+workdir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--workdir="))
+def record(step, seconds):
+  with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({"step": step, "train_seconds": seconds}) + "\\n")
+print("process with", sorted(os.listdir(workdir)))
+if FAILS_FIRST and not os.path.isdir(os.path.join(workdir, "checkpoints")):
+  os.makedirs(os.path.join(workdir, "checkpoints", "100"))
+  record(100, 10.0)
+  sys.exit(134)
+record(200, 4.0)
+open(os.path.join(workdir, "summary.json"), "w").write("{}")
+"""
+
+
+@pytest.mark.parametrize("fails_first", [True, False])
+def test_a_study_run_that_aborts_resumes_from_its_checkpoint(fails_first, tmp_path, monkeypatch):
+  train_runs = importlib.import_module("train_runs")
+  (tmp_path / "train.py").write_text(f"FAILS_FIRST = {fails_first}\n" + STOPPING_TRAIN_PY)
+  monkeypatch.setattr(train_runs, "ROOT", str(tmp_path))
+  workdir = tmp_path / "run"
+  train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir))
+  log = (workdir / "train.log").read_text()
+  assert log.count("process with") == (2 if fails_first else 1) and (workdir / "summary.json").exists()
+  records = train_runs.metrics.read_metrics(str(workdir))
+  # The resumed process's seconds count from its own start: the harness adds the first process's.
+  assert train_runs.elapsed(records) == ([10.0, 14.0] if fails_first else [4.0])
+  # Rerun with the same command: reused; with another command: started over.
+  train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir))
+  assert (workdir / "train.log").read_text() == log
+  train_runs.run("row", "c.py", ["--config.seed=2"], str(workdir))
+  assert (workdir / "train.log").read_text().count("process with") == (2 if fails_first else 1)
+
+
+def test_a_study_run_that_fails_without_a_checkpoint_is_not_retried(tmp_path, monkeypatch):
+  train_runs = importlib.import_module("train_runs")
+  (tmp_path / "train.py").write_text("import sys\nprint('process')\nsys.exit(3)\n")
+  monkeypatch.setattr(train_runs, "ROOT", str(tmp_path))
+  with pytest.raises(subprocess.CalledProcessError) as failed:
+    train_runs.run("row", "c.py", [], str(tmp_path / "run"))
+  assert failed.value.returncode == 3 and (tmp_path / "run" / "train.log").read_text().count("process") == 1
