@@ -10,8 +10,8 @@ first runs at 8 epochs (the default's). Reported per run: final test top-1 and t
 top-1 points to the batch-256 run of the same epoch count, training seconds (`train_seconds`,
 evaluations left out), images/s, inter-node bytes per step (at the end, and the mean over the run, which
 a density warm-up raises), and the steps skipped as non-finite (float16 overflows). A run whose workdir
-already holds a summary.json from the same command is reused, not rerun (--rerun to force). The last line
-is one JSON object keyed by label.
+already holds a summary.json from the same command is reused, not rerun (--rerun to force); one that died
+resumes from its last checkpoint (benchmarks/train_runs.py). The last line is one JSON object keyed by label.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Whole `train.py` runs for the studies under benchmarks/ (large_batch.py, compression_accuracy.py).
 
-``run`` starts one run and waits for it, or reuses its workdir when that already holds the summary of the
-same command; ``read`` returns what a run left: its figures when it finished, its per-epoch records when it
-was stopped before the end. ``study`` is both studies' command line: parse it, run the chosen runs, read
-them all.
+``run`` starts one run and waits for it, resumes it from its checkpoint when it stopped before its end,
+or reuses its workdir when that already holds the summary of the same command; ``read`` returns what a
+run left: its figures when it finished, its per-epoch records when it was stopped before the end.
+``study`` is both studies' command line: parse it, run the chosen runs, read them all.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from light_jax import metrics  # noqa: E402
+from light_jax.exit_codes import ExitCode  # noqa: E402
 
 
 def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool = False, retries: int = 1) -> None:
@@ -27,8 +28,9 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
 
   A run that stopped before its end (killed, or aborted: XLA's CPU collectives abort a process whose device
   threads wait too long) resumes from its last checkpoint, exactly, rather than starting over: when its
-  workdir holds a checkpoint of the same command, and up to ``retries`` times when train.py fails after
-  writing one. ``rerun`` starts over."""
+  workdir holds a checkpoint of the same command, and up to ``retries`` times when train.py dies (a
+  signal, an unexpected error, a failed peer) after writing one; not after a deliberate stop (a bad input,
+  a non-finite loss), which would stop again. ``rerun`` starts over."""
   command = [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
   stamp = os.path.join(workdir, "command.txt")
   same_command = _read(stamp) == shlex.join(command[1:])
@@ -50,7 +52,10 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
       returncode = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     if returncode == 0:
       return
-    if attempt == retries or not has_checkpoint(workdir):
+    died = returncode < 0 or returncode in (ExitCode.ERROR, ExitCode.PEER_FAILURE)
+    if attempt == retries or not died or not has_checkpoint(workdir):
+      if returncode == ExitCode.BAD_INPUT:
+        print(f"{label}: train.py refused its input (see {log_path}); --rerun starts the run over", file=sys.stderr)
       raise subprocess.CalledProcessError(returncode, command)
     print(
       f"{label}: train.py exited with {returncode} (see {log_path}); resuming from its last checkpoint "
@@ -66,9 +71,10 @@ def has_checkpoint(workdir: str) -> bool:
 
 
 def elapsed(records: list[dict]) -> list[float]:
-  """Training seconds at each record, from the run's start: ``train_seconds`` counts from the start of each
-  process, so after a resume the seconds of the processes before are added (the steps redone after a
-  resume count twice)."""
+  """Training seconds at each record, from the run's start. A resumed run's clock goes on from its
+  checkpoint's; in a run resumed from a checkpoint older than that (no ``train_seconds`` in its meta) the
+  clock restarted at 0, so a drop marks a new process and the seconds before it are added (those between
+  the last record kept and the checkpoint are lost)."""
   offset = previous = 0.0
   seconds = []
   for record in records:

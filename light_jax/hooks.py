@@ -134,15 +134,16 @@ class PreemptionCheck:
 
 
 class CheckpointSaver:
-  """Starts an asynchronous save; counts the seconds the loop was blocked doing so."""
+  """Starts an asynchronous save; counts the seconds the loop was blocked doing so. The meta saved has
+  ``train_seconds`` from ``clock()`` too, so that a resumed run's clock goes on from there."""
 
-  def __init__(self, checkpointer: checkpoint_lib.Checkpointer, meta: dict[str, Any]):
-    self.checkpointer, self.meta = checkpointer, meta
+  def __init__(self, checkpointer: checkpoint_lib.Checkpointer, meta: dict[str, Any], clock: Callable[[], float]):
+    self.checkpointer, self.meta, self.clock = checkpointer, meta, clock
     self.blocking_seconds = 0.0
 
   def __call__(self, info: StepInfo) -> None:
     start = time.perf_counter()
-    if self.checkpointer.save(info.step, info.state, self.meta):
+    if self.checkpointer.save(info.step, info.state, {**self.meta, "train_seconds": self.clock()}):
       self.blocking_seconds += time.perf_counter() - start
 
 
@@ -150,9 +151,11 @@ class EpochEvaluation:
   """At each epoch end (and the last step): evaluate, write one record to metrics.jsonl, print a line.
 
   Images/s and the input-wait fraction cover the training steps since the previous record, without the
-  evaluation; ``train_seconds`` adds up the training time since the process started (or resumed), also
-  without the evaluations: the clock of time-to-accuracy. A checkpoint saved at step s comes after this
-  hook, so metrics.jsonl then holds every record up to s.
+  evaluation; ``train_seconds`` adds up the training time since the run started, also without the
+  evaluations: the clock of time-to-accuracy. A resumed run starts it at ``seconds_before``, the clock
+  its checkpoint saved (``clock()``), so the steps a killed process ran after that checkpoint are not
+  counted, and the resumed process's are. A checkpoint saved at step s comes after this hook, so
+  metrics.jsonl then holds every record up to s.
   """
 
   def __init__(
@@ -165,12 +168,17 @@ class EpochEvaluation:
     bar,
     start_step: int,
     total_steps: int,
+    seconds_before: float = 0.0,
   ):
     self.evaluate, self.writer, self.plan, self.schedule = evaluate, writer, plan, schedule
     self.prefetcher, self.bar, self.total_steps = prefetcher, bar, total_steps
     self.last_record: dict[str, Any] | None = None
-    self.train_seconds = 0.0
+    self.train_seconds = seconds_before
     self._start_step, self._start_time, self._start_wait = start_step, time.perf_counter(), prefetcher.wait_seconds
+
+  def clock(self) -> float:
+    """Training seconds so far: the records' and the steps' since the last record."""
+    return self.train_seconds + time.perf_counter() - self._start_time
 
   def __call__(self, info: StepInfo) -> None:
     train_loss = step_lib.epoch_mean_loss(info.state)  # waits for the step: the clock below then counts it

@@ -83,7 +83,7 @@ def train_and_evaluate(
 
     checkpointer = checkpoint_lib.Checkpointer(workdir, config.checkpoint.keep)
     meta = {"config": json.loads(config.to_json_best_effort()), "mesh": list(mesh.devices.shape)}
-    start_step, state = restore(checkpointer, state, meta["config"], plan)
+    start_step, state, seconds_before = restore(checkpointer, state, meta["config"], plan)
     finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
     if not finished:
       compiled.for_step(start_step, state)  # compile before the clock starts
@@ -110,9 +110,11 @@ def train_and_evaluate(
     hooks.add(nonfinite, every=config.log_every_steps, when=ends_record)
     # With several processes the check is a collective, so not every step.
     hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
-    evaluation = EpochEvaluation(evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps)
+    evaluation = EpochEvaluation(
+      evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps, seconds_before
+    )
     hooks.add(evaluation, when=ends_record)
-    saver = CheckpointSaver(checkpointer, meta)
+    saver = CheckpointSaver(checkpointer, meta, evaluation.clock)
     hooks.add(saver, every=config.checkpoint.every_steps)
     if config.train.time_steps and is_main:
       hooks.add(StepTimer(os.path.join(workdir, "step_times.jsonl")), every=1)
@@ -124,7 +126,8 @@ def train_and_evaluate(
 
     try:
       loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)
-      checkpointer.save(loop.step, loop.state, meta)  # the last step (no-op when its hook just saved it)
+      # The last step (no-op when its hook just saved it).
+      checkpointer.save(loop.step, loop.state, {**meta, "train_seconds": evaluation.clock()})
     finally:
       prefetcher.close()
       bar.close()
@@ -229,18 +232,19 @@ def restore(
   state: step_lib.TrainState,
   config: dict[str, Any],
   plan: schedules.EpochPlan,
-) -> tuple[int, step_lib.TrainState]:
-  """(step, state) of the newest checkpoint that restores, or (0, ``state``) when there is none."""
+) -> tuple[int, step_lib.TrainState, float]:
+  """(step, state, training seconds before it) of the newest checkpoint that restores, or (0, ``state``, 0)
+  when there is none (checkpoints written before the seconds were saved: 0)."""
   try:
     restored = checkpointer.restore_latest(checkpoint_lib.abstract(state), config)
   except checkpoint_lib.CheckpointError:
     checkpointer.close()
     raise
   if restored is None:
-    return 0, state
-  step, state, _ = restored
+    return 0, state, 0.0
+  step, state, meta = restored
   logging.info("resumed from the checkpoint at step %d (epoch %.2f)", step, plan.epochs_done(step))
-  return step, state
+  return step, state, float(meta.get("train_seconds", 0.0))
 
 
 def tune_input(

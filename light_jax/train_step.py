@@ -317,10 +317,10 @@ def evaluate(
   for batch in data_lib.DevicePrefetcher(host_batches, sharding):
     sums = eval_step(state, batch["images"], batch["labels"], batch["mask"])
     totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    # One evaluation step in flight at a time. On 8 simulated CPU devices two 28-epoch runs aborted at an
-    # epoch end's evaluation, in its all-reduce, the last after 6 of 8 device threads had waited 10 minutes
-    # for the other 2, while the split's steps were all dispatched ahead (light_jax/xla_flags.py). This
-    # is our guard against it; a guess, as the hang does not come on demand.
+    # One evaluation step in flight at a time. On 8 simulated CPU devices a 28-epoch run aborted in an
+    # epoch end's evaluation, after 6 of 8 device threads had waited 10 minutes in its all-reduce for the
+    # other 2, while the split's steps were all dispatched ahead; another had died at an epoch end
+    # (light_jax/xla_flags.py). This is our guard against it; a guess, as the hang does not come on demand.
     jax.block_until_ready(totals)
   totals = jax.device_get(totals)
   count = float(totals["count"])

@@ -4,6 +4,7 @@ Runs are in-process (``train_and_evaluate``) except where a real process is the 
 the exit codes of ``train.py``. A resumed run must end bitwise equal to an uninterrupted one.
 """
 
+import json
 import logging
 import os
 import random
@@ -146,8 +147,14 @@ def test_sigterm_saves_at_that_step_and_the_run_resumes_the_same(uninterrupted, 
   assert stopped == {"stopped": "preempted", "steps": 6}
   assert "received SIGTERM" in caplog.text
   assert _steps(tmp_path) == [4, 6]  # the periodic save and the one where it stopped
+  meta_file = tmp_path / "checkpoints" / "6" / "meta" / "metadata"  # orbax JsonSave
+  with open(meta_file) as f:
+    seconds_at_6 = json.load(f)["train_seconds"]
   train_lib.train_and_evaluate(_config(), str(tmp_path))
   _assert_same_run(uninterrupted, tmp_path)
+  # The clock goes on from the checkpoint's: the first record after the resume (step 8) counts steps 0-8.
+  seconds = [r["train_seconds"] for r in read_metrics(tmp_path)]
+  assert 0 < seconds_at_6 < seconds[0] < seconds[1] < seconds[2]
 
 
 def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path, caplog):

@@ -61,8 +61,8 @@ def test_mean_bytes_per_step_weights_each_evaluation_by_its_steps():
 
 
 # A stand-in for train.py, to test the studies' harness alone (train.py's own resume is tested in
-# test_checkpoint.py): its first process writes a checkpoint and a record, then aborts as XLA does
-# (SIGABRT, exit 134); the next resumes, writes the last record and the summary.
+# test_checkpoint.py): its first process writes a checkpoint and a record, then ends with EXIT (None:
+# aborts, as XLA does); the next resumes, writes the last record and the summary.
 STOPPING_TRAIN_PY = """
 import json, os, sys
 workdir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--workdir="))
@@ -70,38 +70,72 @@ def record(step, seconds):
   with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
     f.write(json.dumps({"step": step, "train_seconds": seconds}) + "\\n")
 print("process with", sorted(os.listdir(workdir)))
-if FAILS_FIRST and not os.path.isdir(os.path.join(workdir, "checkpoints")):
+if STOPS_FIRST and not os.path.isdir(os.path.join(workdir, "checkpoints")):
   os.makedirs(os.path.join(workdir, "checkpoints", "100"))
   record(100, 10.0)
-  sys.exit(134)
-record(200, 4.0)
+  os.abort() if EXIT is None else sys.exit(EXIT)
+record(200, 14.0)
 open(os.path.join(workdir, "summary.json"), "w").write("{}")
 """
 
 
-@pytest.mark.parametrize("fails_first", [True, False])
-def test_a_study_run_that_aborts_resumes_from_its_checkpoint(fails_first, tmp_path, monkeypatch):
+def _stand_in(tmp_path, monkeypatch, stops_first=True, exit_code=None):
   train_runs = importlib.import_module("train_runs")
-  (tmp_path / "train.py").write_text(f"FAILS_FIRST = {fails_first}\n" + STOPPING_TRAIN_PY)
+  (tmp_path / "train.py").write_text(f"STOPS_FIRST = {stops_first}\nEXIT = {exit_code}\n" + STOPPING_TRAIN_PY)
   monkeypatch.setattr(train_runs, "ROOT", str(tmp_path))
+  return train_runs
+
+
+def _processes(workdir):
+  return (workdir / "train.log").read_text().count("process with")
+
+
+@pytest.mark.parametrize("stops_first", [True, False])
+def test_a_study_run_that_aborts_resumes_from_its_checkpoint(stops_first, tmp_path, monkeypatch):
+  train_runs = _stand_in(tmp_path, monkeypatch, stops_first)
   workdir = tmp_path / "run"
   train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir))
+  assert _processes(workdir) == (2 if stops_first else 1) and (workdir / "summary.json").exists()
   log = (workdir / "train.log").read_text()
-  assert log.count("process with") == (2 if fails_first else 1) and (workdir / "summary.json").exists()
-  records = train_runs.metrics.read_metrics(str(workdir))
-  # The resumed process's seconds count from its own start: the harness adds the first process's.
-  assert train_runs.elapsed(records) == ([10.0, 14.0] if fails_first else [4.0])
-  # Rerun with the same command: reused; with another command: started over.
+  # Run again with the same command: reused; with another command: started over.
   train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir))
   assert (workdir / "train.log").read_text() == log
   train_runs.run("row", "c.py", ["--config.seed=2"], str(workdir))
-  assert (workdir / "train.log").read_text().count("process with") == (2 if fails_first else 1)
+  assert _processes(workdir) == (2 if stops_first else 1)
+
+
+def test_a_study_run_out_of_retries_resumes_when_the_study_runs_again(tmp_path, monkeypatch):
+  train_runs = _stand_in(tmp_path, monkeypatch)
+  workdir = tmp_path / "run"
+  with pytest.raises(subprocess.CalledProcessError) as failed:
+    train_runs.run("row", "c.py", [], str(workdir), retries=0)
+  assert failed.value.returncode == -6 and _processes(workdir) == 1  # SIGABRT
+  train_runs.run("row", "c.py", [], str(workdir))  # the same command: resumed, not wiped
+  assert _processes(workdir) == 2 and [r["step"] for r in train_runs.metrics.read_metrics(str(workdir))] == [100, 200]
+  train_runs.run("row", "c.py", [], str(workdir), rerun=True)  # --rerun: from scratch
+  fresh = "process with ['command.txt', 'train.log']"  # a new workdir: no checkpoint, no records
+  assert _processes(workdir) == 2 and (workdir / "train.log").read_text().startswith(fresh)
+
+
+@pytest.mark.parametrize("exit_code", [2, 3])  # a refused input; a non-finite loss with on_nonfinite=stop
+def test_a_study_run_that_stops_deliberately_is_not_retried(exit_code, tmp_path, monkeypatch):
+  train_runs = _stand_in(tmp_path, monkeypatch, exit_code=exit_code)
+  with pytest.raises(subprocess.CalledProcessError) as failed:
+    train_runs.run("row", "c.py", [], str(tmp_path / "run"))
+  assert failed.value.returncode == exit_code and _processes(tmp_path / "run") == 1
 
 
 def test_a_study_run_that_fails_without_a_checkpoint_is_not_retried(tmp_path, monkeypatch):
-  train_runs = importlib.import_module("train_runs")
-  (tmp_path / "train.py").write_text("import sys\nprint('process')\nsys.exit(3)\n")
-  monkeypatch.setattr(train_runs, "ROOT", str(tmp_path))
+  train_runs = _stand_in(tmp_path, monkeypatch)
+  (tmp_path / "train.py").write_text("import sys\nprint('process with')\nsys.exit(1)\n")
   with pytest.raises(subprocess.CalledProcessError) as failed:
     train_runs.run("row", "c.py", [], str(tmp_path / "run"))
-  assert failed.value.returncode == 3 and (tmp_path / "run" / "train.log").read_text().count("process") == 1
+  assert failed.value.returncode == 1 and _processes(tmp_path / "run") == 1
+
+
+def test_elapsed_adds_the_seconds_of_a_process_resumed_from_an_older_checkpoint():
+  """Checkpoints now carry the clock (test_checkpoint.py); a run resumed from one written before restarted
+  its clock at 0: the harness adds the seconds of the process before."""
+  train_runs = importlib.import_module("train_runs")
+  assert train_runs.elapsed([{"train_seconds": s} for s in (5.0, 10.0, 3.0, 7.0)]) == [5.0, 10.0, 13.0, 17.0]
+  assert train_runs.elapsed([{"train_seconds": s} for s in (5.0, 10.0, 14.0)]) == [5.0, 10.0, 14.0]
