@@ -48,6 +48,7 @@ RUNS = {
   "sgd_256": (BASE, E28, "the default: SGD + Nesterov at batch 256"),
   "sgd_256_seed1": (BASE, [*E28, "--config.seed=1"], "the default with seed 1 (the reference's own spread)"),
   "sgd_256_seed2": (BASE, [*E28, "--config.seed=2"], "the default with seed 2"),
+  "sgd_256_seed3": (BASE, [*E28, "--config.seed=3"], "the default with seed 3"),
   "lars_tuned": (LARS_4096, [*FIRST, *W2], "LARS, MLPerf trust ratio, values from the AutoML study"),
   "lars_tuned_wd": (
     LARS_4096,
