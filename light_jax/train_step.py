@@ -317,9 +317,9 @@ def evaluate(
   for batch in data_lib.DevicePrefetcher(host_batches, sharding):
     sums = eval_step(state, batch["images"], batch["labels"], batch["mask"])
     totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    # One evaluation step in flight at a time. On 8 simulated CPU devices a 28-epoch run aborted in an
-    # epoch end's evaluation, after 6 of 8 device threads had waited 10 minutes in its all-reduce for the
-    # other 2, while the split's steps were all dispatched ahead; another had died at an epoch end
+    # One evaluation step in flight at a time. On 8 simulated CPU devices two 28-epoch runs hung in an
+    # epoch end's evaluation, 6 of 8 device threads waiting in its all-reduce for the other 2 (one for 10
+    # minutes, when XLA aborted it), while the split's steps were all dispatched ahead
     # (light_jax/xla_flags.py). This is our guard against it; a guess, as the hang does not come on demand.
     jax.block_until_ready(totals)
   totals = jax.device_get(totals)

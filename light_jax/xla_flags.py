@@ -19,13 +19,14 @@ machine with 8 device threads on 2 cores one thread can be that late without any
 light_jax raises it to 10 minutes (measured: one device thread held back 100 s before an all-reduce
 aborts the process at the default and completes with this; tests/test_throughput.py holds one back 65 s).
 Lateness is not the whole story: a 28-epoch batch-1,024 study run died at its 1,334th step (the end of
-epoch 23) with XLA's default, and with this flag a batch-256 run died at step 3,744 (the end of epoch 16)
-after 6 of its 8 device threads had waited 10 minutes in an evaluation's all-reduce for the other 2: a
-hang, both at an epoch end. `train_step.evaluate` now keeps one evaluation step in flight, our guess at a
-guard; the studies' harness (benchmarks/train_runs.py) resumes a run that dies from its last checkpoint,
-and `train.py` with the same workdir does the same by hand. In a run of several processes a survivor's
-device threads may also wait this long on a dead peer's collective; light_jax/liveness.py's watchdog, or
-JAX's heartbeat behind it, stops the survivor first.
+epoch 23) with XLA's default; with this flag a batch-256 run died at step 3,744 (the end of epoch 16)
+after 6 of its 8 device threads had waited 10 minutes in an evaluation's all-reduce for the other 2, and
+a batch-4,096 run hung so at step 378 (the end of epoch 27; killed after 3 minutes): hangs, all at an
+epoch end, the last two while a test run shared the 2 cores. `train_step.evaluate` now keeps one
+evaluation step in flight, our guess at a guard; the studies' harness (benchmarks/train_runs.py) resumes a
+run that dies from its last checkpoint, and `train.py` with the same workdir does the same by hand. In a
+run of several processes a survivor's device threads may also wait this long on a dead peer's collective;
+light_jax/liveness.py's watchdog, or JAX's heartbeat behind it, stops the survivor first.
 
 To override: any flag you put in XLA_FLAGS yourself wins over ours; LIGHT_JAX_XLA_FLAGS=0 sets none.
 The GPU flags are set only where a CUDA plugin is installed.
