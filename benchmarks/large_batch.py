@@ -47,8 +47,7 @@ RUNS = {
   # 28 epochs, the seed's count (configs/fashion_mnist.py:large_batch)
   "sgd_256": (BASE, E28, "the default: SGD + Nesterov at batch 256"),
   "sgd_256_seed1": (BASE, [*E28, "--config.seed=1"], "the default with seed 1 (the reference's own spread)"),
-  "sgd_256_seed2": (BASE, [*E28, "--config.seed=2"], "the default with seed 2"),
-  "sgd_256_seed3": (BASE, [*E28, "--config.seed=3"], "the default with seed 3"),
+  **{f"sgd_256_seed{s}": (BASE, [*E28, f"--config.seed={s}"], f"the default with seed {s}") for s in (2, 3)},
   "lars_tuned": (LARS_4096, [*FIRST, *W2], "LARS, MLPerf trust ratio, values from the AutoML study"),
   "lars_tuned_wd": (
     LARS_4096,
@@ -89,12 +88,10 @@ RUNS = {
   "sgd_4096": (BASE, [*B4096, *E28], "SGD, linear scaling rule, 1 epoch warm-up"),
   "sgd_4096_w3": (BASE, [*B4096, *E28, *W3], "SGD, linear scaling rule, 3 warm-up epochs (:large_batch)"),
   "sgd_4096_w3_seed1": (BASE, [*B4096, *E28, *W3, "--config.seed=1"], "the same with seed 1 (the spread of a run)"),
-  "sgd_4096_w3_seed2": (BASE, [*B4096, *E28, *W3, "--config.seed=2"], "the same with seed 2"),
-  "sgd_4096_w3_seed3": (BASE, [*B4096, *E28, *W3, "--config.seed=3"], "the same with seed 3"),
-  "sgd_4096_w3_seed4": (BASE, [*B4096, *E28, *W3, "--config.seed=4"], "the same with seed 4"),
-  "sgd_4096_w3_seed5": (BASE, [*B4096, *E28, *W3, "--config.seed=5"], "the same with seed 5"),
-  "sgd_4096_w3_seed6": (BASE, [*B4096, *E28, *W3, "--config.seed=6"], "the same with seed 6"),
-  "sgd_4096_w3_seed7": (BASE, [*B4096, *E28, *W3, "--config.seed=7"], "the same with seed 7"),
+  **{
+    f"sgd_4096_w3_seed{s}": (BASE, [*B4096, *E28, *W3, f"--config.seed={s}"], f"the same with seed {s}")
+    for s in range(2, 8)
+  },
   "sgd_4096_w5_seed5": (
     BASE,
     [*B4096, *E28, "--config.optimizer.warmup_epochs=5", "--config.seed=5"],
@@ -165,41 +162,14 @@ RUNS = {
     [*PER_TENSOR, "--config.comm.local_clip_norm=2.0"],
     "the Nesterov per-tensor run with DGC's local gradient clipping: each device's gradient to 2 / sqrt(8)",
   ),
-  "sgd_4096_w3_hitopk_dgc_per_tensor_clip_seed1": (
-    BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.seed=1"],
-    "the clipped run (:large_batch_hitopk) with seed 1",
-  ),
-  "sgd_4096_w3_hitopk_dgc_per_tensor_clip_seed2": (
-    BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.seed=2"],
-    "the clipped run (:large_batch_hitopk) with seed 2",
-  ),
-  "sgd_4096_w3_hitopk_dgc_per_tensor_clip_seed3": (
-    BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.seed=3"],
-    "the clipped run (:large_batch_hitopk) with seed 3",
-  ),
-  "sgd_4096_w3_hitopk_dgc_per_tensor_clip_seed4": (
-    BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.seed=4"],
-    "the clipped run (:large_batch_hitopk) with seed 4",
-  ),
-  "sgd_4096_w3_hitopk_dgc_per_tensor_clip_seed5": (
-    BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.seed=5"],
-    "the clipped run (:large_batch_hitopk) with seed 5",
-  ),
-  "sgd_4096_w3_hitopk_dgc_per_tensor_clip_seed6": (
-    BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.seed=6"],
-    "the clipped run (:large_batch_hitopk) with seed 6",
-  ),
-  "sgd_4096_w3_hitopk_dgc_per_tensor_clip_seed7": (
-    BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.seed=7"],
-    "the clipped run (:large_batch_hitopk) with seed 7",
-  ),
+  **{
+    f"sgd_4096_w3_hitopk_dgc_per_tensor_clip_seed{s}": (
+      BASE,
+      [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", f"--config.seed={s}"],
+      f"the clipped run (:large_batch_hitopk) with seed {s}",
+    )
+    for s in range(1, 8)
+  },
   "sgd_4096_w3_hitopk_dgc_per_tensor_clip1": (
     BASE,
     [*PER_TENSOR, "--config.comm.local_clip_norm=1.0"],
