@@ -119,10 +119,11 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list
   for key in sorted(old.keys() | new.keys()):
     if old.get(key) != new.get(key):
       change = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-      added_at_default = key not in old and key in defaults and new.get(key) == defaults[key]
+      added_since = key not in old and key in defaults
+      added_at_default = added_since and new.get(key) == defaults[key]
       if added_at_default:
         change = f"{key}: not in the checkpoint's config (added since), at its default {new.get(key)!r}"
-      elif key not in old and key in defaults:
+      elif added_since:
         change = (
           f"{key}: not in the checkpoint's config (added since, so the run used its default "
           f"{defaults[key]!r}) -> {new.get(key)!r}"
