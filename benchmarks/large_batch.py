@@ -92,15 +92,25 @@ RUNS = {
     f"sgd_4096_w3_seed{s}": (BASE, [*B4096, *E28, *W3, f"--config.seed={s}"], f"the same with seed {s}")
     for s in range(2, 8)
   },
-  # :large_batch with 5 warm-up epochs instead of 3, on the two seeds whose 3-epoch warm-up went badly.
+  # :large_batch with 5 warm-up epochs instead of 3: first on seeds 5 and 6, whose 3-epoch warm-up went badly.
   **{
     f"sgd_4096_w5_seed{s}": (
       BASE,
       [*B4096, *E28, "--config.optimizer.warmup_epochs=5", f"--config.seed={s}"],
-      f":large_batch with seed {s} (whose warm-up went badly) warmed up over 5 epochs instead of 3",
+      f":large_batch with seed {s} warmed up over 5 epochs instead of 3",
     )
-    for s in (5, 6)
+    for s in range(7)
   },
+  "sgd_4096_w5_linear": (
+    BASE,
+    [*B4096, *E28, "--config.optimizer.warmup_epochs=5", "--config.optimizer.decay=linear"],
+    "the 5-epoch warm-up with linear decay instead of cosine (less time at the lowest rates)",
+  ),
+  "sgd_4096_w5_lr03": (
+    BASE,
+    [*B4096, *E28, "--config.optimizer.warmup_epochs=5", "--config.optimizer.base_lr=0.3"],
+    "the 5-epoch warm-up at base lr 0.3 (peak 4.8) instead of 0.2 (3.2)",
+  ),
   "sgd_4096_w3_lr015": (
     BASE,
     [*B4096, *E28, *W3, "--config.optimizer.base_lr=0.15"],

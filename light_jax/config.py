@@ -14,7 +14,7 @@ from typing import Any
 import ml_collections
 
 OPTIMIZERS = ("sgd", "lars", "lamb")
-DECAYS = ("poly", "cosine")
+DECAYS = ("poly", "linear", "cosine")
 DTYPES = ("float32", "bfloat16")  # comm.dtype
 RESIDUAL_UNITS = ("gradient", "update")  # comm.residual_units
 K_ALLOCATIONS = ("proportional", "sqrt")  # comm.k_allocation
@@ -103,7 +103,7 @@ def base_config() -> ml_collections.ConfigDict:
     nesterov=True,
     weight_decay=5e-4,  # not on biases and BatchNorm parameters
     warmup_epochs=1.0,  # linear warm-up from 0
-    decay="cosine",  # poly (power 2) | cosine
+    decay="cosine",  # poly (power 2) | linear | cosine
     end_lr_factor=0.0,  # final lr = peak lr * end_lr_factor
     lars_eta=0.001,  # LARS trust coefficient
     lars_trust="optax",  # optax: eta|w| / |g + wd w| | mlperf: eta|w| / (|g| + wd|w|) (MLPerf ResNet-50)

@@ -1,7 +1,7 @@
 """Schedules: what changes with the training step, all computed from the config alone.
 
 - ``EpochPlan``: which epoch, image size and global batch size a step belongs to (progressive resizing);
-- ``learning_rate_schedule``: linear warm-up, then polynomial or cosine decay, laid out in epochs;
+- ``learning_rate_schedule``: linear warm-up, then polynomial, linear or cosine decay, laid out in epochs;
 - ``density_at``: the top-k density warm-up of the compressed strategies;
 - ``residual_rescale``: the factor that keeps error-feedback residuals in learning-rate-weighted units.
 
@@ -176,6 +176,8 @@ def _schedule_shape(optimizer: ml_collections.ConfigDict, plan: EpochPlan):
     progress = jnp.clip((done - warmup) / max(total - warmup, 1e-9), 0.0, 1.0)
     if optimizer.decay == "poly":
       decay = end + (1 - end) * (1 - progress) ** 2
+    elif optimizer.decay == "linear":
+      decay = end + (1 - end) * (1 - progress)
     else:
       decay = end + (1 - end) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
     return jnp.where(done < warmup, done / max(warmup, 1e-9), decay)

@@ -22,7 +22,7 @@ def test_peak_lr_scales_linearly_with_batch():
   assert schedules.peak_learning_rate(_config().optimizer, 1024) == pytest.approx(0.5 * 1024 / 256)
 
 
-@pytest.mark.parametrize("decay", ["poly", "cosine"])
+@pytest.mark.parametrize("decay", ["poly", "linear", "cosine"])
 def test_schedule_warms_up_linearly_then_decays_to_the_end_value(decay):
   # 10 epochs of 100 steps of 1024 examples.
   schedule = schedules.learning_rate_schedule(_config(decay=decay).optimizer, EpochPlan(102_400, 10, (), 1024))
@@ -35,6 +35,9 @@ def test_schedule_warms_up_linearly_then_decays_to_the_end_value(decay):
   mid = float(schedule(600))  # halfway through the 800 decay steps
   if decay == "poly":  # end + (peak - end) * (1 - 1/2)^2
     assert mid == pytest.approx(0.02 + (peak - 0.02) * 0.25)
+  elif decay == "linear":  # end + (peak - end) * (1 - 1/2)
+    assert mid == pytest.approx(0.02 + (peak - 0.02) * 0.5)
+    assert float(schedule(800)) == pytest.approx(0.02 + (peak - 0.02) * 0.25)  # 3/4 through: a quarter left
   else:  # end + (peak - end) * (1 + cos(pi/2)) / 2
     assert mid == pytest.approx(0.02 + (peak - 0.02) * 0.5)
 
