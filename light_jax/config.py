@@ -233,13 +233,18 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
     raise ConfigError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}.")
 
 
+def is_top_k(strategy: str) -> bool:
+  """Whether ``strategy`` is one of the top-k strategies (hitopk, topk, gtopk): one that selects entries."""
+  from light_jax.parallel import strategies
+
+  return strategy in strategies.NAMES and strategies.get(strategy).compressed
+
+
 def check_k_allocation(config: ml_collections.ConfigDict) -> None:
   """comm.k_allocation is a known share and, for "sqrt", the strategy has a top-k budget to share (also run
   by the simulator, which validates no mesh)."""
-  from light_jax.parallel import strategies
-
   _choice("comm.k_allocation", config.comm.k_allocation, K_ALLOCATIONS)
-  top_k = config.comm.strategy in strategies.NAMES and strategies.get(config.comm.strategy).compressed
+  top_k = is_top_k(config.comm.strategy)
   if config.comm.k_allocation == "sqrt" and not top_k:
     why = (
       "chooses each bucket's strategy from costs computed with the proportional k"
@@ -279,7 +284,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _choice("comm.topk_selector", config.comm.topk_selector, tuple(compression.SELECTORS))
   _choice("comm.dtype", config.comm.dtype, DTYPES)
   _positive("comm.local_clip_norm", config.comm.local_clip_norm, allow_zero=True)
-  top_k = config.comm.strategy in strategies.NAMES and strategies.get(config.comm.strategy).compressed
+  top_k = is_top_k(config.comm.strategy)
   if config.comm.momentum_correction and not top_k:
     raise ConfigError(
       f"comm.momentum_correction masks the velocity where top-k sent entries; comm.strategy="
