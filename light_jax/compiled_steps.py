@@ -135,12 +135,11 @@ class CompiledSteps:
     square-root k share, as configured; the profile is at the eval image size)."""
     comm, info = self.config.comm, self.info
     pixels = math.prod(batch_shape[1:3]) / math.prod(info.image_shape[:2])
-    timed = comm.fusion == "adaptive" or comm.strategy == AUTO  # the two that need the cluster's costs
     reducer, reasons = cost_model.plan_reducer(
       reducer,
       comm,
       self.profile,
-      cost_model.load(comm.cost_model) if timed else None,
+      cost_model.load(comm.cost_model) if cost_model.needs_cost(comm) else None,
       comm.device_tflops * 1e12,
       batch_shape[0] / self.mesh.size * pixels,
       overlap=self.mesh.devices.flat[0].platform != "cpu",  # XLA on CPU runs collectives in line

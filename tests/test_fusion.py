@@ -202,4 +202,9 @@ def test_plan_reducer_plans_buckets_then_auto_or_the_sqrt_share():
 
   comm.update(strategy="hitopk", fusion="none")
   base = reducer_lib.reducer_from_config(comm, 2, 4, profile.order)
+  assert not cost_model.needs_cost(comm)
   assert cost_model.plan_reducer(base, comm, profile, None, 1e9, 4) == (base, [])
+  comm.update(fusion="adaptive")  # times buckets: without the cluster's costs it says what is missing
+  assert cost_model.needs_cost(comm)
+  with pytest.raises(ValueError, match="pass the cluster's cost"):
+    cost_model.plan_reducer(base, comm, profile, None, 1e9, 4)

@@ -229,6 +229,11 @@ def plan_auto(
   return dataclasses.replace(reducer, strategy="auto", choices=tuple(choices)), reasons
 
 
+def needs_cost(comm: ml_collections.ConfigDict) -> bool:
+  """Whether ``plan_reducer`` times buckets with the cluster's costs: adaptive fusion and auto do."""
+  return comm.fusion == "adaptive" or comm.strategy == AUTO
+
+
 def plan_reducer(
   reducer: Reducer,
   comm: ml_collections.ConfigDict,
@@ -241,9 +246,11 @@ def plan_reducer(
   """``reducer`` planned as the config section ``comm`` asks, each part after what it depends on: MG-WFBP
   buckets first (``comm.fusion="adaptive"``), then on those buckets auto's strategy per bucket
   (``comm.strategy="auto"``) or the square-root k share (``comm.k_allocation="sqrt"``; the config refuses
-  it with auto). ``cost`` may be None without adaptive fusion or auto, the two that time buckets. Returns
+  it with auto). ``cost`` may be None where ``needs_cost(comm)`` is False. Returns
   the reducer and auto's reason per bucket ([] without auto). The trainer (``CompiledSteps``) and the
   simulator both plan with this function, so they plan alike."""
+  if cost is None and needs_cost(comm):
+    raise ValueError("plan_reducer: adaptive fusion and comm.strategy=auto time buckets; pass the cluster's cost")
   reasons = []
   if comm.fusion == "adaptive":
     reducer = plan_adaptive_fusion(reducer, profile, cost, device_flops, examples_per_device)
