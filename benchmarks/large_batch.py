@@ -106,6 +106,25 @@ RUNS = {
     [*B4096, *E28, "--config.optimizer.warmup_epochs=5", "--config.optimizer.decay=linear"],
     "the 5-epoch warm-up with linear decay instead of cosine (less time at the lowest rates)",
   ),
+  **{
+    f"sgd_4096_w5_linear_seed{s}": (
+      BASE,
+      [*B4096, *E28, "--config.optimizer.warmup_epochs=5", "--config.optimizer.decay=linear", f"--config.seed={s}"],
+      f"the linear-decay run with seed {s}",
+    )
+    for s in range(1, 7)
+  },
+  "sgd_4096_w5_linear_lr03": (
+    BASE,
+    [
+      *B4096,
+      *E28,
+      "--config.optimizer.warmup_epochs=5",
+      "--config.optimizer.decay=linear",
+      "--config.optimizer.base_lr=0.3",
+    ],
+    "the linear-decay run at base lr 0.3 (peak 4.8)",
+  ),
   "sgd_4096_w5_lr03": (
     BASE,
     [*B4096, *E28, "--config.optimizer.warmup_epochs=5", "--config.optimizer.base_lr=0.3"],
