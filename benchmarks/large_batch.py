@@ -114,6 +114,16 @@ RUNS = {
     )
     for s in range(1, 7)
   },
+  "sgd_4096_w5_linear_hitopk_clip": (
+    BASE,
+    [
+      *PER_TENSOR,
+      "--config.comm.local_clip_norm=2.0",
+      "--config.optimizer.warmup_epochs=5",
+      "--config.optimizer.decay=linear",
+    ],
+    ":large_batch_hitopk (the clipped run) with the 5-epoch warm-up and linear decay",
+  ),
   "sgd_4096_w5_linear_lr03": (
     BASE,
     [
