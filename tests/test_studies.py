@@ -40,7 +40,7 @@ def test_every_study_row_is_a_valid_config(study, label, monkeypatch):
 @pytest.mark.parametrize(
   "variant,label",
   [
-    ("large_batch", "sgd_4096_w3"),
+    ("large_batch", "sgd_4096_w5_linear"),
     ("large_batch_hitopk", "sgd_4096_w3_hitopk_dgc_per_tensor_clip"),
     ("large_batch_lars", "lars_tuned_lr1"),
   ],
