@@ -46,8 +46,7 @@ def large_batch_hitopk(config: ml_collections.ConfigDict) -> None:
   # tensor (fusion none) so that every tensor sends its share and the small ones (BatchNorm, biases, the
   # classifier) go dense, and local gradient clipping (each device's gradient to norm 2 / sqrt(8), about
   # 1.5x its typical 0.4-0.6). On seeds 0-6 92.33-92.75%, 92.59% on average: 0.52 below :large_batch on that
-  # schedule (92.55%
-  # on seed 0 without the clipping); with --config.comm.density=0.01 (before the clipping),
+  # schedule (92.55% on seed 0 without the clipping); with --config.comm.density=0.01 (before the clipping),
   # 93.05% for 2.5x the bytes (docs/measurements.md).
   config.comm.update(
     strategy="hitopk",
