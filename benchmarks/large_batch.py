@@ -34,6 +34,9 @@ LAMB = ["--config.optimizer.name=lamb", "--config.optimizer.base_lr=0.001", "--c
 FIRST = ["--config.optimizer.decay=poly", "--config.optimizer.base_lr=0.64"]
 W2 = ["--config.optimizer.warmup_epochs=2"]
 W3 = ["--config.optimizer.warmup_epochs=3"]
+W5 = ["--config.optimizer.warmup_epochs=5"]
+# :large_batch's schedule since the linear-decay runs: 5 warm-up epochs, linear decay.
+W5_LINEAR = [*W5, "--config.optimizer.decay=linear"]
 DGC = ["--config.comm.momentum_correction=True", "--config.comm.density_warmup_epochs=4"]
 # Rows measured before the reducer's velocity followed optimizer.nesterov: it was heavy-ball whatever the flag.
 HEAVY_BALL = ["--config.optimizer.nesterov=False"]
@@ -100,48 +103,37 @@ RUNS = {
   **{
     f"sgd_4096_w5_seed{s}": (
       BASE,
-      [*B4096, *E28, "--config.optimizer.warmup_epochs=5", f"--config.seed={s}"],
+      [*B4096, *E28, *W5, f"--config.seed={s}"],
       f":large_batch with seed {s} warmed up over 5 epochs instead of 3",
     )
     for s in range(7)
   },
   "sgd_4096_w5_linear": (
     BASE,
-    [*B4096, *E28, "--config.optimizer.warmup_epochs=5", "--config.optimizer.decay=linear"],
+    [*B4096, *E28, *W5_LINEAR],
     "the 5-epoch warm-up with linear decay instead of cosine (less time at the lowest rates): :large_batch",
   ),
   **{
     f"sgd_4096_w5_linear_seed{s}": (
       BASE,
-      [*B4096, *E28, "--config.optimizer.warmup_epochs=5", "--config.optimizer.decay=linear", f"--config.seed={s}"],
+      [*B4096, *E28, *W5_LINEAR, f"--config.seed={s}"],
       f"the linear-decay run with seed {s}",
     )
     for s in range(1, 7)
   },
   "sgd_4096_w5_linear_hitopk_clip": (
     BASE,
-    [
-      *PER_TENSOR,
-      "--config.comm.local_clip_norm=2.0",
-      "--config.optimizer.warmup_epochs=5",
-      "--config.optimizer.decay=linear",
-    ],
+    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", *W5_LINEAR],
     ":large_batch_hitopk (the clipped run) with the 5-epoch warm-up and linear decay",
   ),
   "sgd_4096_w5_linear_lr03": (
     BASE,
-    [
-      *B4096,
-      *E28,
-      "--config.optimizer.warmup_epochs=5",
-      "--config.optimizer.decay=linear",
-      "--config.optimizer.base_lr=0.3",
-    ],
+    [*B4096, *E28, *W5_LINEAR, "--config.optimizer.base_lr=0.3"],
     "the linear-decay run at base lr 0.3 (peak 4.8)",
   ),
   "sgd_4096_w5_lr03": (
     BASE,
-    [*B4096, *E28, "--config.optimizer.warmup_epochs=5", "--config.optimizer.base_lr=0.3"],
+    [*B4096, *E28, *W5, "--config.optimizer.base_lr=0.3"],
     "the 5-epoch warm-up at base lr 0.3 (peak 4.8) instead of 0.2 (3.2)",
   ),
   "sgd_4096_w3_lr015": (
