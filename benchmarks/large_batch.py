@@ -51,6 +51,16 @@ RUNS = {
   "sgd_256": (BASE, E28, "the default: SGD + Nesterov at batch 256"),
   "sgd_256_seed1": (BASE, [*E28, "--config.seed=1"], "the default with seed 1 (the reference's own spread)"),
   **{f"sgd_256_seed{s}": (BASE, [*E28, f"--config.seed={s}"], f"the default with seed {s}") for s in (2, 3)},
+  # The reference with the linear decay that :large_batch now uses: does the reference gain as much?
+  "sgd_256_linear": (BASE, [*E28, "--config.optimizer.decay=linear"], "the default, linear decay instead of cosine"),
+  **{
+    f"sgd_256_linear_seed{s}": (
+      BASE,
+      [*E28, "--config.optimizer.decay=linear", f"--config.seed={s}"],
+      f"the default with linear decay, seed {s}",
+    )
+    for s in (1, 2, 3)
+  },
   "lars_tuned": (LARS_4096, [*FIRST, *W2], "LARS, MLPerf trust ratio, values from the AutoML study"),
   "lars_tuned_wd": (
     LARS_4096,
@@ -130,6 +140,17 @@ RUNS = {
     BASE,
     [*B4096, *E28, *W5_LINEAR, "--config.optimizer.base_lr=0.3"],
     "the linear-decay run at base lr 0.3 (peak 4.8)",
+  ),
+  # :large_batch under-fits (training loss 0.58 against 0.54 at batch 256): half the weight decay, and twice.
+  "sgd_4096_w5_linear_wd25": (
+    BASE,
+    [*B4096, *E28, *W5_LINEAR, "--config.optimizer.weight_decay=2.5e-4", "--config.seed=0"],
+    ":large_batch (seed 0) with weight decay 2.5e-4 instead of 5e-4",
+  ),
+  "sgd_4096_w5_linear_wd10": (
+    BASE,
+    [*B4096, *E28, *W5_LINEAR, "--config.optimizer.weight_decay=1e-3"],
+    ":large_batch (seed 0) with weight decay 1e-3 instead of 5e-4",
   ),
   "sgd_4096_w5_lr03": (
     BASE,
