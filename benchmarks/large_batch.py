@@ -136,6 +136,11 @@ RUNS = {
     [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", *W5_LINEAR],
     ":large_batch_hitopk (the clipped run) with the 5-epoch warm-up and linear decay",
   ),
+  "sgd_4096_w5_hitopk_clip": (
+    BASE,
+    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", *W5],
+    ":large_batch_hitopk (the clipped run) with the 5-epoch warm-up, cosine decay: the warm-up or the decay?",
+  ),
   "sgd_4096_w5_linear_lr03": (
     BASE,
     [*B4096, *E28, *W5_LINEAR, "--config.optimizer.base_lr=0.3"],
