@@ -35,16 +35,19 @@ FIRST = ["--config.optimizer.decay=poly", "--config.optimizer.base_lr=0.64"]
 W2 = ["--config.optimizer.warmup_epochs=2"]
 W3 = ["--config.optimizer.warmup_epochs=3"]
 W5 = ["--config.optimizer.warmup_epochs=5"]
+LINEAR = ["--config.optimizer.decay=linear"]
 # :large_batch's schedule since the linear-decay runs: 5 warm-up epochs, linear decay.
-W5_LINEAR = [*W5, "--config.optimizer.decay=linear"]
+W5_LINEAR = [*W5, *LINEAR]
 DGC = ["--config.comm.momentum_correction=True", "--config.comm.density_warmup_epochs=4"]
 # Rows measured before the reducer's velocity followed optimizer.nesterov: it was heavy-ball whatever the flag.
 HEAVY_BALL = ["--config.optimizer.nesterov=False"]
 # The first values at 8 epochs, as first measured (the warm-up was a fifth of the run).
 AT_8 = [*FIRST, "--config.num_epochs=8", "--config.optimizer.warmup_epochs=1.6"]
 E28, E8 = ["--config.num_epochs=28"], ["--config.num_epochs=8"]
-# :large_batch_hitopk's overrides: hitopk at 0.1% with DGC's compensation, top-k per tensor (Nesterov velocity).
+# The per-tensor runs: hitopk at 0.1% with DGC's compensation, top-k per tensor (Nesterov velocity).
 PER_TENSOR = [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none"]
+# ... and DGC's local gradient clipping: configs/fashion_mnist.py:large_batch_hitopk as it stands.
+CLIPPED = [*PER_TENSOR, "--config.comm.local_clip_norm=2.0"]
 # label -> (config, overrides, what it shows). Each run is compared with the batch-256 run of its epoch count.
 RUNS = {
   # 28 epochs, the seed's count (configs/fashion_mnist.py:large_batch)
@@ -52,11 +55,11 @@ RUNS = {
   "sgd_256_seed1": (BASE, [*E28, "--config.seed=1"], "the default with seed 1 (the reference's own spread)"),
   **{f"sgd_256_seed{s}": (BASE, [*E28, f"--config.seed={s}"], f"the default with seed {s}") for s in (2, 3)},
   # The reference with the linear decay that :large_batch now uses: does the reference gain as much?
-  "sgd_256_linear": (BASE, [*E28, "--config.optimizer.decay=linear"], "the default, linear decay instead of cosine"),
+  "sgd_256_linear": (BASE, [*E28, *LINEAR], "the default, linear decay instead of cosine"),
   **{
     f"sgd_256_linear_seed{s}": (
       BASE,
-      [*E28, "--config.optimizer.decay=linear", f"--config.seed={s}"],
+      [*E28, *LINEAR, f"--config.seed={s}"],
       f"the default with linear decay, seed {s}",
     )
     for s in (1, 2, 3)
@@ -133,12 +136,12 @@ RUNS = {
   },
   "sgd_4096_w5_linear_hitopk_clip": (
     BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", *W5_LINEAR],
+    [*CLIPPED, *W5_LINEAR],
     ":large_batch_hitopk (the clipped run) with the 5-epoch warm-up and linear decay",
   ),
   "sgd_4096_w5_hitopk_clip": (
     BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", *W5],
+    [*CLIPPED, *W5],
     ":large_batch_hitopk (the clipped run) with the 5-epoch warm-up, cosine decay: the warm-up or the decay?",
   ),
   "sgd_4096_w5_linear_lr03": (
@@ -224,13 +227,13 @@ RUNS = {
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_clip": (
     BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0"],
+    [*CLIPPED],
     "the Nesterov per-tensor run with DGC's local gradient clipping: each device's gradient to 2 / sqrt(8)",
   ),
   **{
     f"sgd_4096_w3_hitopk_dgc_per_tensor_clip_seed{s}": (
       BASE,
-      [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", f"--config.seed={s}"],
+      [*CLIPPED, f"--config.seed={s}"],
       f"the clipped run (:large_batch_hitopk) with seed {s}",
     )
     for s in range(1, 8)
@@ -242,12 +245,12 @@ RUNS = {
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_clip_sqrt": (
     BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.comm.k_allocation=sqrt"],
+    [*CLIPPED, "--config.comm.k_allocation=sqrt"],
     "the clipped run with k per tensor in proportion to sqrt(size), the same total: small tensors send more",
   ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_clip_sqrt_seed1": (
     BASE,
-    [*PER_TENSOR, "--config.comm.local_clip_norm=2.0", "--config.comm.k_allocation=sqrt", "--config.seed=1"],
+    [*CLIPPED, "--config.comm.k_allocation=sqrt", "--config.seed=1"],
     "the square-root run with seed 1",
   ),
   "sgd_1024_w3_hitopk_dgc_per_tensor": (
