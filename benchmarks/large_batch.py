@@ -53,7 +53,7 @@ RUNS = {
   # 28 epochs, the seed's count (configs/fashion_mnist.py:large_batch)
   "sgd_256": (BASE, E28, "the default: SGD + Nesterov at batch 256"),
   "sgd_256_seed1": (BASE, [*E28, "--config.seed=1"], "the default with seed 1 (the reference's own spread)"),
-  **{f"sgd_256_seed{s}": (BASE, [*E28, f"--config.seed={s}"], f"the default with seed {s}") for s in (2, 3)},
+  **{f"sgd_256_seed{s}": (BASE, [*E28, f"--config.seed={s}"], f"the default with seed {s}") for s in (2, 3, 4, 5, 6)},
   # The reference with the linear decay that :large_batch now uses: does the reference gain as much?
   "sgd_256_linear": (BASE, [*E28, *LINEAR], "the default, linear decay instead of cosine"),
   **{
@@ -138,6 +138,12 @@ RUNS = {
     BASE,
     [*CLIPPED, *W5_LINEAR],
     ":large_batch_hitopk (the clipped run) with the 5-epoch warm-up and linear decay",
+  ),
+  # With the 5-epoch warm-up the 4-epoch density warm-up ends while the rate still rises: end both together.
+  "sgd_4096_w5_linear_hitopk_clip_dw5": (
+    BASE,
+    [*CLIPPED, *W5_LINEAR, "--config.comm.density_warmup_epochs=5"],
+    "the clipped run on :large_batch's schedule with the density warm-up as long as the lr warm-up (5 epochs)",
   ),
   "sgd_4096_w5_hitopk_clip": (
     BASE,
