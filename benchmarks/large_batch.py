@@ -145,6 +145,14 @@ RUNS = {
     [*CLIPPED, *W5_LINEAR, "--config.comm.density_warmup_epochs=5"],
     "the clipped run on :large_batch's schedule with the density warm-up as long as the lr warm-up (5 epochs)",
   ),
+  **{
+    f"sgd_4096_w5_linear_hitopk_clip_dw5_seed{s}": (
+      BASE,
+      [*CLIPPED, *W5_LINEAR, "--config.comm.density_warmup_epochs=5", f"--config.seed={s}"],
+      f"the 5-epoch density warm-up run with seed {s}",
+    )
+    for s in (1, 2, 3)
+  },
   "sgd_4096_w5_hitopk_clip": (
     BASE,
     [*CLIPPED, *W5],
