@@ -30,7 +30,7 @@ def large_batch(config: ml_collections.ConfigDict) -> None:
   config.micro_batches = 8  # 64 images per device at a time: 3.7x the images/s of 512 at once on this CPU
   # The default SGD + Nesterov at the linear scaling rule's peak (0.2 x 4096 / 256 = 3.2), warmed up over
   # 5 epochs instead of 1 and decayed linearly instead of by the cosine: 93.32% over seven seeds (93.03-93.52%),
-  # 0.51 below the batch-256 run's 93.84% (four seeds). 3 warm-up epochs went badly on two seeds of seven
+  # 0.47 below the batch-256 run's 93.80% (the same seven seeds). 3 warm-up epochs went badly on two seeds of seven
   # (93.10% on average); 5 hold. Linear decay gains 0.13 on average over the cosine on the same seeds (at batch
   # 256 it loses 0.19, so the default keeps the cosine). Peak 4.8 instead of 3.2, or 2.4, changes nothing
   # measurable, nor does weight decay 2.5e-4 help (1e-3 loses 0.35); the best LARS run (large_batch_lars): 92.79%.
@@ -41,7 +41,8 @@ def large_batch(config: ml_collections.ConfigDict) -> None:
 def large_batch_hitopk(config: ml_collections.ConfigDict) -> None:
   large_batch(config)
   # :large_batch's earlier schedule, 3 warm-up epochs and cosine decay: on the new one, 92.32% on seed 0
-  # against 92.73%, and 92.33% with the 5-epoch warm-up alone (docs/measurements.md).
+  # against 92.73%, and 92.33% with the 5-epoch warm-up alone; on the new one with a 5-epoch density warm-up,
+  # 92.50% over seeds 0-3 against this schedule's 92.59% (docs/measurements.md).
   config.optimizer.update(warmup_epochs=3.0, decay="cosine")
   # DGC's compensation: momentum correction (Nesterov's, as the optimizer's), density warm-up, top-k per
   # tensor (fusion none) so that every tensor sends its share and the small ones (BatchNorm, biases, the
