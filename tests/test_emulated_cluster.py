@@ -202,10 +202,12 @@ def test_link_calibration_on_the_emulated_cluster_finds_the_shaped_rate(tmp_path
   largest one moves its link bytes at the shaped rate less TCP/IP overhead (never faster: the shaper is the
   limit); the fitted bandwidth is near it. The fit of a few sub-second sizes spreads: 15.7-21.8 Mbit/s over
   22 calibrations beside a training run, medians of 1, 3 or 5 repeats alike (a CI run failed on 22.0 under
-  the old bound of 20.5), against 17.4-18.8 for the largest size alone (10 of them), so the fit gets 25%
-  either way (an error in the link-byte count is a factor of 2 or more). The intra level (memory copies, not
-  shaped) goes up to 16 MiB: up to 1 MiB its times are dispatch noise (0.5-7 ms beside a training run) and
-  a CI run fitted a per-byte cost of 0 to them; from 2 MiB they grow with the size."""
+  the old bound of 20.5), against 17.4-18.8 for the largest size alone (10 of them; a CI run measured 15.3
+  on it, its median of 3 slowed by a stall, while its fit said 17.4), so the largest size gets 30% below the
+  rate and the fit 25% either way (an error in the link-byte count is a factor of 2 or more). The intra
+  level (memory copies, not shaped) goes up to 16 MiB: up to 1 MiB its times are dispatch noise (0.5-7 ms
+  beside a training run) and a CI run fitted a per-byte cost of 0 to them; from 2 MiB they grow with the
+  size."""
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   from calibrate_links import calibrate_on_cluster
 
@@ -217,6 +219,6 @@ def test_link_calibration_on_the_emulated_cluster_finds_the_shaped_rate(tmp_path
   inter = [line.split() for line in output.splitlines() if line.startswith("inter ")]
   assert inter, output
   link_bytes, seconds = int(inter[-1][2].replace(",", "")), float(inter[-1][3])
-  assert 0.8 * rate < 8 * link_bytes / seconds <= rate, output
+  assert 0.7 * rate < 8 * link_bytes / seconds <= rate, output
   assert 0.75 * rate < 8 / fit["inter"]["beta"] < 1.25 * rate, output
   assert fit["intra"]["beta"] > 0 and 0 <= fit["inter"]["alpha"] < 0.05
