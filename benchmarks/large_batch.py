@@ -269,6 +269,11 @@ RUNS = {
     [*CLIPPED, "--config.comm.density=0.003"],
     "the clipped run at 0.3% in float32 (4,780 bytes across nodes): what the bfloat16 dense hops cost at 0.3%",
   ),
+  "sgd_4096_w3_hitopk_clip_03pct_seed1": (
+    BASE,
+    [*CLIPPED, "--config.comm.density=0.003", "--config.seed=1"],
+    "the 0.3% float32 run with seed 1",
+  ),
   # Where the clipped run's 3,572 bytes go: 2,922 are the small tensors sent dense, 648 the 0.1% pairs. With the
   # dense hops in bfloat16, 0.3% fits in 3,320 bytes: three times the entries for fewer bytes.
   "sgd_4096_w3_hitopk_clip_03pct_bf16": (
