@@ -48,6 +48,8 @@ E28, E8 = ["--config.num_epochs=28"], ["--config.num_epochs=8"]
 PER_TENSOR = [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none"]
 # ... and DGC's local gradient clipping: configs/fashion_mnist.py:large_batch_hitopk as it stands.
 CLIPPED = [*PER_TENSOR, "--config.comm.local_clip_norm=2.0"]
+# ... at density 0.3%, and with the dense hops in bfloat16 (configs/fashion_mnist.py:large_batch_hitopk_03 is both).
+AT_03, BF16_HOPS = ["--config.comm.density=0.003"], ["--config.comm.dtype=bfloat16"]
 # label -> (config, overrides, what it shows). Each run is compared with the batch-256 run of its epoch count.
 RUNS = {
   # 28 epochs, the seed's count (configs/fashion_mnist.py:large_batch)
@@ -261,30 +263,30 @@ RUNS = {
   ),
   "sgd_4096_w3_hitopk_clip_bf16": (
     BASE,
-    [*CLIPPED, "--config.comm.dtype=bfloat16"],
+    [*CLIPPED, *BF16_HOPS],
     "the clipped run with the dense hops in bfloat16 (2,112 bytes across nodes instead of 3,572): what the wire costs",
   ),
   "sgd_4096_w3_hitopk_clip_03pct": (
     BASE,
-    [*CLIPPED, "--config.comm.density=0.003"],
+    [*CLIPPED, *AT_03],
     "the clipped run at 0.3% in float32 (4,780 bytes across nodes): what the bfloat16 dense hops cost at 0.3%",
   ),
   "sgd_4096_w3_hitopk_clip_03pct_seed1": (
     BASE,
-    [*CLIPPED, "--config.comm.density=0.003", "--config.seed=1"],
+    [*CLIPPED, *AT_03, "--config.seed=1"],
     "the 0.3% float32 run with seed 1",
   ),
   # Where the clipped run's 3,572 bytes go: 2,922 are the small tensors sent dense, 648 the 0.1% pairs. With the
   # dense hops in bfloat16, 0.3% fits in 3,320 bytes: three times the entries for fewer bytes.
   "sgd_4096_w3_hitopk_clip_03pct_bf16": (
     BASE,
-    [*CLIPPED, "--config.comm.density=0.003", "--config.comm.dtype=bfloat16"],
+    [*CLIPPED, *AT_03, *BF16_HOPS],
     "the clipped run at 0.3% with the dense hops in bfloat16: fewer bytes across nodes than at 0.1% in float32",
   ),
   **{
     f"sgd_4096_w3_hitopk_clip_03pct_bf16_seed{s}": (
       BASE,
-      [*CLIPPED, "--config.comm.density=0.003", "--config.comm.dtype=bfloat16", f"--config.seed={s}"],
+      [*CLIPPED, *AT_03, *BF16_HOPS, f"--config.seed={s}"],
       f"the 0.3% bfloat16 run with seed {s}",
     )
     for s in (1, 2, 3)

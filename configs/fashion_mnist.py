@@ -68,7 +68,7 @@ def large_batch_hitopk_03(config: ml_collections.ConfigDict) -> None:
   # dense and 648 the 0.1% (value, index) pairs. With the dense hops in bfloat16 (summed in float32) 0.3% fits
   # in 3,320: three times the entries for 7% fewer bytes after the density warm-up (3.5% more over the whole run,
   # whose mean the warm-up's early, denser steps set): 0.37 below :large_batch on seeds 0-3. 0.3% in float32
-  # (4,780 bytes) ended 0.44 higher on seed 0, so the bfloat16 hops may cost some of that (docs/measurements.md,
+  # (4,780 bytes) ended 0.31 higher over seeds 0-1, so the bfloat16 hops may cost a few tenths (docs/measurements.md,
   # "0.3% in the bytes of 0.1%").
   config.comm.update(density=0.003, dtype="bfloat16")
 
