@@ -289,7 +289,7 @@ RUNS = {
       [*CLIPPED, *AT_03, *BF16_HOPS, f"--config.seed={s}"],
       f"the 0.3% bfloat16 run with seed {s}",
     )
-    for s in (1, 2, 3)
+    for s in (1, 2, 3, 4, 5, 6)
   },
   "sgd_4096_w3_hitopk_dgc_per_tensor_clip1": (
     BASE,
