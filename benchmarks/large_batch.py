@@ -50,6 +50,8 @@ PER_TENSOR = [*B4096, *E28, *W3, *HITOPK, *DGC, "--config.comm.fusion=none"]
 CLIPPED = [*PER_TENSOR, "--config.comm.local_clip_norm=2.0"]
 # ... at density 0.3%, and with the dense hops in bfloat16 (configs/fashion_mnist.py:large_batch_hitopk_03 is both).
 AT_03, BF16_HOPS = ["--config.comm.density=0.003"], ["--config.comm.dtype=bfloat16"]
+# ... with compact pairs (a bfloat16 value and a uint16 index, 4 bytes instead of 8), at density 0.5%.
+COMPACT, AT_05 = ["--config.comm.compact_pairs=True"], ["--config.comm.density=0.005"]
 # label -> (config, overrides, what it shows). Each run is compared with the batch-256 run of its epoch count.
 RUNS = {
   # 28 epochs, the seed's count (configs/fashion_mnist.py:large_batch)
@@ -291,6 +293,21 @@ RUNS = {
     )
     for s in (1, 2, 3, 4, 5, 6)
   },
+  # Compact pairs halve the pairs' bytes: with the dense hops in bfloat16, 0.5% then fits in fewer bytes across
+  # nodes than :large_batch_hitopk's 0.1% (3,572).
+  **{
+    f"sgd_4096_w3_hitopk_clip_05pct_bf16_compact{'' if s == 0 else f'_seed{s}'}": (
+      BASE,
+      [*CLIPPED, *AT_05, *BF16_HOPS, *COMPACT, *([] if s == 0 else [f"--config.seed={s}"])],
+      "the clipped run at 0.5%, dense hops in bfloat16, compact pairs" + ("" if s == 0 else f", seed {s}"),
+    )
+    for s in (0, 1, 2, 3)
+  },
+  "sgd_4096_w3_hitopk_clip_compact": (
+    BASE,
+    [*CLIPPED, *COMPACT],
+    ":large_batch_hitopk (0.1%) with compact pairs: what rounding the sent values to bfloat16 costs",
+  ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_clip1": (
     BASE,
     [*PER_TENSOR, "--config.comm.local_clip_norm=1.0"],

@@ -180,6 +180,7 @@ def simulate_step(
   overlap: bool = True,
   wire_itemsize: int = 4,
   topk_elements_per_sec: float = math.inf,
+  compact_pairs: bool = False,
 ) -> StepTime:
   """One step's timeline: ``backward_seconds`` per tensor in backward order, the buckets' collectives one
   after the other, each from when its last gradient is ready (``overlap``) or after the whole backward."""
@@ -191,7 +192,9 @@ def simulate_step(
   stream_free = 0.0 if overlap else compute
   for b in buckets:
     selection = b.selection_elements / topk_elements_per_sec if b.k else 0.0
-    link = cost.reduction_seconds(b.strategy, b.elements, nodes, local, b.k, wire_itemsize=wire_itemsize)
+    link = cost.reduction_seconds(
+      b.strategy, b.elements, nodes, local, b.k, wire_itemsize=wire_itemsize, compact_pairs=compact_pairs
+    )
     start = max(ready[min(b.last_position, len(ready) - 1)] if overlap else compute, stream_free)
     stream_free = start + selection + link
   exposed = max(stream_free - compute, 0.0)
@@ -329,6 +332,7 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
       overlap,
       wire_itemsize,
       device.topk_elements_per_sec,
+      config.comm.compact_pairs,
     )
     eval_seconds = epochs * num_eval / cluster.num_devices * device.train_seconds_per_image(eval_size) / 3
     reports.append(PhaseReport(first, epochs, size, batch, steps, step, len(buckets), steps * step.total, eval_seconds))

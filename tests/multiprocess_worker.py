@@ -64,8 +64,11 @@ def main():
     reducer = diloco.DiLoCo(2, 4, sync_every=2, inner_tx=tx)
   else:
     top_k = {} if args.strategy == "powersgd" else {"density": args.density}  # powersgd: its rank (4)
+    name, _, compact = args.strategy.partition("+")  # "hitopk+compact": bfloat16 values, uint16 indices
+    if compact:
+      top_k["compact_pairs"] = True
     reducer = reducer_lib.make_gradient_reducer(
-      args.strategy, 2, 4, fusion="fixed", bucket_bytes=4096, min_compress_elements=64, **top_k
+      name, 2, 4, fusion="fixed", bucket_bytes=4096, min_compress_elements=64, **top_k
     )
   state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
   step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)

@@ -104,12 +104,22 @@ def _run_steps(strategy, shape, grads, density, error_feedback=True, selector="e
 
 
 @pytest.mark.parametrize(
-  "strategy,shape", [("hitopk", (2, 4)), ("hitopk", (4, 2)), ("topk", (2, 4)), ("gtopk", (2, 4)), ("gtopk", (4, 2))]
+  "strategy,shape,compact",
+  [
+    ("hitopk", (2, 4), False),
+    ("hitopk", (4, 2), False),
+    ("topk", (2, 4), False),
+    ("gtopk", (2, 4), False),
+    ("gtopk", (4, 2), False),
+    ("hitopk", (2, 4), True),
+    ("topk", (2, 4), True),
+  ],
 )
-def test_error_feedback_conserves_gradient_mass(strategy, shape):
+def test_error_feedback_conserves_gradient_mass(strategy, shape, compact):
+  """``compact``: bfloat16 values on the wire, what rounding drops kept in the residual: still nothing lost."""
   steps, d = 6, 1001
   grads = np.asarray(np.random.default_rng(1).standard_t(df=2, size=(steps, 8, d)), np.float32)
-  outputs, state, reducer = _run_steps(strategy, shape, grads, density=0.05)
+  outputs, state, reducer = _run_steps(strategy, shape, grads, density=0.05, compact_pairs=compact)
   (residual,) = state.values()  # (nodes, local, residual size)
   nodes, local = shape
   if strategy == "hitopk":  # device (i, j) holds shard j of node i's sum
@@ -201,6 +211,52 @@ def test_compressed_byte_accounting_matches_the_formulas():
   assert gtopk.intra_node == 2 * 25_600 * 8 + 2 * 7 * 25_600 * 4 // 8 == 588_800
 
 
+def test_compact_pairs_cost_4_bytes_with_uint16_indices_where_the_unit_allows():
+  """comm.compact_pairs: a bfloat16 value (2 bytes) and a uint16 index (2) while the top-k unit has at most
+  65,536 entries, an int32 index (4) above; the lowered step really sends uint16 and bfloat16."""
+  nodes, local, density = 2, 4, 0.001
+
+  def inter_node(strategy, d, compact):
+    reducer = reducer_lib.make_gradient_reducer(
+      strategy, nodes, local, "fixed", 0, density=density, compact_pairs=compact
+    )
+    return reducer.bytes_per_step({"w": jax.ShapeDtypeStruct((d,), jnp.float32)}).inter_node
+
+  # ResNet-50-sized bucket: 6.4M entries per shard, k = 6,400, int32 indices: 6 bytes per pair instead of 8.
+  assert inter_node("hitopk", 25_600_000, False) == 6400 * 8
+  assert inter_node("hitopk", 25_600_000, True) == 6400 * 6
+  # 262,144 entries: shards of 65,536 take uint16 indices (k = 66), the whole vector topk selects from does not.
+  assert inter_node("hitopk", 262_144, True) == 66 * 4 == inter_node("hitopk", 262_144, False) // 2
+  assert inter_node("topk", 262_144, True) == 7 * 263 * 6
+  assert inter_node("hitopk", 262_148, True) == 66 * 6  # one more entry per shard (65,537): int32 indices
+
+  mesh = mesh_lib.make_mesh(nodes, local)
+
+  def lowered(compact):
+    reducer = reducer_lib.make_gradient_reducer("hitopk", nodes, local, density=0.01, compact_pairs=compact)
+    params = {"w": jnp.zeros(4000)}
+    per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
+    step = jax.shard_map(
+      lambda g, s: reducer.reduce({"w": g[0]}, s),
+      mesh=mesh,
+      in_specs=(mesh_lib.BATCH_SPEC, per_device),
+      out_specs=(P(), per_device),
+      check_vma=False,
+    )
+    state = jax.device_put(reducer.init_state(params), NamedSharding(mesh, per_device))
+    return jax.jit(step).lower(jnp.zeros((8, 4000)), state).as_text()
+
+  gathers = [line for line in lowered(True).splitlines() if "all_gather" in line]
+  assert any("ui16" in line for line in gathers) and any("bf16" in line for line in gathers)
+  assert not any("ui16" in line or "bf16" in line for line in lowered(False).splitlines() if "all_gather" in line)
+
+
+def test_only_hitopk_and_topk_send_compact_pairs():
+  for strategy in ("gtopk", "hierarchical", "dense"):
+    with pytest.raises(ValueError, match=f"compact pairs: strategy '{strategy}' cannot send them"):
+      reducer_lib.make_gradient_reducer(strategy, 2, 4, compact_pairs=True)
+
+
 @pytest.mark.parametrize("shape", [(2, 4), (8, 1), (1, 8)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gtopk_keeps_one_global_set_with_exact_sums(shape):
   """Every device ends with the same k indices; each value is the exact sum over devices there."""
@@ -257,10 +313,15 @@ def test_sqrt_allocation_keeps_the_total_and_favours_small_tensors():
   assert sum(capped.values()) < 0.9 * sum(units)
 
 
-def _dgc_reference(vectors, k, momentum, nesterov=False, masking=True):
+def _to_bfloat16(x):
+  return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def _dgc_reference(vectors, k, momentum, nesterov=False, masking=True, wire=lambda x: x):
   """DGC on each row of ``vectors`` (T, rows, n) in numpy: u <- m u + g, v <- v + u (Nesterov, as DGC's
-  code: u <- m (u + g), v <- v + u + g), send top-k of v, zero v and (``masking``) u where sent. Returns
-  what each row sent per step, (T, rows, n)."""
+  code: u <- m (u + g), v <- v + u + g), send top-k of v as ``wire`` rounds it, keep in v what the rounding
+  dropped (zero without rounding), zero (``masking``) u where sent. Returns what each row sent per step,
+  (T, rows, n)."""
   u = np.zeros(vectors.shape[1:], np.float64)
   v = np.zeros_like(u)
   sent = np.zeros(vectors.shape, np.float64)
@@ -273,38 +334,42 @@ def _dgc_reference(vectors, k, momentum, nesterov=False, masking=True):
       v = v + u
     for row in range(v.shape[0]):
       top = np.argsort(-np.abs(v[row]))[:k]
-      sent[t, row, top] = v[row, top]
-      v[row, top] = 0.0
+      sent[t, row, top] = wire(v[row, top])
+      v[row, top] -= sent[t, row, top]
       if masking:
         u[row, top] = 0.0
   return sent
 
 
 @pytest.mark.parametrize(
-  "strategy,shape,nesterov,masking",
+  "strategy,shape,nesterov,masking,compact",
   [
-    ("topk", (2, 4), False, True),
-    ("hitopk", (2, 4), False, True),
-    ("hitopk", (4, 2), False, True),
-    ("hitopk", (2, 4), True, True),
-    ("topk", (2, 4), True, False),
-    ("hitopk", (4, 2), True, False),
+    ("topk", (2, 4), False, True, False),
+    ("hitopk", (2, 4), False, True, False),
+    ("hitopk", (4, 2), False, True, False),
+    ("hitopk", (2, 4), True, True, False),
+    ("topk", (2, 4), True, False, False),
+    ("hitopk", (4, 2), True, False, False),
+    ("hitopk", (2, 4), True, True, True),
+    ("hitopk", (4, 2), False, False, True),
+    ("topk", (2, 4), True, True, True),
   ],
 )
-def test_momentum_correction_matches_dgc_in_numpy(strategy, shape, nesterov, masking):
+def test_momentum_correction_matches_dgc_in_numpy(strategy, shape, nesterov, masking, compact):
+  """``compact``: comm.compact_pairs, each sent value rounded to bfloat16 and the rounding kept in v."""
   steps, d, density, momentum = 5, 800, 0.02, 0.9
   nodes, local = shape
   grads = np.asarray(np.random.default_rng(5).normal(size=(steps, 8, d)), np.float32)
-  outputs, state, _ = _run_steps(
-    strategy, shape, grads, density, momentum_correction=momentum, nesterov=nesterov, momentum_masking=masking
-  )
+  options = dict(momentum_correction=momentum, nesterov=nesterov, momentum_masking=masking)
+  outputs, state, _ = _run_steps(strategy, shape, grads, density, compact_pairs=compact, **options)
+  wire = _to_bfloat16 if compact else lambda x: x
   if strategy == "topk":  # every device selects from its own whole gradient
     k = compression.num_selected(d, density)
-    expected = _dgc_reference(grads.astype(np.float64), k, momentum, nesterov, masking).sum(axis=1) / 8
+    expected = _dgc_reference(grads.astype(np.float64), k, momentum, nesterov, masking, wire).sum(axis=1) / 8
   else:  # device (i, j) selects from shard j of node i's summed gradient
     node_sums = grads.reshape(steps, nodes, local, d).sum(axis=2)
     shards = node_sums.reshape(steps, nodes * local, d // local)
-    sent = _dgc_reference(shards, compression.num_selected(d // local, density), momentum, nesterov, masking)
+    sent = _dgc_reference(shards, compression.num_selected(d // local, density), momentum, nesterov, masking, wire)
     expected = sent.reshape(steps, nodes, d).sum(axis=1) / 8
   np.testing.assert_allclose(outputs, expected, rtol=1e-4, atol=1e-5)
   (memory,) = state.values()
@@ -312,6 +377,9 @@ def test_momentum_correction_matches_dgc_in_numpy(strategy, shape, nesterov, mas
   # Momentum changes what is sent: plain error feedback sends something else.
   plain, _, _ = _run_steps(strategy, shape, grads, density)
   assert np.abs(plain - outputs).max() > 1e-3
+  if compact:  # the rounding is real: float32 pairs send other values (by up to 2^-9 of each)
+    float32, _, _ = _run_steps(strategy, shape, grads, density, **options)
+    assert 0 < np.abs(float32 - outputs).max() < 2**-7 * np.abs(float32).max()
 
 
 @pytest.mark.parametrize("nesterov", [False, True], ids=["heavy_ball", "nesterov"])

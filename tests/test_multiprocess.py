@@ -74,7 +74,8 @@ def _run(num_processes, out, strategy):
 # below, through train.py; dense is one psum over both axes, the same collective across processes.
 @pytest.mark.parametrize(
   "strategy",
-  ["hitopk", *(pytest.param(s, marks=pytest.mark.slow) for s in ("gtopk", "powersgd", "diloco"))],  # ~1.5 min each
+  # ~1.5 min each; "hitopk+compact": its pairs as bfloat16 values and uint16 indices across processes (gloo)
+  ["hitopk", "hitopk+compact", *(pytest.param(s, marks=pytest.mark.slow) for s in ("gtopk", "powersgd", "diloco"))],
 )
 def test_two_processes_match_one_process(tmp_path, strategy):
   single = _run(1, tmp_path / "one.npz", strategy)

@@ -24,7 +24,7 @@ from tests.test_train_step import _batches, _config, _max_diff
 def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hierarchical"):
   """``strategy`` "hitopk+mc": hitopk with DGC's momentum correction (the momentum and SGD's decay move);
   "+update": its residuals in learning-rate-weighted units, under a decaying learning rate; "+unmasked":
-  without momentum factor masking."""
+  without momentum factor masking; "+compact": with compact (bfloat16, uint16) pairs."""
   config = ml_collections.ConfigDict({"optimizer": _config(optimizer).optimizer})
   opt = config.optimizer
   opt.update(lars_trust="mlperf" if optimizer == "lars" else "optax", sharded_update=sharded)
@@ -46,6 +46,8 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
   if config.comm.momentum_correction:
     options["momentum_correction"] = opt.momentum
     options["momentum_masking"] = not strategy.endswith("+unmasked")
+  if strategy.endswith("+compact"):
+    options["compact_pairs"] = True
   reducer = reducer_lib.make_gradient_reducer(strategy.split("+")[0], *shape, "fixed", bucket_bytes, **options)
   model = TinyCNN()
   if sharded:
@@ -74,6 +76,7 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
     ((2, 4), "sgd", 4096, "hitopk+mc"),
     ((2, 4), "sgd", 4096, "hitopk+mc+update"),
     ((4, 2), "sgd", 4096, "hitopk+mc+unmasked"),
+    ((2, 4), "sgd", 4096, "hitopk+mc+compact"),
   ],
   ids=str,
 )

@@ -39,6 +39,10 @@ def test_step_timeline_overlaps_buckets_with_the_backward_pass():
   slow_select = simulation.simulate_step(cost, 2, 1, compressed, 1.0, [1.0, 1.0], topk_elements_per_sec=1000.0)
   fast_select = simulation.simulate_step(cost, 2, 1, compressed, 1.0, [1.0, 1.0])
   assert slow_select.exposed_comm == pytest.approx(fast_select.exposed_comm + 1.0)
+  # Compact pairs: one pair is 4 bytes instead of 8 on the slow link (a 1,000-entry unit takes uint16 indices).
+  wide = simulation.simulate_step(cost, 2, 1, compressed, 1.0, [1.0, 1.0], overlap=False)
+  narrow = simulation.simulate_step(cost, 2, 1, compressed, 1.0, [1.0, 1.0], overlap=False, compact_pairs=True)
+  assert wide.exposed_comm == pytest.approx(1.0) and narrow.exposed_comm == pytest.approx(0.5)
 
 
 def test_a_measured_step_moves_to_a_slower_link_by_the_modelled_difference():

@@ -1,14 +1,19 @@
 """The training loop in-process: train_and_evaluate on real Fashion-MNIST subsets, its hooks and its records."""
 
+import dataclasses
 import logging
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from light_jax import schedules, train_lib
 from light_jax.hooks import Hooks, StepInfo
 from light_jax.metrics import read_metrics
+from light_jax.models import create_model
+from light_jax.parallel import fusion
+from light_jax.parallel import reducer as reducer_lib
 from tests.helpers import small_config
 
 
@@ -70,6 +75,21 @@ def test_sqrt_k_allocation_and_auto_are_planned_by_the_trainer(tmp_path, caplog)
   with caplog.at_level(logging.INFO):
     train_lib.train_and_evaluate(small_config(max_steps=2, comm__strategy="auto"), str(tmp_path / "b"))
   assert "comm.strategy=auto (v100_nvlink_25gbe), per bucket:" in caplog.text
+
+
+def test_compact_pairs_reach_the_trained_step_and_its_byte_count(tmp_path, caplog):
+  """comm.compact_pairs from the config: the compiled step says so, and summary.json's inter-node bytes are
+  the compact count, 4 bytes a pair instead of 8 (per tensor, every shard of the model is under 65,536)."""
+  config = small_config("hitopk", max_steps=2, comm__compact_pairs=True, comm__fusion="none")
+  with caplog.at_level(logging.INFO):
+    summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  assert "top-k density 0.01, compact pairs (bfloat16 value, uint16 index)" in caplog.text
+  compact = reducer_lib.reducer_from_config(config.comm, config.mesh.nodes, config.mesh.local)
+  params = fusion.profile_parameters(create_model(config.model.name, 10), (28, 28, 1)).params
+  pairs = sum(k for _, _, k in compact.bucket_plan(params))
+  wide = dataclasses.replace(compact, compact_pairs=False).bytes_per_step(params).inter_node
+  assert pairs > 0 and summary["inter_node_bytes_per_step"] == wide - 4 * pairs
+  assert np.isfinite(summary["final_eval_top1"])
 
 
 def test_resuming_a_finished_run_reports_again_even_without_metrics_jsonl(tmp_path):

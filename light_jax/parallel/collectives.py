@@ -24,6 +24,8 @@ Compressed strategies, ``(flat vector, residual) -> (approximate sum, new residu
   missed G; here one k-element psum of every device's corrected gradient at G gives the exact sums
   instead, and the residual is the corrected gradient off G, so error feedback loses nothing (partial
   sums dropped in an early round would otherwise vanish). Needs a power-of-two device count.
+``hitopk`` and ``topk`` can send their pairs compact (``compact_pairs``: a bfloat16 value and a uint16 index
+where the top-k unit allows, ``compression.pair_dtypes``); gTop-k's merge rounds keep them float32.
 Buckets too small to be worth compressing (``min_compress_elements``) go to the strategy's dense
 fallback (``Strategy.dense_fallback`` in ``strategies.py``).
 
@@ -100,6 +102,7 @@ def hierarchical_topk_allreduce(
   error_feedback: bool,
   wire_dtype=jnp.float32,
   correction: compression.MomentumCorrection | None = None,
+  compact_pairs: bool = False,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """HiTopK: dense inside the node, k (value, index) pairs per device across nodes.
 
@@ -107,9 +110,12 @@ def hierarchical_topk_allreduce(
     x: flat local gradient (d,).
     residual: this device's error-feedback residual, the size of its local shard (ceil(d / n),).
     k: entries kept per shard.
-    wire_dtype: dtype of the two dense intra-node hops; the sparse values cross nodes in float32.
+    wire_dtype: dtype of the two dense intra-node hops; the sparse values cross nodes in float32 unless
+      ``compact_pairs`` (bfloat16, the rounding kept in the residual).
   """
-  shard, residual = hierarchical_topk_reduce_to_shard(x, residual, k, selector, error_feedback, wire_dtype, correction)
+  shard, residual = hierarchical_topk_reduce_to_shard(
+    x, residual, k, selector, error_feedback, wire_dtype, correction, compact_pairs
+  )
   return _all_gather(shard, LOCAL, wire_dtype)[: x.size], residual
 
 
@@ -121,13 +127,24 @@ def hierarchical_topk_reduce_to_shard(
   error_feedback: bool,
   wire_dtype=jnp.float32,
   correction: compression.MomentumCorrection | None = None,
+  compact_pairs: bool = False,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """HiTopK up to this device's shard of the (approximate) sum: ``x`` zero-padded to ``local`` shards."""
   shard = _scatter_to_local_shard(x, wire_dtype)
-  indices, values, residual = compression.apply_error_feedback(shard, residual, k, selector, error_feedback, correction)
-  all_indices = lax.all_gather(indices, NODE)  # (nodes, k): same local rank on every node
-  all_values = lax.all_gather(values, NODE)
-  return jnp.zeros_like(shard).at[all_indices.reshape(-1)].add(all_values.reshape(-1)), residual
+  value_dtype, index_dtype = compression.pair_dtypes(shard.size, compact_pairs, shard.dtype)
+  indices, values, residual = compression.apply_error_feedback(
+    shard, residual, k, selector, error_feedback, correction, value_dtype
+  )
+  # (nodes x k) pairs: the same local rank's shard on every node
+  return _sum_pairs(jnp.zeros_like(shard), indices, values, NODE, index_dtype), residual
+
+
+def _sum_pairs(zeros: jax.Array, indices: jax.Array, values: jax.Array, axis, index_dtype) -> jax.Array:
+  """All-gathers every device's (index, value) pairs over ``axis`` (indices in ``index_dtype`` on the wire)
+  and adds them into ``zeros`` in its dtype."""
+  all_indices = lax.all_gather(indices.astype(index_dtype), axis).reshape(-1).astype(jnp.int32)
+  all_values = lax.all_gather(values, axis).reshape(-1).astype(zeros.dtype)
+  return zeros.at[all_indices].add(all_values)
 
 
 def topk_allreduce(
@@ -138,15 +155,17 @@ def topk_allreduce(
   error_feedback: bool,
   wire_dtype=jnp.float32,
   correction: compression.MomentumCorrection | None = None,
+  compact_pairs: bool = False,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """Flat top-k: every device selects k entries of its whole gradient; all-gather over all devices.
 
   No dense hop, so ``wire_dtype`` does not apply."""
   del wire_dtype
-  indices, values, residual = compression.apply_error_feedback(x, residual, k, selector, error_feedback, correction)
-  all_indices = lax.all_gather(indices, AXES)
-  all_values = lax.all_gather(values, AXES)
-  return jnp.zeros_like(x).at[all_indices.reshape(-1)].add(all_values.reshape(-1)), residual
+  value_dtype, index_dtype = compression.pair_dtypes(x.size, compact_pairs, x.dtype)
+  indices, values, residual = compression.apply_error_feedback(
+    x, residual, k, selector, error_feedback, correction, value_dtype
+  )
+  return _sum_pairs(jnp.zeros_like(x), indices, values, AXES, index_dtype), residual
 
 
 def gtopk_allreduce(
@@ -157,6 +176,7 @@ def gtopk_allreduce(
   error_feedback: bool,
   wire_dtype=jnp.float32,
   correction: compression.MomentumCorrection | None = None,
+  compact_pairs: bool = False,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """gTop-k: recursive-doubling merge of the devices' top-k sets, then exact sums at the winners.
 
@@ -164,6 +184,8 @@ def gtopk_allreduce(
   nodes, k (value, index) pairs each. No dense hop, so ``wire_dtype`` does not apply.
   """
   del wire_dtype
+  if compact_pairs:
+    raise ValueError("gtopk sends its pairs in float32 (its merge rounds compare partial sums); compact_pairs=False")
   corrected, forget_sent = compression.compensate(x, residual, error_feedback, correction)
   select = compression.SELECTORS[selector]
   indices, values = select(corrected, k)

@@ -58,10 +58,11 @@ class ClusterCost:
     k: int = 0,
     itemsize: int = 4,
     wire_itemsize: int | None = None,
+    compact_pairs: bool = False,
   ) -> tuple[float, float]:
     """(intra-node, inter-node) seconds of reducing one flat buffer with ``strategy``."""
     spec = strategies.get(strategy)
-    b = spec.bytes(strategies.Buffer(num_elements, itemsize, nodes, local, k, wire_itemsize))
+    b = spec.bytes(strategies.Buffer(num_elements, itemsize, nodes, local, k, wire_itemsize, compact_pairs))
     sharing = 1 if spec.flat else local  # devices of a node whose inter-node traffic crosses its link at once
     return self.intra.seconds(b.intra_node), self.inter.seconds(b.inter_node * sharing)
 
@@ -74,9 +75,10 @@ class ClusterCost:
     k: int = 0,
     itemsize: int = 4,
     wire_itemsize: int | None = None,
+    compact_pairs: bool = False,
   ) -> float:
     """Modelled time of reducing one flat buffer: each level's bytes at that level's cost, in sequence."""
-    intra, inter = self.level_seconds(strategy, num_elements, nodes, local, k, itemsize, wire_itemsize)
+    intra, inter = self.level_seconds(strategy, num_elements, nodes, local, k, itemsize, wire_itemsize, compact_pairs)
     if strategies.get(strategy).flat and nodes > 1:
       return inter  # a flat ring runs at the pace of its slowest link
     return intra + inter
@@ -85,7 +87,7 @@ class ClusterCost:
     self, buckets: Sequence[tuple[str, int, int]], nodes: int, local: int, **sizes
   ) -> tuple[float, float]:
     """(intra-node, inter-node) seconds of one step's reduction, its buckets as (strategy, elements, k)
-    (``GradientReducer.bucket_plan``); ``sizes``: itemsize, wire_itemsize."""
+    (``GradientReducer.bucket_plan``); ``sizes``: itemsize, wire_itemsize, compact_pairs."""
     per_bucket = [self.level_seconds(s, n, nodes, local, k, **sizes) for s, n, k in buckets]
     return sum(intra for intra, _ in per_bucket), sum(inter for _, inter in per_bucket)
 
@@ -132,10 +134,12 @@ def load(name_or_path: str) -> ClusterCost:
 
 def bucket_seconds(cost: ClusterCost, reducer: GradientReducer, elements: int) -> float:
   """Modelled time of ``reducer`` (one strategy) reducing a bucket of ``elements``: its strategy, or the dense
-  fallback for a bucket too small to compress, with its k and wire dtype."""
+  fallback for a bucket too small to compress, with its k, wire dtype and pair format."""
   name, k = reducer.bucket_strategy(elements).name, reducer.k_for(elements)
   wire_itemsize = jnp.dtype(reducer.wire_dtype).itemsize
-  return cost.reduction_seconds(name, elements, reducer.nodes, reducer.local, k, wire_itemsize=wire_itemsize)
+  return cost.reduction_seconds(
+    name, elements, reducer.nodes, reducer.local, k, wire_itemsize=wire_itemsize, compact_pairs=reducer.compact_pairs
+  )
 
 
 def effective_link(cost: ClusterCost, reducer: GradientReducer) -> LinkCost:

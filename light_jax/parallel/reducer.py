@@ -52,6 +52,8 @@ class GradientReducer:
     order: leaf indices in backward order (``fusion.profile_parameters``); None = reversed pytree order.
     groups: for ``"adaptive"``, the buckets as positions in ``order``.
     choices: for ``strategy="auto"``, the strategy of each bucket (``cost_model.plan_auto``).
+    compact_pairs: the top-k pairs cross the wire as a bfloat16 value and a uint16 index where the top-k unit
+      allows (``compression.pair_dtypes``); the rounding stays in the residual. hitopk and topk.
     momentum_correction: > 0: DGC momentum correction with this momentum (``compression.compensate``);
       the optimizer then runs without momentum.
     nesterov: the momentum correction's momentum is Nesterov's (``compression.MomentumCorrection``).
@@ -77,12 +79,18 @@ class GradientReducer:
   order: tuple[int, ...] | None = None
   groups: tuple[tuple[int, ...], ...] | None = None
   choices: tuple[str, ...] | None = None
+  compact_pairs: bool = False
   momentum_correction: float = 0.0
   nesterov: bool = False
   momentum_masking: bool = True
   local_clip_norm: float = 0.0
   sqrt_crossover_size: float = 0.0
   updates_parameters = False  # the train step applies the optimizer to what ``reduce`` returns
+
+  def __post_init__(self):
+    if self.compact_pairs and (self.strategy == AUTO or not self.spec.compact_pairs):
+      capable = [s.name for s in strategies.REGISTRY.values() if s.compact_pairs]
+      raise ValueError(f"compact pairs: strategy {self.strategy!r} cannot send them; use one of {capable}")
 
   @property
   def spec(self) -> strategies.Strategy:
@@ -111,7 +119,11 @@ class GradientReducer:
     """How this reducer compresses, for the logs ("" when it does not)."""
     if not self.keeps_residuals:
       return ""
-    return f"top-k density {self.density:.4g}" + (", k in proportion to sqrt(size)" if self.sqrt_crossover_size else "")
+    return (
+      f"top-k density {self.density:.4g}"
+      + (", k in proportion to sqrt(size)" if self.sqrt_crossover_size else "")
+      + (", compact pairs (bfloat16 value, uint16 index)" if self.compact_pairs else "")
+    )
 
   def for_bucket(self, bucket: int) -> GradientReducer:
     """The one-strategy reducer of bucket ``bucket``: this one, or for "auto" the strategy chosen for it."""
@@ -226,6 +238,7 @@ class GradientReducer:
           self.error_feedback,
           wire_dtype,
           self.correction,
+          self.compact_pairs,
         )
         new_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
@@ -254,7 +267,8 @@ class GradientReducer:
     wire = jnp.dtype(self.wire_dtype).itemsize
     total = CommBytes()
     for name, n, k in self.bucket_plan(params):
-      total += strategies.get(name).bytes(strategies.Buffer(n, itemsize, self.nodes, self.local, k, wire))
+      buffer = strategies.Buffer(n, itemsize, self.nodes, self.local, k, wire, compact_pairs=self.compact_pairs)
+      total += strategies.get(name).bytes(buffer)
     return total
 
 
@@ -330,6 +344,7 @@ def reducer_from_config(
     error_feedback=comm.error_feedback,
     min_compress_elements=comm.min_compress_elements,
     wire_dtype=comm.dtype,
+    compact_pairs=comm.compact_pairs,
     order=order,
     momentum_correction=momentum if comm.momentum_correction else 0.0,
     nesterov=nesterov,

@@ -172,6 +172,7 @@ class ShardedUpdate:
           base.error_feedback,
           wire,
           base.correction,
+          base.compact_pairs,
         )
         comm_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:

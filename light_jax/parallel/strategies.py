@@ -25,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from light_jax.parallel import collectives
+from light_jax.parallel import collectives, compression
 
-INDEX_BYTES = 4  # int32 indices
+INDEX_BYTES = 4  # int32 indices (uint16 in compact pairs where the top-k unit allows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,8 @@ def round_up(n: int, multiple: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Buffer:
   """One flat bucket as the byte formulas see it: ``elements`` of ``itemsize`` bytes (``wire_itemsize``
-  on the dense hops), on a ``nodes`` x ``local`` mesh; ``k`` entries kept by a top-k strategy."""
+  on the dense hops), on a ``nodes`` x ``local`` mesh; ``k`` entries kept by a top-k strategy, whose
+  pairs are compact with ``compact_pairs`` (``compression.pair_dtypes``)."""
 
   elements: int
   itemsize: int
@@ -61,15 +62,19 @@ class Buffer:
   local: int
   k: int = 0
   wire_itemsize: int | None = None
+  compact_pairs: bool = False
 
   @property
   def wire(self) -> int:
     return self.wire_itemsize or self.itemsize
 
-  @property
-  def sparse_pair_bytes(self) -> int:
-    """k (value, int32 index) pairs; the values travel in the gradient's dtype."""
-    return self.k * (self.itemsize + INDEX_BYTES)
+  def pair_bytes(self, unit: int) -> int:
+    """k (value, index) pairs of a top-k unit of ``unit`` entries: the gradient's dtype and int32, or
+    compact (bfloat16, and uint16 where the unit allows)."""
+    if not self.compact_pairs:
+      return self.k * (self.itemsize + INDEX_BYTES)
+    value, index = compression.pair_dtypes(unit, compact=True)
+    return self.k * (value.itemsize + index.itemsize)
 
   def local_scatter_gather(self, multiple: int) -> tuple[int, int]:
     """(elements of a device's local shard, bytes of the reduce-scatter + all-gather over ``local``)."""
@@ -94,13 +99,13 @@ def hierarchical_bytes(b: Buffer) -> CommBytes:
 
 
 def hitopk_bytes(b: Buffer) -> CommBytes:
-  # All-gather over `node` of k (value, index) pairs: (N-1) x k x 8 bytes per device.
-  _, intra = b.local_scatter_gather(b.local)
-  return CommBytes(intra_node=intra, inter_node=(b.nodes - 1) * b.sparse_pair_bytes)
+  # All-gather over `node` of k (value, index) pairs: (N-1) x k x 8 bytes per device (4 compact).
+  shard, intra = b.local_scatter_gather(b.local)
+  return CommBytes(intra_node=intra, inter_node=(b.nodes - 1) * b.pair_bytes(shard))
 
 
 def topk_bytes(b: Buffer) -> CommBytes:
-  return _on_both_levels(b, (b.nodes * b.local - 1) * b.sparse_pair_bytes)
+  return _on_both_levels(b, (b.nodes * b.local - 1) * b.pair_bytes(b.elements))
 
 
 def gtopk_bytes(b: Buffer) -> CommBytes:
@@ -108,8 +113,8 @@ def gtopk_bytes(b: Buffer) -> CommBytes:
   # then a ring all-reduce of k exact sums over every device.
   sums = dense_bytes(Buffer(b.k, b.itemsize, b.nodes, b.local))
   return CommBytes(
-    intra_node=(b.local.bit_length() - 1) * b.sparse_pair_bytes + sums.intra_node,
-    inter_node=(b.nodes.bit_length() - 1) * b.sparse_pair_bytes + sums.inter_node,
+    intra_node=(b.local.bit_length() - 1) * b.pair_bytes(b.elements) + sums.intra_node,
+    inter_node=(b.nodes.bit_length() - 1) * b.pair_bytes(b.elements) + sums.inter_node,
   )
 
 
@@ -129,13 +134,15 @@ class Strategy:
   Attributes:
     name: the ``comm.strategy`` value.
     reduce: dense: ``(flat, wire_dtype) -> flat sum``; compressed: ``(flat, residual, k, selector,
-      error_feedback, wire_dtype) -> (approximate flat sum, new residual)``. Inside shard_map.
+      error_feedback, wire_dtype, correction, compact_pairs) -> (approximate flat sum, new residual)``.
+      Inside shard_map.
     bytes: ``Buffer -> CommBytes``, per device per step for one bucket.
     compressed: keeps k entries per ``topk_unit`` and a per-device residual of that size.
     topk_unit: ``(bucket elements, local) -> elements`` top-k runs on.
     dense_fallback: compressed strategies: the strategy for buckets below ``comm.min_compress_elements``.
     flat: one collective over every device, paced by the slowest link (not a sum of the two levels).
     needs_power_of_two_devices: the algorithm pairs devices by the bits of their index.
+    compact_pairs: compressed strategies that can send their pairs compact (``comm.compact_pairs``).
   """
 
   name: str
@@ -146,6 +153,7 @@ class Strategy:
   dense_fallback: str | None = None
   flat: bool = False
   needs_power_of_two_devices: bool = False
+  compact_pairs: bool = False
 
 
 REGISTRY: dict[str, Strategy] = {
@@ -160,6 +168,7 @@ REGISTRY: dict[str, Strategy] = {
       compressed=True,
       topk_unit=local_shard,
       dense_fallback="hierarchical",
+      compact_pairs=True,
     ),
     Strategy(
       "topk",
@@ -168,6 +177,7 @@ REGISTRY: dict[str, Strategy] = {
       compressed=True,
       dense_fallback="dense",
       flat=True,
+      compact_pairs=True,
     ),
     Strategy(
       "gtopk",
