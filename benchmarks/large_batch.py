@@ -303,11 +303,6 @@ RUNS = {
     )
     for s in (0, 1, 2, 3)
   },
-  "sgd_4096_w3_hitopk_clip_compact": (
-    BASE,
-    [*CLIPPED, *COMPACT],
-    ":large_batch_hitopk (0.1%) with compact pairs: what rounding the sent values to bfloat16 costs",
-  ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_clip1": (
     BASE,
     [*PER_TENSOR, "--config.comm.local_clip_norm=1.0"],

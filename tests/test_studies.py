@@ -43,6 +43,7 @@ def test_every_study_row_is_a_valid_config(study, label, monkeypatch):
     ("large_batch", "sgd_4096_w5_linear"),
     ("large_batch_hitopk", "sgd_4096_w3_hitopk_dgc_per_tensor_clip"),
     ("large_batch_hitopk_03", "sgd_4096_w3_hitopk_clip_03pct_bf16"),
+    ("large_batch_hitopk_compact", "sgd_4096_w3_hitopk_clip_05pct_bf16_compact"),
     ("large_batch_lars", "lars_tuned_lr1"),
   ],
 )
