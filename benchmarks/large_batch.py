@@ -303,6 +303,11 @@ RUNS = {
     )
     for s in (0, 1, 2, 3)
   },
+  "sgd_4096_w3_hitopk_clip_compact": (
+    BASE,
+    [*CLIPPED, *COMPACT],
+    ":large_batch_hitopk (0.1%) with compact pairs alone (3,248 bytes): what rounding the sent values costs",
+  ),
   "sgd_4096_w3_hitopk_dgc_per_tensor_clip1": (
     BASE,
     [*PER_TENSOR, "--config.comm.local_clip_norm=1.0"],
