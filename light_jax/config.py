@@ -243,13 +243,6 @@ def is_top_k(strategy: str) -> bool:
   return strategy in strategies.NAMES and strategies.get(strategy).compressed
 
 
-def sends_compact_pairs(strategy: str) -> bool:
-  """Whether ``strategy`` can send its top-k pairs compact (comm.compact_pairs): hitopk and topk."""
-  from light_jax.parallel import strategies
-
-  return strategy in strategies.NAMES and strategies.get(strategy).compact_pairs
-
-
 def check_k_allocation(config: ml_collections.ConfigDict) -> None:
   """comm.k_allocation is a known share and, for "sqrt", the strategy has a top-k budget to share (also run
   by the simulator, which validates no mesh)."""
@@ -300,7 +293,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       f"comm.momentum_correction masks the velocity where top-k sent entries; comm.strategy="
       f"{config.comm.strategy!r} is not a top-k strategy. Use hitopk, topk or gtopk, or turn it off."
     )
-  if config.comm.compact_pairs and not sends_compact_pairs(config.comm.strategy):
+  if config.comm.compact_pairs and not strategies.sends_compact_pairs(config.comm.strategy):
     raise ConfigError(
       f"comm.compact_pairs narrows the (value, index) pairs of hitopk and topk; comm.strategy="
       f"{config.comm.strategy!r} sends none it can narrow. Use hitopk or topk, or set comm.compact_pairs=False."

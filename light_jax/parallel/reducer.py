@@ -88,7 +88,7 @@ class GradientReducer:
   updates_parameters = False  # the train step applies the optimizer to what ``reduce`` returns
 
   def __post_init__(self):
-    if self.compact_pairs and (self.strategy == AUTO or not self.spec.compact_pairs):
+    if self.compact_pairs and not strategies.sends_compact_pairs(self.strategy):
       capable = [s.name for s in strategies.REGISTRY.values() if s.compact_pairs]
       raise ValueError(f"compact pairs: strategy {self.strategy!r} cannot send them; use one of {capable}")
 

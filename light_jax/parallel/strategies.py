@@ -199,6 +199,11 @@ def get(name: str) -> Strategy:
     raise ValueError(f"unknown comm.strategy {name!r}; known: {list(NAMES)}") from None
 
 
+def sends_compact_pairs(name: str) -> bool:
+  """Whether ``name`` is a strategy that can send its top-k pairs compact (``comm.compact_pairs``)."""
+  return name in REGISTRY and REGISTRY[name].compact_pairs
+
+
 def strategy_bytes(
   name: str, elements: int, itemsize: int, nodes: int, local: int, k: int = 0, wire_itemsize: int | None = None
 ) -> CommBytes:
