@@ -301,8 +301,13 @@ RUNS = {
       [*CLIPPED, *AT_05, *BF16_HOPS, *COMPACT, *([] if s == 0 else [f"--config.seed={s}"])],
       "the clipped run at 0.5%, dense hops in bfloat16, compact pairs" + ("" if s == 0 else f", seed {s}"),
     )
-    for s in (0, 1, 2, 3)
+    for s in (0, 1, 2, 3, 4, 5, 6)
   },
+  "sgd_4096_w3_hitopk_clip_05pct_bf16": (
+    BASE,
+    [*CLIPPED, *AT_05, *BF16_HOPS],
+    "the compact run without compact pairs (float32 values, int32 indices): what the rounding costs at 0.5%",
+  ),
   "sgd_4096_w3_hitopk_clip_compact": (
     BASE,
     [*CLIPPED, *COMPACT],

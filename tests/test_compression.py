@@ -1,5 +1,7 @@
 """Top-k selectors, error feedback and the compressed strategies' traffic."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -211,9 +213,9 @@ def test_compressed_byte_accounting_matches_the_formulas():
   assert gtopk.intra_node == 2 * 25_600 * 8 + 2 * 7 * 25_600 * 4 // 8 == 588_800
 
 
-def test_compact_pairs_cost_4_bytes_with_uint16_indices_where_the_unit_allows():
-  """comm.compact_pairs: a bfloat16 value (2 bytes) and a uint16 index (2) while the top-k unit has at most
-  65,536 entries, an int32 index (4) above; the lowered step really sends uint16 and bfloat16."""
+def test_compact_pairs_cost_4_bytes_and_a_count_per_block_above_65536_entries():
+  """comm.compact_pairs: a bfloat16 value (2 bytes) and a uint16 index (2); a top-k unit of more than 65,536
+  entries also sends an int32 count of pairs per 65,536-entry block. The lowered step really sends them."""
   nodes, local, density = 2, 4, 0.001
 
   def inter_node(strategy, d, compact):
@@ -222,19 +224,19 @@ def test_compact_pairs_cost_4_bytes_with_uint16_indices_where_the_unit_allows():
     )
     return reducer.bytes_per_step({"w": jax.ShapeDtypeStruct((d,), jnp.float32)}).inter_node
 
-  # ResNet-50-sized bucket: 6.4M entries per shard, k = 6,400, int32 indices: 6 bytes per pair instead of 8.
+  # ResNet-50-sized bucket: 6.4M entries per shard, k = 6,400, 98 blocks: 4 bytes per pair + 392.
   assert inter_node("hitopk", 25_600_000, False) == 6400 * 8
-  assert inter_node("hitopk", 25_600_000, True) == 6400 * 6
-  # 262,144 entries: shards of 65,536 take uint16 indices (k = 66), the whole vector topk selects from does not.
+  assert inter_node("hitopk", 25_600_000, True) == 6400 * 4 + 98 * 4
+  # 262,144 entries: shards of 65,536 need no counts (k = 66); the whole vector topk selects from has 4 blocks.
   assert inter_node("hitopk", 262_144, True) == 66 * 4 == inter_node("hitopk", 262_144, False) // 2
-  assert inter_node("topk", 262_144, True) == 7 * 263 * 6
-  assert inter_node("hitopk", 262_148, True) == 66 * 6  # one more entry per shard (65,537): int32 indices
+  assert inter_node("topk", 262_144, True) == 7 * (263 * 4 + 4 * 4)
+  assert inter_node("hitopk", 262_148, True) == 66 * 4 + 2 * 4  # one more entry per shard (65,537): 2 blocks
 
   mesh = mesh_lib.make_mesh(nodes, local)
 
-  def lowered(compact):
+  def lowered(compact, d):
     reducer = reducer_lib.make_gradient_reducer("hitopk", nodes, local, density=0.01, compact_pairs=compact)
-    params = {"w": jnp.zeros(4000)}
+    params = {"w": jnp.zeros(d)}
     per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
     step = jax.shard_map(
       lambda g, s: reducer.reduce({"w": g[0]}, s),
@@ -244,11 +246,43 @@ def test_compact_pairs_cost_4_bytes_with_uint16_indices_where_the_unit_allows():
       check_vma=False,
     )
     state = jax.device_put(reducer.init_state(params), NamedSharding(mesh, per_device))
-    return jax.jit(step).lower(jnp.zeros((8, 4000)), state).as_text()
+    return jax.jit(step).lower(jnp.zeros((8, d)), state).as_text()
 
-  gathers = [line for line in lowered(True).splitlines() if "all_gather" in line]
-  assert any("ui16" in line for line in gathers) and any("bf16" in line for line in gathers)
-  assert not any("ui16" in line or "bf16" in line for line in lowered(False).splitlines() if "all_gather" in line)
+  def gathered(compact, d):  # the dtype and shape of each all-gather's result
+    return set(re.findall(r"all_gather.*-> (tensor<[^>]*>)", lowered(compact, d)))
+
+  # 4,000 entries: shards of 1,000, k = 10 across 2 nodes
+  assert gathered(True, 4000) == {"tensor<2x10xui16>", "tensor<2x10xbf16>", "tensor<4000xf32>"}
+  assert gathered(False, 4000) == {"tensor<2x10xi32>", "tensor<2x10xf32>", "tensor<4000xf32>"}
+  # 560,000: shards of 140,000 (3 blocks), k = 1,400, and the 3 blocks' counts
+  assert gathered(True, 560_000) == {
+    "tensor<2x1400xui16>",
+    "tensor<2x1400xbf16>",
+    "tensor<2x3xi32>",
+    "tensor<560000xf32>",
+  }
+
+
+def test_block_offsets_and_counts_give_back_the_indices():
+  """``group_by_block`` / ``indices_from_blocks``: any index set of a long vector, empty blocks, a partial
+  last block, all in one block, comes back whole, each with its value."""
+  rng = np.random.default_rng(11)
+  size = 3 * compression.COMPACT_BLOCK + 1000
+  blocks = compression.index_blocks(size, compact=True)
+  assert blocks == 4 and compression.index_blocks(compression.COMPACT_BLOCK, compact=True) == 0
+  cases = [
+    rng.choice(size, 500, replace=False),
+    rng.choice(np.arange(compression.COMPACT_BLOCK, 2 * compression.COMPACT_BLOCK), 300, replace=False),
+    np.array([size - 1, 0, compression.COMPACT_BLOCK, compression.COMPACT_BLOCK - 1]),
+    np.array([3 * compression.COMPACT_BLOCK + 7]),
+  ]
+  for indices in cases:
+    values = rng.normal(size=indices.size).astype(np.float32)
+    offsets, grouped, counts = compression.group_by_block(jnp.asarray(indices, jnp.int32), jnp.asarray(values), blocks)
+    assert offsets.dtype == jnp.uint16 and counts.dtype == jnp.int32 and counts.shape == (blocks,)
+    np.testing.assert_array_equal(counts, np.bincount(indices // compression.COMPACT_BLOCK, minlength=blocks))
+    rebuilt = np.asarray(compression.indices_from_blocks(offsets, counts))
+    assert dict(zip(rebuilt.tolist(), np.asarray(grouped).tolist())) == dict(zip(indices.tolist(), values.tolist()))
 
 
 def test_only_hitopk_and_topk_send_compact_pairs():
@@ -380,6 +414,27 @@ def test_momentum_correction_matches_dgc_in_numpy(strategy, shape, nesterov, mas
   if compact:  # the rounding is real: float32 pairs send other values (by up to 2^-9 of each)
     float32, _, _ = _run_steps(strategy, shape, grads, density, **options)
     assert 0 < np.abs(float32 - outputs).max() < 2**-7 * np.abs(float32).max()
+
+
+@pytest.mark.parametrize("strategy", ["hitopk", "topk"])
+def test_compact_pairs_of_long_vectors_match_dgc_in_numpy(strategy):
+  """Top-k units over 65,536 entries (140,000: three blocks, the last partial): the pairs travel as block
+  offsets and counts, and what arrives is still DGC's sum, every block reached."""
+  steps, unit, density, momentum = 3, 140_000, 0.01, 0.9
+  d = unit * (4 if strategy == "hitopk" else 1)  # hitopk selects from a quarter of the node's sum
+  grads = np.asarray(np.random.default_rng(8).normal(size=(steps, 8, d)), np.float32)
+  options = dict(momentum_correction=momentum, nesterov=True, compact_pairs=True)
+  outputs, _, _ = _run_steps(strategy, (2, 4), grads, density, **options)
+  k = compression.num_selected(unit, density)
+  if strategy == "topk":
+    sent = _dgc_reference(grads.astype(np.float64), k, momentum, True, True, _to_bfloat16)
+    expected = sent.sum(axis=1) / 8
+  else:
+    shards = grads.reshape(steps, 2, 4, d).sum(axis=2).reshape(steps, 8, unit)
+    expected = _dgc_reference(shards, k, momentum, True, True, _to_bfloat16).reshape(steps, 2, d).sum(axis=1) / 8
+  np.testing.assert_allclose(outputs, expected, rtol=1e-4, atol=1e-5)
+  offsets = np.nonzero(outputs[-1])[0] % unit
+  assert (offsets >= 2 * compression.COMPACT_BLOCK).any() and (offsets < compression.COMPACT_BLOCK).any()
 
 
 @pytest.mark.parametrize("nesterov", [False, True], ids=["heavy_ball", "nesterov"])

@@ -24,8 +24,8 @@ Compressed strategies, ``(flat vector, residual) -> (approximate sum, new residu
   missed G; here one k-element psum of every device's corrected gradient at G gives the exact sums
   instead, and the residual is the corrected gradient off G, so error feedback loses nothing (partial
   sums dropped in an early round would otherwise vanish). Needs a power-of-two device count.
-``hitopk`` and ``topk`` can send their pairs compact (``compact_pairs``: a bfloat16 value and a uint16 index
-where the top-k unit allows, ``compression.pair_dtypes``); gTop-k's merge rounds keep them float32.
+``hitopk`` and ``topk`` can send their pairs compact (``compact_pairs``: a bfloat16 value and a uint16 index,
+``compression.pair_dtypes``); gTop-k's merge rounds keep them float32.
 Buckets too small to be worth compressing (``min_compress_elements``) go to the strategy's dense
 fallback (``Strategy.dense_fallback`` in ``strategies.py``).
 
@@ -131,20 +131,29 @@ def hierarchical_topk_reduce_to_shard(
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """HiTopK up to this device's shard of the (approximate) sum: ``x`` zero-padded to ``local`` shards."""
   shard = _scatter_to_local_shard(x, wire_dtype)
-  value_dtype, index_dtype = compression.pair_dtypes(shard.size, compact_pairs, shard.dtype)
+  value_dtype, _ = compression.pair_dtypes(compact_pairs, shard.dtype)
   indices, values, residual = compression.apply_error_feedback(
     shard, residual, k, selector, error_feedback, correction, value_dtype
   )
   # (nodes x k) pairs: the same local rank's shard on every node
-  return _sum_pairs(jnp.zeros_like(shard), indices, values, NODE, index_dtype), residual
+  return _sum_pairs(jnp.zeros_like(shard), indices, values, NODE, compact_pairs), residual
 
 
-def _sum_pairs(zeros: jax.Array, indices: jax.Array, values: jax.Array, axis, index_dtype) -> jax.Array:
-  """All-gathers every device's (index, value) pairs over ``axis`` (indices in ``index_dtype`` on the wire)
-  and adds them into ``zeros`` in its dtype."""
-  all_indices = lax.all_gather(indices.astype(index_dtype), axis).reshape(-1).astype(jnp.int32)
+def _sum_pairs(zeros: jax.Array, indices: jax.Array, values: jax.Array, axis, compact: bool) -> jax.Array:
+  """All-gathers every device's (index, value) pairs over ``axis`` and adds them into ``zeros`` in its dtype.
+
+  Indices travel as int32, or ``compact`` as uint16: offsets inside 65,536-entry blocks with a count of pairs
+  per block where ``zeros`` is longer (``compression.group_by_block``)."""
+  _, index_dtype = compression.pair_dtypes(compact)
+  blocks = compression.index_blocks(zeros.size, compact)
+  if blocks:
+    indices, values, counts = compression.group_by_block(indices, values, blocks)
+  all_indices = lax.all_gather(indices.astype(index_dtype), axis).reshape(-1, indices.size)  # a row per sender
+  if blocks:
+    all_counts = lax.all_gather(counts, axis).reshape(-1, blocks)
+    all_indices = jax.vmap(compression.indices_from_blocks)(all_indices, all_counts)
   all_values = lax.all_gather(values, axis).reshape(-1).astype(zeros.dtype)
-  return zeros.at[all_indices].add(all_values)
+  return zeros.at[all_indices.reshape(-1).astype(jnp.int32)].add(all_values)
 
 
 def topk_allreduce(
@@ -161,11 +170,11 @@ def topk_allreduce(
 
   No dense hop, so ``wire_dtype`` does not apply."""
   del wire_dtype
-  value_dtype, index_dtype = compression.pair_dtypes(x.size, compact_pairs, x.dtype)
+  value_dtype, _ = compression.pair_dtypes(compact_pairs, x.dtype)
   indices, values, residual = compression.apply_error_feedback(
     x, residual, k, selector, error_feedback, correction, value_dtype
   )
-  return _sum_pairs(jnp.zeros_like(x), indices, values, AXES, index_dtype), residual
+  return _sum_pairs(jnp.zeros_like(x), indices, values, AXES, compact_pairs), residual
 
 
 def gtopk_allreduce(

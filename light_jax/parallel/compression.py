@@ -36,9 +36,12 @@ The per-device state is ``Memory(residual=v, velocity=u)`` instead of a bare res
 to compress keep a velocity of their own and send their step whole.
 
 Compact pairs (``comm.compact_pairs``, ``pair_dtypes``): the (value, index) pairs cross the wire as a bfloat16
-value and, when the vector top-k runs on has at most 65,536 entries, a uint16 index: 4 bytes instead of 8.
-What the rounding to bfloat16 drops stays in the residual (``apply_error_feedback``), like an entry not sent,
-so error feedback still loses nothing; only the sums at the receivers are in float32.
+value and a uint16 index: 4 bytes instead of 8. What the rounding to bfloat16 drops stays in the residual
+(``apply_error_feedback``), like an entry not sent, so error feedback still loses nothing; only the sums at the
+receivers are in float32. A uint16 addresses 65,536 entries; in a longer vector each index is split into its
+65,536-entry block and its offset there: the sender orders its pairs by index and sends the offsets (uint16)
+with how many pairs fall in each block (one int32 per block, ``group_by_block``); the receiver rebuilds the
+indices from the two (``indices_from_blocks``). The selection is unchanged, and so is the sum.
 """
 
 from __future__ import annotations
@@ -55,15 +58,43 @@ import optax
 from jax import lax
 
 MSTOPK_ROUNDS = 24
-COMPACT_INDEX_LIMIT = 2**16  # a top-k unit of at most this many entries is indexed in uint16
+COMPACT_BLOCK = 2**16  # entries a uint16 index addresses: longer vectors send their pairs' blocks as counts
+BLOCK_COUNT_BYTES = 4  # an int32 count of pairs per block
 
 
-def pair_dtypes(unit: int, compact: bool, value_dtype=jnp.float32) -> tuple[jnp.dtype, jnp.dtype]:
-  """(value, index) dtypes of the top-k pairs on the wire for a top-k unit of ``unit`` entries: the
-  gradient's ``value_dtype`` and int32, or compact: bfloat16 and uint16 (int32 above 65,536 entries)."""
+def pair_dtypes(compact: bool, value_dtype=jnp.float32) -> tuple[jnp.dtype, jnp.dtype]:
+  """(value, index) dtypes of the top-k pairs on the wire: the gradient's ``value_dtype`` and int32, or
+  compact: bfloat16 and uint16 (an offset inside its block where the vector is longer, ``index_blocks``)."""
   if not compact:
     return jnp.dtype(value_dtype), jnp.dtype(jnp.int32)
-  return jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16 if unit <= COMPACT_INDEX_LIMIT else jnp.int32)
+  return jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16)
+
+
+def index_blocks(unit: int, compact: bool) -> int:
+  """How many 65,536-entry blocks' pair counts travel with compact pairs from a top-k unit of ``unit``
+  entries: none where a uint16 indexes the whole unit (or the pairs are not compact)."""
+  return -(-unit // COMPACT_BLOCK) if compact and unit > COMPACT_BLOCK else 0
+
+
+def pair_bytes(k: int, unit: int, compact: bool, value_itemsize: int = 4) -> int:
+  """Bytes of one device's k top-k pairs from a unit of ``unit`` entries on the wire, block counts included."""
+  value, index = pair_dtypes(compact)
+  value_bytes = value.itemsize if compact else value_itemsize  # uncompressed values keep the gradient's dtype
+  return k * (value_bytes + index.itemsize) + index_blocks(unit, compact) * BLOCK_COUNT_BYTES
+
+
+def group_by_block(indices: jax.Array, values: jax.Array, blocks: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The pairs ordered by index, as (uint16 offsets inside their block, values, int32 pairs per block)."""
+  order = jnp.argsort(indices)
+  indices, values = indices[order], values[order]
+  counts = jnp.bincount(indices // COMPACT_BLOCK, length=blocks).astype(jnp.int32)
+  return (indices % COMPACT_BLOCK).astype(jnp.uint16), values, counts
+
+
+def indices_from_blocks(offsets: jax.Array, counts: jax.Array) -> jax.Array:
+  """Inverse of ``group_by_block`` for one sender: int32 indices from its offsets and per-block counts."""
+  block = jnp.searchsorted(jnp.cumsum(counts), jnp.arange(offsets.size), side="right")
+  return block.astype(jnp.int32) * COMPACT_BLOCK + offsets.astype(jnp.int32)
 
 
 def num_selected(size: int, density: float) -> int:

@@ -52,8 +52,9 @@ class GradientReducer:
     order: leaf indices in backward order (``fusion.profile_parameters``); None = reversed pytree order.
     groups: for ``"adaptive"``, the buckets as positions in ``order``.
     choices: for ``strategy="auto"``, the strategy of each bucket (``cost_model.plan_auto``).
-    compact_pairs: the top-k pairs cross the wire as a bfloat16 value and a uint16 index where the top-k unit
-      allows (``compression.pair_dtypes``); the rounding stays in the residual. hitopk and topk.
+    compact_pairs: the top-k pairs cross the wire as a bfloat16 value and a uint16 index (an offset in its
+      65,536-entry block, with per-block counts, in longer vectors: ``compression.pair_dtypes``); the rounding
+      stays in the residual. hitopk and topk.
     momentum_correction: > 0: DGC momentum correction with this momentum (``compression.compensate``);
       the optimizer then runs without momentum.
     nesterov: the momentum correction's momentum is Nesterov's (``compression.MomentumCorrection``).

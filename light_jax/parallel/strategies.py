@@ -27,8 +27,6 @@ from collections.abc import Callable
 
 from light_jax.parallel import collectives, compression
 
-INDEX_BYTES = 4  # int32 indices (uint16 in compact pairs where the top-k unit allows)
-
 
 @dataclasses.dataclass(frozen=True)
 class CommBytes:
@@ -70,11 +68,8 @@ class Buffer:
 
   def pair_bytes(self, unit: int) -> int:
     """k (value, index) pairs of a top-k unit of ``unit`` entries: the gradient's dtype and int32, or
-    compact (bfloat16, and uint16 where the unit allows)."""
-    if not self.compact_pairs:
-      return self.k * (self.itemsize + INDEX_BYTES)
-    value, index = compression.pair_dtypes(unit, compact=True)
-    return self.k * (value.itemsize + index.itemsize)
+    compact (bfloat16 and uint16, with a count per 65,536-entry block above that size)."""
+    return compression.pair_bytes(self.k, unit, self.compact_pairs, self.itemsize)
 
   def local_scatter_gather(self, multiple: int) -> tuple[int, int]:
     """(elements of a device's local shard, bytes of the reduce-scatter + all-gather over ``local``)."""
@@ -99,7 +94,7 @@ def hierarchical_bytes(b: Buffer) -> CommBytes:
 
 
 def hitopk_bytes(b: Buffer) -> CommBytes:
-  # All-gather over `node` of k (value, index) pairs: (N-1) x k x 8 bytes per device (4 compact).
+  # All-gather over `node` of k (value, index) pairs: (N-1) x k x 8 bytes per device (4 compact, + block counts).
   shard, intra = b.local_scatter_gather(b.local)
   return CommBytes(intra_node=intra, inter_node=(b.nodes - 1) * b.pair_bytes(shard))
 
