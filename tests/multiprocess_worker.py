@@ -4,7 +4,8 @@
 
 Each process holds 8 / P simulated CPU devices; the (node, local) mesh spans all of them. The data
 pipeline gives each process its own rows of every global batch. Top-k strategies run at --density
-with fixed 4 KiB buckets, so several buckets are compressed and carry residuals. Process 0 writes the final parameters.
+with fixed buckets of --bucket_bytes (4 KiB: several buckets are compressed and carry residuals) on a
+resnet8_small of --width. Process 0 writes the final parameters.
 """
 
 import argparse
@@ -22,6 +23,8 @@ def main():
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--strategy", default="hierarchical")
   parser.add_argument("--density", type=float, default=0.05)
+  parser.add_argument("--width", type=int, default=4)
+  parser.add_argument("--bucket_bytes", type=int, default=4096)
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
 
@@ -58,7 +61,7 @@ def main():
     crop_padding=2,
     random_flip=True,
   )
-  model = create_model("resnet8_small", num_classes=10, width=4)
+  model = create_model("resnet8_small", num_classes=10, width=args.width)
   tx = optax.sgd(0.1, momentum=0.9)
   if args.strategy == "diloco":  # an outer step after step 2; step 3 leaves the machines apart
     reducer = diloco.DiLoCo(2, 4, sync_every=2, inner_tx=tx)
@@ -68,7 +71,7 @@ def main():
     if compact:
       top_k["compact_pairs"] = True
     reducer = reducer_lib.make_gradient_reducer(
-      name, 2, 4, fusion="fixed", bucket_bytes=4096, min_compress_elements=64, **top_k
+      name, 2, 4, fusion="fixed", bucket_bytes=args.bucket_bytes, min_compress_elements=64, **top_k
     )
   state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
   step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)

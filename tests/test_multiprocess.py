@@ -32,7 +32,7 @@ def _env():
   return env
 
 
-def _run(num_processes, out, strategy):
+def _run(num_processes, out, strategy, *extra):
   port = _free_port()
   procs = [
     subprocess.Popen(
@@ -49,6 +49,7 @@ def _run(num_processes, out, strategy):
         strategy,
         "--out",
         str(out),
+        *extra,
       ],
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
@@ -72,14 +73,21 @@ def _run(num_processes, out, strategy):
 
 # hierarchical (the default) across processes: test_train_py_on_two_processes_matches_one_process
 # below, through train.py; dense is one psum over both axes, the same collective across processes.
+# "hitopk+compact": its pairs as bfloat16 values and uint16 indices across processes (gloo), on a model of
+# 308,074 parameters in one bucket, so that each device's shard (77,019 entries) is over 65,536 and the
+# indices travel as offsets in 65,536-entry blocks with per-block counts.
+COMPACT_LONG = ("--width", "32", "--bucket_bytes", str(2**21))
+
+
 @pytest.mark.parametrize(
   "strategy",
-  # ~1.5 min each; "hitopk+compact": its pairs as bfloat16 values and uint16 indices across processes (gloo)
+  # ~1.5 min each
   ["hitopk", "hitopk+compact", *(pytest.param(s, marks=pytest.mark.slow) for s in ("gtopk", "powersgd", "diloco"))],
 )
 def test_two_processes_match_one_process(tmp_path, strategy):
-  single = _run(1, tmp_path / "one.npz", strategy)
-  multi = _run(2, tmp_path / "two.npz", strategy)
+  extra = COMPACT_LONG if strategy == "hitopk+compact" else ()
+  single = _run(1, tmp_path / "one.npz", strategy, *extra)
+  multi = _run(2, tmp_path / "two.npz", strategy, *extra)
   assert single.keys() == multi.keys() and len(single) > 10
   residuals = [k for k in single if k.startswith("residual/")]
   assert bool(residuals)  # every strategy here keeps per-device state
