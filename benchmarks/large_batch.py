@@ -308,6 +308,12 @@ RUNS = {
     [*CLIPPED, *AT_05, *BF16_HOPS],
     "the compact run without compact pairs (float32 values, int32 indices): what the rounding costs at 0.5%",
   ),
+  # The 5-epoch warm-up cost :large_batch_hitopk 0.4 against 3 (seed 0): does a shorter one gain more?
+  "sgd_4096_w2_hitopk_clip": (
+    BASE,
+    [*CLIPPED, *W2],
+    ":large_batch_hitopk (0.1%) with a 2-epoch warm-up instead of 3: the peak lr while the density is still warming up",
+  ),
   "sgd_4096_w3_hitopk_clip_compact": (
     BASE,
     [*CLIPPED, *COMPACT],

@@ -293,10 +293,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       f"comm.momentum_correction masks the velocity where top-k sent entries; comm.strategy="
       f"{config.comm.strategy!r} is not a top-k strategy. Use hitopk, topk or gtopk, or turn it off."
     )
-  if config.comm.compact_pairs and not strategies.sends_compact_pairs(config.comm.strategy):
+  if config.comm.compact_pairs and not (
+    config.comm.strategy == AUTO or strategies.sends_compact_pairs(config.comm.strategy)
+  ):
     raise ConfigError(
       f"comm.compact_pairs narrows the (value, index) pairs of hitopk and topk; comm.strategy="
-      f"{config.comm.strategy!r} sends none it can narrow. Use hitopk or topk, or set comm.compact_pairs=False."
+      f"{config.comm.strategy!r} sends none it can narrow. Use hitopk, topk or auto (whose hitopk and topk "
+      "buckets then send them), or set comm.compact_pairs=False."
     )
   if config.comm.local_clip_norm > 0 and not (top_k or config.comm.strategy == POWERSGD):
     raise ConfigError(

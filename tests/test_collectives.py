@@ -182,6 +182,42 @@ def test_bfloat16_wire_is_close_to_float32_and_halves_dense_bytes(problem, strat
     assert narrow.inter_node == wide.inter_node
 
 
+def test_auto_sends_compact_pairs_from_its_hitopk_and_topk_buckets_only(problem):
+  """comm.strategy="auto" with comm.compact_pairs: the buckets given hitopk or topk send bfloat16 values (so
+  they are off the whole-batch gradient by the rounding, which stays in the residual), every other bucket,
+  gtopk's included, is exact; the byte count follows the same split."""
+  model, params, images, labels, reference = problem
+  mesh = mesh_lib.make_mesh(2, 4)
+  base = reducer_lib.make_gradient_reducer("auto", 2, 4, density=1.0, min_compress_elements=1, compact_pairs=True)
+  num_buckets = len(base.buckets(jax.tree.leaves(params))[1])
+  names = list(strategies.NAMES)
+  rounded = 0.0
+  for shift in range(len(names)):
+    choices = tuple(names[(b + shift) % len(names)] for b in range(num_buckets))
+    reducer = dataclasses.replace(base, choices=choices)
+    reduced, _ = reduce_on_mesh(reducer, mesh, model, params, images, labels)
+    order, buckets = reducer.buckets(jax.tree.leaves(params))
+    assert all(len(bucket) == 1 for bucket in buckets)  # a bucket per tensor, the tensors in ``order``
+    leaf_choice = dict(zip(order, choices))
+    for i, (ours, ref) in enumerate(zip(jax.tree.leaves(reduced), jax.tree.leaves(reference))):
+      choice = leaf_choice[i]
+      error = float(np.max(np.abs(np.asarray(ours) - np.asarray(ref))))
+      assert reducer.with_strategy(choice).compact_pairs == strategies.sends_compact_pairs(choice)
+      if strategies.sends_compact_pairs(choice):
+        assert error <= 2**-8 * float(np.max(np.abs(np.asarray(ref)))) + 1e-6, choice
+        rounded = max(rounded, error)
+      else:
+        assert error < 1e-5, choice
+  assert rounded > 1e-6  # the compact buckets really sent bfloat16 values
+
+  def inter_node(choice, compact):
+    one = dataclasses.replace(base, choices=(choice,) * num_buckets, compact_pairs=compact)
+    return one.bytes_per_step(params).inter_node
+
+  assert inter_node("gtopk", True) == inter_node("gtopk", False)  # gTop-k's pairs stay float32
+  assert inter_node("hitopk", True) < 0.6 * inter_node("hitopk", False)
+
+
 def test_every_strategy_record_is_complete():
   """A new entry in the registry cannot leave out what the reducer, the accounting and the cost model need."""
   for spec in strategies.REGISTRY.values():

@@ -102,6 +102,10 @@ def test_bad_config_gets_one_clear_error(overrides, message):
     config_lib.validate(_config(**overrides), 8)
 
 
+def test_auto_takes_compact_pairs_for_its_hitopk_and_topk_buckets():
+  assert config_lib.validate(_config(comm__strategy="auto", comm__compact_pairs=True), 8) == (2, 4)
+
+
 def test_gtopk_needs_a_power_of_two_device_count():
   config = _config(comm__strategy="gtopk", mesh__nodes=2, mesh__local=3)
   with pytest.raises(config_lib.ConfigError, match=r"needs a power-of-two device count, not 2 x 3 = 6; .* 4 devices"):

@@ -174,6 +174,32 @@ def test_auto_keeps_hidden_buckets_exact_and_compresses_where_the_link_is_slow()
     assert step_seconds(chosen[name], cost) <= min(step_seconds(r, cost) for r in singles) * 1.0001
 
 
+def test_auto_plans_its_candidates_with_compact_pairs_from_the_config():
+  """comm.strategy="auto" with comm.compact_pairs: the cost model times hitopk and topk with compact pairs,
+  and the buckets that take them send them; on a slow link that makes the step's bytes fewer."""
+  from light_jax import config as config_lib
+
+  model = create_model("resnet8_small", 10, width=4)
+  profile = fusion.profile_parameters(model, (28, 28, 1))
+  slow = cost_model.ClusterCost(
+    intra=cost_model.LinkCost(alpha=0.0, beta=0.0), inter=cost_model.LinkCost(alpha=1e-6, beta=1 / 1e6)
+  )
+  comm = config_lib.base_config().comm
+  comm.update(strategy="auto", fusion="none", density=0.01, min_compress_elements=16)
+  planned = {}
+  for compact in (False, True):
+    comm.compact_pairs = compact
+    base = reducer_lib.reducer_from_config(comm, 2, 4, profile.order)
+    assert base.strategy == "hierarchical" and not base.compact_pairs  # a placeholder until planned
+    planned[compact], _ = cost_model.plan_reducer(base, comm, profile, slow, 1e12, 4)
+  ours = planned[True]
+  assert ours.compact_pairs and any(strategies.sends_compact_pairs(c) for c in ours.choices)
+  for b, choice in enumerate(ours.choices):
+    assert ours.for_bucket(b).compact_pairs == strategies.sends_compact_pairs(choice)
+  bytes_ = {c: r.bytes_per_step(profile.params).inter_node for c, r in planned.items()}
+  assert bytes_[True] < 0.75 * bytes_[False]
+
+
 def test_plan_reducer_plans_buckets_then_auto_or_the_sqrt_share():
   """cost_model.plan_reducer, which the trainer and the simulator share, is the planners in the order each
   needs the one before: fusion first, then auto per bucket or the square-root k share (the config refuses

@@ -181,8 +181,11 @@ def plan_auto(
   device_flops: float,
   examples_per_device: int,
   overlap: bool = True,
+  compact_pairs: bool = False,
 ) -> tuple[GradientReducer, list[str]]:
   """``reducer``'s buckets, each with the strategy ``comm.strategy="auto"`` gives it; and a reason per bucket.
+  ``compact_pairs`` (``comm.compact_pairs``): the hitopk and topk candidates send compact pairs, and so do
+  the buckets that take them.
 
   Buckets are reduced one after the other on one stream, each once its gradients are ready (backward
   times as in ``plan_adaptive_fusion``). Every registered strategy the mesh allows is a candidate (exact,
@@ -211,7 +214,7 @@ def plan_auto(
   ]
   exact_names = [n for n in candidates if not strategies.get(n).compressed]
   sizes = [sum(int(np.prod(leaves[order[i]].shape)) for i in positions) for positions in buckets]
-  singles = {name: dataclasses.replace(reducer, strategy=name, choices=None) for name in candidates}
+  singles = {name: reducer.with_strategy(name, compact_pairs) for name in candidates}
   durations = [{name: bucket_seconds(cost, one, n) for name, one in singles.items()} for n in sizes]
   bucket_ready = [ready[max(positions)] for positions in buckets]
   earliest, free = [], 0.0
@@ -230,7 +233,8 @@ def plan_auto(
       choices[b], why = fastest, f"{1e3 * (d[exact] - d[fastest]):.2f} ms faster than {exact}, on the critical path"
     reasons[b] = f"{sizes[b]:,} elements: {choices[b]}, {why}"
     latest -= d[choices[b]]
-  return dataclasses.replace(reducer, strategy="auto", choices=tuple(choices)), reasons
+  planned = dataclasses.replace(reducer, strategy="auto", choices=tuple(choices), compact_pairs=compact_pairs)
+  return planned, reasons
 
 
 def needs_cost(comm: ml_collections.ConfigDict) -> bool:
@@ -259,7 +263,7 @@ def plan_reducer(
   if comm.fusion == "adaptive":
     reducer = plan_adaptive_fusion(reducer, profile, cost, device_flops, examples_per_device)
   if comm.strategy == AUTO:
-    reducer, reasons = plan_auto(reducer, profile, cost, device_flops, examples_per_device, overlap)
+    reducer, reasons = plan_auto(reducer, profile, cost, device_flops, examples_per_device, overlap, comm.compact_pairs)
   if comm.k_allocation == "sqrt":
     reducer = reducer.with_sqrt_allocation(profile.params)
   return reducer, reasons

@@ -54,7 +54,7 @@ class GradientReducer:
     choices: for ``strategy="auto"``, the strategy of each bucket (``cost_model.plan_auto``).
     compact_pairs: the top-k pairs cross the wire as a bfloat16 value and a uint16 index (an offset in its
       65,536-entry block, with per-block counts, in longer vectors: ``compression.pair_dtypes``); the rounding
-      stays in the residual. hitopk and topk.
+      stays in the residual. hitopk and topk, and auto's buckets that take one of them.
     momentum_correction: > 0: DGC momentum correction with this momentum (``compression.compensate``);
       the optimizer then runs without momentum.
     nesterov: the momentum correction's momentum is Nesterov's (``compression.MomentumCorrection``).
@@ -89,9 +89,9 @@ class GradientReducer:
   updates_parameters = False  # the train step applies the optimizer to what ``reduce`` returns
 
   def __post_init__(self):
-    if self.compact_pairs and not strategies.sends_compact_pairs(self.strategy):
+    if self.compact_pairs and not (self.strategy == AUTO or strategies.sends_compact_pairs(self.strategy)):
       capable = [s.name for s in strategies.REGISTRY.values() if s.compact_pairs]
-      raise ValueError(f"compact pairs: strategy {self.strategy!r} cannot send them; use one of {capable}")
+      raise ValueError(f"compact pairs: strategy {self.strategy!r} cannot send them; use one of {capable} or auto")
 
   @property
   def spec(self) -> strategies.Strategy:
@@ -132,7 +132,14 @@ class GradientReducer:
       return self
     if self.choices is None:
       raise ValueError("strategy='auto' needs choices: build the reducer with cost_model.plan_auto")
-    return dataclasses.replace(self, strategy=self.choices[bucket], choices=None)
+    return self.with_strategy(self.choices[bucket])
+
+  def with_strategy(self, name: str, compact_pairs: bool | None = None) -> GradientReducer:
+    """This reducer with one strategy for every bucket; compact pairs (``compact_pairs``, else this
+    reducer's) stay on where ``name`` can send them: "auto" with compact pairs sends them from its hitopk
+    and topk buckets, and gtopk's as float32."""
+    compact = (self.compact_pairs if compact_pairs is None else compact_pairs) and strategies.sends_compact_pairs(name)
+    return dataclasses.replace(self, strategy=name, choices=None, compact_pairs=compact)
 
   # --- planning (static, from shapes) ---------------------------------------------------------------
   def buckets(self, leaves) -> tuple[list[int], list[list[int]]]:
@@ -239,7 +246,7 @@ class GradientReducer:
           self.error_feedback,
           wire_dtype,
           self.correction,
-          self.compact_pairs,
+          one.compact_pairs,
         )
         new_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
@@ -345,7 +352,7 @@ def reducer_from_config(
     error_feedback=comm.error_feedback,
     min_compress_elements=comm.min_compress_elements,
     wire_dtype=comm.dtype,
-    compact_pairs=comm.compact_pairs,
+    compact_pairs=comm.compact_pairs and comm.strategy != AUTO,  # auto's: cost_model.plan_auto gives them
     order=order,
     momentum_correction=momentum if comm.momentum_correction else 0.0,
     nesterov=nesterov,

@@ -104,12 +104,13 @@ def topk_bytes(b: Buffer) -> CommBytes:
 
 
 def gtopk_bytes(b: Buffer) -> CommBytes:
-  # log2(local) rounds inside the node and log2(nodes) across, k pairs each (both are powers of two),
-  # then a ring all-reduce of k exact sums over every device.
+  # log2(local) rounds inside the node and log2(nodes) across, k pairs each (both are powers of two; never
+  # compact: the merge rounds compare partial sums), then a ring all-reduce of k exact sums over every device.
+  pairs = dataclasses.replace(b, compact_pairs=False).pair_bytes(b.elements)
   sums = dense_bytes(Buffer(b.k, b.itemsize, b.nodes, b.local))
   return CommBytes(
-    intra_node=(b.local.bit_length() - 1) * b.pair_bytes(b.elements) + sums.intra_node,
-    inter_node=(b.nodes.bit_length() - 1) * b.pair_bytes(b.elements) + sums.inter_node,
+    intra_node=(b.local.bit_length() - 1) * pairs + sums.intra_node,
+    inter_node=(b.nodes.bit_length() - 1) * pairs + sums.inter_node,
   )
 
 
