@@ -35,6 +35,9 @@ VARIANTS = {
   "hitopk@0.01/mstopk": ("hitopk", "fixed", 0.01, "mstopk"),
   "hitopk@0.001/mstopk": ("hitopk", "fixed", 0.001, "mstopk"),
   "hitopk@0.001/unfused": ("hitopk", "none", 0.001, "exact"),
+  # "/compact": comm.compact_pairs (bfloat16 values; uint16 offsets and per-block counts in these long buckets)
+  "hitopk@0.01/compact": ("hitopk", "fixed", 0.01, "exact"),
+  "hitopk@0.001/compact": ("hitopk", "fixed", 0.001, "exact"),
   "hierarchical/adaptive": ("hierarchical", "adaptive", 1.0, "exact"),
   "hitopk@0.001/adaptive": ("hitopk", "adaptive", 0.001, "exact"),
   "powersgd@1": ("powersgd", "fixed", 1, None),
@@ -105,6 +108,7 @@ def main():
         density=density,
         selector=selector,
         order=profile.order,
+        compact_pairs=name.endswith("/compact"),
       )
     if fusion == "adaptive":
       reducer = cost_model.plan_adaptive_fusion(
