@@ -55,7 +55,7 @@ from calibrate_links import calibrate_on_cluster  # noqa: E402  (benchmarks/, th
 from light_jax import config as config_lib  # noqa: E402
 from light_jax import simulation  # noqa: E402
 from light_jax.emulated_cluster import ClusterError, EmulatedCluster, LoopbackCluster, free_port, parse_rate  # noqa: E402
-from light_jax.parallel import cost_model  # noqa: E402
+from light_jax.parallel import cost_model, strategies  # noqa: E402
 
 
 def parse_strategy(text: str) -> tuple[str, list[str]]:
@@ -109,6 +109,7 @@ def run_cell(
     "wire_bytes_per_step": statistics.median(s["sent_bytes"] for s in steps) if cluster.measures_wire else None,
     "comm_buckets": summary["comm_buckets"],
     "wire_itemsize": 2 if summary["config"]["comm"]["dtype"] == "bfloat16" else 4,
+    "compact_pairs": summary["config"]["comm"]["compact_pairs"],
   }
 
 
@@ -118,7 +119,12 @@ def predict_step(unshaped: dict, cell: dict, unshaped_fit: dict, shaped_fit: dic
   are not shaped: both keep the unshaped intra-node fit)."""
   measured_on = cost_model.ClusterCost.from_dict(unshaped_fit)
   moved_to = cost_model.ClusterCost(intra=measured_on.intra, inter=cost_model.LinkCost(**shaped_fit["inter"]))
-  buckets = [simulation.BucketComm(strategy, elements, k) for strategy, elements, k in cell["comm_buckets"]]
+  buckets = [
+    simulation.BucketComm(
+      strategy, elements, k, compact_pairs=cell["compact_pairs"] and strategies.sends_compact_pairs(strategy)
+    )
+    for strategy, elements, k in cell["comm_buckets"]
+  ]
   return simulation.move_measured_step(
     unshaped["step_seconds"], buckets, measured_on, moved_to, nodes, local, cell["wire_itemsize"]
   )
@@ -156,7 +162,7 @@ def run_mesh(
         cell["inter_link"] = calibration[text]["inter"]  # the fitted alpha (s) and beta (s/B) of a machine's link
         results[f"{label}@{text}"] = cell
   for cell in results.values():
-    del cell["comm_buckets"], cell["wire_itemsize"]
+    del cell["comm_buckets"], cell["wire_itemsize"], cell["compact_pairs"]
   return results, calibration
 
 

@@ -154,6 +154,7 @@ class BucketComm:
   k: int = 0  # entries top-k keeps; 0 for a dense bucket
   selection_elements: int = 0  # elements the top-k runs on
   last_position: int = 0  # its last gradient's position in backward order: it is ready after that one
+  compact_pairs: bool = False  # its top-k pairs cross as bfloat16 values and uint16 indices (comm.compact_pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +181,6 @@ def simulate_step(
   overlap: bool = True,
   wire_itemsize: int = 4,
   topk_elements_per_sec: float = math.inf,
-  compact_pairs: bool = False,
 ) -> StepTime:
   """One step's timeline: ``backward_seconds`` per tensor in backward order, the buckets' collectives one
   after the other, each from when its last gradient is ready (``overlap``) or after the whole backward."""
@@ -193,7 +193,7 @@ def simulate_step(
   for b in buckets:
     selection = b.selection_elements / topk_elements_per_sec if b.k else 0.0
     link = cost.reduction_seconds(
-      b.strategy, b.elements, nodes, local, b.k, wire_itemsize=wire_itemsize, compact_pairs=compact_pairs
+      b.strategy, b.elements, nodes, local, b.k, wire_itemsize=wire_itemsize, compact_pairs=b.compact_pairs
     )
     start = max(ready[min(b.last_position, len(ready) - 1)] if overlap else compute, stream_free)
     stream_free = start + selection + link
@@ -235,7 +235,12 @@ def bucket_comms(reducer, params) -> list[BucketComm]:
     k = one.k_for(elements)
     comms.append(
       BucketComm(
-        one.bucket_strategy(elements).name, elements, k, one.compressed_size(elements) if k else 0, max(positions)
+        one.bucket_strategy(elements).name,
+        elements,
+        k,
+        one.compressed_size(elements) if k else 0,
+        max(positions),
+        one.compact_pairs,
       )
     )
   return comms
@@ -332,7 +337,6 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
       overlap,
       wire_itemsize,
       device.topk_elements_per_sec,
-      config.comm.compact_pairs,
     )
     eval_seconds = epochs * num_eval / cluster.num_devices * device.train_seconds_per_image(eval_size) / 3
     reports.append(PhaseReport(first, epochs, size, batch, steps, step, len(buckets), steps * step.total, eval_seconds))

@@ -1,6 +1,7 @@
 """The simulator (light_jax/simulation.py, scripts/simulate.py): the step timeline by hand, the move of a
 measured step between links that the mesh lab predicts with, and Light's setting end to end."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -41,7 +42,8 @@ def test_step_timeline_overlaps_buckets_with_the_backward_pass():
   assert slow_select.exposed_comm == pytest.approx(fast_select.exposed_comm + 1.0)
   # Compact pairs: one pair is 4 bytes instead of 8 on the slow link (a 1,000-entry unit takes uint16 indices).
   wide = simulation.simulate_step(cost, 2, 1, compressed, 1.0, [1.0, 1.0], overlap=False)
-  narrow = simulation.simulate_step(cost, 2, 1, compressed, 1.0, [1.0, 1.0], overlap=False, compact_pairs=True)
+  compact = [dataclasses.replace(compressed[0], compact_pairs=True)]
+  narrow = simulation.simulate_step(cost, 2, 1, compact, 1.0, [1.0, 1.0], overlap=False)
   assert wide.exposed_comm == pytest.approx(1.0) and narrow.exposed_comm == pytest.approx(0.5)
 
 
