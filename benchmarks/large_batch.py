@@ -303,6 +303,15 @@ RUNS = {
     )
     for s in (0, 1, 2, 3, 4, 5, 6)
   },
+  # 0.2% with both: on ResNet-50 the density that compact pairs and bfloat16 dense hops fit in 0.1%'s bytes.
+  **{
+    f"sgd_4096_w3_hitopk_clip_02pct_bf16_compact{'' if s == 0 else f'_seed{s}'}": (
+      BASE,
+      [*CLIPPED, "--config.comm.density=0.002", *BF16_HOPS, *COMPACT, *([] if s == 0 else [f"--config.seed={s}"])],
+      "the clipped run at 0.2%, dense hops in bfloat16, compact pairs" + ("" if s == 0 else f", seed {s}"),
+    )
+    for s in (0, 1)
+  },
   "sgd_4096_w3_hitopk_clip_05pct_bf16": (
     BASE,
     [*CLIPPED, *AT_05, *BF16_HOPS],
