@@ -55,7 +55,7 @@ from calibrate_links import calibrate_on_cluster  # noqa: E402  (benchmarks/, th
 from light_jax import config as config_lib  # noqa: E402
 from light_jax import simulation  # noqa: E402
 from light_jax.emulated_cluster import ClusterError, EmulatedCluster, LoopbackCluster, free_port, parse_rate  # noqa: E402
-from light_jax.parallel import cost_model, strategies  # noqa: E402
+from light_jax.parallel import cost_model  # noqa: E402
 
 
 def parse_strategy(text: str) -> tuple[str, list[str]]:
@@ -120,9 +120,7 @@ def predict_step(unshaped: dict, cell: dict, unshaped_fit: dict, shaped_fit: dic
   measured_on = cost_model.ClusterCost.from_dict(unshaped_fit)
   moved_to = cost_model.ClusterCost(intra=measured_on.intra, inter=cost_model.LinkCost(**shaped_fit["inter"]))
   buckets = [
-    simulation.BucketComm(
-      strategy, elements, k, compact_pairs=cell["compact_pairs"] and strategies.sends_compact_pairs(strategy)
-    )
+    simulation.BucketComm(strategy, elements, k, compact_pairs=cell["compact_pairs"])
     for strategy, elements, k in cell["comm_buckets"]
   ]
   return simulation.move_measured_step(

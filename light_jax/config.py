@@ -273,7 +273,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   from light_jax.parallel import compression, cost_model, strategies
   from light_jax.parallel import mesh as mesh_lib
   from light_jax.parallel import sharded_update as sharded_lib
-  from light_jax.parallel.reducer import AUTO, DILOCO, FUSIONS, POWERSGD, STRATEGIES
+  from light_jax.parallel.reducer import AUTO, DILOCO, FUSIONS, POWERSGD, STRATEGIES, takes_compact_pairs
 
   _choice("comm.strategy", config.comm.strategy, STRATEGIES)
   _choice("comm.fusion", config.comm.fusion, FUSIONS)
@@ -293,9 +293,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       f"comm.momentum_correction masks the velocity where top-k sent entries; comm.strategy="
       f"{config.comm.strategy!r} is not a top-k strategy. Use hitopk, topk or gtopk, or turn it off."
     )
-  if config.comm.compact_pairs and not (
-    config.comm.strategy == AUTO or strategies.sends_compact_pairs(config.comm.strategy)
-  ):
+  if config.comm.compact_pairs and not takes_compact_pairs(config.comm.strategy):
     raise ConfigError(
       f"comm.compact_pairs narrows the (value, index) pairs of hitopk and topk; comm.strategy="
       f"{config.comm.strategy!r} sends none it can narrow. Use hitopk, topk or auto (whose hitopk and topk "

@@ -154,7 +154,9 @@ class BucketComm:
   k: int = 0  # entries top-k keeps; 0 for a dense bucket
   selection_elements: int = 0  # elements the top-k runs on
   last_position: int = 0  # its last gradient's position in backward order: it is ready after that one
-  compact_pairs: bool = False  # its top-k pairs cross as bfloat16 values and uint16 indices (comm.compact_pairs)
+  # comm.compact_pairs for this bucket: its pairs cross as bfloat16 values and uint16 indices where its
+  # strategy sends them so (hitopk, topk; the byte formulas in strategies.py count gtopk's as float32)
+  compact_pairs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,11 @@ DILOCO = diloco.NAME  # comm.strategy: local steps in each machine, an outer ste
 STRATEGIES = (*strategies.NAMES, POWERSGD, DILOCO, AUTO)  # every comm.strategy
 
 
+def takes_compact_pairs(strategy: str) -> bool:
+  """Whether comm.compact_pairs applies to ``strategy``: hitopk and topk, and auto (for its buckets of those)."""
+  return strategy == AUTO or strategies.sends_compact_pairs(strategy)
+
+
 @dataclasses.dataclass(frozen=True)
 class GradientReducer:
   """Turns local gradients into the mean gradient over all devices, bucket by bucket.
@@ -89,7 +94,7 @@ class GradientReducer:
   updates_parameters = False  # the train step applies the optimizer to what ``reduce`` returns
 
   def __post_init__(self):
-    if self.compact_pairs and not (self.strategy == AUTO or strategies.sends_compact_pairs(self.strategy)):
+    if self.compact_pairs and not takes_compact_pairs(self.strategy):
       capable = [s.name for s in strategies.REGISTRY.values() if s.compact_pairs]
       raise ValueError(f"compact pairs: strategy {self.strategy!r} cannot send them; use one of {capable} or auto")
 
