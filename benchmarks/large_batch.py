@@ -52,6 +52,20 @@ CLIPPED = [*PER_TENSOR, "--config.comm.local_clip_norm=2.0"]
 AT_03, BF16_HOPS = ["--config.comm.density=0.003"], ["--config.comm.dtype=bfloat16"]
 # ... with compact pairs (a bfloat16 value and a uint16 index, 4 bytes instead of 8), at density 0.5%.
 COMPACT, AT_05 = ["--config.comm.compact_pairs=True"], ["--config.comm.density=0.005"]
+
+
+def seeded(label: str, overrides: list[str], what: str, seeds) -> dict[str, tuple]:
+  """Rows of one setting on several seeds: ``label`` for seed 0, ``label_seed{s}`` for the others."""
+  return {
+    label + ("" if s == 0 else f"_seed{s}"): (
+      BASE,
+      [*overrides, *([] if s == 0 else [f"--config.seed={s}"])],
+      what + ("" if s == 0 else f", seed {s}"),
+    )
+    for s in seeds
+  }
+
+
 # label -> (config, overrides, what it shows). Each run is compared with the batch-256 run of its epoch count.
 RUNS = {
   # 28 epochs, the seed's count (configs/fashion_mnist.py:large_batch)
@@ -295,23 +309,19 @@ RUNS = {
   },
   # Compact pairs halve the pairs' bytes: with the dense hops in bfloat16, 0.5% then fits in fewer bytes across
   # nodes than :large_batch_hitopk's 0.1% (3,572).
-  **{
-    f"sgd_4096_w3_hitopk_clip_05pct_bf16_compact{'' if s == 0 else f'_seed{s}'}": (
-      BASE,
-      [*CLIPPED, *AT_05, *BF16_HOPS, *COMPACT, *([] if s == 0 else [f"--config.seed={s}"])],
-      "the clipped run at 0.5%, dense hops in bfloat16, compact pairs" + ("" if s == 0 else f", seed {s}"),
-    )
-    for s in (0, 1, 2, 3, 4, 5, 6)
-  },
+  **seeded(
+    "sgd_4096_w3_hitopk_clip_05pct_bf16_compact",
+    [*CLIPPED, *AT_05, *BF16_HOPS, *COMPACT],
+    "the clipped run at 0.5%, dense hops in bfloat16, compact pairs",
+    range(7),
+  ),
   # 0.2% with both: on ResNet-50 the density that compact pairs and bfloat16 dense hops fit in 0.1%'s bytes.
-  **{
-    f"sgd_4096_w3_hitopk_clip_02pct_bf16_compact{'' if s == 0 else f'_seed{s}'}": (
-      BASE,
-      [*CLIPPED, "--config.comm.density=0.002", *BF16_HOPS, *COMPACT, *([] if s == 0 else [f"--config.seed={s}"])],
-      "the clipped run at 0.2%, dense hops in bfloat16, compact pairs" + ("" if s == 0 else f", seed {s}"),
-    )
-    for s in (0, 1)
-  },
+  **seeded(
+    "sgd_4096_w3_hitopk_clip_02pct_bf16_compact",
+    [*CLIPPED, "--config.comm.density=0.002", *BF16_HOPS, *COMPACT],
+    "the clipped run at 0.2%, dense hops in bfloat16, compact pairs",
+    range(2),
+  ),
   "sgd_4096_w3_hitopk_clip_05pct_bf16": (
     BASE,
     [*CLIPPED, *AT_05, *BF16_HOPS],
