@@ -71,6 +71,9 @@ class CompiledSteps:
     self.reducer = reducer
     self.residual_scale = schedules.residual_rescale(schedule) if comm.residual_units == "update" else None
     self.density_warmup_steps = plan.step_at(comm.density_warmup_epochs)
+    self.final_density = None  # (first step, density) of the last comm.final_density_epochs epochs
+    if comm.final_density_epochs > 0:
+      self.final_density = (plan.step_at(plan.num_epochs - comm.final_density_epochs), comm.final_density)
     self.sharding = mesh_lib.batch_sharding(mesh)
     self._compiled: dict[tuple, tuple[Callable, CommBytes]] = {}
 
@@ -81,7 +84,8 @@ class CompiledSteps:
     return (self.plan.batch_size_at(step), *image_shape)
 
   def density_at(self, step: int) -> float:
-    return schedules.density_at(step, self.config.comm.density, self.density_warmup_steps)
+    comm = self.config.comm
+    return schedules.density_at(step, comm.density, self.density_warmup_steps, final=self.final_density)
 
   def reducer_at(self, step: int) -> Reducer:
     reducer = self.reducer.at_density(self.density_at(step))

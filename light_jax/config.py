@@ -133,6 +133,10 @@ def base_config() -> ml_collections.ConfigDict:
     compact_pairs=False,
     min_compress_elements=512,  # smaller buckets / shards go to the strategy's dense fallback
     density_warmup_epochs=0.0,  # >0: DGC-style warm-up from density 0.25 down to `density`
+    # >0: the last final_density_epochs epochs send at final_density instead of `density` (the annealing
+    # epochs, where the lr is low and the uncompressed run still gains most; docs/techniques.md section 11)
+    final_density_epochs=0.0,
+    final_density=0.01,
     # How the top-k budget (density x the compressed entries) is shared between buckets: "proportional" (k =
     # density x size each) or "sqrt" (k in proportion to sqrt(size), the same total: small tensors get more
     # than their share, large ones less; light_jax/parallel/reducer.py, GradientReducer.with_sqrt_allocation).
@@ -362,6 +366,18 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     )
   _positive("comm.min_compress_elements", config.comm.min_compress_elements, allow_zero=True)
   _positive("comm.density_warmup_epochs", config.comm.density_warmup_epochs, allow_zero=True)
+  _positive("comm.final_density_epochs", config.comm.final_density_epochs, allow_zero=True)
+  if config.comm.final_density_epochs > 0:
+    if not 0.0 < config.comm.final_density <= 1.0:
+      raise ConfigError(
+        f"comm.final_density={config.comm.final_density!r} must be in (0, 1] (the fraction top-k keeps)."
+      )
+    if config.comm.final_density_epochs + config.comm.density_warmup_epochs > config.num_epochs:
+      raise ConfigError(
+        f"comm.final_density_epochs={config.comm.final_density_epochs} and comm.density_warmup_epochs="
+        f"{config.comm.density_warmup_epochs} overlap in a run of num_epochs={config.num_epochs}: the final phase "
+        "would cut the warm-up short. Shorten one of them."
+      )
   if not 0.0 < config.comm.density <= 1.0:
     raise ConfigError(f"comm.density={config.comm.density!r} must be in (0, 1] (the fraction top-k keeps).")
   _choice("optimizer.name", config.optimizer.name, OPTIMIZERS)

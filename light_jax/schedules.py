@@ -2,7 +2,7 @@
 
 - ``EpochPlan``: which epoch, image size and global batch size a step belongs to (progressive resizing);
 - ``learning_rate_schedule``: linear warm-up, then polynomial, linear or cosine decay, laid out in epochs;
-- ``density_at``: the top-k density warm-up of the compressed strategies;
+- ``density_at``: the top-k density of the compressed strategies (warm-up, then a final phase if set);
 - ``residual_rescale``: the factor that keeps error-feedback residuals in learning-rate-weighted units.
 
 Everything is a function of the config and the step, so a resumed run finds the same schedules.
@@ -197,12 +197,24 @@ def residual_rescale(schedule: optax.Schedule) -> Callable[[jax.Array], jax.Arra
   return factor
 
 
-def density_at(step: int, target: float, warmup_steps: int, start: float = 0.25, phases: int = 4) -> float:
-  """DGC-style top-k density warm-up: ``phases`` exponential steps from ``start`` down to ``target``.
+def density_at(
+  step: int,
+  target: float,
+  warmup_steps: int,
+  start: float = 0.25,
+  phases: int = 4,
+  final: tuple[int, float] | None = None,
+) -> float:
+  """The top-k density of ``step``: DGC-style warm-up, ``target``, then an optional final phase.
 
-  Each phase keeps one density (k is a static shape, so each phase compiles once). With
-  ``warmup_steps`` = 0, or ``target >= start``, the density is ``target`` from the first step.
+  The warm-up takes ``phases`` exponential steps from ``start`` down to ``target`` over ``warmup_steps``;
+  with ``warmup_steps`` = 0, or ``target >= start``, the density is ``target`` from the first step.
+  ``final`` = (first step, density) sends at another density from that step to the end: the annealing
+  epochs, where the uncompressed run gains most, can get more of a run's entries than the middle ones.
+  Each phase keeps one density (k is a static shape, so each phase compiles once).
   """
+  if final is not None and step >= final[0]:
+    return final[1]
   if warmup_steps <= 0 or target >= start or step >= warmup_steps:
     return target
   phase = step * phases // warmup_steps
