@@ -368,6 +368,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _positive("comm.density_warmup_epochs", config.comm.density_warmup_epochs, allow_zero=True)
   _positive("comm.final_density_epochs", config.comm.final_density_epochs, allow_zero=True)
   if config.comm.final_density_epochs > 0:
+    if not (is_top_k(config.comm.strategy) or config.comm.strategy == AUTO):
+      raise ConfigError(
+        f"comm.final_density_epochs changes the top-k density of the last epochs; comm.strategy="
+        f"{config.comm.strategy!r} selects no entries. Use hitopk, topk, gtopk or auto, or set it to 0."
+      )
     if not 0.0 < config.comm.final_density <= 1.0:
       raise ConfigError(
         f"comm.final_density={config.comm.final_density!r} must be in (0, 1] (the fraction top-k keeps)."

@@ -70,6 +70,14 @@ def test_density_warmup_phases():
   assert len({schedules.density_at(s, 0.001, 100) for s in range(200)}) == 5  # 4 phases + target
 
 
+def test_final_density_phase_follows_the_warmup_and_the_target():
+  final = (150, 0.004)
+  densities = [schedules.density_at(s, 0.001, 100, final=final) for s in range(200)]
+  assert densities[:100] == [schedules.density_at(s, 0.001, 100) for s in range(100)]  # the warm-up as before
+  assert set(densities[100:150]) == {0.001} and set(densities[150:]) == {0.004}
+  assert schedules.density_at(10, 0.001, 0, final=(5, 0.01)) == 0.01  # without a warm-up too
+
+
 def _run_steps(strategy, shape, grads, density, error_feedback=True, selector="exact", lrs=None, **options):
   """Reduces each step's per-device vectors (T, devices, d); returns (outputs (T, d), final state).
 

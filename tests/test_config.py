@@ -37,6 +37,15 @@ def test_default_configs_validate():
       r"comm.cost_model='/nope.json' is neither a preset",
     ),
     ({"comm__density": 0.0}, r"comm.density=0.0 must be in \(0, 1\]"),
+    ({"comm__final_density_epochs": 2.0}, r"comm.strategy='hierarchical' selects no entries"),
+    (
+      {"comm__strategy": "hitopk", "comm__final_density_epochs": 2.0, "comm__final_density": 0.0},
+      r"comm.final_density=0.0 must be in \(0, 1\]",
+    ),
+    (
+      {"comm__strategy": "hitopk", "comm__final_density_epochs": 6.0, "comm__density_warmup_epochs": 3.0},
+      r"overlap in a run of num_epochs=8: the final phase would cut the warm-up short",
+    ),
     ({"comm__dtype": "float16"}, r"comm.dtype='float16' is unknown; use one of \['float32', 'bfloat16'\]"),
     ({"optimizer__name": "adam"}, r"optimizer.name='adam' is unknown; use one of \['sgd', 'lars', 'lamb'\]"),
     ({"optimizer__decay": "step"}, r"optimizer.decay='step' is unknown"),

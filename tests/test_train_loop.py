@@ -65,6 +65,19 @@ def test_hitopk_with_adaptive_fusion_mstopk_and_density_warmup(tmp_path, caplog)
   assert last["eval_top1"] > 0.3  # learns (chance: 0.1) in 32 steps at 1% density
 
 
+def test_final_density_epochs_send_at_the_final_density(tmp_path, caplog):
+  """comm.final_density_epochs: the last epoch compiles a step at comm.final_density, and its bytes say so."""
+  config = small_config(
+    "hitopk", num_epochs=2, global_batch_size=128, comm__final_density_epochs=1.0, comm__final_density=0.05
+  )
+  with caplog.at_level(logging.INFO):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  assert caplog.text.count("train step compiled") == 2
+  assert "top-k density 0.01)" in caplog.text and "top-k density 0.05)" in caplog.text
+  first, last = read_metrics(tmp_path)
+  assert last["inter_node_bytes_per_step"] > first["inter_node_bytes_per_step"]
+
+
 def test_sqrt_k_allocation_and_auto_are_planned_by_the_trainer(tmp_path, caplog):
   """CompiledSteps plans with cost_model.plan_reducer: the square-root share reaches the compiled step (its
   log line), and auto logs its choice per bucket."""
