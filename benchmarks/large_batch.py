@@ -322,7 +322,7 @@ RUNS = {
     "sgd_4096_w3_hitopk_clip_02pct_bf16_compact",
     [*CLIPPED, "--config.comm.density=0.002", *BF16_HOPS, *COMPACT],
     "the clipped run at 0.2%, dense hops in bfloat16, compact pairs",
-    range(2),
+    range(4),
   ),
   "sgd_4096_w3_hitopk_clip_05pct_bf16": (
     BASE,
@@ -341,7 +341,7 @@ RUNS = {
     "sgd_4096_w3_hitopk_clip_005pct_final02",
     [*CLIPPED, "--config.comm.density=0.0005", *FINAL_8, "--config.comm.final_density=0.002"],
     "the clipped run at 0.05%, its last 8 epochs at 0.2%: 0.1% on average after the density warm-up",
-    range(4),
+    range(1),
   ),
   "sgd_4096_w3_hitopk_clip_final03": (
     BASE,
