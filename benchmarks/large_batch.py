@@ -343,6 +343,11 @@ RUNS = {
     "the clipped run at 0.05%, its last 8 epochs at 0.2%: 0.1% on average after the density warm-up",
     range(1),
   ),
+  "sgd_4096_w3_hitopk_clip_rerun": (
+    BASE,
+    CLIPPED,
+    ":large_batch_hitopk (seed 0) rerun on the final-density rows' commit, their same-commit side",
+  ),
   "sgd_4096_w3_hitopk_clip_final03": (
     BASE,
     [*CLIPPED, *FINAL_8, "--config.comm.final_density=0.003"],
