@@ -29,7 +29,7 @@ added (the kernel has no sch_netem). All processes share this machine's CPU core
 compute time with --nodes x --local devices.
 
 Strategies: NAME or NAME@DENSITY (powersgd@RANK, diloco@STEPS_BETWEEN_SYNCS), with "/bfloat16" for the
-bfloat16 wire dtype ("hierarchical/bfloat16");
+bfloat16 wire dtype ("hierarchical/bfloat16") and "/compact" for compact pairs ("hitopk@0.01/compact");
 "auto" (or auto@DENSITY) chooses per bucket from the links calibrated at that bandwidth.
 --plot FILE draws predicted against measured step seconds for every cell. The last line is one JSON
 object keyed "<strategy>@<bandwidth>" (e.g. "hitopk@0.001@50mbit"); each cell also holds `inter_link`,
@@ -61,7 +61,7 @@ from light_jax.parallel import cost_model  # noqa: E402
 def parse_strategy(text: str) -> tuple[str, list[str]]:
   """ "hitopk@0.001" -> ("hitopk@0.001", its comm overrides): NAME@VALUE sets the density of the top-k
   strategies, the rank of powersgd, the steps between syncs of diloco; "/bfloat16" sends the dense hops
-  in bfloat16 (comm.dtype): "hierarchical/bfloat16"."""
+  in bfloat16 (comm.dtype): "hierarchical/bfloat16"; "/compact" sets comm.compact_pairs."""
   return text, [f"--config.comm.{field}={value}" for field, value in config_lib.strategy_fields(text).items()]
 
 

@@ -195,10 +195,10 @@ STRATEGY_PARAMETER = {"powersgd": ("rank", int), "diloco": ("sync_every", int)}
 
 
 def strategy_fields(label: str) -> dict[str, Any]:
-  """The ``comm`` fields a strategy label "NAME[@VALUE][/WIRE]" stands for, as benchmarks and scripts take
-  them: "hitopk@0.001" -> strategy and density, "powersgd@4" -> rank 4, "diloco@8" -> sync_every 8,
-  "hierarchical/bfloat16" -> the wire dtype (comm.dtype)."""
-  spec, _, wire = label.partition("/")
+  """The ``comm`` fields a strategy label "NAME[@VALUE][/OPTION...]" stands for, as benchmarks and scripts take
+  them: "hitopk@0.001" -> strategy and density, "powersgd@4" -> rank 4, "diloco@8" -> sync_every 8; options
+  "/bfloat16" -> the wire dtype (comm.dtype), "/compact" -> comm.compact_pairs: "hitopk@0.01/bfloat16/compact"."""
+  spec, *options = label.split("/")
   name, _, value = spec.partition("@")
   fields: dict[str, Any] = {"strategy": name}
   if value:
@@ -207,8 +207,15 @@ def strategy_fields(label: str) -> dict[str, Any]:
       fields[field] = kind(value)
     except ValueError:
       raise ConfigError(f"strategy {label!r}: {value!r} is not a valid comm.{field} ({kind.__name__})") from None
-  if wire:
-    fields["dtype"] = wire
+  for option in options:
+    if option in DTYPES:
+      fields["dtype"] = option
+    elif option == "compact":
+      fields["compact_pairs"] = True
+    else:
+      raise ConfigError(
+        f"strategy {label!r}: /{option} is neither a wire dtype ({', '.join(DTYPES)}) nor /compact (compact pairs)."
+      )
   return fields
 
 

@@ -8,8 +8,9 @@
 
 The cluster: a preset (--cluster), changed by --nodes, --devices_per_node, --inter_gbps, --device and
 --cost_model (a JSON file from benchmarks/calibrate_links.py); --input_images_per_sec sets each host's
-input rate at 128 px. Strategies: NAME or NAME@DENSITY, "/bfloat16" for the bfloat16 wire (as in the
-mesh lab); without --strategies the config's own. Config fields: --config.FIELD=VALUE.
+input rate at 128 px. Strategies: NAME or NAME@DENSITY, "/bfloat16" for the bfloat16 wire, "/compact" for
+compact pairs (comm.compact_pairs), as in the mesh lab: "hitopk@0.01,hitopk@0.01/compact" compares the two in
+one run; without --strategies the config's own. Config fields: --config.FIELD=VALUE.
 
 Prints, per strategy, each phase's step split (compute, exposed communication, update, input wait) and
 seconds, then a summary. The last line is one JSON object: `seconds`, `phases`, `exposed_comm_fraction`
@@ -47,7 +48,7 @@ DEVICE_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def with_strategy(config, text: str):
-  """A copy of ``config`` with "NAME[@VALUE][/WIRE]" as its comm strategy (config.strategy_fields)."""
+  """A copy of ``config`` with "NAME[@VALUE][/OPTION...]" as its comm strategy (config.strategy_fields)."""
   from light_jax import config as config_lib
 
   config = config.copy_and_resolve_references()
@@ -137,9 +138,10 @@ def main(argv):
       raise app.UsageError(str(e)) from None
     print_run(label, results[label])
 
-  print(f"\n{'strategy':<24}{'seconds':>10}{'exposed comm':>14}{'efficiency':>12}")
+  width = max(24, *(len(label) + 2 for label in labels))
+  print(f"\n{'strategy':<{width}}{'seconds':>10}{'exposed comm':>14}{'efficiency':>12}")
   for label, r in results.items():
-    print(f"{label:<24}{r['seconds']:>10.1f}{100 * r['exposed_comm_fraction']:>13.1f}%"
+    print(f"{label:<{width}}{r['seconds']:>10.1f}{100 * r['exposed_comm_fraction']:>13.1f}%"
           f"{100 * r['scaling_efficiency']:>11.1f}%")  # fmt: skip
   output = {**results[labels[0]], "strategies": {label: {k: v for k, v in r.items() if k != "phases"}
                                                  for label, r in results.items()}}  # fmt: skip

@@ -115,6 +115,19 @@ def test_auto_takes_compact_pairs_for_its_hitopk_and_topk_buckets():
   assert config_lib.validate(_config(comm__strategy="auto", comm__compact_pairs=True), 8) == (2, 4)
 
 
+def test_strategy_labels_name_their_comm_fields():
+  assert config_lib.strategy_fields("hitopk@0.001") == {"strategy": "hitopk", "density": 0.001}
+  assert config_lib.strategy_fields("powersgd@4") == {"strategy": "powersgd", "rank": 4}
+  assert config_lib.strategy_fields("hitopk@0.01/bfloat16/compact") == {
+    "strategy": "hitopk",
+    "density": 0.01,
+    "dtype": "bfloat16",
+    "compact_pairs": True,
+  }
+  with pytest.raises(config_lib.ConfigError, match=r"/fp8 is neither a wire dtype \(float32, bfloat16\) nor /compact"):
+    config_lib.strategy_fields("hitopk@0.01/fp8")
+
+
 def test_gtopk_needs_a_power_of_two_device_count():
   config = _config(comm__strategy="gtopk", mesh__nodes=2, mesh__local=3)
   with pytest.raises(config_lib.ConfigError, match=r"needs a power-of-two device count, not 2 x 3 = 6; .* 4 devices"):
