@@ -75,17 +75,19 @@ def _run(num_processes, out, strategy, *extra):
 # below, through train.py; dense is one psum over both axes, the same collective across processes.
 # "hitopk+compact": its pairs as bfloat16 values and uint16 indices across processes (gloo), on a model of
 # 308,074 parameters in one bucket, so that each device's shard (77,019 entries) is over 65,536 and the
-# indices travel as offsets in 65,536-entry blocks with per-block counts.
+# indices travel as offsets in 65,536-entry blocks with per-block counts. "topk+compact" (slow): the same
+# for flat top-k, whose whole bucket (308,074 entries, five blocks) is the vector each device selects from.
 COMPACT_LONG = ("--width", "32", "--bucket_bytes", str(2**21))
+SLOW = ("gtopk", "powersgd", "diloco", "topk+compact")
 
 
 @pytest.mark.parametrize(
   "strategy",
   # ~1.5 min each
-  ["hitopk", "hitopk+compact", *(pytest.param(s, marks=pytest.mark.slow) for s in ("gtopk", "powersgd", "diloco"))],
+  ["hitopk", "hitopk+compact", *(pytest.param(s, marks=pytest.mark.slow) for s in SLOW)],
 )
 def test_two_processes_match_one_process(tmp_path, strategy):
-  extra = COMPACT_LONG if strategy == "hitopk+compact" else ()
+  extra = COMPACT_LONG if strategy.endswith("+compact") else ()
   single = _run(1, tmp_path / "one.npz", strategy, *extra)
   multi = _run(2, tmp_path / "two.npz", strategy, *extra)
   assert single.keys() == multi.keys() and len(single) > 10
