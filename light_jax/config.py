@@ -128,8 +128,9 @@ def base_config() -> ml_collections.ConfigDict:
     density=0.01,  # fraction of entries kept (per local shard for hitopk)
     error_feedback=True,  # what is not sent is kept and added to the next step's gradient
     topk_selector="exact",  # exact (lax.top_k) | mstopk (sort-free threshold search)
-    # hitopk, topk: each (value, index) pair as a bfloat16 value and, where the vector top-k runs on has at most
-    # 65,536 entries, a uint16 index: 4 bytes instead of 8. The rounding stays in the residual.
+    # Each (value, index) pair as a bfloat16 value and, where the vector top-k runs on has at most 65,536
+    # entries, a uint16 index: 4 bytes instead of 8. hitopk, topk: the rounding stays in the residual; gtopk:
+    # only its merge rounds' pairs are compact, the sums at the winners stay float32.
     compact_pairs=False,
     min_compress_elements=512,  # smaller buckets / shards go to the strategy's dense fallback
     density_warmup_epochs=0.0,  # >0: DGC-style warm-up from density 0.25 down to `density`
@@ -306,8 +307,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     )
   if config.comm.compact_pairs and not takes_compact_pairs(config.comm.strategy):
     raise ConfigError(
-      f"comm.compact_pairs narrows the (value, index) pairs of hitopk and topk; comm.strategy="
-      f"{config.comm.strategy!r} sends none it can narrow. Use hitopk, topk or auto (whose hitopk and topk "
+      f"comm.compact_pairs narrows the (value, index) pairs of the top-k strategies; comm.strategy="
+      f"{config.comm.strategy!r} sends none it can narrow. Use hitopk, topk, gtopk or auto (whose top-k "
       "buckets then send them), or set comm.compact_pairs=False."
     )
   if config.comm.local_clip_norm > 0 and not (top_k or config.comm.strategy == POWERSGD):

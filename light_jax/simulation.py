@@ -155,7 +155,7 @@ class BucketComm:
   selection_elements: int = 0  # elements the top-k runs on
   last_position: int = 0  # its last gradient's position in backward order: it is ready after that one
   # comm.compact_pairs for this bucket: its pairs cross as bfloat16 values and uint16 indices where its
-  # strategy sends them so (hitopk, topk; the byte formulas in strategies.py count gtopk's as float32)
+  # strategy sends them so (the top-k strategies; gtopk's merge rounds, not its float32 sums)
   compact_pairs: bool = False
 
 

@@ -182,10 +182,10 @@ def test_bfloat16_wire_is_close_to_float32_and_halves_dense_bytes(problem, strat
     assert narrow.inter_node == wide.inter_node
 
 
-def test_auto_sends_compact_pairs_from_its_hitopk_and_topk_buckets_only(problem):
+def test_auto_sends_compact_pairs_from_its_top_k_buckets_only(problem):
   """comm.strategy="auto" with comm.compact_pairs: the buckets given hitopk or topk send bfloat16 values (so
-  they are off the whole-batch gradient by the rounding, which stays in the residual), every other bucket,
-  gtopk's included, is exact; the byte count follows the same split."""
+  they are off the whole-batch gradient by the rounding, which stays in the residual); gtopk's buckets rank in
+  bfloat16 but sum exactly, and every other bucket is exact; the byte count follows the same split."""
   model, params, images, labels, reference = problem
   mesh = mesh_lib.make_mesh(2, 4)
   base = reducer_lib.make_gradient_reducer("auto", 2, 4, density=1.0, min_compress_elements=1, compact_pairs=True)
@@ -203,7 +203,7 @@ def test_auto_sends_compact_pairs_from_its_hitopk_and_topk_buckets_only(problem)
       choice = leaf_choice[i]
       error = float(np.max(np.abs(np.asarray(ours) - np.asarray(ref))))
       assert reducer.with_strategy(choice).compact_pairs == strategies.sends_compact_pairs(choice)
-      if strategies.sends_compact_pairs(choice):
+      if strategies.sends_compact_pairs(choice) and choice != "gtopk":  # gtopk ranks compact, sums in float32
         assert error <= 2**-8 * float(np.max(np.abs(np.asarray(ref)))) + 1e-6, choice
         rounded = max(rounded, error)
       else:
@@ -214,7 +214,7 @@ def test_auto_sends_compact_pairs_from_its_hitopk_and_topk_buckets_only(problem)
     one = dataclasses.replace(base, choices=(choice,) * num_buckets, compact_pairs=compact)
     return one.bytes_per_step(params).inter_node
 
-  assert inter_node("gtopk", True) == inter_node("gtopk", False)  # gTop-k's pairs stay float32
+  assert inter_node("gtopk", True) < inter_node("gtopk", False)  # its merge rounds' pairs, not its sums
   assert inter_node("hitopk", True) < 0.6 * inter_node("hitopk", False)
 
 

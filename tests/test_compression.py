@@ -123,6 +123,7 @@ def _run_steps(strategy, shape, grads, density, error_feedback=True, selector="e
     ("gtopk", (4, 2), False),
     ("hitopk", (2, 4), True),
     ("topk", (2, 4), True),
+    ("gtopk", (2, 4), True),
   ],
 )
 def test_error_feedback_conserves_gradient_mass(strategy, shape, compact):
@@ -239,6 +240,10 @@ def test_compact_pairs_cost_4_bytes_and_a_count_per_block_above_65536_entries():
   assert inter_node("hitopk", 262_144, True) == 66 * 4 == inter_node("hitopk", 262_144, False) // 2
   assert inter_node("topk", 262_144, True) == 7 * (263 * 4 + 4 * 4)
   assert inter_node("hitopk", 262_148, True) == 66 * 4 + 2 * 4  # one more entry per shard (65,537): 2 blocks
+  # gtopk: one merge round across the 2 nodes (k = 263 pairs, 4 blocks), then the k exact float32 sums.
+  sums = 2 * 7 * 263 * 4 // 8
+  assert inter_node("gtopk", 262_144, True) == 263 * 4 + 4 * 4 + sums
+  assert inter_node("gtopk", 262_144, False) == 263 * 8 + sums
 
   mesh = mesh_lib.make_mesh(nodes, local)
 
@@ -293,8 +298,8 @@ def test_block_offsets_and_counts_give_back_the_indices():
     assert dict(zip(rebuilt.tolist(), np.asarray(grouped).tolist())) == dict(zip(indices.tolist(), values.tolist()))
 
 
-def test_only_hitopk_and_topk_send_compact_pairs():
-  for strategy in ("gtopk", "hierarchical", "dense"):
+def test_dense_strategies_send_no_compact_pairs():
+  for strategy in ("hierarchical", "dense"):
     with pytest.raises(ValueError, match=f"compact pairs: strategy '{strategy}' cannot send them"):
       reducer_lib.make_gradient_reducer(strategy, 2, 4, compact_pairs=True)
 
@@ -321,6 +326,38 @@ def test_gtopk_keeps_one_global_set_with_exact_sums(shape):
   # And the set is mostly the true top-k of the sum (the merge is greedy, so not always all of it).
   true_top = set(np.argsort(-np.abs(grads[0].sum(axis=0)))[:k])
   assert len(true_top & set(kept)) >= k // 2
+
+
+@pytest.mark.parametrize("d", [2000, 140_000], ids=["short", "three_blocks"])
+def test_gtopk_with_compact_pairs_ranks_in_bfloat16_and_sums_exactly(d):
+  """comm.compact_pairs for gtopk: the merge rounds' pairs cross as bfloat16 values and uint16 indices (block
+  offsets and counts over 65,536 entries), so the winners may differ from float32's only on near-ties; every
+  device still ends with one set, and the values there are the exact float32 means, not rounded ones."""
+  density = 0.01
+  k = compression.num_selected(d, density)
+  grads = np.random.default_rng(5).standard_t(df=2, size=(1, 8, d)).astype(np.float32)
+  compact, _, _ = _run_steps("gtopk", (2, 4), grads, density, error_feedback=False, compact_pairs=True)
+  wide, _, _ = _run_steps("gtopk", (2, 4), grads, density, error_feedback=False)
+  kept = np.flatnonzero(compact[0])
+  assert 0 < kept.size <= k
+  np.testing.assert_allclose(compact[0, kept], grads[0, :, kept].mean(axis=1), rtol=1e-6, atol=1e-7)
+  assert len(set(kept) & set(np.flatnonzero(wide[0]))) >= 0.9 * kept.size  # the same set but for near-ties
+
+  mesh = mesh_lib.make_mesh(2, 4)
+  reducer = reducer_lib.make_gradient_reducer("gtopk", 2, 4, density=density, compact_pairs=True)
+  per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
+  step = jax.shard_map(
+    lambda g, s: reducer.reduce({"w": g[0]}, s),
+    mesh=mesh,
+    in_specs=(mesh_lib.BATCH_SPEC, per_device),
+    out_specs=(P(), per_device),
+    check_vma=False,
+  )
+  state = jax.device_put(reducer.init_state({"w": jnp.zeros(d)}), NamedSharding(mesh, per_device))
+  text = jax.jit(step).lower(jnp.zeros((8, d)), state).as_text()
+  permuted = set(re.findall(r"collective_permute.*-> (tensor<[^>]*>)", text))
+  blocks = compression.index_blocks(d, compact=True)
+  assert permuted == {f"tensor<{k}xui16>", f"tensor<{k}xbf16>", *([f"tensor<{blocks}xi32>"] if blocks else [])}
 
 
 def test_small_buckets_go_dense():

@@ -75,10 +75,6 @@ def test_default_configs_validate():
     ),
     ({"comm__residual_units": "lr"}, r"comm.residual_units='lr' is unknown; use one of \['gradient', 'update'\]"),
     ({"comm__k_allocation": "sqrt"}, r"comm.strategy='hierarchical' compresses nothing"),
-    (
-      {"comm__strategy": "gtopk", "comm__compact_pairs": True},
-      r"comm.compact_pairs narrows the \(value, index\) pairs of hitopk and topk; comm.strategy='gtopk' sends none",
-    ),
     ({"comm__compact_pairs": True}, r"comm.strategy='hierarchical' sends none it can narrow"),
     ({"comm__strategy": "auto", "comm__k_allocation": "sqrt"}, r"costs computed with the proportional k"),
     ({"comm__k_allocation": "log"}, r"comm.k_allocation='log' is unknown"),

@@ -175,7 +175,7 @@ def test_auto_keeps_hidden_buckets_exact_and_compresses_where_the_link_is_slow()
 
 
 def test_auto_plans_its_candidates_with_compact_pairs_from_the_config():
-  """comm.strategy="auto" with comm.compact_pairs: the cost model times hitopk and topk with compact pairs,
+  """comm.strategy="auto" with comm.compact_pairs: the cost model times the top-k strategies with compact pairs,
   and the buckets that take them send them; on a slow link that makes the step's bytes fewer."""
   from light_jax import config as config_lib
 

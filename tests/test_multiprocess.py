@@ -78,7 +78,7 @@ def _run(num_processes, out, strategy, *extra):
 # indices travel as offsets in 65,536-entry blocks with per-block counts. "topk+compact" (slow): the same
 # for flat top-k, whose whole bucket (308,074 entries, five blocks) is the vector each device selects from.
 COMPACT_LONG = ("--width", "32", "--bucket_bytes", str(2**21))
-SLOW = ("gtopk", "powersgd", "diloco", "topk+compact")
+SLOW = ("gtopk", "powersgd", "diloco", "topk+compact", "gtopk+compact")
 
 
 @pytest.mark.parametrize(

@@ -190,21 +190,30 @@ def gtopk_allreduce(
   """gTop-k: recursive-doubling merge of the devices' top-k sets, then exact sums at the winners.
 
   Rounds whose partner distance is below ``local`` stay inside the node; the last log2(nodes) cross
-  nodes, k (value, index) pairs each. No dense hop, so ``wire_dtype`` does not apply.
+  nodes, k (value, index) pairs each. No dense hop, so ``wire_dtype`` does not apply. With
+  ``compact_pairs`` the rounds' pairs travel as bfloat16 values and uint16 indices (block offsets and
+  counts in longer vectors): they only rank candidates, and each device merges the rounded values it sent,
+  so partners still agree on one set; the sums at the winners stay exact float32.
   """
   del wire_dtype
-  if compact_pairs:
-    raise ValueError("gtopk sends its pairs in float32 (its merge rounds compare partial sums); compact_pairs=False")
+  value_dtype, index_dtype = compression.pair_dtypes(compact_pairs, x.dtype)
+  blocks = compression.index_blocks(x.size, compact_pairs)
   corrected, forget_sent = compression.compensate(x, residual, error_feedback, correction)
   select = compression.SELECTORS[selector]
   indices, values = select(corrected, k)
   num_devices = lax.axis_size(NODE) * lax.axis_size(LOCAL)
   for r in range(num_devices.bit_length() - 1):
     partner = [(i, i ^ (1 << r)) for i in range(num_devices)]  # linear index over (node, local)
-    their_indices = lax.ppermute(indices, AXES, partner)
-    their_values = lax.ppermute(values, AXES, partner)
+    values = values.astype(value_dtype).astype(x.dtype)  # what the partner receives, merged alike on both sides
+    sent_indices, sent_values = indices, values
+    if blocks:
+      sent_indices, sent_values, counts = compression.group_by_block(indices, values, blocks)
+    their_indices = lax.ppermute(sent_indices.astype(index_dtype), AXES, partner)
+    their_values = lax.ppermute(sent_values.astype(value_dtype), AXES, partner).astype(x.dtype)
+    if blocks:
+      their_indices = compression.indices_from_blocks(their_indices, lax.ppermute(counts, AXES, partner))
     # Each index holds at most two addends, and a + b == b + a exactly: partners get the same set.
-    merged = jnp.zeros_like(x).at[indices].add(values).at[their_indices].add(their_values)
+    merged = jnp.zeros_like(x).at[indices].add(values).at[their_indices.astype(jnp.int32)].add(their_values)
     indices, values = select(merged, k)
   summed = lax.psum(corrected[indices], AXES)  # exact sums at the global top-k set
   return jnp.zeros_like(x).at[indices].set(summed), forget_sent(indices)

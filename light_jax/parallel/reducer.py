@@ -31,7 +31,7 @@ STRATEGIES = (*strategies.NAMES, POWERSGD, DILOCO, AUTO)  # every comm.strategy
 
 
 def takes_compact_pairs(strategy: str) -> bool:
-  """Whether comm.compact_pairs applies to ``strategy``: hitopk and topk, and auto (for its buckets of those)."""
+  """Whether comm.compact_pairs applies to ``strategy``: the top-k strategies, and auto (for its buckets of those)."""
   return strategy == AUTO or strategies.sends_compact_pairs(strategy)
 
 
@@ -141,8 +141,8 @@ class GradientReducer:
 
   def with_strategy(self, name: str, compact_pairs: bool | None = None) -> GradientReducer:
     """This reducer with one strategy for every bucket; compact pairs (``compact_pairs``, else this
-    reducer's) stay on where ``name`` can send them: "auto" with compact pairs sends them from its hitopk
-    and topk buckets, and gtopk's as float32."""
+    reducer's) stay on where ``name`` can send them: "auto" with compact pairs sends them from its top-k
+    buckets (hitopk, topk, gtopk) and has none elsewhere."""
     compact = (self.compact_pairs if compact_pairs is None else compact_pairs) and strategies.sends_compact_pairs(name)
     return dataclasses.replace(self, strategy=name, choices=None, compact_pairs=compact)
 

@@ -104,9 +104,9 @@ def topk_bytes(b: Buffer) -> CommBytes:
 
 
 def gtopk_bytes(b: Buffer) -> CommBytes:
-  # log2(local) rounds inside the node and log2(nodes) across, k pairs each (both are powers of two; never
-  # compact: the merge rounds compare partial sums), then a ring all-reduce of k exact sums over every device.
-  pairs = dataclasses.replace(b, compact_pairs=False).pair_bytes(b.elements)
+  # log2(local) rounds inside the node and log2(nodes) across, k pairs each (both are powers of two; compact
+  # or not), then a ring all-reduce of k exact sums over every device (in the gradient's dtype).
+  pairs = b.pair_bytes(b.elements)
   sums = dense_bytes(Buffer(b.k, b.itemsize, b.nodes, b.local))
   return CommBytes(
     intra_node=(b.local.bit_length() - 1) * pairs + sums.intra_node,
@@ -182,6 +182,7 @@ REGISTRY: dict[str, Strategy] = {
       compressed=True,
       dense_fallback="dense",
       needs_power_of_two_devices=True,
+      compact_pairs=True,
     ),
   )
 }
