@@ -24,8 +24,8 @@ Compressed strategies, ``(flat vector, residual) -> (approximate sum, new residu
   missed G; here one k-element psum of every device's corrected gradient at G gives the exact sums
   instead, and the residual is the corrected gradient off G, so error feedback loses nothing (partial
   sums dropped in an early round would otherwise vanish). Needs a power-of-two device count.
-``hitopk`` and ``topk`` can send their pairs compact (``compact_pairs``: a bfloat16 value and a uint16 index,
-``compression.pair_dtypes``); gTop-k's merge rounds keep them float32.
+The top-k strategies can send their pairs compact (``compact_pairs``: a bfloat16 value and a uint16 index,
+``compression.pair_dtypes``); gTop-k only in its merge rounds, its sums at G stay float32.
 Buckets too small to be worth compressing (``min_compress_elements``) go to the strategy's dense
 fallback (``Strategy.dense_fallback`` in ``strategies.py``).
 

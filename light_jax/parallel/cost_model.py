@@ -184,7 +184,7 @@ def plan_auto(
   compact_pairs: bool = False,
 ) -> tuple[GradientReducer, list[str]]:
   """``reducer``'s buckets, each with the strategy ``comm.strategy="auto"`` gives it; and a reason per bucket.
-  ``compact_pairs`` (``comm.compact_pairs``): the hitopk and topk candidates send compact pairs, and so do
+  ``compact_pairs`` (``comm.compact_pairs``): the top-k candidates send compact pairs, and so do
   the buckets that take them.
 
   Buckets are reduced one after the other on one stream, each once its gradients are ready (backward

@@ -59,7 +59,8 @@ class GradientReducer:
     choices: for ``strategy="auto"``, the strategy of each bucket (``cost_model.plan_auto``).
     compact_pairs: the top-k pairs cross the wire as a bfloat16 value and a uint16 index (an offset in its
       65,536-entry block, with per-block counts, in longer vectors: ``compression.pair_dtypes``); the rounding
-      stays in the residual. hitopk and topk, and auto's buckets that take one of them.
+      stays in the residual (gtopk: its merge rounds only, its sums stay exact). The top-k strategies, and
+      auto's buckets that take one of them.
     momentum_correction: > 0: DGC momentum correction with this momentum (``compression.compensate``);
       the optimizer then runs without momentum.
     nesterov: the momentum correction's momentum is Nesterov's (``compression.MomentumCorrection``).
