@@ -222,6 +222,21 @@ def test_compressed_byte_accounting_matches_the_formulas():
   assert gtopk.intra_node == 2 * 25_600 * 8 + 2 * 7 * 25_600 * 4 // 8 == 588_800
 
 
+def _lowered_reduction(reducer, d: int) -> str:
+  """The StableHLO text of ``reducer`` reducing one d-entry vector per device on a 2 x 4 mesh."""
+  mesh = mesh_lib.make_mesh(2, 4)
+  per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
+  step = jax.shard_map(
+    lambda g, s: reducer.reduce({"w": g[0]}, s),
+    mesh=mesh,
+    in_specs=(mesh_lib.BATCH_SPEC, per_device),
+    out_specs=(P(), per_device),
+    check_vma=False,
+  )
+  state = jax.device_put(reducer.init_state({"w": jnp.zeros(d)}), NamedSharding(mesh, per_device))
+  return jax.jit(step).lower(jnp.zeros((8, d)), state).as_text()
+
+
 def test_compact_pairs_cost_4_bytes_and_a_count_per_block_above_65536_entries():
   """comm.compact_pairs: a bfloat16 value (2 bytes) and a uint16 index (2); a top-k unit of more than 65,536
   entries also sends an int32 count of pairs per 65,536-entry block. The lowered step really sends them."""
@@ -245,24 +260,9 @@ def test_compact_pairs_cost_4_bytes_and_a_count_per_block_above_65536_entries():
   assert inter_node("gtopk", 262_144, True) == 263 * 4 + 4 * 4 + sums
   assert inter_node("gtopk", 262_144, False) == 263 * 8 + sums
 
-  mesh = mesh_lib.make_mesh(nodes, local)
-
-  def lowered(compact, d):
-    reducer = reducer_lib.make_gradient_reducer("hitopk", nodes, local, density=0.01, compact_pairs=compact)
-    params = {"w": jnp.zeros(d)}
-    per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
-    step = jax.shard_map(
-      lambda g, s: reducer.reduce({"w": g[0]}, s),
-      mesh=mesh,
-      in_specs=(mesh_lib.BATCH_SPEC, per_device),
-      out_specs=(P(), per_device),
-      check_vma=False,
-    )
-    state = jax.device_put(reducer.init_state(params), NamedSharding(mesh, per_device))
-    return jax.jit(step).lower(jnp.zeros((8, d)), state).as_text()
-
   def gathered(compact, d):  # the dtype and shape of each all-gather's result
-    return set(re.findall(r"all_gather.*-> (tensor<[^>]*>)", lowered(compact, d)))
+    reducer = reducer_lib.make_gradient_reducer("hitopk", nodes, local, density=0.01, compact_pairs=compact)
+    return set(re.findall(r"all_gather.*-> (tensor<[^>]*>)", _lowered_reduction(reducer, d)))
 
   # 4,000 entries: shards of 1,000, k = 10 across 2 nodes
   assert gathered(True, 4000) == {"tensor<2x10xui16>", "tensor<2x10xbf16>", "tensor<4000xf32>"}
@@ -343,19 +343,8 @@ def test_gtopk_with_compact_pairs_ranks_in_bfloat16_and_sums_exactly(d):
   np.testing.assert_allclose(compact[0, kept], grads[0, :, kept].mean(axis=1), rtol=1e-6, atol=1e-7)
   assert len(set(kept) & set(np.flatnonzero(wide[0]))) >= 0.9 * kept.size  # the same set but for near-ties
 
-  mesh = mesh_lib.make_mesh(2, 4)
   reducer = reducer_lib.make_gradient_reducer("gtopk", 2, 4, density=density, compact_pairs=True)
-  per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
-  step = jax.shard_map(
-    lambda g, s: reducer.reduce({"w": g[0]}, s),
-    mesh=mesh,
-    in_specs=(mesh_lib.BATCH_SPEC, per_device),
-    out_specs=(P(), per_device),
-    check_vma=False,
-  )
-  state = jax.device_put(reducer.init_state({"w": jnp.zeros(d)}), NamedSharding(mesh, per_device))
-  text = jax.jit(step).lower(jnp.zeros((8, d)), state).as_text()
-  permuted = set(re.findall(r"collective_permute.*-> (tensor<[^>]*>)", text))
+  permuted = set(re.findall(r"collective_permute.*-> (tensor<[^>]*>)", _lowered_reduction(reducer, d)))
   blocks = compression.index_blocks(d, compact=True)
   assert permuted == {f"tensor<{k}xui16>", f"tensor<{k}xbf16>", *([f"tensor<{blocks}xi32>"] if blocks else [])}
 
