@@ -248,6 +248,11 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
     raise ConfigError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}.")
 
 
+def _density(name: str, value) -> None:
+  if not 0.0 < value <= 1.0:
+    raise ConfigError(f"{name}={value!r} must be in (0, 1] (the fraction top-k keeps).")
+
+
 def is_top_k(strategy: str) -> bool:
   """Whether ``strategy`` is one of the top-k strategies (hitopk, topk, gtopk): one that selects entries."""
   from light_jax.parallel import strategies
@@ -376,23 +381,19 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _positive("comm.density_warmup_epochs", config.comm.density_warmup_epochs, allow_zero=True)
   _positive("comm.final_density_epochs", config.comm.final_density_epochs, allow_zero=True)
   if config.comm.final_density_epochs > 0:
-    if not (is_top_k(config.comm.strategy) or config.comm.strategy == AUTO):
+    if not (top_k or config.comm.strategy == AUTO):
       raise ConfigError(
         f"comm.final_density_epochs changes the top-k density of the last epochs; comm.strategy="
         f"{config.comm.strategy!r} selects no entries. Use hitopk, topk, gtopk or auto, or set it to 0."
       )
-    if not 0.0 < config.comm.final_density <= 1.0:
-      raise ConfigError(
-        f"comm.final_density={config.comm.final_density!r} must be in (0, 1] (the fraction top-k keeps)."
-      )
+    _density("comm.final_density", config.comm.final_density)
     if config.comm.final_density_epochs + config.comm.density_warmup_epochs > config.num_epochs:
       raise ConfigError(
         f"comm.final_density_epochs={config.comm.final_density_epochs} and comm.density_warmup_epochs="
         f"{config.comm.density_warmup_epochs} overlap in a run of num_epochs={config.num_epochs}: the final phase "
         "would cut the warm-up short. Shorten one of them."
       )
-  if not 0.0 < config.comm.density <= 1.0:
-    raise ConfigError(f"comm.density={config.comm.density!r} must be in (0, 1] (the fraction top-k keeps).")
+  _density("comm.density", config.comm.density)
   _choice("optimizer.name", config.optimizer.name, OPTIMIZERS)
   _choice("optimizer.decay", config.optimizer.decay, DECAYS)
   _choice("optimizer.lars_trust", config.optimizer.lars_trust, optim.LARS_TRUST)
