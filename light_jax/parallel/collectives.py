@@ -139,18 +139,29 @@ def hierarchical_topk_reduce_to_shard(
   return _sum_pairs(jnp.zeros_like(shard), indices, values, NODE, compact_pairs), residual
 
 
-def _sum_pairs(zeros: jax.Array, indices: jax.Array, values: jax.Array, axis, compact: bool) -> jax.Array:
-  """All-gathers every device's (index, value) pairs over ``axis`` and adds them into ``zeros`` in its dtype.
+def _pack_pairs(
+  indices: jax.Array, values: jax.Array, size: int, compact: bool
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """One device's k pairs from a vector of ``size`` entries as they cross the wire: (indices, values, counts).
 
-  Indices travel as int32, or ``compact`` as uint16: offsets inside 65,536-entry blocks with a count of pairs
-  per block where ``zeros`` is longer (``compression.group_by_block``)."""
-  _, index_dtype = compression.pair_dtypes(compact)
-  blocks = compression.index_blocks(zeros.size, compact)
+  Indices travel as int32, or ``compact`` as uint16: offsets inside 65,536-entry blocks, the pairs ordered by
+  index, with an int32 count of pairs per block where ``size`` is longer (``compression.group_by_block``;
+  counts is None otherwise). Values travel in the pair dtype (``compression.pair_dtypes``)."""
+  value_dtype, index_dtype = compression.pair_dtypes(compact, values.dtype)
+  counts = None
+  blocks = compression.index_blocks(size, compact)
   if blocks:
     indices, values, counts = compression.group_by_block(indices, values, blocks)
-  all_indices = lax.all_gather(indices.astype(index_dtype), axis).reshape(-1, indices.size)  # a row per sender
-  if blocks:
-    all_counts = lax.all_gather(counts, axis).reshape(-1, blocks)
+  return indices.astype(index_dtype), values.astype(value_dtype), counts
+
+
+def _sum_pairs(zeros: jax.Array, indices: jax.Array, values: jax.Array, axis, compact: bool) -> jax.Array:
+  """All-gathers every device's (index, value) pairs over ``axis`` and adds them into ``zeros`` in its dtype
+  (``_pack_pairs`` says how they travel)."""
+  indices, values, counts = _pack_pairs(indices, values, zeros.size, compact)
+  all_indices = lax.all_gather(indices, axis).reshape(-1, indices.size)  # a row per sender
+  if counts is not None:
+    all_counts = lax.all_gather(counts, axis).reshape(-1, counts.size)
     all_indices = jax.vmap(compression.indices_from_blocks)(all_indices, all_counts)
   all_values = lax.all_gather(values, axis).reshape(-1).astype(zeros.dtype)
   return zeros.at[all_indices.reshape(-1).astype(jnp.int32)].add(all_values)
@@ -196,8 +207,7 @@ def gtopk_allreduce(
   so partners still agree on one set; the sums at the winners stay exact float32.
   """
   del wire_dtype
-  value_dtype, index_dtype = compression.pair_dtypes(compact_pairs, x.dtype)
-  blocks = compression.index_blocks(x.size, compact_pairs)
+  value_dtype, _ = compression.pair_dtypes(compact_pairs, x.dtype)
   corrected, forget_sent = compression.compensate(x, residual, error_feedback, correction)
   select = compression.SELECTORS[selector]
   indices, values = select(corrected, k)
@@ -205,12 +215,10 @@ def gtopk_allreduce(
   for r in range(num_devices.bit_length() - 1):
     partner = [(i, i ^ (1 << r)) for i in range(num_devices)]  # linear index over (node, local)
     values = values.astype(value_dtype).astype(x.dtype)  # what the partner receives, merged alike on both sides
-    sent_indices, sent_values = indices, values
-    if blocks:
-      sent_indices, sent_values, counts = compression.group_by_block(indices, values, blocks)
-    their_indices = lax.ppermute(sent_indices.astype(index_dtype), AXES, partner)
-    their_values = lax.ppermute(sent_values.astype(value_dtype), AXES, partner).astype(x.dtype)
-    if blocks:
+    sent_indices, sent_values, counts = _pack_pairs(indices, values, x.size, compact_pairs)
+    their_indices = lax.ppermute(sent_indices, AXES, partner)
+    their_values = lax.ppermute(sent_values, AXES, partner).astype(x.dtype)
+    if counts is not None:
       their_indices = compression.indices_from_blocks(their_indices, lax.ppermute(counts, AXES, partner))
     # Each index holds at most two addends, and a + b == b + a exactly: partners get the same set.
     merged = jnp.zeros_like(x).at[indices].add(values).at[their_indices.astype(jnp.int32)].add(their_values)
