@@ -12,6 +12,8 @@ momentum, the hierarchical gradient all-reduce. Variants (``--config configs/fas
            warm-up, top-k per tensor, local gradient clipping): the best 0.1% run of the study.
   large_batch_hitopk_03  the same at 0.3% with the dense hops in bfloat16: about large_batch_hitopk's bytes
            across nodes, and closer to :large_batch.
+  large_batch_hitopk_compact  the same at 0.5% with compact pairs and the dense hops in bfloat16: fewer bytes
+           across nodes than large_batch_hitopk's 0.1%, and the closest to :large_batch.
   large_batch_lars  the same batch with LARS: the best LARS run of the study (its weight decay, momentum and
            label smoothing from the AutoML study, scripts/tune.py; its schedule from the runs after it).
 """
