@@ -52,6 +52,8 @@ CLIPPED = [*PER_TENSOR, "--config.comm.local_clip_norm=2.0"]
 AT_03, BF16_HOPS = ["--config.comm.density=0.003"], ["--config.comm.dtype=bfloat16"]
 # ... with compact pairs (a bfloat16 value and a uint16 index, 4 bytes instead of 8), at density 0.5%.
 COMPACT, AT_05 = ["--config.comm.compact_pairs=True"], ["--config.comm.density=0.005"]
+# ... with gTop-k instead of hitopk (given after CLIPPED, whose strategy it overrides).
+GTOPK = ["--config.comm.strategy=gtopk"]
 # ... with the last 8 epochs at comm.final_density.
 FINAL_8 = ["--config.comm.final_density_epochs=8"]
 
@@ -328,6 +330,18 @@ RUNS = {
     BASE,
     [*CLIPPED, *AT_05, *BF16_HOPS],
     "the compact run without compact pairs (float32 values, int32 indices): what the rounding costs at 0.5%",
+  ),
+  # gTop-k instead of hitopk in :large_batch_hitopk_compact's setting, with and without compact pairs: on 2 nodes
+  # one merge round, whose pairs compact pairs round (the sums at the k winners stay float32).
+  "sgd_4096_w3_gtopk_clip_05pct_bf16_compact": (
+    BASE,
+    [*CLIPPED, *AT_05, *BF16_HOPS, *COMPACT, *GTOPK],
+    ":large_batch_hitopk_compact with gtopk instead of hitopk",
+  ),
+  "sgd_4096_w3_gtopk_clip_05pct_bf16": (
+    BASE,
+    [*CLIPPED, *AT_05, *BF16_HOPS, *GTOPK],
+    "the gtopk run without compact pairs: what rounding the merge round's pairs costs gtopk",
   ),
   # The 5-epoch warm-up cost :large_batch_hitopk 0.4 against 3 (seed 0): does a shorter one gain more?
   "sgd_4096_w2_hitopk_clip": (

@@ -147,8 +147,8 @@ def make_train_step(
   ``per_device_loss`` has shape (num_devices,): averaging it on the host when logging costs no
   collective in the step.
 
-  A non-finite loss or reduced gradient is caught on the device, without a host sync: the update is
-  skipped (state unchanged but for ``step`` and ``nonfinite_steps``). ``inject_nan_at_step`` >= 0
+  A non-finite loss or gradient (a device's own or the reduced one) is caught on the device, without a host
+  sync: the update is skipped (state unchanged but for ``step`` and ``nonfinite_steps``). ``inject_nan_at_step`` >= 0
   poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
   ``epoch_first_steps`` (``EpochPlan.first_steps``) resets the epoch loss accumulators at each epoch's
   first step. ``micro_batches``: slices of the device's batch run one after the other, their gradients
@@ -209,9 +209,9 @@ def make_train_step(
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       new_params = optax.apply_updates(state.params, updates)
     # One decision for every device (with DiLoCo the machines' gradients differ): skip the update if any
-    # device saw a non-finite loss or gradient.
-    grads_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    finite = lax.pmin(jnp.logical_and(jnp.isfinite(loss), grads_finite).astype(jnp.int32), AXES) > 0
+    # device saw a non-finite loss, local gradient or reduced gradient. The local one too, because top-k may
+    # leave a NaN unsent: the reduced gradient is then finite but the NaN would stay in the residual.
+    finite = lax.pmin(jnp.logical_and(jnp.isfinite(loss), all_finite((local_grads, grads))).astype(jnp.int32), AXES) > 0
     loss_scale = {}
     if state.loss_scale:  # lower the scale after an overflow, raise it after `loss_scale_period` good steps
       adjusted = scaling.adjust(finite)
@@ -269,6 +269,11 @@ def accumulate_gradients(
     unroll = jax.devices()[0].platform == "cpu"
   (grad_sum, loss_sum, stats), _ = lax.scan(one, (zeros, jnp.zeros(()), batch_stats), slices, unroll=unroll)
   return jax.tree.map(lambda g: g / micro_batches, grad_sum), loss_sum / micro_batches, stats
+
+
+def all_finite(tree: PyTree) -> jax.Array:
+  """Whether every entry of every leaf is finite (one boolean)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
 
 
 def mean_over_devices(tree: PyTree) -> PyTree:

@@ -1,5 +1,6 @@
 """A train step on 8 devices equals the same step on one device with the whole batch."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -254,3 +255,38 @@ def test_dynamic_loss_scaling_skips_an_overflow_halves_the_scale_then_grows_it()
   # Scaling is exact in powers of two: the good steps equal an unscaled run's (steps 0, 2, 3; 1 skipped).
   plain = _run_sharded(TinyCNN(), tx, info, [batches[0], batches[2], batches[3]], (2, 4), "hierarchical")
   assert _max_diff(jax.device_get(state.params), plain.params) < 1e-6
+
+
+class _NaNGradientOnUniformImages(nn.Module):
+  """TinyCNN plus 4,096 parameters, every other one of which has a NaN gradient on a device whose images are
+  all one value (sqrt at 0, times 0; 0 elsewhere), while the loss stays finite: a gradient a float16 backward
+  pass can produce."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    extra = self.param("extra", nn.initializers.ones, (4096,))
+    varied = (jnp.max(x) > jnp.min(x)).astype(x.dtype)
+    return TinyCNN()(x, train) + 0.0 * jnp.sum(jnp.sqrt(extra[1::2] * varied))
+
+
+def test_a_nan_in_one_devices_gradient_skips_the_step_even_where_top_k_does_not_send_it():
+  """mstopk's threshold search on a NaN fails: it sends entry 0 k times (here a finite 0), so the reduced
+  gradient is finite, but the NaNs would stay in the residual and stall every later step's selection. The
+  step checks each device's own gradient too, so it is skipped and the residuals stay as they were."""
+  batches, info = _batches(1)
+  images, labels = batches[0]
+  images = images.copy()
+  images[-GLOBAL_BATCH // 8 :] = 7  # the last device's images
+  model = _NaNGradientOnUniformImages()
+  tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
+  mesh = mesh_lib.make_mesh(2, 4)
+  reducer = reducer_lib.make_gradient_reducer("hitopk", 2, 4, density=0.01, selector="mstopk")
+  state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
+  step = step_lib.make_train_step(model, tx, reducer, mesh, info, 0.1)
+  sharding = mesh_lib.batch_sharding(mesh)
+  before = jax.device_get(state)
+  state, loss = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
+  state = jax.device_get(state)
+  assert np.all(np.isfinite(loss)) and int(state.nonfinite_steps) == 1
+  assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.comm_state))
+  assert _max_diff(state.params, before.params) == 0.0
