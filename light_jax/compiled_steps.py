@@ -25,6 +25,7 @@ import ml_collections
 import optax
 
 from light_jax import checkpoint as checkpoint_lib
+from light_jax import config as config_lib
 from light_jax import optim, schedules
 from light_jax import train_step as step_lib
 from light_jax.data import DatasetInfo
@@ -70,9 +71,12 @@ class CompiledSteps:
     # re-plan the buckets (adaptive fusion of a dense strategy) but keeps this comm_state's shapes.
     self.reducer = reducer
     self.residual_scale = schedules.residual_rescale(schedule) if comm.residual_units == "update" else None
-    self.density_warmup_steps = plan.step_at(comm.density_warmup_epochs)
+    # Only the top-k strategies have a density: for the others a density schedule would compile the same step
+    # once per phase.
+    top_k = config_lib.is_top_k(comm.strategy) or comm.strategy == AUTO
+    self.density_warmup_steps = plan.step_at(comm.density_warmup_epochs) if top_k else 0
     self.final_density = None  # (first step, density) of the last comm.final_density_epochs epochs
-    if comm.final_density_epochs > 0:
+    if top_k and comm.final_density_epochs > 0:
       self.final_density = (plan.step_at(plan.num_epochs - comm.final_density_epochs), comm.final_density)
     self.sharding = mesh_lib.batch_sharding(mesh)
     self._compiled: dict[tuple, tuple[Callable, CommBytes]] = {}

@@ -65,6 +65,13 @@ def test_hitopk_with_adaptive_fusion_mstopk_and_density_warmup(tmp_path, caplog)
   assert last["eval_top1"] > 0.3  # learns (chance: 0.1) in 32 steps at 1% density
 
 
+def test_a_density_warmup_compiles_one_step_for_a_strategy_without_a_density(tmp_path, caplog):
+  """Only top-k has a density: a dense strategy under comm.density_warmup_epochs compiles its step once."""
+  with caplog.at_level(logging.INFO):
+    train_lib.train_and_evaluate(small_config(max_steps=20, comm__density_warmup_epochs=1.0), str(tmp_path))
+  assert caplog.text.count("train step compiled") == 1
+
+
 def test_final_density_epochs_send_at_the_final_density(tmp_path, caplog):
   """comm.final_density_epochs: the last epoch compiles a step at comm.final_density, and its bytes say so."""
   config = small_config(
