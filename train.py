@@ -39,6 +39,20 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
+
+@flags.multi_flags_validator(
+  ["coordinator", "num_processes", "process_id"],
+  message="--coordinator, --num_processes and --process_id go together: give all three, with 0 <= process_id < "
+  "num_processes, for a multi-process run started by hand, or none (one process, or a cluster manager that "
+  "jax.distributed detects, such as SLURM or Open MPI)",
+)
+def _multi_process_flags(values) -> bool:
+  given = [values[name] is not None for name in ("coordinator", "num_processes", "process_id")]
+  if not any(given):
+    return True
+  return all(given) and 0 <= values["process_id"] < values["num_processes"]
+
+
 # Environment variables by which cluster managers that jax.distributed can auto-detect announce a job.
 _CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
 
@@ -54,7 +68,7 @@ def _start_jax(config):
   detected = any(os.environ.get(v) for v in _CLUSTER_ENV)
   num_processes = _NUM_PROCESSES.value or 1
   if config.mesh.cpu_devices:
-    # Simulated CPU devices (tests, laptops): the total is split over the processes. No effect on GPUs.
+    # Simulated CPU devices (tests, laptops): the total is split over the --num_processes processes. No effect on GPUs.
     jax.config.update("jax_num_cpu_devices", max(config.mesh.cpu_devices // num_processes, 1))
   timeouts = dict(
     initialization_timeout=_INIT_TIMEOUT.value, heartbeat_timeout_seconds=max(int(2 * _PEER_TIMEOUT.value), 1)

@@ -139,6 +139,14 @@ def test_cli_reports_a_bad_config_without_traceback(tmp_path):
   assert not os.listdir(tmp_path)  # nothing written before validation
 
 
+@pytest.mark.parametrize("flags", [["--coordinator=localhost:1234"], ["--num_processes=2", "--process_id=2"]])
+def test_cli_multi_process_flags_go_together(tmp_path, flags):
+  result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path), *flags)
+  assert result.returncode != 0
+  assert "--coordinator, --num_processes and --process_id go together" in result.stderr
+  assert not os.listdir(tmp_path)
+
+
 def test_cli_imagenet_without_prepared_data_says_how_to_prepare_it(tmp_path):
   # 8 simulated CPU devices as 1 x 8 stand in for the 16 x 8 GPU mesh.
   result = train_py(
