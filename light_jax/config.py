@@ -89,7 +89,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   config.global_batch_size = 256
   # Gradient accumulation: each device runs its share of a step's batch in this many slices, one after the
-  # other, and sums their gradients before the one reduction (for batches larger than the devices hold).
+  # other, and averages their gradients before the one reduction (for batches larger than the devices hold).
   config.micro_batches = 1
   config.num_epochs = 8
   config.max_steps = 0  # 0 = no limit; otherwise stop after this many steps
@@ -128,9 +128,10 @@ def base_config() -> ml_collections.ConfigDict:
     density=0.01,  # fraction of entries kept (per local shard for hitopk)
     error_feedback=True,  # what is not sent is kept and added to the next step's gradient
     topk_selector="exact",  # exact (lax.top_k) | mstopk (sort-free threshold search)
-    # Each (value, index) pair as a bfloat16 value and, where the vector top-k runs on has at most 65,536
-    # entries, a uint16 index: 4 bytes instead of 8. hitopk, topk: the rounding stays in the residual; gtopk:
-    # only its merge rounds' pairs are compact, the sums at the winners stay float32.
+    # Each (value, index) pair as a bfloat16 value and a uint16 index, 4 bytes instead of 8 (in vectors over
+    # 65,536 entries the index is an offset in its 65,536-entry block, with an int32 count of pairs per block).
+    # hitopk, topk: the rounding stays in the residual; gtopk: only its merge rounds' pairs are compact, the
+    # sums at the winners stay float32.
     compact_pairs=False,
     min_compress_elements=512,  # smaller buckets / shards go to the strategy's dense fallback
     density_warmup_epochs=0.0,  # >0: DGC-style warm-up from density 0.25 down to `density`

@@ -4,7 +4,7 @@ One step, on every device at once, inside ``jax.jit`` + ``jax.shard_map``:
 
   1. normalise the device's shard of the uint8 batch (on the device, not the host);
   2. forward and backward on that shard alone -> the device's *local* gradient;
-     (with ``micro_batches`` > 1, in that many sequential slices whose gradients are summed: gradient
+     (with ``micro_batches`` > 1, in that many sequential slices whose gradients are averaged: gradient
      accumulation, for a batch larger than the device holds, with one reduction per step);
   3. the gradient reducer of ``comm.strategy`` (``parallel/reducer.py``) turns local gradients into the
      mean gradient of the global batch (dense psum, hierarchical, or a compressed strategy);
@@ -52,7 +52,8 @@ class TrainState:
   """Everything that changes from step to step.
 
   All fields are replicated over the mesh except ``comm_state`` (per-device state of the gradient
-  reducer, e.g. error-feedback residuals), whose leaves have leading dims (nodes, local).
+  reducer, e.g. error-feedback residuals), whose leaves have leading dims (nodes, local), and the per-device
+  ``loss_sum`` and ``loss_count``.
   ``nonfinite_steps`` counts the steps whose update was skipped for a non-finite loss or gradient.
   ``loss_sum`` / ``loss_count`` (per device, (nodes, local)) accumulate the training loss of the current
   epoch, so the epoch's mean loss survives a resume from a mid-epoch checkpoint.
@@ -93,7 +94,8 @@ def create_train_state(
   seed: int,
   initial_loss_scale: float = 0.0,
 ) -> TrainState:
-  """Initialises parameters and optimizer state directly on the mesh (replicated).
+  """Initialises the state directly on the mesh: parameters and optimizer state replicated, the reducer's
+  state per device.
 
   ``initial_loss_scale`` > 0 turns dynamic loss scaling on, starting from that scale.
   """
@@ -148,11 +150,11 @@ def make_train_step(
   collective in the step.
 
   A non-finite loss or gradient (a device's own or the reduced one) is caught on the device, without a host
-  sync: the update is skipped (state unchanged but for ``step`` and ``nonfinite_steps``). ``inject_nan_at_step`` >= 0
-  poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
+  sync: the update is skipped (state unchanged but for ``step`` and ``nonfinite_steps``).
+  ``inject_nan_at_step`` >= 0 poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
   ``epoch_first_steps`` (``EpochPlan.first_steps``) resets the epoch loss accumulators at each epoch's
   first step. ``micro_batches``: slices of the device's batch run one after the other, their gradients
-  summed before the one reduction (gradient accumulation; ``unroll_micro_batches``: None = unrolled on the
+  averaged before the one reduction (gradient accumulation; ``unroll_micro_batches``: None = unrolled on the
   CPU only, see ``accumulate_gradients``). ``loss_scale_period``: finite steps after
   which dynamic loss scaling doubles the scale (with ``state.loss_scale``). ``local_tx``: a stateless
   transformation of each device's gradient before the reduction (``optim.local_transform``).

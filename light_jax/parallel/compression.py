@@ -1,4 +1,5 @@
-"""Top-k sparsification of gradients: selectors, error feedback and the density schedule.
+"""Top-k sparsification of gradients: selectors, error feedback, momentum correction and the pairs' wire format
+(the density schedule is ``schedules.density_at``).
 
 Selectors (``comm.topk_selector``) return exactly ``k`` (index, value) pairs of a flat vector, chosen
 by magnitude, with static shapes (XLA needs them):

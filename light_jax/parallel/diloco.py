@@ -46,7 +46,7 @@ class DiLoCo:
     nodes, local: the mesh shape.
     sync_every: H, inner steps between two outer steps.
     outer_lr, outer_momentum: the outer optimizer, SGD with Nesterov momentum.
-    inner_tx: the inner optimizer (the config's ``optimizer``), set by ``with_inner_optimizer``.
+    inner_tx: the inner optimizer (the config's ``optimizer``), given by ``reducer.reducer_from_config``.
     wire_dtype: dtype of the dense hops of the outer all-reduce.
   """
 
@@ -73,9 +73,6 @@ class DiLoCo:
   def outer_tx(self) -> optax.GradientTransformation:
     return optax.sgd(self.outer_lr, momentum=self.outer_momentum or None, nesterov=bool(self.outer_momentum))
 
-  def with_inner_optimizer(self, tx: optax.GradientTransformation) -> DiLoCo:
-    return dataclasses.replace(self, inner_tx=tx)
-
   # --- state -------------------------------------------------------------------------------------
   def init_optimizer_state(self, params: PyTree) -> PyTree:
     """The train state's ``opt_state``: the outer optimizer's."""
@@ -84,7 +81,7 @@ class DiLoCo:
   def init_state(self, params: PyTree) -> dict[str, PyTree]:
     """Per device, leading dims (nodes, local): the machine's delta (zero) and inner optimizer state."""
     if self.inner_tx is None:
-      raise ValueError("DiLoCo needs its inner optimizer: reducer.with_inner_optimizer(tx)")
+      raise ValueError("DiLoCo needs its inner optimizer: DiLoCo(..., inner_tx=tx)")
     per_device = lambda x: jnp.broadcast_to(x, (self.nodes, self.local, *jnp.shape(x)))  # noqa: E731
     state = {"delta": jax.tree.map(jnp.zeros_like, params), "optimizer": self.inner_tx.init(params)}
     return jax.tree.map(per_device, state)

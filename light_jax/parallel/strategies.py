@@ -135,7 +135,8 @@ class Strategy:
     bytes: ``Buffer -> CommBytes``, per device per step for one bucket.
     compressed: keeps k entries per ``topk_unit`` and a per-device residual of that size.
     topk_unit: ``(bucket elements, local) -> elements`` top-k runs on.
-    dense_fallback: compressed strategies: the strategy for buckets below ``comm.min_compress_elements``.
+    dense_fallback: compressed strategies: the strategy for buckets whose top-k unit is below
+      ``comm.min_compress_elements``.
     flat: one collective over every device, paced by the slowest link (not a sum of the two levels).
     needs_power_of_two_devices: the algorithm pairs devices by the bits of their index.
     compact_pairs: compressed strategies that can send their pairs compact (``comm.compact_pairs``).
