@@ -49,15 +49,17 @@ class CompiledSteps:
     info: DatasetInfo,
     plan: schedules.EpochPlan,
     schedule: optax.Schedule,
-    momentum: float | Callable,
+    optimizer_momentum: float | Callable,
   ):
-    """``tx`` is built from ``schedule`` and ``momentum`` (optim.build_optimizer); the sharded update
-    (``optimizer.sharded_update``) builds its optimizer on shards from the same two."""
+    """``tx`` is built from ``schedule`` and ``optimizer_momentum`` (optim.build_optimizer; 0 when DGC's
+    momentum correction moves the momentum into the reducer); the sharded update (``optimizer.sharded_update``)
+    builds its optimizer on shards from the same two."""
     self.config, self.model, self.tx, self.mesh, self.info, self.plan = config, model, tx, mesh, info, plan
     comm = config.comm
     nodes, local = mesh.devices.shape
     self.profile = fusion_lib.profile_parameters(model, info.image_shape)  # backward order, FLOPs per tensor
     opt = config.optimizer
+    # The config's momentum, which the reducer uses only with momentum correction (the optimizer then has none).
     reducer = reducer_from_config(comm, nodes, local, self.profile.order, opt.momentum, tx, opt.nesterov)
     # Buckets that may carry residuals (compressed, or "auto") stay those of the first phase; a dense
     # strategy's adaptive buckets are planned again for each phase (reducer_at).
@@ -66,7 +68,7 @@ class CompiledSteps:
       reducer = self._planned(reducer, self.batch_shape_at(0))
     if config.optimizer.sharded_update:  # the optimizer moves into the reducer, on each device's shards
       decay = not optim.decay_before_reduction(config)
-      reducer = sharded_update(reducer, self.profile.params, config.optimizer, schedule, momentum, decay)
+      reducer = sharded_update(reducer, self.profile.params, config.optimizer, schedule, optimizer_momentum, decay)
     # Its init_state is the train state's comm_state; each phase's step uses reducer_at(step), which may
     # re-plan the buckets (adaptive fusion of a dense strategy) but keeps this comm_state's shapes.
     self.reducer = reducer

@@ -240,7 +240,7 @@ def bucket_comms(reducer, params) -> list[BucketComm]:
         one.bucket_strategy(elements).name,
         elements,
         k,
-        one.compressed_size(elements) if k else 0,
+        one.topk_unit(elements) if k else 0,
         max(positions),
         one.compact_pairs,
       )

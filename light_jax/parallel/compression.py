@@ -224,7 +224,10 @@ def apply_error_feedback(
   return indices, sent, forget_sent(indices, values - sent.astype(values.dtype))
 
 
-def clip_to_norm(tree, max_norm: float):
-  """``tree`` scaled down to global norm ``max_norm`` if it is longer (DGC's local gradient clipping)."""
-  norm = optax.tree.norm(tree)
-  return jax.tree.map(lambda x: x * jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12)), tree)
+def clip_local(local_grads, clip_norm: float, num_devices: int):
+  """DGC's local gradient clipping: each device's gradient scaled down to global norm
+  ``clip_norm / sqrt(num_devices)`` if it is longer, so that the sum of ``num_devices`` independent gradients
+  would be about ``clip_norm`` long."""
+  max_norm = clip_norm / math.sqrt(num_devices)
+  norm = optax.tree.norm(local_grads)
+  return jax.tree.map(lambda x: x * jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12)), local_grads)

@@ -112,7 +112,7 @@ class PowerSGDReducer:
   # --- the reduction (inside shard_map) ----------------------------------------------------------
   def reduce(self, local_grads: PyTree, comm_state: dict[str, Memory]) -> tuple[PyTree, dict[str, Memory]]:
     if self.local_clip_norm:
-      local_grads = compression.clip_to_norm(local_grads, self.local_clip_norm / math.sqrt(self.nodes * self.local))
+      local_grads = compression.clip_local(local_grads, self.local_clip_norm, self.nodes * self.local)
     leaves, treedef = jax.tree.flatten(local_grads)
     compressed, dense = self._split(leaves)
     wire = jnp.dtype(self.wire_dtype)

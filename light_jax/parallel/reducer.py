@@ -160,18 +160,18 @@ class GradientReducer:
     sizes = [math.prod(leaves[i].shape) * jnp.dtype(leaves[i].dtype).itemsize for i in order]
     return order, fusion_lib.plan_fixed_buckets(sizes, self.bucket_bytes)
 
-  def compressed_size(self, elements: int) -> int:
+  def topk_unit(self, elements: int) -> int:
     """Entries of the vector top-k runs on (and of its residual) for a bucket of ``elements``."""
     return self.spec.topk_unit(elements, self.local)
 
   def is_compressed(self, elements: int) -> bool:
-    return self.spec.compressed and self.compressed_size(elements) >= self.min_compress_elements
+    return self.spec.compressed and self.topk_unit(elements) >= self.min_compress_elements
 
   def k_for(self, elements: int) -> int:
     """Entries top-k keeps of a bucket of ``elements`` (0 when the bucket goes dense)."""
     if not self.is_compressed(elements):
       return 0
-    unit = self.compressed_size(elements)
+    unit = self.topk_unit(elements)
     if self.sqrt_crossover_size:  # the square-root share, at most the unit (num_selected caps it)
       return compression.num_selected(unit, self.density * math.sqrt(self.sqrt_crossover_size / unit))
     return compression.num_selected(unit, self.density)
@@ -184,7 +184,7 @@ class GradientReducer:
     A bucket whose share would exceed its unit sends whole (``num_selected`` caps k), and what it gives up is
     not passed on, so near density 1 the total falls short of density x all units."""
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
-    units = [self.for_bucket(b).compressed_size(n) for b, n in enumerate(sizes) if self.for_bucket(b).is_compressed(n)]
+    units = [self.for_bucket(b).topk_unit(n) for b, n in enumerate(sizes) if self.for_bucket(b).is_compressed(n)]
     if not units:
       return self
     return dataclasses.replace(self, sqrt_crossover_size=(sum(units) / sum(math.sqrt(u) for u in units)) ** 2)
@@ -207,7 +207,7 @@ class GradientReducer:
     state = {}
     for b, n in enumerate(sizes):
       if self.for_bucket(b).is_compressed(n):
-        zeros = jnp.zeros((self.nodes, self.local, self.for_bucket(b).compressed_size(n)), jnp.float32)
+        zeros = jnp.zeros((self.nodes, self.local, self.for_bucket(b).topk_unit(n)), jnp.float32)
         state[_key(b)] = compression.Memory(zeros, zeros) if self.momentum_correction else zeros
       elif self.momentum_correction:  # a dense bucket keeps its velocity too: the optimizer has no momentum
         state[_key(b)] = jnp.zeros((self.nodes, self.local, n), jnp.float32)
@@ -230,7 +230,7 @@ class GradientReducer:
   # --- the reduction (inside shard_map) ----------------------------------------------------------
   def reduce(self, local_grads: PyTree, comm_state: dict[str, jax.Array]) -> tuple[PyTree, dict[str, jax.Array]]:
     if self.local_clip_norm:
-      local_grads = compression.clip_to_norm(local_grads, self.local_clip_norm / math.sqrt(self.nodes * self.local))
+      local_grads = compression.clip_local(local_grads, self.local_clip_norm, self.nodes * self.local)
     leaves, treedef = jax.tree.flatten(local_grads)
     order, buckets, sizes = self._bucket_sizes(leaves)
     wire_dtype = jnp.dtype(self.wire_dtype)

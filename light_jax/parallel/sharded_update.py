@@ -156,7 +156,7 @@ class ShardedUpdate:
     reduction, or hitopk's (with its residuals) for the buckets it compresses."""
     base = self.base
     if base.local_clip_norm:
-      local_grads = compression.clip_to_norm(local_grads, base.local_clip_norm / math.sqrt(base.nodes * base.local))
+      local_grads = compression.clip_local(local_grads, base.local_clip_norm, base.nodes * base.local)
     leaves = jax.tree.leaves(local_grads)
     wire = jnp.dtype(base.wire_dtype)
     shards, comm_state = {}, dict(comm_state)
