@@ -61,9 +61,8 @@ class CompiledSteps:
     opt = config.optimizer
     # The config's momentum, which the reducer uses only with momentum correction (the optimizer then has none).
     reducer = reducer_from_config(comm, nodes, local, self.profile.order, opt.momentum, tx, opt.nesterov)
-    # Buckets that may carry residuals (compressed, or "auto") stay those of the first phase; a dense
-    # strategy's adaptive buckets are planned again for each phase (reducer_at).
-    self.adaptive_per_phase = comm.fusion == "adaptive" and not (comm.strategy == AUTO or reducer.spec.compressed)
+    # A dense strategy's adaptive buckets are planned again for each phase (reducer_at); the others' once.
+    self.adaptive_per_phase = cost_model.replans_buckets_per_phase(comm)
     if not self.adaptive_per_phase:
       reducer = self._planned(reducer, self.batch_shape_at(0))
     if config.optimizer.sharded_update:  # the optimizer moves into the reducer, on each device's shards

@@ -42,7 +42,7 @@ from light_jax import config as config_lib
 from light_jax import schedules
 from light_jax.parallel import cost_model, strategies
 from light_jax.parallel import fusion as fusion_lib
-from light_jax.parallel.reducer import AUTO, DILOCO, POWERSGD, reducer_from_config
+from light_jax.parallel.reducer import DILOCO, POWERSGD, reducer_from_config
 
 UPDATE_BYTES_PER_PARAMETER = 20  # float32: read parameter, gradient, momentum; write parameter, momentum
 
@@ -315,15 +315,13 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
   device_flops = 1.5 * total_backward_flops * device.images_per_sec * (device.image_size / eval_size) ** 2
   update = num_params * UPDATE_BYTES_PER_PARAMETER / device.memory_bytes_per_sec
 
-  keeps_residuals = config.comm.strategy == AUTO or base.spec.compressed
   reports, reducer = [], None
   for first, epochs, size, batch, steps in phases_of(config, num_train):
     per_device = batch / cluster.num_devices
     compute = per_device * device.train_seconds_per_image(size)
     backward = [2 / 3 * compute * f / total_backward_flops for f in backward_flops]
-    # As CompiledSteps plans them: adaptive fusion per phase, but once (the first phase's) where buckets
-    # may carry residuals (a compressed strategy, or auto); auto's choice once.
-    if reducer is None or config.comm.fusion == "adaptive" and not keeps_residuals:
+    # As CompiledSteps plans them: once, or for each phase where cost_model.replans_buckets_per_phase says so.
+    if reducer is None or cost_model.replans_buckets_per_phase(config.comm):
       examples = per_device * (size / eval_size) ** 2
       reducer, _ = cost_model.plan_reducer(base, config.comm, profile, cluster.cost, device_flops, examples, overlap)
     buckets = bucket_comms(reducer, profile.params)

@@ -242,6 +242,14 @@ def needs_cost(comm: ml_collections.ConfigDict) -> bool:
   return comm.fusion == "adaptive" or comm.strategy == AUTO
 
 
+def replans_buckets_per_phase(comm: ml_collections.ConfigDict) -> bool:
+  """Whether ``comm.fusion="adaptive"`` plans its buckets again for each phase of a run (a new batch or image
+  size changes the backward times). Only a dense strategy's: a compressed strategy's buckets (or auto's, which
+  may compress) carry residuals of their own shapes, so they stay the first phase's."""
+  compressed = comm.strategy == AUTO or (comm.strategy in strategies.NAMES and strategies.get(comm.strategy).compressed)
+  return comm.fusion == "adaptive" and not compressed
+
+
 def plan_reducer(
   reducer: Reducer,
   comm: ml_collections.ConfigDict,
