@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -286,9 +286,28 @@ class GradientReducer:
     return total
 
 
-# What the train step reduces with (and sharded_update.ShardedUpdate, which wraps a GradientReducer): each has
-# reduce, init_state, bucket_plan, bytes_per_step; those with updates_parameters also apply.
-Reducer = GradientReducer | powersgd.PowerSGDReducer | diloco.DiLoCo
+class Reducer(Protocol):
+  """What the train step and CompiledSteps use of a gradient reducer: GradientReducer, powersgd.PowerSGDReducer,
+  diloco.DiLoCo, and sharded_update.ShardedUpdate (which wraps a GradientReducer). Those with
+  ``updates_parameters`` also have ``init_optimizer_state`` and ``apply`` (the step calls them instead of the
+  optimizer); those with error-feedback residuals of gradients (GradientReducer, ShardedUpdate) also
+  ``rescale_residuals`` (``comm.residual_units="update"``)."""
+
+  keeps_residuals: bool  # it has per-device state, whose shapes fix its buckets for the run
+  updates_parameters: bool
+
+  @property
+  def compression(self) -> str: ...  # how it compresses, for the logs ("" when it does not)
+
+  def init_state(self, params: PyTree) -> PyTree: ...  # the train state's comm_state, leading dims (nodes, local)
+
+  def reduce(self, local_grads: PyTree, comm_state: PyTree) -> tuple[PyTree, PyTree]: ...  # inside shard_map
+
+  def at_density(self, density: float) -> Reducer: ...  # the density warm-up's phases (top-k; others: self)
+
+  def bucket_plan(self, params: PyTree) -> list[tuple[str, int, int]]: ...  # (strategy, elements, k) per bucket
+
+  def bytes_per_step(self, params: PyTree) -> CommBytes: ...
 
 
 def make_gradient_reducer(
