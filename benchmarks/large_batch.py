@@ -333,15 +333,17 @@ RUNS = {
   ),
   # gTop-k instead of hitopk in :large_batch_hitopk_compact's setting, with and without compact pairs: on 2 nodes
   # one merge round, whose pairs compact pairs round (the sums at the k winners stay float32).
-  "sgd_4096_w3_gtopk_clip_05pct_bf16_compact": (
-    BASE,
+  **seeded(
+    "sgd_4096_w3_gtopk_clip_05pct_bf16_compact",
     [*CLIPPED, *AT_05, *BF16_HOPS, *COMPACT, *GTOPK],
     ":large_batch_hitopk_compact with gtopk instead of hitopk",
+    range(2),
   ),
-  "sgd_4096_w3_gtopk_clip_05pct_bf16": (
-    BASE,
+  **seeded(
+    "sgd_4096_w3_gtopk_clip_05pct_bf16",
     [*CLIPPED, *AT_05, *BF16_HOPS, *GTOPK],
     "the gtopk run without compact pairs: what rounding the merge round's pairs costs gtopk",
+    range(2),
   ),
   # The 5-epoch warm-up cost :large_batch_hitopk 0.4 against 3 (seed 0): does a shorter one gain more?
   "sgd_4096_w2_hitopk_clip": (

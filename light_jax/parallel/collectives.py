@@ -66,11 +66,20 @@ def _all_gather(shard: jax.Array, axis: str, wire_dtype) -> jax.Array:
   return lax.all_gather(shard.astype(wire_dtype), axis, axis=0, tiled=True).astype(shard.dtype)
 
 
-def _scatter_to_local_shard(x: jax.Array, wire_dtype, multiple: int = 1) -> jax.Array:
-  """Zero-pads flat ``x`` to a multiple of ``local x multiple`` and reduce-scatters it over ``local``."""
-  local = lax.axis_size(LOCAL)
-  x = jnp.pad(x, (0, -(-x.size // (local * multiple)) * local * multiple - x.size))
-  return _reduce_scatter(x, LOCAL, wire_dtype)
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def hierarchical_padded_size(elements: int, local: int, nodes: int, narrow_wire: bool) -> int:
+  """The length ``hierarchical_reduce_to_shard`` zero-pads a flat vector of ``elements`` to: ``local`` equal
+  shards, x ``nodes`` with a wire dtype narrower than the vector's (whose node all-reduce is then a
+  reduce-scatter and an all-gather). The byte formulas and the sharded update lay out shards by it too."""
+  return round_up(elements, local * (nodes if narrow_wire else 1))
+
+
+def _scatter_to_local_shard(x: jax.Array, wire_dtype, padded_size: int) -> jax.Array:
+  """Zero-pads flat ``x`` to ``padded_size`` (a multiple of ``local``) and reduce-scatters it over ``local``."""
+  return _reduce_scatter(jnp.pad(x, (0, padded_size - x.size)), LOCAL, wire_dtype)
 
 
 def hierarchical_allreduce(x: jax.Array, wire_dtype=jnp.float32) -> jax.Array:
@@ -82,8 +91,8 @@ def hierarchical_reduce_to_shard(x: jax.Array, wire_dtype=jnp.float32) -> jax.Ar
   """This device's shard of the sum of flat ``x`` over every device: ``x`` zero-padded to ``local`` equal
   shards (x ``nodes`` with a narrower wire dtype), shard ``i`` on the device of local index ``i``."""
   narrow = jnp.dtype(wire_dtype) != x.dtype
-  nodes = lax.axis_size(NODE) if narrow else 1
-  shard = _scatter_to_local_shard(x, wire_dtype, nodes)  # this device's 1/n of the node's sum
+  padded = hierarchical_padded_size(x.size, lax.axis_size(LOCAL), lax.axis_size(NODE), narrow)
+  shard = _scatter_to_local_shard(x, wire_dtype, padded)  # this device's 1/n of the node's sum
   if narrow:  # all-reduce over nodes as reduce-scatter + all-gather, to accumulate in float32
     return _all_gather(_reduce_scatter(shard, NODE, wire_dtype), NODE, wire_dtype)
   return lax.psum(shard, NODE)  # the only inter-node traffic
@@ -130,7 +139,7 @@ def hierarchical_topk_reduce_to_shard(
   compact_pairs: bool = False,
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """HiTopK up to this device's shard of the (approximate) sum: ``x`` zero-padded to ``local`` shards."""
-  shard = _scatter_to_local_shard(x, wire_dtype)
+  shard = _scatter_to_local_shard(x, wire_dtype, round_up(x.size, lax.axis_size(LOCAL)))
   value_dtype, _ = compression.pair_dtypes(compact_pairs, shard.dtype)
   indices, values, residual = compression.apply_error_feedback(
     shard, residual, k, selector, error_feedback, correction, value_dtype

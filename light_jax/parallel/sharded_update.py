@@ -224,10 +224,9 @@ def sharded_update(
   for group in groups:
     members = tuple(order[i] for i in group)
     sizes = [math.prod(leaves[m].shape) for m in members]
-    # The shard layout of the bucket's collective: hierarchical pads to local x nodes for a narrow wire.
+    # The shard layout of the bucket's collective (hitopk's pads to local shards, as with a float32 wire).
     dense = not base.bucket_strategy(sum(sizes)).compressed
-    multiple = base.local * (base.nodes if narrow and dense else 1)
-    padded = -(-sum(sizes) // multiple) * multiple
+    padded = collectives.hierarchical_padded_size(sum(sizes), base.local, base.nodes, narrow and dense)
     buckets.append(split_into_shards(members, sizes, padded // base.local, base.local))
   decays = tuple(bool(d) for d in jax.tree.leaves(optim.decay_mask(params)))
   return ShardedUpdate(base, opt, schedule, momentum, len(leaves), tuple(buckets), decays, decay)

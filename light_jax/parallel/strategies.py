@@ -44,10 +44,6 @@ def ring_allreduce_bytes(num_bytes: int, group: int) -> int:
   return 2 * (group - 1) * num_bytes // group if group > 1 else 0
 
 
-def round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
-
-
 @dataclasses.dataclass(frozen=True)
 class Buffer:
   """One flat bucket as the byte formulas see it: ``elements`` of ``itemsize`` bytes (``wire_itemsize``
@@ -71,9 +67,10 @@ class Buffer:
     compact (bfloat16 and uint16, with a count per 65,536-entry block above that size)."""
     return compression.pair_bytes(self.k, unit, self.compact_pairs, self.itemsize)
 
-  def local_scatter_gather(self, multiple: int) -> tuple[int, int]:
-    """(elements of a device's local shard, bytes of the reduce-scatter + all-gather over ``local``)."""
-    shard = round_up(self.elements, multiple) // self.local
+  def local_scatter_gather(self, padded_size: int) -> tuple[int, int]:
+    """(elements of a device's local shard, bytes of the reduce-scatter + all-gather over ``local``) of the
+    vector zero-padded to ``padded_size``."""
+    shard = padded_size // self.local
     return shard, 2 * (self.local - 1) * shard * self.wire
 
 
@@ -89,13 +86,13 @@ def dense_bytes(b: Buffer) -> CommBytes:
 def hierarchical_bytes(b: Buffer) -> CommBytes:
   # A narrower wire dtype pads to local x nodes: the node all-reduce becomes reduce-scatter + all-gather.
   narrow = b.wire != b.itemsize
-  shard, intra = b.local_scatter_gather(b.local * b.nodes if narrow else b.local)
+  shard, intra = b.local_scatter_gather(collectives.hierarchical_padded_size(b.elements, b.local, b.nodes, narrow))
   return CommBytes(intra_node=intra, inter_node=ring_allreduce_bytes(shard * b.wire, b.nodes))
 
 
 def hitopk_bytes(b: Buffer) -> CommBytes:
   # All-gather over `node` of k (value, index) pairs: (N-1) x k x 8 bytes per device (4 compact, + block counts).
-  shard, intra = b.local_scatter_gather(b.local)
+  shard, intra = b.local_scatter_gather(collectives.round_up(b.elements, b.local))
   return CommBytes(intra_node=intra, inter_node=(b.nodes - 1) * b.pair_bytes(shard))
 
 
@@ -120,7 +117,7 @@ def whole_bucket(elements: int, local: int) -> int:
 
 
 def local_shard(elements: int, local: int) -> int:
-  return round_up(elements, local) // local
+  return collectives.round_up(elements, local) // local
 
 
 @dataclasses.dataclass(frozen=True)
