@@ -224,7 +224,8 @@ def sharded_update(
   for group in groups:
     members = tuple(order[i] for i in group)
     sizes = [math.prod(leaves[m].shape) for m in members]
-    # The shard layout of the bucket's collective (hitopk's pads to local shards, as with a float32 wire).
+    # The shard layout of the bucket's collective: a dense bucket's as the hierarchical reduction pads it, a
+    # hitopk bucket's into plain local shards (hitopk pads so whatever the wire dtype).
     dense = not base.bucket_strategy(sum(sizes)).compressed
     padded = collectives.hierarchical_padded_size(sum(sizes), base.local, base.nodes, narrow and dense)
     buckets.append(split_into_shards(members, sizes, padded // base.local, base.local))
