@@ -331,8 +331,8 @@ RUNS = {
     [*CLIPPED, *AT_05, *BF16_HOPS],
     "the compact run without compact pairs (float32 values, int32 indices): what the rounding costs at 0.5%",
   ),
-  # gTop-k instead of hitopk in :large_batch_hitopk_compact's setting, with and without compact pairs: on 2 nodes
-  # one merge round, whose pairs compact pairs round (the sums at the k winners stay float32).
+  # gTop-k instead of hitopk in :large_batch_hitopk_compact's setting, with and without compact pairs: on 2 x 4
+  # devices three merge rounds (one across nodes), whose pairs compact pairs round (the k sums stay float32).
   **seeded(
     "sgd_4096_w3_gtopk_clip_05pct_bf16_compact",
     [*CLIPPED, *AT_05, *BF16_HOPS, *COMPACT, *GTOPK],
@@ -342,7 +342,7 @@ RUNS = {
   **seeded(
     "sgd_4096_w3_gtopk_clip_05pct_bf16",
     [*CLIPPED, *AT_05, *BF16_HOPS, *GTOPK],
-    "the gtopk run without compact pairs: what rounding the merge round's pairs costs gtopk",
+    "the gtopk run without compact pairs: what rounding the merge rounds' pairs costs gtopk",
     range(2),
   ),
   # The 5-epoch warm-up cost :large_batch_hitopk 0.4 against 3 (seed 0): does a shorter one gain more?

@@ -149,8 +149,8 @@ def make_train_step(
   ``per_device_loss`` has shape (num_devices,): averaging it on the host when logging costs no
   collective in the step.
 
-  A non-finite loss or gradient (a device's own or the reduced one) is caught on the device, without a host
-  sync: the update is skipped (state unchanged but for ``step`` and ``nonfinite_steps``).
+  A non-finite loss, gradient (a device's own or the reduced one) or reducer state is caught on the device,
+  without a host sync: the update is skipped (state unchanged but for ``step`` and ``nonfinite_steps``).
   ``inject_nan_at_step`` >= 0 poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
   ``epoch_first_steps`` (``EpochPlan.first_steps``) resets the epoch loss accumulators at each epoch's
   first step. ``micro_batches``: slices of the device's batch run one after the other, their gradients
@@ -211,9 +211,11 @@ def make_train_step(
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       new_params = optax.apply_updates(state.params, updates)
     # One decision for every device (with DiLoCo the machines' gradients differ): skip the update if any
-    # device saw a non-finite loss, local gradient or reduced gradient. The local one too, because top-k may
-    # leave a NaN unsent: the reduced gradient is then finite but the NaN would stay in the residual.
-    finite = lax.pmin(jnp.logical_and(jnp.isfinite(loss), all_finite((local_grads, grads))).astype(jnp.int32), AXES) > 0
+    # device saw a non-finite loss, local gradient, reduced gradient or new reducer state. The local gradient
+    # and the state too, because top-k may leave a NaN unsent (the reduced gradient is then finite but the NaN
+    # would stay in the residual) and a residual may overflow as it accumulates.
+    all_ok = jnp.logical_and(jnp.isfinite(loss), all_finite((local_grads, grads, comm_state)))
+    finite = lax.pmin(all_ok.astype(jnp.int32), AXES) > 0
     loss_scale = {}
     if state.loss_scale:  # lower the scale after an overflow, raise it after `loss_scale_period` good steps
       adjusted = scaling.adjust(finite)

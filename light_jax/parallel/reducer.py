@@ -293,8 +293,11 @@ class Reducer(Protocol):
   optimizer); those with error-feedback residuals of gradients (GradientReducer, ShardedUpdate) also
   ``rescale_residuals`` (``comm.residual_units="update"``)."""
 
-  keeps_residuals: bool  # it has per-device state, whose shapes fix its buckets for the run
-  updates_parameters: bool
+  @property
+  def keeps_residuals(self) -> bool: ...  # it has per-device state, whose shapes fix its buckets for the run
+
+  @property
+  def updates_parameters(self) -> bool: ...
 
   @property
   def compression(self) -> str: ...  # how it compresses, for the logs ("" when it does not)
