@@ -68,7 +68,7 @@ def test_hitopk_with_adaptive_fusion_mstopk_and_density_warmup(tmp_path, caplog)
 def test_a_density_warmup_compiles_one_step_for_a_strategy_without_a_density(tmp_path, caplog):
   """Only top-k has a density: a dense strategy under comm.density_warmup_epochs compiles its step once."""
   with caplog.at_level(logging.INFO):
-    train_lib.train_and_evaluate(small_config(max_steps=20, comm__density_warmup_epochs=1.0), str(tmp_path))
+    train_lib.train_and_evaluate(small_config(max_steps=10, comm__density_warmup_epochs=1.0), str(tmp_path))
   assert caplog.text.count("train step compiled") == 1
 
 
