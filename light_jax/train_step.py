@@ -214,7 +214,7 @@ def make_train_step(
     # device saw a non-finite loss, local gradient, reduced gradient or new reducer state. The local gradient
     # and the state too, because top-k may leave a NaN unsent (the reduced gradient is then finite but the NaN
     # would stay in the residual) and a residual may overflow as it accumulates.
-    all_ok = jnp.logical_and(jnp.isfinite(loss), all_finite((local_grads, grads, comm_state)))
+    all_ok = jnp.logical_and(jnp.isfinite(loss), jmp.all_finite((local_grads, grads, comm_state)))
     finite = lax.pmin(all_ok.astype(jnp.int32), AXES) > 0
     loss_scale = {}
     if state.loss_scale:  # lower the scale after an overflow, raise it after `loss_scale_period` good steps
@@ -273,11 +273,6 @@ def accumulate_gradients(
     unroll = jax.devices()[0].platform == "cpu"
   (grad_sum, loss_sum, stats), _ = lax.scan(one, (zeros, jnp.zeros(()), batch_stats), slices, unroll=unroll)
   return jax.tree.map(lambda g: g / micro_batches, grad_sum), loss_sum / micro_batches, stats
-
-
-def all_finite(tree: PyTree) -> jax.Array:
-  """Whether every entry of every leaf is finite (one boolean)."""
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
 
 
 def mean_over_devices(tree: PyTree) -> PyTree:
