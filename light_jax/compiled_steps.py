@@ -25,14 +25,13 @@ import ml_collections
 import optax
 
 from light_jax import checkpoint as checkpoint_lib
-from light_jax import config as config_lib
 from light_jax import optim, schedules
 from light_jax import train_step as step_lib
 from light_jax.data import DatasetInfo
 from light_jax.parallel import cost_model
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel import mesh as mesh_lib
-from light_jax.parallel.reducer import AUTO, Reducer, reducer_from_config
+from light_jax.parallel.reducer import Reducer, may_select_top_k, reducer_from_config
 from light_jax.parallel.sharded_update import sharded_update
 from light_jax.parallel.strategies import CommBytes
 
@@ -74,7 +73,7 @@ class CompiledSteps:
     self.residual_scale = schedules.residual_rescale(schedule) if comm.residual_units == "update" else None
     # Only the top-k strategies have a density: for the others a density schedule would compile the same step
     # once per phase.
-    top_k = config_lib.is_top_k(comm.strategy) or comm.strategy == AUTO
+    top_k = may_select_top_k(comm.strategy)
     self.density_warmup_steps = plan.step_at(comm.density_warmup_epochs) if top_k else 0
     self.final_density = None  # (first step, density) of the last comm.final_density_epochs epochs
     if top_k and comm.final_density_epochs > 0:

@@ -291,7 +291,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   from light_jax.parallel import compression, cost_model, strategies
   from light_jax.parallel import mesh as mesh_lib
   from light_jax.parallel import sharded_update as sharded_lib
-  from light_jax.parallel.reducer import AUTO, DILOCO, FUSIONS, POWERSGD, STRATEGIES, takes_compact_pairs
+  from light_jax.parallel.reducer import (
+    AUTO,
+    DILOCO,
+    FUSIONS,
+    POWERSGD,
+    STRATEGIES,
+    may_select_top_k,
+    takes_compact_pairs,
+  )
 
   _choice("comm.strategy", config.comm.strategy, STRATEGIES)
   _choice("comm.fusion", config.comm.fusion, FUSIONS)
@@ -382,7 +390,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _positive("comm.density_warmup_epochs", config.comm.density_warmup_epochs, allow_zero=True)
   _positive("comm.final_density_epochs", config.comm.final_density_epochs, allow_zero=True)
   if config.comm.final_density_epochs > 0:
-    if not (top_k or config.comm.strategy == AUTO):
+    if not may_select_top_k(config.comm.strategy):
       raise ConfigError(
         f"comm.final_density_epochs changes the top-k density of the last epochs; comm.strategy="
         f"{config.comm.strategy!r} selects no entries. Use hitopk, topk, gtopk or auto, or set it to 0."

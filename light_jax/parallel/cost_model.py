@@ -32,7 +32,7 @@ import numpy as np
 
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel import strategies
-from light_jax.parallel.reducer import AUTO, GradientReducer, Reducer
+from light_jax.parallel.reducer import AUTO, GradientReducer, Reducer, may_select_top_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,8 +246,7 @@ def replans_buckets_per_phase(comm: ml_collections.ConfigDict) -> bool:
   """Whether ``comm.fusion="adaptive"`` plans its buckets again for each phase of a run (a new batch or image
   size changes the backward times). Only a dense strategy's: a compressed strategy's buckets (or auto's, which
   may compress) carry residuals of their own shapes, so they stay the first phase's."""
-  compressed = comm.strategy == AUTO or (comm.strategy in strategies.NAMES and strategies.get(comm.strategy).compressed)
-  return comm.fusion == "adaptive" and not compressed
+  return comm.fusion == "adaptive" and not may_select_top_k(comm.strategy)
 
 
 def plan_reducer(

@@ -30,6 +30,12 @@ DILOCO = diloco.NAME  # comm.strategy: local steps in each machine, an outer ste
 STRATEGIES = (*strategies.NAMES, POWERSGD, DILOCO, AUTO)  # every comm.strategy
 
 
+def may_select_top_k(strategy: str) -> bool:
+  """Whether ``strategy`` selects top-k entries (hitopk, topk, gtopk) or may (auto, for its buckets): the
+  strategies with a density, and with residuals that fix their buckets for a run."""
+  return strategy == AUTO or (strategy in strategies.NAMES and strategies.get(strategy).compressed)
+
+
 def takes_compact_pairs(strategy: str) -> bool:
   """Whether comm.compact_pairs applies to ``strategy``: the top-k strategies, and auto (for its buckets of those)."""
   return strategy == AUTO or strategies.sends_compact_pairs(strategy)
@@ -115,7 +121,7 @@ class GradientReducer:
   @property
   def keeps_residuals(self) -> bool:
     """Whether some bucket may be compressed (its residual then fixes the buckets for the whole run)."""
-    return self.strategy == AUTO or self.spec.compressed
+    return may_select_top_k(self.strategy)
 
   def at_density(self, density: float) -> GradientReducer:
     """This reducer with top-k keeping ``density`` (the density warm-up of the compressed strategies)."""
