@@ -258,15 +258,17 @@ def test_dynamic_loss_scaling_skips_an_overflow_halves_the_scale_then_grows_it()
 
 
 class _NaNGradientOnUniformImages(nn.Module):
-  """TinyCNN plus 4,096 parameters, every other one of which has a NaN gradient on a device whose images are
-  all one value (sqrt at 0, times 0; 0 elsewhere), while the loss stays finite: a gradient a float16 backward
-  pass can produce."""
+  """TinyCNN plus 4,096 parameters (the one bucket large enough to compress), every other one of which has a NaN
+  gradient on a device whose images are all one value (sqrt at 0, times 0), while the loss stays finite: a
+  gradient a float16 backward pass can produce. Elsewhere their gradient is finite and not zero."""
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     extra = self.param("extra", nn.initializers.ones, (4096,))
     varied = (jnp.max(x) > jnp.min(x)).astype(x.dtype)
-    return TinyCNN()(x, train) + 0.0 * jnp.sum(jnp.sqrt(extra[1::2] * varied))
+    weights = jnp.linspace(0.5, 1.5, extra.size)  # distinct gradients, so top-k's choice is unambiguous
+    nan_where_uniform = 0.0 * jnp.sum(jnp.sqrt(extra[1::2] * varied))
+    return TinyCNN()(x, train) + 1e-3 * jnp.mean(x) * jnp.sum(weights * extra) + nan_where_uniform
 
 
 def test_a_nan_in_one_devices_gradient_skips_the_step_even_where_top_k_does_not_send_it():
@@ -290,3 +292,38 @@ def test_a_nan_in_one_devices_gradient_skips_the_step_even_where_top_k_does_not_
   assert np.all(np.isfinite(loss)) and int(state.nonfinite_steps) == 1
   assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.comm_state))
   assert _max_diff(state.params, before.params) == 0.0
+
+
+def test_an_overflow_on_one_device_under_top_k_halves_the_loss_scale_and_leaves_the_residuals():
+  """float16's overflow seen by one device only, under hitopk with dynamic loss scaling: the step is skipped,
+  the scale halves, each device's residual stays as it was (an inf kept there would be sent for good), and the
+  next good step trains and counts towards the scale's growth."""
+  batches, info = _batches(2)
+  poisoned = batches[0][0].copy()
+  poisoned[-GLOBAL_BATCH // 8 :] = 7  # the last device's images: a NaN gradient there only, the loss finite
+  model = _NaNGradientOnUniformImages()
+  tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
+  mesh = mesh_lib.make_mesh(2, 4)
+  reducer = reducer_lib.make_gradient_reducer("hitopk", 2, 4, density=0.01, selector="mstopk")
+  state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0, initial_loss_scale=2.0**15)
+  step = step_lib.make_train_step(model, tx, reducer, mesh, info, 0.1, loss_scale_period=2)
+  sharding = mesh_lib.batch_sharding(mesh)
+
+  def run(state, images, labels):
+    state, loss = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
+    return jax.device_get(state), loss
+
+  before = jax.device_get(state)
+  state, loss = run(state, poisoned, batches[0][1])
+  assert np.all(np.isfinite(loss)) and int(state.nonfinite_steps) == 1
+  assert (float(state.loss_scale["scale"]), int(state.loss_scale["counter"])) == (2.0**14, 0)
+  assert _max_diff(state.params, before.params) == 0.0
+  assert _max_diff(state.comm_state, before.comm_state) == 0.0
+
+  after_skip = state
+  state, _ = run(state, *batches[1])
+  assert int(state.nonfinite_steps) == 1
+  assert (float(state.loss_scale["scale"]), int(state.loss_scale["counter"])) == (2.0**14, 1)
+  assert _max_diff(state.params, after_skip.params) > 0.0
+  assert _max_diff(state.comm_state, after_skip.comm_state) > 0.0  # the unsent entries went into the residuals
+  assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.comm_state))
