@@ -131,9 +131,12 @@ def test_kill9_after_a_checkpoint_then_resume_gives_the_same_run(uninterrupted, 
   proc.kill()
   proc.communicate()
   assert proc.returncode == -signal.SIGKILL  # killed, not finished: there is something to resume
+  newest = max(_steps(tmp_path))
   with caplog.at_level(logging.INFO):
-    train_lib.train_and_evaluate(_config(), str(tmp_path))
-  assert "resumed from the checkpoint at step" in caplog.text
+    summary = train_lib.train_and_evaluate(_config(), str(tmp_path))
+  # From the newest checkpoint (a run started over, or from an older one, would end the same on CPU).
+  assert summary["resumed_from_step"] == newest
+  assert f"resumed from the checkpoint at step {newest} " in caplog.text
   _assert_same_run(uninterrupted, tmp_path)
 
 
@@ -150,7 +153,8 @@ def test_sigterm_saves_at_that_step_and_the_run_resumes_the_same(uninterrupted, 
   meta_file = tmp_path / "checkpoints" / "6" / "meta" / "metadata"  # orbax JsonSave
   with open(meta_file) as f:
     seconds_at_6 = json.load(f)["train_seconds"]
-  train_lib.train_and_evaluate(_config(), str(tmp_path))
+  summary = train_lib.train_and_evaluate(_config(), str(tmp_path))
+  assert summary["resumed_from_step"] == 6  # not started over (which would end the same on CPU)
   _assert_same_run(uninterrupted, tmp_path)
   # The clock goes on from the checkpoint's: the first record after the resume (step 8) counts steps 0-8.
   seconds = [r["train_seconds"] for r in read_metrics(tmp_path)]

@@ -170,10 +170,13 @@ def test_bfloat16_wire_is_close_to_float32_and_halves_dense_bytes(problem, strat
     strategy, *shape, fusion="fixed", density=1.0, min_compress_elements=1, wire_dtype="bfloat16"
   )
   reduced = reduce_on_mesh(bf16, mesh, model, params, images, labels)[0]
+  rounded = 0.0
   for ours, ref in zip(jax.tree.leaves(reduced), jax.tree.leaves(reference)):
     assert ours.dtype == jnp.float32
     # bfloat16 keeps 8 bits of mantissa: each summand is off by at most 2^-8 of itself.
     np.testing.assert_allclose(ours, ref, atol=2**-7 * float(np.abs(np.asarray(ref)).max()) + 1e-7)
+    rounded = max(rounded, float(np.max(np.abs(np.asarray(ours) - np.asarray(ref)))))
+  assert rounded > 1e-5  # the hops really carried bfloat16 (float32's own error here is under 1e-6)
   wide, narrow = f32.bytes_per_step(params), bf16.bytes_per_step(params)
   assert narrow.intra_node <= wide.intra_node // 2 + 64
   if strategy != "hitopk":  # hitopk's sparse (value, index) pairs cross nodes in float32 either way

@@ -271,26 +271,50 @@ class _NaNGradientOnUniformImages(nn.Module):
     return TinyCNN()(x, train) + 1e-3 * jnp.mean(x) * jnp.sum(weights * extra) + nan_where_uniform
 
 
-def test_a_nan_in_one_devices_gradient_skips_the_step_even_where_top_k_does_not_send_it():
-  """mstopk's threshold search on a NaN fails: it sends entry 0 k times (here a finite 0), so the reduced
-  gradient is finite, but the NaNs would stay in the residual and stall every later step's selection. The
-  step checks each device's own gradient too, so it is skipped and the residuals stay as they were."""
-  batches, info = _batches(1)
-  images, labels = batches[0]
-  images = images.copy()
-  images[-GLOBAL_BATCH // 8 :] = 7  # the last device's images
+def _top_k_steps(initial_loss_scale=None, **step_kwargs):
+  """A hitopk (mstopk, 1%) train state of _NaNGradientOnUniformImages on 2 x 4 devices, and a step on host
+  arrays that returns the state on the host."""
   model = _NaNGradientOnUniformImages()
   tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
   mesh = mesh_lib.make_mesh(2, 4)
   reducer = reducer_lib.make_gradient_reducer("hitopk", 2, 4, density=0.01, selector="mstopk")
-  state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
-  step = step_lib.make_train_step(model, tx, reducer, mesh, info, 0.1)
+  info = _batches(1)[1]
+  state = step_lib.create_train_state(
+    model, tx, reducer, info.image_shape, mesh, seed=0, initial_loss_scale=initial_loss_scale
+  )
+  step = step_lib.make_train_step(model, tx, reducer, mesh, info, 0.1, **step_kwargs)
   sharding = mesh_lib.batch_sharding(mesh)
-  before = jax.device_get(state)
-  state, loss = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
-  state = jax.device_get(state)
+
+  def run(state, images, labels):
+    state, loss = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
+    return jax.device_get(state), loss
+
+  return state, run
+
+
+def _poisoned(images):
+  """The last device's images all one value: a NaN gradient on that device only, the loss finite."""
+  images = images.copy()
+  images[-GLOBAL_BATCH // 8 :] = 7
+  return images
+
+
+def _nonzero(tree):
+  return any(np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(tree))
+
+
+def test_a_nan_in_one_devices_gradient_skips_the_step_even_where_top_k_does_not_send_it():
+  """mstopk's threshold search on a NaN fails: it sends entry 0 k times (here a finite 0), so the reduced
+  gradient is finite, but the NaNs would stay in the residual and stall every later step's selection. The
+  step checks each device's own gradient too, so it is skipped and the residuals stay as they were."""
+  batches, _ = _batches(2)
+  state, run = _top_k_steps()
+  state, _ = run(state, *batches[0])
+  assert int(state.nonfinite_steps) == 0 and _nonzero(state.comm_state)  # residuals to keep
+  before = state
+  state, loss = run(state, _poisoned(batches[1][0]), batches[1][1])
   assert np.all(np.isfinite(loss)) and int(state.nonfinite_steps) == 1
-  assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.comm_state))
+  assert _max_diff(state.comm_state, before.comm_state) == 0.0
   assert _max_diff(state.params, before.params) == 0.0
 
 
@@ -298,32 +322,24 @@ def test_an_overflow_on_one_device_under_top_k_halves_the_loss_scale_and_leaves_
   """float16's overflow seen by one device only, under hitopk with dynamic loss scaling: the step is skipped,
   the scale halves, each device's residual stays as it was (an inf kept there would be sent for good), and the
   next good step trains and counts towards the scale's growth."""
-  batches, info = _batches(2)
-  poisoned = batches[0][0].copy()
-  poisoned[-GLOBAL_BATCH // 8 :] = 7  # the last device's images: a NaN gradient there only, the loss finite
-  model = _NaNGradientOnUniformImages()
-  tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
-  mesh = mesh_lib.make_mesh(2, 4)
-  reducer = reducer_lib.make_gradient_reducer("hitopk", 2, 4, density=0.01, selector="mstopk")
-  state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0, initial_loss_scale=2.0**15)
-  step = step_lib.make_train_step(model, tx, reducer, mesh, info, 0.1, loss_scale_period=2)
-  sharding = mesh_lib.batch_sharding(mesh)
+  batches, _ = _batches(3)
+  state, run = _top_k_steps(initial_loss_scale=2.0**15, loss_scale_period=4)
 
-  def run(state, images, labels):
-    state, loss = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
-    return jax.device_get(state), loss
+  def scale(state):
+    return float(state.loss_scale["scale"]), int(state.loss_scale["counter"])
 
-  before = jax.device_get(state)
-  state, loss = run(state, poisoned, batches[0][1])
+  state, _ = run(state, *batches[0])
+  assert scale(state) == (2.0**15, 1) and _nonzero(state.comm_state)
+  before = state
+  state, loss = run(state, _poisoned(batches[1][0]), batches[1][1])
   assert np.all(np.isfinite(loss)) and int(state.nonfinite_steps) == 1
-  assert (float(state.loss_scale["scale"]), int(state.loss_scale["counter"])) == (2.0**14, 0)
+  assert scale(state) == (2.0**14, 0)
   assert _max_diff(state.params, before.params) == 0.0
   assert _max_diff(state.comm_state, before.comm_state) == 0.0
 
   after_skip = state
-  state, _ = run(state, *batches[1])
-  assert int(state.nonfinite_steps) == 1
-  assert (float(state.loss_scale["scale"]), int(state.loss_scale["counter"])) == (2.0**14, 1)
+  state, _ = run(state, *batches[2])
+  assert int(state.nonfinite_steps) == 1 and scale(state) == (2.0**14, 1)
   assert _max_diff(state.params, after_skip.params) > 0.0
   assert _max_diff(state.comm_state, after_skip.comm_state) > 0.0  # the unsent entries went into the residuals
   assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.comm_state))
