@@ -96,9 +96,12 @@ def test_lars_trust_ratio_applies_to_kernels_only():
 def test_label_smoothing():
   logits = jnp.array([[0.0, 0.0]])
   assert float(optim.cross_entropy(logits, jnp.array([0]), 2, 0.0)) == pytest.approx(np.log(2))
+  # Smoothing 0.2 over 2 classes: targets (0.9, 0.1), so -0.9 log p0 - 0.1 log p1 with log p = -softplus(-+20).
   sharp = jnp.array([[10.0, -10.0]])
-  assert float(optim.cross_entropy(sharp, jnp.array([0]), 2, 0.2)) > float(
-    optim.cross_entropy(sharp, jnp.array([0]), 2, 0.0)
+  expected = 0.9 * np.logaddexp(0.0, -20.0) + 0.1 * np.logaddexp(0.0, 20.0)
+  assert float(optim.cross_entropy(sharp, jnp.array([0]), 2, 0.2)) == pytest.approx(expected, rel=1e-6)
+  assert float(optim.cross_entropy(sharp, jnp.array([1]), 2, 0.2)) == pytest.approx(
+    0.1 * np.logaddexp(0.0, -20.0) + 0.9 * np.logaddexp(0.0, 20.0), rel=1e-6
   )
 
 

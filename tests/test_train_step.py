@@ -194,7 +194,17 @@ def test_the_residual_scale_reaches_the_residuals_each_step():
 
   without = train(error_feedback=False)
   assert _max_diff(train(True, residual_scale=lambda step: jnp.float32(0.0)), without) < 1e-6
-  assert _max_diff(train(True), without) > 1e-4  # the residuals matter in these 3 steps
+  plain = train(True)
+  assert _max_diff(plain, without) > 1e-4  # the residuals matter in these 3 steps
+
+  def forget_at(when):
+    return lambda step: jnp.where(step == when, 0.0, 1.0).astype(jnp.float32)
+
+  # Before each step's reduction, with that step's number: at step 0 the residuals are still zero (the same
+  # run); at steps 1 and 2 what is forgotten is what that step would have sent (another run each).
+  assert _max_diff(train(True, residual_scale=forget_at(0)), plain) < 1e-6
+  assert _max_diff(train(True, residual_scale=forget_at(1)), plain) > 1e-5
+  assert _max_diff(train(True, residual_scale=forget_at(2)), plain) > 1e-5
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
