@@ -15,7 +15,8 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from light_jax.exit_codes import ExitCode  # imports nothing of JAX: devices are set up in main
+from light_jax import cli  # these two import nothing of JAX: devices are set up in main
+from light_jax.exit_codes import ExitCode
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally with :VARIANT.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, plots and checkpoints.")
@@ -67,6 +68,8 @@ def _start_jax(config):
   explicit = _COORDINATOR.value is not None
   detected = any(os.environ.get(v) for v in _CLUSTER_ENV)
   num_processes = _NUM_PROCESSES.value or 1
+  if not isinstance(config.mesh.cpu_devices, int) or config.mesh.cpu_devices < 0:
+    cli.fail(f"invalid config: mesh.cpu_devices={config.mesh.cpu_devices!r} must be >= 0 (0: the platform's own).")
   if config.mesh.cpu_devices:
     # Simulated CPU devices (tests, laptops): the total is split over the --num_processes processes. No effect on GPUs.
     jax.config.update("jax_num_cpu_devices", max(config.mesh.cpu_devices // num_processes, 1))
@@ -99,10 +102,23 @@ class _QuietLibraries(pylogging.Filter):
     return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
 
 
+def _check_workdir(workdir: str) -> None:
+  """Before anything heavy: the workdir must be a directory this process can write."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    cli.fail(f"--workdir={workdir} is a file, not a directory; choose another path.")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    cli.fail(f"--workdir={workdir}: cannot create it ({e.strerror}); choose another directory.")
+  if not os.access(workdir, os.W_OK | os.X_OK):
+    cli.fail(f"--workdir={workdir}: not writable by this user; choose another directory or fix its permissions.")
+
+
 def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietLibraries())
   config = _CONFIG.value
+  _check_workdir(_WORKDIR.value)
   jax = _start_jax(config)
 
   from light_jax import liveness
@@ -179,4 +195,4 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser(_CONFIG))

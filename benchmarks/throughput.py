@@ -30,11 +30,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from light_jax import cli, xla_flags  # noqa: E402
 from light_jax import config as config_lib  # noqa: E402
-from light_jax import xla_flags  # noqa: E402
 from light_jax.config import base_config  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_dict("config", base_config(), "config fields (the defaults of base_config)")
+try:  # a config dict flag applies its --config.FIELD overrides here, at definition
+  _CONFIG = config_flags.DEFINE_config_dict("config", base_config(), "config fields (the defaults of base_config)")
+except cli.FLAG_ERRORS as e:
+  cli.fail(cli.describe_flag_error(e))
 _MODEL = flags.DEFINE_string("model", "resnet50", "model.name")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "square image side, pixels")
 _BATCH = flags.DEFINE_integer("batch_per_device", 64, "images per device per step")
@@ -156,4 +159,4 @@ def main(argv):
 
 if __name__ == "__main__":
   xla_flags.apply()
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser(_CONFIG))

@@ -209,6 +209,10 @@ def strategy_fields(label: str) -> dict[str, Any]:
       fields[field] = kind(value)
     except ValueError:
       raise ConfigError(f"strategy {label!r}: {value!r} is not a valid comm.{field} ({kind.__name__})") from None
+    if field == "density":
+      _density(f"strategy {label!r}: comm.density", fields[field])
+    else:
+      _positive(f"strategy {label!r}: comm.{field}", fields[field])
   for option in options:
     if option in DTYPES:
       fields["dtype"] = option
@@ -457,11 +461,30 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     except schedules.ScheduleError as e:
       raise ConfigError(str(e)) from None
     phase_batches = {p.global_batch_size for p in phases if p.global_batch_size}
+    largest = max(p.image_size or config.data.image_size for p in phases)
+    if config.data.cache != "none" and config.data.cache_size < largest:
+      raise ConfigError(
+        f"data.cache_size={config.data.cache_size} is smaller than the largest training size ({largest} px): "
+        f"the cached images would be scaled up, losing detail. Set data.cache_size >= {largest}."
+      )
   else:
     phase_batches = set()
+  _positive("data.crop_padding", config.data.crop_padding, allow_zero=True)
+  _positive("data.train_subset", config.data.train_subset, allow_zero=True)
+  _positive("data.eval_subset", config.data.eval_subset, allow_zero=True)
+  _positive("model.width", config.model.width, allow_zero=True)
+  if not isinstance(config.seed, int) or not 0 <= config.seed < 2**32:
+    raise ConfigError(f"seed={config.seed!r} must be an integer in [0, 2**32).")
   _positive("optimizer.base_lr", config.optimizer.base_lr)
   _positive("optimizer.weight_decay", config.optimizer.weight_decay, allow_zero=True)
   _positive("optimizer.warmup_epochs", config.optimizer.warmup_epochs, allow_zero=True)
+  if not 0.0 <= config.optimizer.momentum < 1.0:
+    raise ConfigError(f"optimizer.momentum={config.optimizer.momentum!r} must be in [0, 1).")
+  if not 0.0 <= config.optimizer.end_lr_factor <= 1.0:
+    raise ConfigError(
+      f"optimizer.end_lr_factor={config.optimizer.end_lr_factor!r} must be in [0, 1] (the final lr as a fraction "
+      "of the peak)."
+    )
   if not 0.0 <= config.optimizer.label_smoothing < 1.0:
     raise ConfigError(f"optimizer.label_smoothing={config.optimizer.label_smoothing!r} must be in [0, 1).")
   _choice("train.on_nonfinite", config.train.on_nonfinite, ("skip", "stop"))

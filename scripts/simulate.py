@@ -30,18 +30,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from light_jax import cli  # noqa: E402
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file[:variant]")
 _CLUSTER = flags.DEFINE_string("cluster", "v100x128_25gbe", "a preset of light_jax/simulation.py CLUSTERS")
 _STRATEGIES = flags.DEFINE_list("strategies", [], "strategies to compare (default: the config's)")
-_NODES = flags.DEFINE_integer("nodes", None, "machines (default: the preset's)")
-_DEVICES_PER_NODE = flags.DEFINE_integer("devices_per_node", None, "devices per machine (default: the preset's)")
-_INTER_GBPS = flags.DEFINE_float("inter_gbps", None, "Ethernet rate between machines, Gbit/s")
+_NODES = flags.DEFINE_integer("nodes", None, "machines (default: the preset's)", lower_bound=1)
+_DEVICES_PER_NODE = flags.DEFINE_integer(
+  "devices_per_node", None, "devices per machine (default: the preset's)", lower_bound=1
+)
+_INTER_GBPS = flags.DEFINE_float("inter_gbps", None, "Ethernet rate between machines, Gbit/s (> 0)")
 _DEVICE = flags.DEFINE_string("device", None, "a DEVICES profile (default: the preset's)")
 _COST_MODEL = flags.DEFINE_string("cost_model", None, "a cost_model preset or calibrate_links.py JSON")
-_INPUT_RATE = flags.DEFINE_float("input_images_per_sec", None, "input images/s per host at 128 px")
+_INPUT_RATE = flags.DEFINE_float("input_images_per_sec", None, "input images/s per host at 128 px (> 0)")
 _NO_OVERLAP = flags.DEFINE_bool("no_overlap", False, "communication after the backward pass, not during it")
 _SWEEP = flags.DEFINE_enum("sweep", None, ["bandwidth", "devices"], "time to train against a cluster property")
 _PLOT = flags.DEFINE_string("plot", None, "PNG of the sweep")
+
+for _rate in ("inter_gbps", "input_images_per_sec"):
+  flags.register_validator(_rate, lambda value: value is None or value > 0, message=f"--{_rate} must be > 0")
 
 BANDWIDTHS_GBPS = (1, 2, 5, 10, 25, 50, 100, 200, 400)
 DEVICE_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -63,16 +70,19 @@ def make_cluster():
   try:
     cluster = simulation.CLUSTERS[_CLUSTER.value]
   except KeyError:
-    raise app.UsageError(f"--cluster={_CLUSTER.value!r}: known presets {sorted(simulation.CLUSTERS)}") from None
+    cli.fail(f"--cluster={_CLUSTER.value!r}: known presets {sorted(simulation.CLUSTERS)}")
   changes = {}
   if _DEVICES_PER_NODE.value:
     changes["devices_per_node"] = _DEVICES_PER_NODE.value
   if _DEVICE.value:
     if _DEVICE.value not in simulation.DEVICES:
-      raise app.UsageError(f"--device={_DEVICE.value!r}: known profiles {sorted(simulation.DEVICES)}")
+      cli.fail(f"--device={_DEVICE.value!r}: known profiles {sorted(simulation.DEVICES)}")
     changes["device"] = simulation.DEVICES[_DEVICE.value]
   if _COST_MODEL.value:
-    changes["cost"] = cost_model.load(_COST_MODEL.value)
+    try:
+      changes["cost"] = cost_model.load(_COST_MODEL.value)
+    except ValueError as e:
+      cli.fail(f"--cost_model={_COST_MODEL.value}: {e}")
   if _INPUT_RATE.value:
     changes["input_images_per_sec"] = _INPUT_RATE.value
   cluster = dataclasses.replace(cluster, **changes)
@@ -120,9 +130,13 @@ def main(argv):
   from light_jax import simulation
 
   if _CONFIG.value is None:
-    raise app.UsageError("--config is required, e.g. --config configs/imagenet_resnet50.py:light")
+    cli.fail("--config is required, e.g. --config configs/imagenet_resnet50.py:light")
   cluster = make_cluster()
   labels = _STRATEGIES.value or [_CONFIG.value.comm.strategy]
+  try:
+    configs = {label: with_strategy(_CONFIG.value, label) for label in labels}
+  except ValueError as e:
+    cli.fail(str(e))
   overlap = not _NO_OVERLAP.value
   print(f"cluster {_CLUSTER.value}: {cluster.nodes} x {cluster.devices_per_node} {cluster.device.name}, inter-node "
         f"{8e-9 / cluster.cost.inter.beta:.1f} Gbit/s goodput (alpha {1e6 * cluster.cost.inter.alpha:.0f} us), intra "
@@ -133,9 +147,9 @@ def main(argv):
   results = {}
   for label in labels:
     try:
-      results[label] = simulation.simulate(with_strategy(_CONFIG.value, label), cluster, overlap)
+      results[label] = simulation.simulate(configs[label], cluster, overlap)
     except ValueError as e:
-      raise app.UsageError(str(e)) from None
+      cli.fail(str(e))
     print_run(label, results[label])
 
   width = max(24, *(len(label) + 2 for label in labels))
@@ -149,7 +163,7 @@ def main(argv):
   if _SWEEP.value:
     sweep = {}
     for label in labels:
-      config = with_strategy(_CONFIG.value, label)
+      config = configs[label]
       if _SWEEP.value == "bandwidth":
         points = {g: simulation.with_link(cluster, inter_gbps=g) for g in BANDWIDTHS_GBPS}
       else:
@@ -169,4 +183,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser(_CONFIG))

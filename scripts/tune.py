@@ -42,6 +42,10 @@ from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from light_jax import cli  # noqa: E402  (the repository's, whichever directory this runs from)
+from light_jax.exit_codes import ExitCode  # noqa: E402
+
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 HEARTBEAT_SECONDS = 20  # a trial whose study process is gone is marked failed after GRACE_SECONDS
 GRACE_SECONDS = 60
@@ -51,12 +55,69 @@ class TrialFailed(RuntimeError):
   """train.py exited with an error; the message says where its log is."""
 
 
-def load_space(spec: str) -> dict[str, tuple]:
-  path, _, variant = spec.partition(":")
-  module_spec = importlib.util.spec_from_file_location("search_space", os.path.join(ROOT, path))
+class TrialRejected(RuntimeError):
+  """train.py refused a trial's config (exit code 2): every trial would fail the same way."""
+
+
+def _load_module(name: str, path: str):
+  module_spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+  if module_spec is None or not os.path.isfile(os.path.join(ROOT, path)):
+    raise ValueError(f"no such file: {path}")
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  return module.get_space(variant or None)
+  return module
+
+
+def load_space(spec: str) -> dict[str, tuple]:
+  path, _, variant = spec.partition(":")
+  return _load_module("search_space", path).get_space(variant or None)
+
+
+def check_study_config(config_spec: str, overrides: list[str], space: dict[str, tuple]) -> None:
+  """Before any trial: the config loads, its overrides name fields of the right type, and the search space
+  names fields the overrides leave alone (a trial's sampled value would silently replace the override).
+
+  Raises:
+    ValueError: with a message that says what to change.
+  """
+  path, _, variant = config_spec.partition(":")
+  try:
+    config = _load_module("base_config", path).get_config(variant or None)
+  except (OSError, ValueError, AttributeError, SyntaxError) as e:
+    raise ValueError(f"--config={config_spec}: {e}") from None
+  fields = dict(item[len("--config.") :].split("=", 1) for item in overrides)
+  for name, text in fields.items():
+    if _missing(config, name):
+      raise ValueError(f"--config.{name}: {config_spec} has no such field")
+    parent, _, leaf = name.rpartition(".")
+    section = config if not parent else _get(config, parent)
+    try:  # as train.py's flags read it: a string field takes the text as it is
+      section[leaf] = text if isinstance(section[leaf], str) else _literal(text)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"--config.{name}={text}: {e}") from None
+  unknown = [name for name in space if _missing(config, name)]
+  if unknown:
+    raise ValueError(f"the search space names fields that {config_spec} does not have: {unknown}")
+  clash = sorted(set(fields) & set(space))
+  if clash:
+    raise ValueError(
+      f"--config overrides of fields the search space samples would be replaced in every trial: {clash}; "
+      "drop the override, or search another space (--space)"
+    )
+
+
+def _missing(config, dotted: str) -> bool:
+  for part in dotted.split("."):
+    if not hasattr(config, "keys") or part not in config:
+      return True
+    config = config[part]
+  return False
+
+
+def _get(config, dotted: str):
+  for part in dotted.split("."):
+    config = config[part]
+  return config
 
 
 def suggest(trial: optuna.Trial, space: dict[str, tuple]) -> dict:
@@ -139,6 +200,10 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
           process.wait(timeout=60)
         except subprocess.TimeoutExpired:
           process.kill()
+  if process.returncode == ExitCode.BAD_INPUT:
+    with open(log_path) as f:
+      errors = [line[len("error:") :].strip() for line in f if line.startswith("error:")]
+    raise TrialRejected(f"trial {trial.number}: train.py refused its config: {errors[-1] if errors else log_path}")
   if process.returncode != 0:
     raise TrialFailed(f"trial {trial.number}: train.py exited with {process.returncode}; see {log_path}")
   with open(os.path.join(workdir, "summary.json")) as f:
@@ -272,10 +337,21 @@ def main() -> None:
   if args.trials < 1:
     parser.error("--trials must be >= 1")
   start = time.time()
-  space = load_space(args.space)
-  os.makedirs(os.path.join(args.study_dir, "trials"), exist_ok=True)
-  optuna.logging.set_verbosity(optuna.logging.WARNING)
-  logging.getLogger("optuna").setLevel(logging.WARNING)
+  try:
+    space = load_space(args.space)
+  except (OSError, ValueError, AttributeError, SyntaxError) as e:
+    cli.fail(f"--space={args.space}: {e}")
+  try:
+    check_study_config(args.config, args.overrides, space)
+  except ValueError as e:
+    cli.fail(str(e))
+  try:
+    os.makedirs(os.path.join(args.study_dir, "trials"), exist_ok=True)
+  except OSError as e:
+    cli.fail(f"--study_dir={args.study_dir}: cannot create it ({e.strerror}); choose another directory")
+  # Errors only: a failed trial is reported below in one line (its log holds the rest), not with a traceback.
+  optuna.logging.set_verbosity(optuna.logging.ERROR)
+  logging.getLogger("optuna").setLevel(logging.ERROR)
   warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # the heartbeat's, in Optuna 5
   storage = open_storage(args.storage or f"sqlite:///{os.path.abspath(os.path.join(args.study_dir, 'study.db'))}")
   study = optuna.create_study(
@@ -288,10 +364,24 @@ def main() -> None:
   )
   finished = lambda: sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))  # noqa: E731
   print(f"study {args.study_name} in {args.study_dir}: {finished()} of {args.trials} trials finished", flush=True)
+  rejected = []
+
+  def objective(trial: optuna.Trial) -> float:
+    try:
+      return run_trial(trial, args, space)
+    except TrialRejected as e:  # every trial would be: stop the study
+      rejected.append(str(e))
+      raise
+    except TrialFailed as e:
+      print(f"  failed: {e}", file=sys.stderr, flush=True)
+      raise
+
   failures = 0
   while finished() < args.trials:
     before = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
-    study.optimize(lambda trial: run_trial(trial, args, space), n_trials=1, catch=(TrialFailed,))
+    study.optimize(objective, n_trials=1, catch=(TrialFailed, TrialRejected))
+    if rejected:
+      cli.fail(rejected[0])
     failures += len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,))) - before
     if failures > max(3, args.trials // 4):
       sys.exit(f"error: {failures} trials failed in this run; see the logs in {args.study_dir}/trials")

@@ -100,6 +100,12 @@ def test_default_configs_validate():
     ({"global_batch_size": 0}, r"global_batch_size=0 must be > 0"),
     ({"max_steps": -1}, r"max_steps=-1 must be >= 0"),
     ({"optimizer__label_smoothing": 1.0}, r"label_smoothing=1.0 must be in \[0, 1\)"),
+    ({"optimizer__momentum": 1.5}, r"optimizer.momentum=1.5 must be in \[0, 1\)"),
+    ({"optimizer__end_lr_factor": -1.0}, r"optimizer.end_lr_factor=-1.0 must be in \[0, 1\] \(the final lr"),
+    ({"model__width": -4}, r"model.width=-4 must be >= 0"),
+    ({"data__crop_padding": -1}, r"data.crop_padding=-1 must be >= 0"),
+    ({"data__train_subset": -100}, r"data.train_subset=-100 must be >= 0"),
+    ({"seed": -1}, r"seed=-1 must be an integer in \[0, 2\*\*32\)"),
   ],
 )
 def test_bad_config_gets_one_clear_error(overrides, message):
@@ -122,6 +128,10 @@ def test_strategy_labels_name_their_comm_fields():
   }
   with pytest.raises(config_lib.ConfigError, match=r"/fp8 is neither a wire dtype \(float32, bfloat16\) nor /compact"):
     config_lib.strategy_fields("hitopk@0.01/fp8")
+  with pytest.raises(config_lib.ConfigError, match=r"strategy 'hitopk@2': comm.density=2.0 must be in \(0, 1\]"):
+    config_lib.strategy_fields("hitopk@2")
+  with pytest.raises(config_lib.ConfigError, match=r"strategy 'diloco@0': comm.sync_every=0 must be > 0"):
+    config_lib.strategy_fields("diloco@0")
 
 
 def test_gtopk_needs_a_power_of_two_device_count():
@@ -139,10 +149,42 @@ def test_cli_reports_a_bad_config_without_traceback(tmp_path):
   assert not os.listdir(tmp_path)  # nothing written before validation
 
 
+@pytest.mark.parametrize(
+  "args,message",
+  [
+    (["--config.global_batch_siz=64"], "no such config field 'global_batch_siz'; Did you mean \"global_batch_size\""),
+    (["--config.global_batch_size=abc"], "flag --config.global_batch_size=abc: invalid literal for int()"),
+    # "./": not a path that tests/test_docs.py expects to exist
+    (["--config=./configs/fashion_mnst.py"], "--config: cannot load the config file: [Errno 2] No such file"),
+    (
+      ["--config=configs/fashion_mnist.py:nope"],
+      "ValueError: unknown variant 'nope' of fashion_mnist.py; known: lars,",
+    ),
+    (["--nope=1"], "Unknown command line flag 'nope'"),
+    (["--config.mesh.cpu_devices=-2"], "invalid config: mesh.cpu_devices=-2 must be >= 0"),
+  ],
+  ids=["misspelled-field", "wrong-type", "missing-config-file", "unknown-variant", "unknown-flag", "cpu-devices"],
+)
+def test_cli_bad_flags_get_one_error_line_and_exit_code_2(tmp_path, args, message):
+  result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "run"), *args)
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+  assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
+
+
+def test_cli_workdir_that_is_a_file(tmp_path):
+  (tmp_path / "run").write_text("not a directory")
+  result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "run"))
+  assert result.returncode == 2 and "Traceback" not in result.stderr
+  assert f"error: --workdir={tmp_path / 'run'} is a file, not a directory" in result.stderr
+  assert (tmp_path / "run").read_text() == "not a directory"
+
+
 @pytest.mark.parametrize("flags", [["--coordinator=localhost:1234"], ["--num_processes=2", "--process_id=2"]])
 def test_cli_multi_process_flags_go_together(tmp_path, flags):
   result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path), *flags)
-  assert result.returncode != 0
+  assert result.returncode == 2 and "Traceback" not in result.stderr
   assert "--coordinator, --num_processes and --process_id go together" in result.stderr
   assert not os.listdir(tmp_path)
 
@@ -184,6 +226,10 @@ def test_cli_imagenet_without_prepared_data_says_how_to_prepare_it(tmp_path):
     ({"data__num_workers": -2}, r"data.num_workers=-2 must be -1 \(measure at start-up\) or >= 0"),
     ({"data__random_scale_min": 0.0}, r"data.random_scale_min=0.0 must be in \(0, 1\]"),
     ({"data__image_size": 0}, r"data.image_size=0 must be > 0"),
+    (
+      {"data__cache": "memory", "data__cache_size": 24, "data__resolution_schedule": "0:24,1:32"},
+      r"data.cache_size=24 is smaller than the largest training size \(32 px\).* Set data.cache_size >= 32",
+    ),
   ],
 )
 def test_bad_image_data_config_gets_one_clear_error(overrides, message):

@@ -95,6 +95,20 @@ def test_simulate_cli_prints_the_table_and_the_json_line():
   assert {"seconds", "phases", "exposed_comm_fraction"} <= out.keys() and len(out["phases"]) == 4
   assert out["seconds"] == out["strategies"]["hierarchical"]["seconds"]
   assert "4 x 8 v100" in result.stdout and "gtopk@0.01" in result.stdout
-  bad = subprocess.run([sys.executable, "scripts/simulate.py", "--config", "configs/imagenet_resnet50.py:light",
-                        "--cluster", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
-  assert bad.returncode != 0 and "known presets" in bad.stderr
+
+
+@pytest.mark.parametrize(
+  "args,message",
+  [
+    (["--cluster", "nope"], "error: --cluster='nope': known presets"),
+    (["--nodes", "0"], "error: flag --nodes=0: 0 is not a positive integer"),
+    (["--inter_gbps", "0"], "error: flag --inter_gbps=0.0: --inter_gbps must be > 0"),
+    (["--strategies", "hitopk@2"], "error: strategy 'hitopk@2': comm.density=2.0 must be in (0, 1]"),
+    (["--cost_model", "/nope.json"], "error: --cost_model=/nope.json: comm.cost_model='/nope.json' is neither"),
+  ],
+)
+def test_simulate_cli_bad_arguments_get_one_error_line_and_exit_code_2(args, message):
+  bad = subprocess.run([sys.executable, "scripts/simulate.py", "--config", "configs/imagenet_resnet50.py:light", *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+  assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stdout == "", bad.stderr[-2000:]
+  assert bad.stderr.strip().splitlines()[-1].startswith(message), bad.stderr[-2000:]

@@ -80,3 +80,32 @@ def test_a_killed_study_resumes_to_its_trial_count_and_writes_the_best_config(tm
   assert config.global_batch_size == 128 and config.optimizer.name == "lars"
   assert config.optimizer.base_lr == result["best"]["params"]["optimizer.base_lr"]
   assert config_lib.validate(config, 8) == (2, 4)
+
+
+def _tune_fails(study_dir, *overrides):
+  command = [sys.executable, "scripts/tune.py", "--config=configs/fashion_mnist.py:large_batch_lars",
+             f"--study_dir={study_dir}", "--trials=2", "--startup_trials=1", *TINY, *overrides]  # fmt: skip
+  result = subprocess.run(
+    command, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300
+  )
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, result.stderr[-3000:]
+  return errors[0]
+
+
+def test_a_study_that_cannot_run_stops_before_its_first_trial(tmp_path):
+  study_dir = tmp_path / "study"
+  error = _tune_fails(study_dir, "--config.optimizer.bse_lr=0.5")
+  assert error == "error: --config.optimizer.bse_lr: configs/fashion_mnist.py:large_batch_lars has no such field"
+  # The search space samples the learning rate: an override of it would be replaced in every trial.
+  error = _tune_fails(study_dir, "--config.optimizer.base_lr=0.5")
+  assert "overrides of fields the search space samples would be replaced in every trial: ['optimizer.base_lr']" in error
+  assert not study_dir.exists()  # no study, no trial
+
+
+def test_a_trial_that_train_py_refuses_stops_the_study_with_its_error(tmp_path):
+  error = _tune_fails(tmp_path / "study", "--config.optimizer.decay=cosin")
+  assert error.startswith("error: trial 0: train.py refused its config: invalid config: optimizer.decay='cosin'")
+  study = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{tmp_path}/study/study.db")
+  assert [t.state for t in study.trials] == [optuna.trial.TrialState.FAIL]  # one trial, not one per --trials
