@@ -103,15 +103,15 @@ class _QuietLibraries(pylogging.Filter):
 
 
 def _check_workdir(workdir: str) -> None:
-  """Before anything heavy: the workdir must be a directory this process can write."""
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    cli.fail(f"--workdir={workdir} is a file, not a directory; choose another path.")
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:
-    cli.fail(f"--workdir={workdir}: cannot create it ({e.strerror}); choose another directory.")
-  if not os.access(workdir, os.W_OK | os.X_OK):
-    cli.fail(f"--workdir={workdir}: not writable by this user; choose another directory or fix its permissions.")
+  """Before anything heavy, and creating nothing: the workdir, or the folder it would be made in, must be a
+  directory this process can write."""
+  existing = os.path.abspath(workdir)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    cli.fail(f"--workdir={workdir}: {existing} is a file, not a directory; choose another path.")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    cli.fail(f"--workdir={workdir}: {existing} is not writable by this user; choose another directory.")
 
 
 def main(argv):

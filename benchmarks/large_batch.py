@@ -378,7 +378,7 @@ RUNS = {
   # Every 0.1% run ends under-fitted (training loss 0.63-0.64 against 0.57-0.60 uncompressed): does a larger
   # step make up for the few sends per entry? Peak lr 4.8 instead of 3.2 (uncompressed: level, 93.24% against
   # 93.20%), against sgd_4096_w3_hitopk_clip_rerun (whose first two epochs this commit reproduces bit for bit).
-  # Measured: no (seed 0, 0.28 lower, training loss 0.646 against 0.638); seed 1 was not run.
+  # Measured: no (seed 0, 0.28 lower, training loss 0.646 against 0.636); seed 1 was not run.
   "sgd_4096_w3_hitopk_clip_lr03": (
     BASE,
     [*CLIPPED, "--config.optimizer.base_lr=0.3"],

@@ -85,7 +85,10 @@ def main(argv):
   config = _CONFIG.value
   config.model.update(name=_MODEL.value, dtype=_DTYPE.value)
   if _STRATEGY.value:
-    config.comm.update(config_lib.strategy_fields(_STRATEGY.value))
+    try:
+      config.comm.update(config_lib.strategy_fields(_STRATEGY.value))
+    except config_lib.ConfigError as e:
+      cli.fail(str(e))
   mesh = mesh_lib.make_mesh(_NODES.value, -1)
   size, per_device = _IMAGE_SIZE.value, _BATCH.value
   global_batch = per_device * mesh.size

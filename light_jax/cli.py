@@ -7,13 +7,16 @@ import contextlib
 import sys
 from typing import NoReturn
 
+import ml_collections
 from absl import flags
+from ml_collections import config_flags
 
 from light_jax.exit_codes import ExitCode
 
 # What absl and ml_collections raise for a flag they cannot take: an unknown flag, a value of the wrong type,
 # a --config.FIELD that names no field (AttributeError, KeyError), a config file that did not load (OSError).
 FLAG_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError)
+_NOT_LOADED = "Configuration is not available because of an earlier failure to load: "
 
 
 def fail(message: str) -> NoReturn:
@@ -22,26 +25,52 @@ def fail(message: str) -> NoReturn:
 
 
 def flags_parser(*config_file_flags):
-  """For ``app.run(main, flags_parser=...)``: absl's parsing, but any error is ``fail``'s one line.
+  """For ``app.run(main, flags_parser=...)``: absl's parsing, but a mistake on the command line is ``fail``'s
+  one line. A bug inside a config file keeps its traceback.
 
   ``config_file_flags``: ml_collections' config-file flags, whose load error waits for the config's first use.
   """
 
   def parse(argv: list[str]) -> list[str]:
     try:
-      argv = flags.FLAGS(argv)
+      parsed = flags.FLAGS(argv)
       for flag in config_file_flags:
         if flag.value is not None:
           flag.value.keys()  # a config file that failed to load raises here
     except FLAG_ERRORS as e:
-      fail(f"{describe_flag_error(e)} (--help lists the flags)")
-    return argv
+      message = describe_flag_error(e, argv)
+      if message is None:
+        raise
+      fail(f"{message} (--help lists the flags)")
+    return parsed
 
   return parse
 
 
-def describe_flag_error(e: Exception) -> str:
-  """One line from what absl and ml_collections raise, which may hold a whole traceback."""
+def resolve_config(config_file: str, overrides: list[str]) -> ml_collections.ConfigDict:
+  """The config that ``train.py --config=CONFIG_FILE OVERRIDES`` runs, its overrides parsed as train.py parses
+  them (an override of a bool field may read ``true``, of a string field any text).
+
+  Raises:
+    ValueError: one line, for a file or override train.py would refuse.
+  """
+  argv = ["train.py", f"--config={config_file}", *overrides]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values, lock_config=True, sys_argv=argv)
+  try:
+    values(argv)
+    values.config.keys()  # a config file that failed to load raises here
+  except FLAG_ERRORS as e:
+    message = describe_flag_error(e, argv)
+    if message is None:
+      raise
+    raise ValueError(message) from None
+  return values.config
+
+
+def describe_flag_error(e: Exception, argv: list[str]) -> str | None:
+  """One line from what absl and ml_collections raise (which may hold a whole traceback), or None where the
+  error is not the command line's: a bug inside the config file, whose traceback says where."""
   text = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
   if text[:1] in "'\"":  # ml_collections quotes its KeyError's message, newlines escaped
     with contextlib.suppress(ValueError, SyntaxError):
@@ -49,11 +78,18 @@ def describe_flag_error(e: Exception) -> str:
   lines = [line.strip() for line in text.splitlines() if line.strip()]
   if not lines:
     return type(e).__name__
-  if "Traceback (most recent call last)" in text:  # raised inside the config file's get_config: its last line
+  if "Traceback (most recent call last)" in text:  # raised inside the config file's get_config
+    if not lines[-1].startswith("ValueError:"):  # config files raise ValueError for a bad variant
+      return None
     head = text.split("Error whilst parsing config file")[0].rstrip(": \n")
     return f"{head}: {lines[-1]}"
-  if "Configuration is not available" in text:  # the config file did not load: why is on the last line
-    return f"--config: cannot load the config file: {lines[-1]}"
-  if isinstance(e, (AttributeError, KeyError)):  # a --config.FIELD=VALUE naming no field
-    return f"no such config field {lines[0]}" + "".join(f"; {line}" for line in lines[1:])
+  if _NOT_LOADED in text:  # the config file did not load: why is on the last line
+    return f"--config: cannot load the config file: {lines[-1].replace(_NOT_LOADED, '')}"
+  if isinstance(e, (AttributeError, KeyError)):  # a --config.FIELD=VALUE naming no field, or a config file's bug
+    name = lines[0].strip("'\"")  # the missing key, or a message that names the path looked up
+    paths = [arg[len("--config.") :].split("=")[0] for arg in argv if arg.startswith("--config.")]
+    path = next((p for p in paths if p in text or name in p.split(".")), None)
+    if path is None:
+      return None
+    return f"--config.{path}: no such config field" + "".join(f"; {line}" for line in lines[1:])
   return " ".join(lines)

@@ -23,11 +23,12 @@ last line one JSON object: {"trials", "completed", "pruned", "failed", "best": {
 from __future__ import annotations
 
 import argparse
-import ast
 import ctypes
+import functools
 import importlib.util
 import json
 import logging
+import operator
 import os
 import shutil
 import signal
@@ -56,49 +57,32 @@ class TrialFailed(RuntimeError):
 
 
 class TrialRejected(RuntimeError):
-  """train.py refused a trial's config (exit code 2): every trial would fail the same way."""
-
-
-def _load_module(name: str, path: str):
-  module_spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
-  if module_spec is None or not os.path.isfile(os.path.join(ROOT, path)):
-    raise ValueError(f"no such file: {path}")
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module
+  """train.py rejected a new trial as bad input (exit code 2: its config, or the data): every trial would."""
 
 
 def load_space(spec: str) -> dict[str, tuple]:
   path, _, variant = spec.partition(":")
-  return _load_module("search_space", path).get_space(variant or None)
+  if not os.path.isfile(os.path.join(ROOT, path)):
+    raise ValueError(f"no such file: {path}")
+  module_spec = importlib.util.spec_from_file_location("search_space", os.path.join(ROOT, path))
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_space(variant or None)
 
 
 def check_study_config(config_spec: str, overrides: list[str], space: dict[str, tuple]) -> None:
-  """Before any trial: the config loads, its overrides name fields of the right type, and the search space
-  names fields the overrides leave alone (a trial's sampled value would silently replace the override).
+  """Before any trial: the config loads, train.py takes its overrides, the search space names fields it has,
+  and none of them is overridden too (a trial's sampled value would silently replace the override).
 
   Raises:
     ValueError: with a message that says what to change.
   """
-  path, _, variant = config_spec.partition(":")
-  try:
-    config = _load_module("base_config", path).get_config(variant or None)
-  except (OSError, ValueError, AttributeError, SyntaxError) as e:
-    raise ValueError(f"--config={config_spec}: {e}") from None
-  fields = dict(item[len("--config.") :].split("=", 1) for item in overrides)
-  for name, text in fields.items():
-    if _missing(config, name):
-      raise ValueError(f"--config.{name}: {config_spec} has no such field")
-    parent, _, leaf = name.rpartition(".")
-    section = config if not parent else _get(config, parent)
-    try:  # as train.py's flags read it: a string field takes the text as it is
-      section[leaf] = text if isinstance(section[leaf], str) else _literal(text)
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"--config.{name}={text}: {e}") from None
+  config = cli.resolve_config(os.path.join(ROOT, config_spec), overrides)  # as the trials' train.py, run in ROOT
   unknown = [name for name in space if _missing(config, name)]
   if unknown:
     raise ValueError(f"the search space names fields that {config_spec} does not have: {unknown}")
-  clash = sorted(set(fields) & set(space))
+  overridden = {item[len("--config.") :].split("=", 1)[0] for item in overrides}
+  clash = sorted(overridden & set(space))
   if clash:
     raise ValueError(
       f"--config overrides of fields the search space samples would be replaced in every trial: {clash}; "
@@ -112,12 +96,6 @@ def _missing(config, dotted: str) -> bool:
       return True
     config = config[part]
   return False
-
-
-def _get(config, dotted: str):
-  for part in dotted.split("."):
-    config = config[part]
-  return config
 
 
 def suggest(trial: optuna.Trial, space: dict[str, tuple]) -> dict:
@@ -169,7 +147,7 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
     f"--config={args.config}",
     f"--workdir={workdir}",
     *args.overrides,
-    *(f"--config.{name}={value!r}" for name, value in params.items()),
+    *(f"--config.{name}={value if isinstance(value, str) else repr(value)}" for name, value in params.items()),
   ]
   log_path = os.path.join(args.study_dir, "trials", f"{number:04d}.log")
   print(f"trial {trial.number}: " + ", ".join(f"{k}={v:.4g}" for k, v in params.items()), flush=True)
@@ -200,10 +178,10 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
           process.wait(timeout=60)
         except subprocess.TimeoutExpired:
           process.kill()
-  if process.returncode == ExitCode.BAD_INPUT:
+  if process.returncode == ExitCode.BAD_INPUT and retried is None:  # a retry may fail on its own checkpoint
     with open(log_path) as f:
       errors = [line[len("error:") :].strip() for line in f if line.startswith("error:")]
-    raise TrialRejected(f"trial {trial.number}: train.py refused its config: {errors[-1] if errors else log_path}")
+    raise TrialRejected(f"trial {trial.number}: train.py rejected it: {errors[-1] if errors else log_path}")
   if process.returncode != 0:
     raise TrialFailed(f"trial {trial.number}: train.py exited with {process.returncode}; see {log_path}")
   with open(os.path.join(workdir, "summary.json")) as f:
@@ -215,8 +193,10 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
 def write_best_config(path: str, args, study: optuna.Study) -> None:
   """A config file for train.py: the study's base config and overrides, then the best trial's values."""
   best = study.best_trial
-  overrides = dict(item[len("--config.") :].split("=", 1) for item in args.overrides)
-  fields = {**{k: _literal(v) for k, v in overrides.items()}, **best.params}
+  resolved = cli.resolve_config(os.path.join(ROOT, args.config), args.overrides)  # each override as train.py read it
+  overridden = [item[len("--config.") :].split("=", 1)[0] for item in args.overrides]
+  values = {name: functools.reduce(operator.getitem, name.split("."), resolved) for name in overridden}
+  fields = {**values, **best.params}
   base, _, variant = args.config.partition(":")
   lines = [
     f'"""The best trial of the Optuna study in {args.study_dir}: trial {best.number}, test top-1 {best.value:.4f}.',
@@ -239,20 +219,13 @@ def write_best_config(path: str, args, study: optuna.Study) -> None:
     '  spec = importlib.util.spec_from_file_location("base_config", BASE)',
     "  module = importlib.util.module_from_spec(spec)",
     "  spec.loader.exec_module(module)",
-    "  config = module.get_config(VARIANT)",
+    "  config = module.get_config(VARIANT) if VARIANT else module.get_config()",
     "  config.update_from_flattened_dict(FIELDS)",
     "  return config",
     "",
   ]
   with open(path, "w") as f:
     f.write("\n".join(lines))
-
-
-def _literal(text: str):
-  try:
-    return ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    return text
 
 
 def save_plots(study: optuna.Study, study_dir: str) -> list[str]:

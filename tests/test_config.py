@@ -152,7 +152,10 @@ def test_cli_reports_a_bad_config_without_traceback(tmp_path):
 @pytest.mark.parametrize(
   "args,message",
   [
-    (["--config.global_batch_siz=64"], "no such config field 'global_batch_siz'; Did you mean \"global_batch_size\""),
+    (
+      ["--config.global_batch_siz=64"],
+      '--config.global_batch_siz: no such config field; Did you mean "global_batch_size"',
+    ),
     (["--config.global_batch_size=abc"], "flag --config.global_batch_size=abc: invalid literal for int()"),
     # "./": not a path that tests/test_docs.py expects to exist
     (["--config=./configs/fashion_mnst.py"], "--config: cannot load the config file: [Errno 2] No such file"),
@@ -177,7 +180,7 @@ def test_cli_workdir_that_is_a_file(tmp_path):
   (tmp_path / "run").write_text("not a directory")
   result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "run"))
   assert result.returncode == 2 and "Traceback" not in result.stderr
-  assert f"error: --workdir={tmp_path / 'run'} is a file, not a directory" in result.stderr
+  assert f"error: --workdir={tmp_path / 'run'}: {tmp_path / 'run'} is a file, not a directory" in result.stderr
   assert (tmp_path / "run").read_text() == "not a directory"
 
 

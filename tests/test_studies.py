@@ -7,25 +7,14 @@ import os
 import subprocess
 import sys
 
-import ml_collections
 import pytest
-from absl import flags
-from ml_collections import config_flags
 
+from light_jax import cli
 from light_jax import config as config_lib
 from tests.helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 STUDIES = ("large_batch", "compression_accuracy")
-
-
-def _resolve(config: str, overrides: list[str]) -> ml_collections.ConfigDict:
-  """The config ``train.py --config=CONFIG OVERRIDES`` runs."""
-  argv = ["train.py", f"--config={config}", *overrides]
-  flag_values = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", flag_values=flag_values, lock_config=True, sys_argv=argv)
-  flag_values(argv)
-  return flag_values.config
 
 
 @pytest.mark.parametrize(
@@ -34,7 +23,7 @@ def _resolve(config: str, overrides: list[str]) -> ml_collections.ConfigDict:
 def test_every_study_row_is_a_valid_config(study, label, monkeypatch):
   monkeypatch.chdir(ROOT)  # the rows name their config files relative to the repository, as train.py runs them
   config, overrides, _ = importlib.import_module(study).RUNS[label]
-  assert config_lib.validate(_resolve(config, overrides), num_devices=8) == (2, 4)
+  assert config_lib.validate(cli.resolve_config(config, overrides), num_devices=8) == (2, 4)
 
 
 @pytest.mark.parametrize(
@@ -51,7 +40,10 @@ def test_the_large_batch_variants_are_the_rows_that_measured_them(variant, label
   """README reports these rows' runs as the variants' own: each pair must stay the same config."""
   monkeypatch.chdir(ROOT)
   config, overrides, _ = importlib.import_module("large_batch").RUNS[label]
-  assert _resolve(config, overrides).to_dict() == _resolve(f"configs/fashion_mnist.py:{variant}", []).to_dict()
+  assert (
+    cli.resolve_config(config, overrides).to_dict()
+    == cli.resolve_config(f"configs/fashion_mnist.py:{variant}", []).to_dict()
+  )
 
 
 def test_mean_bytes_per_step_weights_each_evaluation_by_its_steps():
