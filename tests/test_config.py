@@ -5,6 +5,7 @@ import os
 import pytest
 
 from configs import fashion_mnist, imagenet_resnet50
+from light_jax import cli
 from light_jax import config as config_lib
 from tests.helpers import override, train_py
 
@@ -240,3 +241,14 @@ def test_bad_image_data_config_gets_one_clear_error(overrides, message):
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.validate(config, 8)
   assert config_lib.validate(imagenet_resnet50.get_config("tiny"), 8) == (2, 4)
+
+
+def test_resolve_config_reads_overrides_as_train_py_does(tmp_path):
+  config = cli.resolve_config("configs/fashion_mnist.py:large_batch", ["--config.train.time_steps=true"])
+  assert config.train.time_steps is True and config.global_batch_size == 4096
+  with pytest.raises(ValueError, match=r'^--config.optimizer.bse_lr: no such config field; Did you mean "base_lr"'):
+    cli.resolve_config("configs/fashion_mnist.py", ["--config.optimizer.bse_lr=0.1"])
+  buggy = tmp_path / "buggy.py"  # a bug inside a config file is not the command line's: its own error, traceback
+  buggy.write_text("from configs import fashion_mnist\n\ndef get_config():\n  return fashion_mnist.get_config().nope\n")
+  with pytest.raises(AttributeError, match="nope"):
+    cli.resolve_config(str(buggy), [])
