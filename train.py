@@ -165,7 +165,6 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
   try:
     config_lib.validate(config, jax.device_count(), jax.process_count())
   except config_lib.ConfigError as e:
-    logging.error("invalid config: %s", e)
     print(f"error: invalid config: {e}", file=sys.stderr)
     return ExitCode.BAD_INPUT, f"invalid config: {e}"
   logging.info(

@@ -236,6 +236,10 @@ def main() -> None:
     rates = {text: parse_rate(text) for text in args.bandwidth.split(",")}
   except ValueError as e:
     parser.error(str(e))
+  if args.plot and (None not in rates.values() or all(rate is None for rate in rates.values())):
+    # A prediction moves the unshaped step's collectives to a shaped link: it needs one of each.
+    parser.error("--plot draws predicted against measured step seconds, which needs an unshaped and a shaped "
+                 "bandwidth, e.g. --bandwidth 50mbit,unshaped")  # fmt: skip
   requested = [parse_strategy(s) for s in args.strategies.split(",")]
 
   results, calibrations = {}, {}

@@ -145,6 +145,7 @@ def test_gtopk_needs_a_power_of_two_device_count():
 def test_cli_reports_a_bad_config_without_traceback(tmp_path):
   result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path), "--config.mesh.nodes=3")
   assert result.returncode == 2
+  assert result.stderr.count("mesh 3 x 4 = 12 devices, but 8 are available") == 1  # one line, not a log line too
   assert "error: invalid config: mesh 3 x 4 = 12 devices, but 8 are available" in result.stderr
   assert "Traceback" not in result.stderr
   assert not os.listdir(tmp_path)  # nothing written before validation

@@ -118,6 +118,13 @@ def test_the_loopback_mode_refuses_a_shaped_bandwidth():
   assert "error: the 127.0.0.1 mode cannot shape links" in result.stderr and "--bandwidth unshaped" in result.stderr
 
 
+def test_a_plot_without_a_shaped_and_an_unshaped_bandwidth_is_refused_before_any_run(tmp_path):
+  """Predicted step times need both (the unshaped step, its collectives moved to the shaped link)."""
+  result = _mesh_lab("--loopback", "--plot", str(tmp_path / "lab.png"))
+  assert result.returncode == 2 and "Traceback" not in result.stderr and result.stdout == ""
+  assert "--plot draws predicted against measured step seconds, which needs an unshaped and a shaped" in result.stderr
+
+
 def _train_pair(cluster, workdir, logs):
   """train.py on both machines, as on a real 2-machine cluster; a long run with frequent checkpoints."""
   port = free_port()
