@@ -111,7 +111,10 @@ def _check_workdir(workdir: str) -> None:
   if not os.path.isdir(existing):
     cli.fail(f"--workdir={workdir}: {existing} is a file, not a directory; choose another path.")
   if not os.access(existing, os.W_OK | os.X_OK):
-    cli.fail(f"--workdir={workdir}: {existing} is not writable by this user; choose another directory.")
+    cli.fail(
+      f"--workdir={workdir}: {existing} is not writable (permissions, or a read-only file system); "
+      "choose another directory."
+    )
 
 
 def main(argv):

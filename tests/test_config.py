@@ -1,6 +1,7 @@
 """Config validation: one clear error per mistake, raised before anything heavy starts."""
 
 import os
+import subprocess
 
 import pytest
 
@@ -184,6 +185,19 @@ def test_cli_workdir_that_is_a_file(tmp_path):
   assert result.returncode == 2 and "Traceback" not in result.stderr
   assert f"error: --workdir={tmp_path / 'run'}: {tmp_path / 'run'} is a file, not a directory" in result.stderr
   assert (tmp_path / "run").read_text() == "not a directory"
+
+
+def test_cli_workdir_on_a_read_only_file_system(tmp_path):
+  mount = tmp_path / "read_only"
+  mount.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+    pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+  try:
+    result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(mount / "run"))
+  finally:
+    subprocess.run(["umount", str(mount)], check=True)
+  assert result.returncode == 2 and "Traceback" not in result.stderr
+  assert f"error: --workdir={mount / 'run'}: {mount} is not writable (permissions, or a read-only" in result.stderr
 
 
 @pytest.mark.parametrize("flags", [["--coordinator=localhost:1234"], ["--num_processes=2", "--process_id=2"]])
