@@ -2,13 +2,14 @@
 
 import os
 import subprocess
+import sys
 
 import pytest
 
 from configs import fashion_mnist, imagenet_resnet50
 from light_jax import cli
 from light_jax import config as config_lib
-from tests.helpers import override, train_py
+from tests.helpers import ROOT, override, train_py
 
 
 def _config(**overrides):
@@ -177,6 +178,16 @@ def test_cli_bad_flags_get_one_error_line_and_exit_code_2(tmp_path, args, messag
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
   assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
+
+
+def test_throughput_benchmark_names_a_misspelled_config_field():
+  """benchmarks/throughput.py's config flag applies its overrides as the script loads, before flag parsing."""
+  result = subprocess.run(
+    [sys.executable, "benchmarks/throughput.py", "--config.global_batch_siz=64"],
+    cwd=ROOT, capture_output=True, text=True, timeout=300,
+  )  # fmt: skip
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert result.stderr.startswith('error: --config.global_batch_siz: no such config field; Did you mean "global')
 
 
 def test_cli_workdir_that_is_a_file(tmp_path):
