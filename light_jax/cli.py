@@ -19,6 +19,10 @@ FLAG_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSE
 _NOT_LOADED = "Configuration is not available because of an earlier failure to load: "
 
 
+class CommandLineError(ValueError):
+  """A flag the program cannot take; the message is one line that says which and why."""
+
+
 def fail(message: str) -> NoReturn:
   print(f"error: {message}", file=sys.stderr)
   sys.exit(ExitCode.BAD_INPUT)
@@ -33,16 +37,9 @@ def flags_parser(*config_file_flags):
 
   def parse(argv: list[str]) -> list[str]:
     try:
-      parsed = flags.FLAGS(argv)
-      for flag in config_file_flags:
-        if flag.value is not None:
-          flag.value.keys()  # a config file that failed to load raises here
-    except FLAG_ERRORS as e:
-      message = describe_flag_error(e, argv)
-      if message is None:
-        raise
-      fail(f"{message} (--help lists the flags)")
-    return parsed
+      return _parse(flags.FLAGS, argv, [flag.name for flag in config_file_flags])
+    except CommandLineError as e:
+      fail(f"{e} (--help lists the flags)")
 
   return parse
 
@@ -52,20 +49,34 @@ def resolve_config(config_file: str, overrides: list[str]) -> ml_collections.Con
   them (an override of a bool field may read ``true``, of a string field any text).
 
   Raises:
-    ValueError: one line, for a file or override train.py would refuse.
+    CommandLineError: for a file or override train.py would refuse.
   """
   argv = ["train.py", f"--config={config_file}", *overrides]
   values = flags.FlagValues()
   config_flags.DEFINE_config_file("config", flag_values=values, lock_config=True, sys_argv=argv)
+  _parse(values, argv, ["config"])
+  return values.config
+
+
+def overridden_fields(argv: list[str]) -> list[str]:
+  """The FIELD of each ``--config.FIELD=VALUE`` in ``argv`` (dotted)."""
+  return [arg[len("--config.") :].split("=", 1)[0] for arg in argv if arg.startswith("--config.")]
+
+
+def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: list[str]) -> list[str]:
+  """absl's parsing of ``argv`` into ``flag_values``, each config file loaded; a mistake on the command line
+  raises CommandLineError, a bug inside a config file its own error."""
   try:
-    values(argv)
-    values.config.keys()  # a config file that failed to load raises here
+    parsed = flag_values(argv)
+    for name in config_file_flags:
+      if flag_values[name].value is not None:
+        flag_values[name].value.keys()  # a config file that failed to load raises here
   except FLAG_ERRORS as e:
     message = describe_flag_error(e, argv)
     if message is None:
       raise
-    raise ValueError(message) from None
-  return values.config
+    raise CommandLineError(message) from None
+  return parsed
 
 
 def describe_flag_error(e: Exception, argv: list[str]) -> str | None:
@@ -87,8 +98,7 @@ def describe_flag_error(e: Exception, argv: list[str]) -> str | None:
     return f"--config: cannot load the config file: {lines[-1].replace(_NOT_LOADED, '')}"
   if isinstance(e, (AttributeError, KeyError)):  # a --config.FIELD=VALUE naming no field, or a config file's bug
     name = lines[0].strip("'\"")  # the missing key, or a message that names the path looked up
-    paths = [arg[len("--config.") :].split("=")[0] for arg in argv if arg.startswith("--config.")]
-    path = next((p for p in paths if p in text or name in p.split(".")), None)
+    path = next((p for p in overridden_fields(argv) if p in text or name in p.split(".")), None)
     if path is None:
       return None
     return f"--config.{path}: no such config field" + "".join(f"; {line}" for line in lines[1:])

@@ -37,6 +37,7 @@ import sys
 import time
 import warnings
 
+import ml_collections
 import optuna
 import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
@@ -70,9 +71,10 @@ def load_space(spec: str) -> dict[str, tuple]:
   return module.get_space(variant or None)
 
 
-def check_study_config(config_spec: str, overrides: list[str], space: dict[str, tuple]) -> None:
-  """Before any trial: the config loads, train.py takes its overrides, the search space names fields it has,
-  and none of them is overridden too (a trial's sampled value would silently replace the override).
+def check_study_config(config_spec: str, overrides: list[str], space: dict[str, tuple]) -> ml_collections.ConfigDict:
+  """The config the trials start from, checked before any trial: it loads, train.py takes its overrides, the
+  search space names fields it has, and none of them is overridden too (a trial's sampled value would silently
+  replace the override).
 
   Raises:
     ValueError: with a message that says what to change.
@@ -81,20 +83,25 @@ def check_study_config(config_spec: str, overrides: list[str], space: dict[str, 
   unknown = [name for name in space if _missing(config, name)]
   if unknown:
     raise ValueError(f"the search space names fields that {config_spec} does not have: {unknown}")
-  overridden = {item[len("--config.") :].split("=", 1)[0] for item in overrides}
-  clash = sorted(overridden & set(space))
+  clash = sorted(set(cli.overridden_fields(overrides)) & set(space))
   if clash:
     raise ValueError(
       f"--config overrides of fields the search space samples would be replaced in every trial: {clash}; "
       "drop the override, or search another space (--space)"
     )
+  return config
 
 
-def _missing(config, dotted: str) -> bool:
-  for part in dotted.split("."):
-    if not hasattr(config, "keys") or part not in config:
-      return True
-    config = config[part]
+def _field(config: ml_collections.ConfigDict, dotted: str):
+  """The value of a dotted field name, e.g. "optimizer.base_lr" (KeyError or TypeError where there is none)."""
+  return functools.reduce(operator.getitem, dotted.split("."), config)
+
+
+def _missing(config: ml_collections.ConfigDict, dotted: str) -> bool:
+  try:
+    _field(config, dotted)
+  except (KeyError, TypeError):
+    return True
   return False
 
 
@@ -183,19 +190,20 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
       errors = [line[len("error:") :].strip() for line in f if line.startswith("error:")]
     raise TrialRejected(f"trial {trial.number}: train.py rejected it: {errors[-1] if errors else log_path}")
   if process.returncode != 0:
-    raise TrialFailed(f"trial {trial.number}: train.py exited with {process.returncode}; see {log_path}")
+    failure = TrialFailed(f"trial {trial.number}: train.py exited with {process.returncode}; see {log_path}")
+    print(f"  failed: {failure}", file=sys.stderr, flush=True)  # optuna logs errors only (main)
+    raise failure
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
   trial.set_user_attr("wall_seconds", summary["wall_seconds"])
   return summary["final_eval_top1"]
 
 
-def write_best_config(path: str, args, study: optuna.Study) -> None:
-  """A config file for train.py: the study's base config and overrides, then the best trial's values."""
+def write_best_config(path: str, args, study: optuna.Study, resolved: ml_collections.ConfigDict) -> None:
+  """A config file for train.py: the study's base config and overrides (their values as train.py read them, in
+  ``resolved``), then the best trial's values."""
   best = study.best_trial
-  resolved = cli.resolve_config(os.path.join(ROOT, args.config), args.overrides)  # each override as train.py read it
-  overridden = [item[len("--config.") :].split("=", 1)[0] for item in args.overrides]
-  values = {name: functools.reduce(operator.getitem, name.split("."), resolved) for name in overridden}
+  values = {name: _field(resolved, name) for name in cli.overridden_fields(args.overrides)}
   fields = {**values, **best.params}
   base, _, variant = args.config.partition(":")
   lines = [
@@ -315,14 +323,14 @@ def main() -> None:
   except (OSError, ValueError, AttributeError, SyntaxError) as e:
     cli.fail(f"--space={args.space}: {e}")
   try:
-    check_study_config(args.config, args.overrides, space)
+    resolved = check_study_config(args.config, args.overrides, space)
   except ValueError as e:
     cli.fail(str(e))
   try:
     os.makedirs(os.path.join(args.study_dir, "trials"), exist_ok=True)
   except OSError as e:
     cli.fail(f"--study_dir={args.study_dir}: cannot create it ({e.strerror}); choose another directory")
-  # Errors only: a failed trial is reported below in one line (its log holds the rest), not with a traceback.
+  # Errors only: run_trial reports a failed trial in one line (its log holds the rest), not with a traceback.
   optuna.logging.set_verbosity(optuna.logging.ERROR)
   logging.getLogger("optuna").setLevel(logging.ERROR)
   warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # the heartbeat's, in Optuna 5
@@ -337,24 +345,13 @@ def main() -> None:
   )
   finished = lambda: sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))  # noqa: E731
   print(f"study {args.study_name} in {args.study_dir}: {finished()} of {args.trials} trials finished", flush=True)
-  rejected = []
-
-  def objective(trial: optuna.Trial) -> float:
-    try:
-      return run_trial(trial, args, space)
-    except TrialRejected as e:  # every trial would be: stop the study
-      rejected.append(str(e))
-      raise
-    except TrialFailed as e:
-      print(f"  failed: {e}", file=sys.stderr, flush=True)
-      raise
-
   failures = 0
   while finished() < args.trials:
     before = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
-    study.optimize(objective, n_trials=1, catch=(TrialFailed, TrialRejected))
-    if rejected:
-      cli.fail(rejected[0])
+    try:  # optuna records a failed trial and goes on (TrialFailed), or records it and raises (TrialRejected)
+      study.optimize(lambda trial: run_trial(trial, args, space), n_trials=1, catch=(TrialFailed,))
+    except TrialRejected as e:  # every trial would be: stop the study
+      cli.fail(str(e))
     failures += len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,))) - before
     if failures > max(3, args.trials // 4):
       sys.exit(f"error: {failures} trials failed in this run; see the logs in {args.study_dir}/trials")
@@ -363,7 +360,7 @@ def main() -> None:
   states = [t.state for t in study.trials]
   best = study.best_trial
   best_config = os.path.join(args.study_dir, "best_config.py")
-  write_best_config(best_config, args, study)
+  write_best_config(best_config, args, study, resolved)
   plots = save_plots(study, args.study_dir)
   print(f"best: trial {best.number}, test top-1 {100 * best.value:.2f}%; wrote {best_config} and {len(plots)} plots")
   result = {
