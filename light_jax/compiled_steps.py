@@ -2,8 +2,9 @@
 
 Two things a step's shapes depend on change during a run: k of top-k (the density warm-up of the
 compressed strategies) and the batch shape (progressive resizing, with a batch size per phase). Each
-(density, batch shape) pair is a phase; ``CompiledSteps.for_step`` compiles a phase's step when the run
-first reaches it and keeps it, so images/s measures steps, not compilation.
+(density, batch shape) pair is a phase; ``CompiledSteps.compile_phases`` compiles every phase's step before
+the run's clock starts and ``for_step`` returns it, so images/s and train_seconds measure steps, not
+compilation.
 
 The gradient reducer is built here too: with ``comm.fusion="adaptive"`` its MG-WFBP buckets depend on
 the batch shape (backward time scales with the examples per device and the pixels per example), so
@@ -94,6 +95,11 @@ class CompiledSteps:
   def reducer_at(self, step: int) -> Reducer:
     reducer = self.reducer.at_density(self.density_at(step))
     return self._planned(reducer, self.batch_shape_at(step)) if self.adaptive_per_phase else reducer
+
+  def compile_phases(self, first_step: int, end_step: int, state: step_lib.TrainState) -> None:
+    """Compiles the step of every phase that steps ``first_step`` .. ``end_step`` - 1 reach."""
+    for step in range(first_step, end_step):
+      self.for_step(step, state)
 
   def for_step(self, step: int, state: step_lib.TrainState) -> tuple[Callable, CommBytes]:
     key = (self.density_at(step), self.batch_shape_at(step))

@@ -75,10 +75,11 @@ def base_config() -> ml_collections.ConfigDict:
     read_threads=1,  # grain threads that assemble host batches
     host_prefetch=4,  # batches grain assembles ahead (bounds its parallelism too; -1: measure)
     num_workers=0,  # grain worker processes (-1: measure a few counts at start-up, keep the best)
+    # Progressive resizing, "first_epoch:size[:global_batch],...", e.g. "0:128,14:224:512"; "": image_size
+    # (JPEG datasets) or the arrays' own size (Fashion-MNIST, whose images are resized per phase, evaluated at 28).
+    resolution_schedule="",
     # The JPEG datasets (imagenet2012, image_folder):
     image_size=0,  # eval size, and the training size without a resolution schedule
-    # Progressive resizing, "first_epoch:size[:global_batch],...", e.g. "0:128,14:224:512"; "" = image_size.
-    resolution_schedule="",
     random_scale_min=0.08,  # random-resized-crop area from this fraction of the image to all of it
     reduced_decode=True,  # decode JPEGs at 1/2, 1/4, 1/8 scale, and only the rows, a crop needs
     cache="none",  # none | disk (decoded, shorter side cache_size, in cache_dir) | memory
@@ -451,24 +452,26 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       raise ConfigError(
         f"data.{field}={value!r} must be -1 (measure at start-up) or {'>= 0' if field == 'num_workers' else '>= 1'}."
       )
-  if config.data.dataset != "fashion_mnist":
+  jpeg = config.data.dataset != "fashion_mnist"  # Fashion-MNIST: arrays of one size (data.image_size unused)
+  if jpeg:
     _choice("data.cache", config.data.cache, CACHES)
     _positive("data.image_size", config.data.image_size)
     if not 0.0 < config.data.random_scale_min <= 1.0:
       raise ConfigError(f"data.random_scale_min={config.data.random_scale_min!r} must be in (0, 1].")
-    try:
-      phases = schedules.parse_resolution_schedule(config.data.resolution_schedule, config.data.image_size)
-    except schedules.ScheduleError as e:
-      raise ConfigError(str(e)) from None
-    phase_batches = {p.global_batch_size for p in phases if p.global_batch_size}
-    largest = max(p.image_size or config.data.image_size for p in phases)
+  try:
+    phases = schedules.parse_resolution_schedule(
+      config.data.resolution_schedule, config.data.image_size if jpeg else None
+    )
+  except schedules.ScheduleError as e:
+    raise ConfigError(str(e)) from None
+  phase_batches = {p.global_batch_size for p in phases if p.global_batch_size}
+  if jpeg:
+    largest = max(p.image_size for p in phases)
     if config.data.cache != "none" and config.data.cache_size < largest:
       raise ConfigError(
         f"data.cache_size={config.data.cache_size} is smaller than the largest training size ({largest} px): "
         f"the cached images would be scaled up, losing detail. Set data.cache_size >= {largest}."
       )
-  else:
-    phase_batches = set()
   _positive("data.crop_padding", config.data.crop_padding, allow_zero=True)
   _positive("data.train_subset", config.data.train_subset, allow_zero=True)
   _positive("data.eval_subset", config.data.eval_subset, allow_zero=True)

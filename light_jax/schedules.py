@@ -41,7 +41,7 @@ class Phase(NamedTuple):
   global_batch_size: int | None = None  # None: the config's global_batch_size
 
 
-def parse_resolution_schedule(text: str, default_size: int) -> tuple[Phase, ...]:
+def parse_resolution_schedule(text: str, default_size: int | None) -> tuple[Phase, ...]:
   """ "0:128,14:224:512" -> (Phase(0, 128, None), Phase(14, 224, 512)); "" -> (Phase(0, default_size),)."""
   if not text.strip():
     return (Phase(0, default_size),)

@@ -86,7 +86,7 @@ def train_and_evaluate(
     start_step, state, seconds_before = restore(checkpointer, state, meta["config"], plan)
     finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
     if not finished:
-      compiled.for_step(start_step, state)  # compile before the clock starts
+      compiled.compile_phases(start_step, total_steps, state)  # every phase's step, before the clock starts
 
     input_settings = tune_input(config, train_batches, start_step, compiled, measure=not finished)
     eval_step = step_lib.make_eval_step(model, mesh, info)
@@ -204,8 +204,8 @@ def make_input(
 ) -> tuple[data_lib.TrainBatches, data_lib.EvalBatches, data_lib.DatasetInfo]:
   """This process's training and evaluation batches, and the dataset's facts."""
   train_source, eval_source, info = data_lib.load_dataset(config.data)
-  jpeg = isinstance(train_source, data_lib.ImageSource)  # array datasets have one size and no schedule
-  phases = schedules.parse_resolution_schedule(config.data.resolution_schedule, info.image_shape[0]) if jpeg else ()
+  jpeg = isinstance(train_source, data_lib.ImageSource)  # JPEGs are decoded at each phase's size, arrays resized
+  phases = schedules.parse_resolution_schedule(config.data.resolution_schedule, info.image_shape[0] if jpeg else None)
   train_batches = data_lib.TrainBatches(
     train_source,
     config.global_batch_size,

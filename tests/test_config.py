@@ -269,6 +269,23 @@ def test_bad_image_data_config_gets_one_clear_error(overrides, message):
   assert config_lib.validate(imagenet_resnet50.get_config("tiny"), 8) == (2, 4)
 
 
+@pytest.mark.parametrize(
+  "schedule,message",
+  [
+    ("0:20,1", r"data.resolution_schedule='0:20,1' is not 'first_epoch:size\[:global_batch\],...'"),
+    ("0:20:4096,14:28:36", r"the batch 36 in data.resolution_schedule does not divide over 8 devices"),
+  ],
+)
+def test_a_bad_resolution_schedule_on_fashion_mnist_is_refused(schedule, message):
+  """Fashion-MNIST (arrays) takes a resolution schedule too, so a wrong one is an error, not ignored."""
+  config = fashion_mnist.get_config("large_batch")
+  config.data.resolution_schedule = schedule
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(config, 8)
+  config.data.resolution_schedule = "0:20:8192,14:28:4096"
+  assert config_lib.validate(config, 8) == (2, 4)
+
+
 def test_resolve_config_reads_overrides_as_train_py_does(tmp_path):
   config = cli.resolve_config("configs/fashion_mnist.py:large_batch", ["--config.train.time_steps=true"])
   assert config.train.time_steps is True and config.global_batch_size == 4096

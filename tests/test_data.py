@@ -2,6 +2,7 @@ import gzip
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from light_jax.data import DataError, EvalBatches, TrainBatches, fashion_mnist
 from light_jax.data.pipeline import pad_crop_flip
@@ -35,6 +36,27 @@ def test_train_batches_are_the_same_for_any_process_count():
   for step, (whole, a, b) in enumerate(zip(_all_batches(one), _all_batches(halves[0]), _all_batches(halves[1]))):
     for key in ("images", "labels"):
       np.testing.assert_array_equal(whole[key], np.concatenate([a[key], b[key]]), err_msg=f"step {step}")
+
+
+def test_progressive_resizing_of_an_array_dataset_resizes_each_phase_with_its_batch():
+  """data.resolution_schedule on arrays: each phase's images are the augmented ones resized by Pillow
+  (bilinear), in the phase's batch size, the same on any process count; a phase at the source's own size is
+  left as it is."""
+  source = random_source(200)  # 12 x 12 images
+  plan = ((0, 8, 40), (1, 12))  # epoch 0: 8 px in batches of 40 (5 steps); epoch 1: 12 px in batches of 32 (6)
+  one = TrainBatches(source, 32, num_epochs=2, seed=3, resolution_schedule=plan)
+  plain = TrainBatches(source, 32, num_epochs=2, seed=3)  # no augmentation, so its epoch 1 is the same
+  assert one.num_steps == 11 and [one.plan.batch_size_at(s) for s in (4, 5)] == [40, 32]
+  batches = _all_batches(one)
+  assert [b["images"].shape for b in (batches[0], batches[5])] == [(40, 8, 8, 1), (32, 12, 12, 1)]
+  indices, _ = one.indices(0)
+  for image, i in zip(batches[0]["images"], indices):
+    expected = Image.fromarray(source.images[i][..., 0]).resize((8, 8), Image.Resampling.BILINEAR)
+    np.testing.assert_array_equal(image[..., 0], np.asarray(expected))
+  np.testing.assert_array_equal(batches[5]["images"], _all_batches(plain, start=6)[0]["images"])  # epoch 1 at 12 px
+  halves = [TrainBatches(source, 32, 2, 3, process_index=p, process_count=2, resolution_schedule=plan) for p in (0, 1)]
+  for whole, a, b in zip(batches, _all_batches(halves[0]), _all_batches(halves[1])):
+    np.testing.assert_array_equal(whole["images"], np.concatenate([a["images"], b["images"]]))
 
 
 def test_each_epoch_is_a_new_permutation_without_repeats():

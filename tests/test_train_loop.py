@@ -75,6 +75,19 @@ def test_a_density_warmup_compiles_one_step_for_a_strategy_without_a_density(tmp
   assert caplog.text.count("train step compiled") == 1
 
 
+def test_progressive_resizing_on_fashion_mnist_compiles_a_step_per_phase(tmp_path, caplog):
+  """data.resolution_schedule on an array dataset: 20 px in batches of 128 for epoch 0 (16 steps), then 28 px
+  in batches of 64; the learning rate follows each phase's batch (linear scaling)."""
+  config = small_config(num_epochs=2, max_steps=20, data__resolution_schedule="0:20:128,1:28")
+  with caplog.at_level(logging.INFO):
+    summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  assert re.findall(r"train step compiled in [\d.]+ s \(batch ([\dx]+)\)", caplog.text) == ["128x20x20x1", "64x28x28x1"]
+  assert "peak lr 0.1 (batch 128) / 0.05 (batch 64)" in caplog.text
+  first, last = read_metrics(tmp_path)
+  assert (first["step"], first["epoch"], last["step"], last["epoch"]) == (16, 1.0, 20, 1.125)
+  assert summary["steps"] == 20 and np.isfinite(summary["final_train_loss"])
+
+
 def test_final_density_epochs_send_at_the_final_density(tmp_path, caplog):
   """comm.final_density_epochs: the last epoch compiles a step at comm.final_density, and its bytes say so."""
   config = small_config(

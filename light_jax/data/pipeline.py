@@ -14,6 +14,7 @@ Two kinds of source: an ``ArraySource`` (small datasets held as arrays: pad-crop
 drawing from its own generator seeded by (seed, step, global row), so the pixels do not depend on the
 process or worker count either). Progressive resizing: ``resolution_schedule`` gives the training
 image size (and optionally the global batch size) by epoch; the trainer compiles one step per shape.
+JPEGs are decoded at that size; an array dataset's augmented images are resized to it (bilinear).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 from light_jax.data.image_source import ImageSource
 from light_jax.data.source import ArraySource
+from light_jax.data.transforms import resize_images
 from light_jax.schedules import EpochPlan
 
 
@@ -111,6 +113,9 @@ class TrainBatches:
     flips = (rng.random(global_batch) < 0.5)[rows] & self.random_flip
     if self.crop_padding or self.random_flip:
       images = pad_crop_flip(images, offsets, flips, self.crop_padding)
+    size = self.image_size_at(step)
+    if size is not None and images.shape[1:3] != (size, size):  # progressive resizing of an array dataset
+      images = resize_images(images, size)
     return {"images": images, "labels": labels}
 
   def image_size_at(self, step: int) -> int | None:

@@ -1,6 +1,6 @@
 """Image transforms on the host: NumPy, Pillow and libjpeg-turbo (they run in grain threads and worker processes).
 
-Both transforms are "choose a box in the image, resize the box to ``size`` x ``size``":
+Two transforms for JPEG datasets, each "choose a box in the image, resize the box to ``size`` x ``size``":
 
 - training: ``random_resized_crop_box`` (Inception/torchvision style: area fraction in ``scale``,
   aspect ratio log-uniform in ``ratio``) and a horizontal flip;
@@ -17,6 +17,8 @@ TurboJPEG API with fast IDCT and upsampling, the same pixels). Anything libjpeg 
 PNGs named .JPEG, other formats, damaged files) goes through Pillow, which also converts greyscale,
 CMYK, palette and RGBA images to RGB. Bytes that neither can decode (corrupt, truncated) raise
 ``BadImage``. Output pixels are uint8 RGB. Measured in benchmarks/input_pipeline.py.
+
+``resize_images`` resizes whole images of an array dataset (progressive resizing of Fashion-MNIST).
 """
 
 from __future__ import annotations
@@ -186,6 +188,17 @@ def crop_resize(image: Image.Image, box: Box, size: int, flip: bool = False) -> 
   if flip:
     out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
   return np.asarray(out, dtype=np.uint8)
+
+
+def resize_images(images: np.ndarray, size: int) -> np.ndarray:
+  """uint8 (B, H, W, C) -> (B, size, size, C): each image resized whole, bilinear as ``crop_resize`` (Pillow
+  widens the filter when it shrinks, so no pixel is skipped). For progressive resizing of array datasets."""
+  count, _, _, channels = images.shape
+  out = np.empty((count, size, size, channels), np.uint8)
+  for i, image in enumerate(images):
+    resized = Image.fromarray(image[..., 0] if channels == 1 else image).resize((size, size), RESAMPLE)
+    out[i] = np.asarray(resized, dtype=np.uint8).reshape(size, size, channels)
+  return out
 
 
 def _decode_at_least(data: bytes, size: tuple[int, int] | None, min_width: int, min_height: int) -> Image.Image:
