@@ -156,6 +156,25 @@ RUNS = {
     )
     for s in range(1, 7)
   },
+  # Progressive resizing (data.resolution_schedule) on :large_batch: the first 14 epochs at 20 px (half the
+  # pixels), then 28; with and without a phase batch of 8,192 (peak lr 6.4 by the linear scaling rule) for
+  # the small images, as the fast ImageNet recipes run small images in big batches. Against a rerun of
+  # :large_batch on the same commit (the training seconds of the earlier rows count later phases' compilation).
+  "sgd_4096_w5_linear_prog20_8192": (
+    BASE,
+    [*B4096, *E28, *W5_LINEAR, "--config.data.resolution_schedule=0:20:8192,14:28"],
+    ":large_batch, epochs 0-13 at 20 px in batches of 8,192, then 28 px in batches of 4,096",
+  ),
+  "sgd_4096_w5_linear_prog20": (
+    BASE,
+    [*B4096, *E28, *W5_LINEAR, "--config.data.resolution_schedule=0:20,14:28"],
+    ":large_batch, epochs 0-13 at 20 px, then 28 px (batch 4,096 throughout)",
+  ),
+  "sgd_4096_w5_linear_rerun": (
+    BASE,
+    [*B4096, *E28, *W5_LINEAR],
+    ":large_batch rerun on the commit of the progressive-resizing rows",
+  ),
   "sgd_4096_w5_linear_hitopk_clip": (
     BASE,
     [*CLIPPED, *W5_LINEAR],
