@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: everything we want measured on an accelerator, in one run of at most 8 minutes.
+# The prepared GPU check: everything we want measured on an accelerator, in one run of about 8 minutes.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR            on a GPU machine (installs '.[cuda]' first)
 #   bash benchmarks/gpu_check.sh OUT_DIR --toy      on CPU at toy sizes (the test suite runs this)

@@ -8,8 +8,8 @@ compilation.
 
 The gradient reducer is built here too: with ``comm.fusion="adaptive"`` its MG-WFBP buckets depend on
 the batch shape (backward time scales with the examples per device and the pixels per example), so
-they are planned per phase, except for compressed strategies, whose per-bucket residuals in the train
-state fix the buckets of the first phase.
+they are planned per phase, except for compressed strategies and ``auto`` (which may compress), whose
+per-bucket residuals in the train state fix the buckets of the first phase.
 """
 
 from __future__ import annotations
@@ -60,10 +60,12 @@ class CompiledSteps:
     self.profile = fusion_lib.profile_parameters(model, info.image_shape)  # backward order, FLOPs per tensor
     opt = config.optimizer
     # The config's momentum, which the reducer uses only with momentum correction (the optimizer then has none).
-    reducer = reducer_from_config(comm, nodes, local, self.profile.order, opt.momentum, tx, opt.nesterov)
+    reducer = reducer_from_config(
+      comm, nodes, local, self.profile.order, momentum=opt.momentum, optimizer=tx, nesterov=opt.nesterov
+    )  # optimizer: DiLoCo's inner one
     # A dense strategy's adaptive buckets are planned again for each phase (reducer_at); the others' once.
-    self.adaptive_per_phase = cost_model.replans_buckets_per_phase(comm)
-    if not self.adaptive_per_phase:
+    self.replans_buckets_per_phase = cost_model.replans_buckets_per_phase(comm)
+    if not self.replans_buckets_per_phase:
       reducer = self._planned(reducer, self.batch_shape_at(0))
     if config.optimizer.sharded_update:  # the optimizer moves into the reducer, on each device's shards
       decay = not optim.decay_before_reduction(config)
@@ -94,7 +96,7 @@ class CompiledSteps:
 
   def reducer_at(self, step: int) -> Reducer:
     reducer = self.reducer.at_density(self.density_at(step))
-    return self._planned(reducer, self.batch_shape_at(step)) if self.adaptive_per_phase else reducer
+    return self._planned(reducer, self.batch_shape_at(step)) if self.replans_buckets_per_phase else reducer
 
   def compile_phases(self, first_step: int, end_step: int, state: step_lib.TrainState) -> None:
     """Compiles the step of every phase that steps ``first_step`` .. ``end_step`` - 1 reach."""
@@ -120,9 +122,9 @@ class CompiledSteps:
       reducer,
       self.mesh,
       self.info,
-      self.config.optimizer.label_smoothing,
-      self.config.train.inject_nan_at_step,
-      tuple(self.plan.first_steps),
+      label_smoothing=self.config.optimizer.label_smoothing,
+      inject_nan_at_step=self.config.train.inject_nan_at_step,
+      epoch_first_steps=tuple(self.plan.first_steps),
       micro_batches=self.config.micro_batches,
       loss_scale_period=self.config.model.loss_scale_period,
       local_tx=optim.local_transform(self.config),

@@ -182,11 +182,11 @@ def base_config() -> ml_collections.ConfigDict:
   config.train = dict(
     on_nonfinite="skip",  # skip: drop the update and go on; stop: save a checkpoint and stop
     inject_nan_at_step=-1,  # fault drill: poison this step's loss (-1: off)
-    inject_hang_at_step=-1,  # fault drill: process 0 stops stepping after this step, alive (-1: off)
+    inject_hang_at_step=-1,  # fault drill: process 0 stops stepping once this many steps are done (-1: off)
     # True: wait for every step and append its seconds and the bytes this machine sent to
     # WORKDIR/step_times.jsonl (steps then do not overlap; for the mesh lab, benchmarks/mesh_lab.py).
     time_steps=False,
-    # "A:B": a jax.profiler trace of the steps after step A up to step B, in WORKDIR/profile (TensorBoard's
+    # "A:B" (1 <= A < B): a jax.profiler trace of the steps after step A up to step B, in WORKDIR/profile (TensorBoard's
     # profile plugin or Perfetto read it; README "Reading a profile"). "" = none.
     profile_steps="",
   )
@@ -514,6 +514,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
 
   if config.train.profile_steps:
     parse_profile_steps(config.train.profile_steps)
+  # Drills: the NaN poisons step N (counted from 0); the hang comes after N steps are done (so N >= 1).
+  for field, lowest in (("inject_nan_at_step", 0), ("inject_hang_at_step", 1)):
+    value = config.train[field]
+    if not isinstance(value, int) or (value != -1 and value < lowest):
+      raise ConfigError(f"train.{field}={value!r} must be -1 (off) or an integer >= {lowest}.")
   _positive("global_batch_size", config.global_batch_size)
   _positive("data.eval_batch_size", config.data.eval_batch_size)
   train_batches = {
@@ -554,9 +559,9 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
     first, last = (int(x) for x in text.split(":"))
   except ValueError:
     first = last = -1
-  if not 0 <= first < last:
+  if not 1 <= first < last:  # the trace starts once step A is done: A = 0 would be before the loop
     raise ConfigError(
-      f"train.profile_steps={text!r} is not 'A:B' with 0 <= A < B (trace the steps after step A up to step B), "
+      f"train.profile_steps={text!r} is not 'A:B' with 1 <= A < B (trace the steps after step A up to step B), "
       f"e.g. '10:15'"
     )
   return first, last

@@ -35,7 +35,7 @@ class StepInfo:
   """What the hooks see after a step."""
 
   step: int  # steps done, so the first step gives 1
-  state: Any  # the TrainState after the step
+  state: step_lib.TrainState  # after the step
   loss: jax.Array  # per-device training loss of the step, (num_devices,)
   batch_size: int  # global batch size of the step
   comm_bytes: CommBytes  # bytes per device of the step's gradient reduction
@@ -95,7 +95,7 @@ class ProgressBar:
       now = time.perf_counter()
       self.bar.set_postfix(
         loss=f"{loss:.4f}",
-        lr=f"{float(self.schedule(info.step)):.3g}",
+        lr=f"{float(self.schedule(info.step - 1)):.3g}",  # the rate the last step used (counted from 0)
         img_s=f"{self._images / (now - self._since):.0f}",
       )
       self._images, self._since = 0, now
@@ -192,13 +192,13 @@ class EpochEvaluation:
       self.evaluate(info.state),
       images / train_seconds,
       (self.prefetcher.wait_seconds - self._start_wait) / train_seconds,
-      float(self.schedule(info.step)),
+      float(self.schedule(info.step - 1)),  # the rate this record's last step used
       info.comm_bytes,
       int(info.state.nonfinite_steps.addressable_data(0)),
       info.step == self.total_steps,
       self.train_seconds,
     )
-    if info.state.loss_scale:  # dynamic loss scaling (float16)
+    if info.state.loss_scale:  # dynamic loss scaling (float16): the scale the next step starts from
       record["loss_scale"] = float(info.state.loss_scale["scale"].addressable_data(0))
     self.writer.write(record)
     self.bar.write(

@@ -9,6 +9,7 @@ the periodic actions ``hooks.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -17,6 +18,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from typing import Any
 
 import jax
@@ -58,7 +60,10 @@ class NonFiniteError(RuntimeError):
 def train_and_evaluate(
   config: ml_collections.ConfigDict, workdir: str, extra_hooks: Sequence[tuple[Hook, int]] = ()
 ) -> dict[str, Any]:
-  """Trains ``config`` on the current devices, evaluating each epoch; returns the summary.
+  """Trains ``config`` on the current devices, evaluating each epoch; returns summary.json's dict.
+
+  A run a hook stopped (a signal, or one of ``extra_hooks``) returns only ``{"stopped", "steps"}``; a non-finite step
+  under ``train.on_nonfinite="stop"`` raises ``NonFiniteError``. Both saved a checkpoint to resume from.
 
   ``extra_hooks``: (hook, every) pairs run after each due step, before the trainer's own hooks.
   """
@@ -81,58 +86,59 @@ def train_and_evaluate(
     state = step_lib.create_train_state(model, tx, compiled.reducer, info.image_shape, mesh, config.seed, loss_scale)
     _log_setup(config, plan, state, total_steps, len(train_batches.source), len(eval_batches.source))
 
-    checkpointer = checkpoint_lib.Checkpointer(workdir, config.checkpoint.keep)
-    meta = {"config": json.loads(config.to_json_best_effort()), "mesh": list(mesh.devices.shape)}
-    start_step, state, seconds_before = restore(checkpointer, state, meta["config"], plan)
-    finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
-    if not finished:
-      compiled.compile_phases(start_step, total_steps, state)  # every phase's step, before the clock starts
+    # Whatever ends the run (an error too), what is opened from here on is closed again, in reverse order: the
+    # checkpointer last, waiting for its saves in flight.
+    with contextlib.ExitStack() as opened:
+      checkpointer = opened.enter_context(closing(checkpoint_lib.Checkpointer(workdir, config.checkpoint.keep)))
+      meta = {"config": json.loads(config.to_json_best_effort()), "mesh": list(mesh.devices.shape)}
+      start_step, state, seconds_before = restore(checkpointer, state, meta["config"], plan)
+      finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
+      if not finished:
+        compiled.compile_phases(start_step, total_steps, state)  # every phase's step, before the clock starts
 
-    input_settings = tune_input(config, train_batches, start_step, compiled, measure=not finished)
-    eval_step = step_lib.make_eval_step(model, mesh, info)
-    evaluate = functools.partial(
-      step_lib.evaluate, eval_step, batches=eval_batches, sharding=compiled.sharding, **input_settings
-    )
-    host_batches = train_batches.iterator(start_step, **input_settings)
-    prefetcher = data_lib.DevicePrefetcher(host_batches, compiled.sharding, size=config.data.prefetch)
-    is_main = jax.process_index() == 0
-    writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=start_step or None)
-    bar = metrics_lib.progress_bar(total_steps, enabled=is_main, initial=start_step)
+      input_settings = tune_input(config, train_batches, start_step, compiled, measure=not finished)
+      eval_step = step_lib.make_eval_step(model, mesh, info)
+      evaluate = functools.partial(
+        step_lib.evaluate, eval_step, batches=eval_batches, sharding=compiled.sharding, **input_settings
+      )
+      host_batches = train_batches.iterator(start_step, **input_settings)
+      prefetcher = opened.enter_context(
+        closing(data_lib.DevicePrefetcher(host_batches, compiled.sharding, size=config.data.prefetch))
+      )
+      is_main = jax.process_index() == 0
+      writer = opened.enter_context(
+        closing(metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=start_step or None))
+      )
+      bar = opened.enter_context(closing(metrics_lib.progress_bar(total_steps, enabled=is_main, initial=start_step)))
 
-    def ends_record(step: int) -> bool:  # an epoch's last step, or the run's
-      return plan.ends_epoch(step) or step == total_steps
+      def ends_record(step: int) -> bool:  # an epoch's last step, or the run's
+        return plan.ends_epoch(step) or step == total_steps
 
-    hooks = Hooks()
-    for hook, every in extra_hooks:
-      hooks.add(hook, every=every)
-    hooks.add(ProgressBar(bar, schedule, config.log_every_steps), every=1)
-    nonfinite = NonFiniteCheck(config.train.on_nonfinite, seen=int(state.nonfinite_steps.addressable_data(0)))
-    hooks.add(nonfinite, every=config.log_every_steps, when=ends_record)
-    # With several processes the check is a collective, so not every step.
-    hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
-    evaluation = EpochEvaluation(
-      evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps, seconds_before
-    )
-    hooks.add(evaluation, when=ends_record)
-    saver = CheckpointSaver(checkpointer, meta, evaluation.clock)
-    hooks.add(saver, every=config.checkpoint.every_steps)
-    if config.train.time_steps and is_main:
-      hooks.add(StepTimer(os.path.join(workdir, "step_times.jsonl")), every=1)
-    if config.train.inject_hang_at_step >= 0:
-      hooks.add(HangDrill(config.train.inject_hang_at_step), every=1)
-    if config.train.profile_steps:
-      first, last = parse_profile_steps(config.train.profile_steps)
-      hooks.add(ProfileTrace(first, last, os.path.join(workdir, "profile")), every=1)
+      hooks = Hooks()
+      for hook, every in extra_hooks:
+        hooks.add(hook, every=every)
+      hooks.add(ProgressBar(bar, schedule, config.log_every_steps), every=1)
+      nonfinite = NonFiniteCheck(config.train.on_nonfinite, seen=int(state.nonfinite_steps.addressable_data(0)))
+      hooks.add(nonfinite, every=config.log_every_steps, when=ends_record)
+      # With several processes the check is a collective, so not every step.
+      hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
+      evaluation = EpochEvaluation(
+        evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps, seconds_before
+      )
+      hooks.add(evaluation, when=ends_record)
+      saver = CheckpointSaver(checkpointer, meta, evaluation.clock)
+      hooks.add(saver, every=config.checkpoint.every_steps)
+      if config.train.time_steps and is_main:
+        hooks.add(StepTimer(os.path.join(workdir, "step_times.jsonl")), every=1)
+      if config.train.inject_hang_at_step >= 0:
+        hooks.add(HangDrill(config.train.inject_hang_at_step), every=1)
+      if config.train.profile_steps:
+        first, last = parse_profile_steps(config.train.profile_steps)
+        hooks.add(ProfileTrace(first, last, os.path.join(workdir, "profile")), every=1)
 
-    try:
       loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)
-      # The last step (no-op when its hook just saved it).
+      # Save the final state; a no-op when CheckpointSaver has just saved this step.
       checkpointer.save(loop.step, loop.state, {**meta, "train_seconds": evaluation.clock()})
-    finally:
-      prefetcher.close()
-      bar.close()
-      writer.close()
-      checkpointer.close()  # waits for saves in flight
     if loop.stop:
       return stopped(loop)
 
@@ -235,11 +241,7 @@ def restore(
 ) -> tuple[int, step_lib.TrainState, float]:
   """(step, state, training seconds before it) of the newest checkpoint that restores, or (0, ``state``, 0)
   when there is none (checkpoints written before the seconds were saved: 0)."""
-  try:
-    restored = checkpointer.restore_latest(checkpoint_lib.abstract(state), config)
-  except checkpoint_lib.CheckpointError:
-    checkpointer.close()
-    raise
+  restored = checkpointer.restore_latest(checkpoint_lib.abstract(state), config)
   if restored is None:
     return 0, state, 0.0
   step, state, meta = restored

@@ -6,12 +6,17 @@ One step, on every device at once, inside ``jax.jit`` + ``jax.shard_map``:
   2. forward and backward on that shard alone -> the device's *local* gradient;
      (with ``micro_batches`` > 1, in that many sequential slices whose gradients are averaged: gradient
      accumulation, for a batch larger than the device holds, with one reduction per step);
-  3. the gradient reducer of ``comm.strategy`` (``parallel/reducer.py``) turns local gradients into the
+  3. optionally, a per-device transformation of the local gradient before any communication (``local_tx``:
+     LARS's trust ratio with ``comm.local_trust_ratio``, or SGD's weight decay before a compressed reduction),
+     and the error-feedback residuals brought to this step's learning rate (``residual_scale``);
+  4. the gradient reducer of ``comm.strategy`` (``parallel/reducer.py``) turns local gradients into the
      mean gradient of the global batch (dense psum, hierarchical, or a compressed strategy);
-  4. the optimizer applies it, identically on every device, so parameters stay replicated (with
+  5. the optimizer applies it, identically on every device, so parameters stay replicated (with
      ``optimizer.sharded_update`` each device updates its shard and the parameters are gathered;
      with DiLoCo each machine steps on its own copy, and every H steps they agree again);
-  5. BatchNorm running statistics (computed per device) are averaged over the mesh.
+  6. BatchNorm running statistics (computed per device) are averaged over the mesh;
+  7. the new state is kept only if no device saw a non-finite loss, gradient or reducer state (a minimum over
+     the mesh, so every device decides alike); otherwise the step is skipped and the old state kept.
 
 With float16 compute the loss is scaled before the backward pass and the gradients unscaled after it
 (dynamic loss scaling, ``jmp``); a step whose gradient overflows is skipped like any non-finite step
@@ -150,7 +155,8 @@ def make_train_step(
   collective in the step.
 
   A non-finite loss, gradient (a device's own or the reduced one) or reducer state is caught on the device,
-  without a host sync: the update is skipped (state unchanged but for ``step`` and ``nonfinite_steps``).
+  without a host sync: the update is skipped (parameters, BatchNorm statistics, optimizer and reducer state are
+  kept; ``step``, ``nonfinite_steps``, the loss scale and the epoch's loss accumulators still move on).
   ``inject_nan_at_step`` >= 0 poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
   ``epoch_first_steps`` (``EpochPlan.first_steps``) resets the epoch loss accumulators at each epoch's
   first step. ``micro_batches``: slices of the device's batch run one after the other, their gradients
@@ -345,7 +351,7 @@ def epoch_mean_loss(state: TrainState) -> float:
 def global_mean(per_device_values) -> float:
   """Mean of per-device arrays that may live on other processes' devices too (a collective: all call it).
 
-  Non-finite values (the losses of skipped steps) are left out.
+  Non-finite values (a skipped step's loss, when the loss itself overflowed) are left out.
   """
   values = np.asarray(multihost_utils.process_allgather(per_device_values, tiled=True))
   return float(np.mean(values[np.isfinite(values)])) if np.isfinite(values).any() else float("nan")

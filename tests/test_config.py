@@ -32,8 +32,11 @@ def test_default_configs_validate():
       r"'powersgd', 'diloco', 'auto'\]",
     ),
     ({"comm__topk_selector": "sort"}, r"comm.topk_selector='sort' is unknown; use one of \['exact', 'mstopk'\]"),
-    ({"train__profile_steps": "5"}, r"train.profile_steps='5' is not 'A:B' with 0 <= A < B"),
+    ({"train__profile_steps": "5"}, r"train.profile_steps='5' is not 'A:B' with 1 <= A < B"),
     ({"train__profile_steps": "9:3"}, r"train.profile_steps='9:3' is not 'A:B'"),
+    ({"train__profile_steps": "0:3"}, r"train.profile_steps='0:3' is not 'A:B' with 1 <= A < B"),  # was a no-op
+    ({"train__inject_hang_at_step": 0}, r"train.inject_hang_at_step=0 must be -1 \(off\) or an integer >= 1"),
+    ({"train__inject_nan_at_step": -3}, r"train.inject_nan_at_step=-3 must be -1 \(off\) or an integer >= 0"),
     ({"comm__fusion": "bucketed"}, r"comm.fusion='bucketed' is unknown; use one of \['none', 'fixed', 'adaptive'\]"),
     (
       {"comm__fusion": "adaptive", "comm__cost_model": "/nope.json"},

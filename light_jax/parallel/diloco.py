@@ -58,7 +58,6 @@ class DiLoCo:
   inner_tx: optax.GradientTransformation | None = None
   wire_dtype: str = "float32"
   strategy: str = NAME
-  keeps_residuals: bool = True  # per-device state (delta, inner optimizer state)
   updates_parameters = True  # the train step calls apply, not the optimizer
 
   @property

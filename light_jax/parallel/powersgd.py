@@ -74,7 +74,6 @@ class PowerSGDReducer:
   wire_dtype: str = "float32"
   local_clip_norm: float = 0.0
   strategy: str = NAME
-  keeps_residuals: bool = True  # its state (residuals, Q) is per device
   updates_parameters = False
 
   @property

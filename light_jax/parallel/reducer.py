@@ -118,11 +118,6 @@ class GradientReducer:
       return None
     return compression.MomentumCorrection(self.momentum_correction, self.nesterov, self.momentum_masking)
 
-  @property
-  def keeps_residuals(self) -> bool:
-    """Whether some bucket may be compressed (its residual then fixes the buckets for the whole run)."""
-    return may_select_top_k(self.strategy)
-
   def at_density(self, density: float) -> GradientReducer:
     """This reducer with top-k keeping ``density`` (the density warm-up of the compressed strategies)."""
     return dataclasses.replace(self, density=density)
@@ -130,7 +125,7 @@ class GradientReducer:
   @property
   def compression(self) -> str:
     """How this reducer compresses, for the logs ("" when it does not)."""
-    if not self.keeps_residuals:
+    if not may_select_top_k(self.strategy):
       return ""
     return (
       f"top-k density {self.density:.4g}"
@@ -234,7 +229,12 @@ class GradientReducer:
     }
 
   # --- the reduction (inside shard_map) ----------------------------------------------------------
-  def reduce(self, local_grads: PyTree, comm_state: dict[str, jax.Array]) -> tuple[PyTree, dict[str, jax.Array]]:
+  def reduce(self, local_grads: PyTree, comm_state: dict[str, Any]) -> tuple[PyTree, dict[str, Any]]:
+    """Inside shard_map, on one device's gradient: clip it (``local_clip_norm``), pack its leaves into the
+    buckets, reduce each bucket with its strategy, unpack; returns (the mean gradient, the new comm_state).
+    ``comm_state`` holds per bucket its per-device state: a compressed bucket's ``compression.Memory`` (the
+    residual, and DGC's velocity under momentum correction), or under momentum correction a dense bucket's
+    velocity."""
     if self.local_clip_norm:
       local_grads = compression.clip_local(local_grads, self.local_clip_norm, self.nodes * self.local)
     leaves, treedef = jax.tree.flatten(local_grads)
@@ -245,20 +245,20 @@ class GradientReducer:
     for b, (bucket, size) in enumerate(zip(buckets, sizes)):
       members = [order[i] for i in bucket]
       flat = fusion_lib.pack([leaves[m] for m in members])
-      one = self.for_bucket(b)
-      spec = one.bucket_strategy(size)
+      bucket_reducer = self.for_bucket(b)
+      spec = bucket_reducer.bucket_strategy(size)
       if spec.compressed:
         # This device's block of the (nodes, local, ...) arrays.
         memory = jax.tree.map(lambda x: x[0, 0], comm_state[_key(b)])
         flat, memory = spec.reduce(
           flat,
           memory,
-          one.k_for(size),
+          bucket_reducer.k_for(size),
           self.selector,
           self.error_feedback,
           wire_dtype,
           self.correction,
-          one.compact_pairs,
+          bucket_reducer.compact_pairs,
         )
         new_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
@@ -298,9 +298,6 @@ class Reducer(Protocol):
   ``updates_parameters`` also have ``init_optimizer_state`` and ``apply`` (the step calls them instead of the
   optimizer); those with error-feedback residuals of gradients (GradientReducer, ShardedUpdate) also
   ``rescale_residuals`` (``comm.residual_units="update"``)."""
-
-  @property
-  def keeps_residuals(self) -> bool: ...  # it has per-device state, whose shapes fix its buckets for the run
 
   @property
   def updates_parameters(self) -> bool: ...

@@ -95,7 +95,6 @@ class ShardedUpdate:
   decay: bool = True  # False: the weight decay ran before the reduction (optim.decay_before_reduction)
   strategy: str = "hierarchical"
   updates_parameters = True  # the train step calls apply, not the optimizer
-  keeps_residuals: bool = True
   compression: str = "sharded update"
 
   def at_density(self, density: float) -> ShardedUpdate:
