@@ -517,7 +517,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   # Drills: the NaN poisons step N (counted from 0); the hang comes after N steps are done (so N >= 1).
   for field, lowest in (("inject_nan_at_step", 0), ("inject_hang_at_step", 1)):
     value = config.train[field]
-    if not isinstance(value, int) or (value != -1 and value < lowest):
+    if type(value) is not int or (value != -1 and value < lowest):  # (a bool is an int to isinstance)
       raise ConfigError(f"train.{field}={value!r} must be -1 (off) or an integer >= {lowest}.")
   _positive("global_batch_size", config.global_batch_size)
   _positive("data.eval_batch_size", config.data.eval_batch_size)

@@ -77,6 +77,12 @@ class Hooks:
 # --- The trainer's hooks ----------------------------------------------------------------------------
 
 
+def last_update(info: StepInfo) -> int:
+  """The optimizer's count at the last update (0-based): the learning rate it used is ``schedule`` of it. A
+  skipped (non-finite) step keeps the optimizer state, so it does not advance the count."""
+  return max(info.step - 1 - int(info.state.nonfinite_steps.addressable_data(0)), 0)
+
+
 class ProgressBar:
   """Every step: advance the bar; every ``log_every`` steps: show loss, learning rate and images/s.
 
@@ -95,7 +101,7 @@ class ProgressBar:
       now = time.perf_counter()
       self.bar.set_postfix(
         loss=f"{loss:.4f}",
-        lr=f"{float(self.schedule(info.step - 1)):.3g}",  # the rate the last step used (counted from 0)
+        lr=f"{float(self.schedule(last_update(info))):.3g}",
         img_s=f"{self._images / (now - self._since):.0f}",
       )
       self._images, self._since = 0, now
@@ -192,7 +198,7 @@ class EpochEvaluation:
       self.evaluate(info.state),
       images / train_seconds,
       (self.prefetcher.wait_seconds - self._start_wait) / train_seconds,
-      float(self.schedule(info.step - 1)),  # the rate this record's last step used
+      float(self.schedule(last_update(info))),
       info.comm_bytes,
       int(info.state.nonfinite_steps.addressable_data(0)),
       info.step == self.total_steps,
@@ -241,6 +247,13 @@ class ProfileTrace:
       jax.profiler.stop_trace()
       self.tracing = False
       logging.info("profile of steps %d-%d written to %s", self.first + 1, self.last, self.logdir)
+
+  def close(self) -> None:
+    """Writes a trace the run ended inside of (it stopped or failed before step ``last``)."""
+    if self.tracing:
+      jax.profiler.stop_trace()
+      self.tracing = False
+      logging.info("profile from step %d, cut short by the end of the run, written to %s", self.first + 1, self.logdir)
 
 
 class StepTimer:

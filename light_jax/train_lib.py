@@ -134,7 +134,8 @@ def train_and_evaluate(
         hooks.add(HangDrill(config.train.inject_hang_at_step), every=1)
       if config.train.profile_steps:
         first, last = parse_profile_steps(config.train.profile_steps)
-        hooks.add(ProfileTrace(first, last, os.path.join(workdir, "profile")), every=1)
+        trace = opened.enter_context(closing(ProfileTrace(first, last, os.path.join(workdir, "profile"))))
+        hooks.add(trace, every=1)
 
       loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)
       # Save the final state; a no-op when CheckpointSaver has just saved this step.

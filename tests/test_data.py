@@ -6,6 +6,7 @@ from PIL import Image
 
 from light_jax.data import DataError, EvalBatches, TrainBatches, fashion_mnist
 from light_jax.data.pipeline import pad_crop_flip
+from light_jax.data.transforms import resize_images
 from tests.helpers import random_source
 
 
@@ -57,6 +58,24 @@ def test_progressive_resizing_of_an_array_dataset_resizes_each_phase_with_its_ba
   halves = [TrainBatches(source, 32, 2, 3, process_index=p, process_count=2, resolution_schedule=plan) for p in (0, 1)]
   for whole, a, b in zip(batches, _all_batches(halves[0]), _all_batches(halves[1])):
     np.testing.assert_array_equal(whole["images"], np.concatenate([a["images"], b["images"]]))
+  # Augmented first, at the source's size (4 px of padding of a 12 px image), then resized.
+  augment = dict(crop_padding=4, random_flip=True)
+  small = TrainBatches(source, 32, 1, seed=3, resolution_schedule=((0, 8),), **augment)
+  full = TrainBatches(source, 32, 1, seed=3, **augment)
+  for resized, augmented in zip(_all_batches(small), _all_batches(full)):
+    np.testing.assert_array_equal(resized["images"], resize_images(augmented["images"], 8))
+
+
+def test_resize_images_resizes_every_channel_on_its_own():
+  """Any channel count: each channel as Pillow resizes a greyscale image (2 or 4 channels are not colour and
+  alpha), and RGB as Pillow resizes RGB."""
+  images = np.random.default_rng(0).integers(0, 256, size=(3, 12, 12, 4), dtype=np.uint8)
+  for channels in (1, 2, 3, 4):
+    out = resize_images(images[..., :channels], 7)
+    assert out.shape == (3, 7, 7, channels) and out.dtype == np.uint8
+    for c in range(channels):
+      expected = Image.fromarray(images[1, ..., c]).resize((7, 7), Image.Resampling.BILINEAR)
+      np.testing.assert_array_equal(out[1, ..., c], np.asarray(expected))
 
 
 def test_each_epoch_is_a_new_permutation_without_repeats():

@@ -9,6 +9,8 @@ import shutil
 import numpy as np
 import pytest
 
+from light_jax import checkpoint as checkpoint_lib
+from light_jax import data as data_lib
 from light_jax import schedules, train_lib
 from light_jax.hooks import Hooks, StepInfo
 from light_jax.metrics import read_metrics
@@ -75,17 +77,46 @@ def test_a_density_warmup_compiles_one_step_for_a_strategy_without_a_density(tmp
   assert caplog.text.count("train step compiled") == 1
 
 
-def test_progressive_resizing_on_fashion_mnist_compiles_a_step_per_phase(tmp_path, caplog):
+def test_progressive_resizing_on_fashion_mnist_compiles_every_phase_before_the_loop(tmp_path, caplog, monkeypatch):
   """data.resolution_schedule on an array dataset: 20 px in batches of 128 for epoch 0 (16 steps), then 28 px
-  in batches of 64; the learning rate follows each phase's batch (linear scaling)."""
+  in batches of 64. Both steps are compiled before the loop (and its clock) starts; the learning rate follows
+  each phase's batch (linear scaling), and a record's learning_rate is the one its last step used."""
+  compiled_at_start = []
+
+  def train_loop(state, start_step, total_steps, batches, compiled, hooks):
+    compiled_at_start.append(len(compiled._compiled))
+    return real_train_loop(state, start_step, total_steps, batches, compiled, hooks)
+
+  real_train_loop = train_lib.train_loop
+  monkeypatch.setattr(train_lib, "train_loop", train_loop)
   config = small_config(num_epochs=2, max_steps=20, data__resolution_schedule="0:20:128,1:28")
   with caplog.at_level(logging.INFO):
     summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  assert compiled_at_start == [2]
   assert re.findall(r"train step compiled in [\d.]+ s \(batch ([\dx]+)\)", caplog.text) == ["128x20x20x1", "64x28x28x1"]
   assert "peak lr 0.1 (batch 128) / 0.05 (batch 64)" in caplog.text
   first, last = read_metrics(tmp_path)
   assert (first["step"], first["epoch"], last["step"], last["epoch"]) == (16, 1.0, 20, 1.125)
   assert summary["steps"] == 20 and np.isfinite(summary["final_train_loss"])
+  plan = schedules.EpochPlan(2048, 2, schedules.parse_resolution_schedule("0:20:128,1:28", None), 64)
+  schedule = schedules.learning_rate_schedule(config.optimizer, plan)
+  assert first["learning_rate"] == pytest.approx(float(schedule(15)))  # step 15 (from 0), at batch 128's rate
+  assert last["learning_rate"] == pytest.approx(float(schedule(19)))
+
+
+def test_an_error_before_the_loop_still_closes_the_checkpointer(tmp_path, monkeypatch):
+  """What train_and_evaluate opens is closed on any error, not only on one inside the loop."""
+  closed = []
+  real_close = checkpoint_lib.Checkpointer.close
+  monkeypatch.setattr(checkpoint_lib.Checkpointer, "close", lambda self: (closed.append(1), real_close(self)))
+
+  def tune_input(*args, **kwargs):
+    raise data_lib.DataError("unreadable batch")
+
+  monkeypatch.setattr(train_lib, "tune_input", tune_input)
+  with pytest.raises(data_lib.DataError, match="unreadable batch"):
+    train_lib.train_and_evaluate(small_config(max_steps=2), str(tmp_path))
+  assert closed == [1]
 
 
 def test_final_density_epochs_send_at_the_final_density(tmp_path, caplog):

@@ -191,13 +191,16 @@ def crop_resize(image: Image.Image, box: Box, size: int, flip: bool = False) -> 
 
 
 def resize_images(images: np.ndarray, size: int) -> np.ndarray:
-  """uint8 (B, H, W, C) -> (B, size, size, C): each image resized whole, bilinear as ``crop_resize`` (Pillow
-  widens the filter when it shrinks, so no pixel is skipped). For progressive resizing of array datasets."""
+  """uint8 (B, H, W, C) -> (B, size, size, C): each image resized whole to a square, bilinear as ``crop_resize``
+  (Pillow widens the filter when it shrinks, so no pixel is skipped). For progressive resizing of array datasets.
+  RGB goes through Pillow at once, any other channel count one channel at a time (Pillow would treat 2 or 4
+  channels as colour and alpha, and premultiply)."""
   count, _, _, channels = images.shape
   out = np.empty((count, size, size, channels), np.uint8)
-  for i, image in enumerate(images):
-    resized = Image.fromarray(image[..., 0] if channels == 1 else image).resize((size, size), RESAMPLE)
-    out[i] = np.asarray(resized, dtype=np.uint8).reshape(size, size, channels)
+  planes = [images] if channels == 3 else [images[..., c] for c in range(channels)]
+  for i in range(count):
+    resized = [np.asarray(Image.fromarray(plane[i]).resize((size, size), RESAMPLE)) for plane in planes]
+    out[i] = resized[0] if channels == 3 else np.stack(resized, axis=-1)
   return out
 
 
