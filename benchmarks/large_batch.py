@@ -170,6 +170,11 @@ RUNS = {
     [*B4096, *E28, *W5_LINEAR, "--config.data.resolution_schedule=0:20,14:28"],
     ":large_batch, epochs 0-13 at 20 px, then 28 px (batch 4,096 throughout)",
   ),
+  "sgd_4096_w5_linear_prog20_seed1": (
+    BASE,
+    [*B4096, *E28, *W5_LINEAR, "--config.data.resolution_schedule=0:20,14:28", "--config.seed=1"],
+    "the 20-then-28 px run with seed 1",
+  ),
   "sgd_4096_w5_linear_rerun": (
     BASE,
     [*B4096, *E28, *W5_LINEAR],
