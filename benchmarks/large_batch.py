@@ -170,10 +170,12 @@ RUNS = {
     [*B4096, *E28, *W5_LINEAR, "--config.data.resolution_schedule=0:20,14:28"],
     ":large_batch, epochs 0-13 at 20 px, then 28 px (batch 4,096 throughout)",
   ),
-  "sgd_4096_w5_linear_prog20_seed1": (
+  # Measured: 20 px costs 2.14 points (the training loss jumps from 0.71 to 1.61 at the switch); a smaller step
+  # in size instead: 24 px (0.73 of the pixels).
+  "sgd_4096_w5_linear_prog24": (
     BASE,
-    [*B4096, *E28, *W5_LINEAR, "--config.data.resolution_schedule=0:20,14:28", "--config.seed=1"],
-    "the 20-then-28 px run with seed 1",
+    [*B4096, *E28, *W5_LINEAR, "--config.data.resolution_schedule=0:24,14:28"],
+    ":large_batch, epochs 0-13 at 24 px, then 28 px (batch 4,096 throughout)",
   ),
   "sgd_4096_w5_linear_rerun": (
     BASE,
