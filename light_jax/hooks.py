@@ -139,29 +139,47 @@ class PreemptionCheck:
     return PREEMPTED if self.guard.requested() else None
 
 
-class CheckpointSaver:
-  """Starts an asynchronous save; counts the seconds the loop was blocked doing so. The meta saved has
-  ``train_seconds`` from ``clock()`` too, so that a resumed run's clock goes on from there."""
+class TrainClock:
+  """The run's training seconds, evaluations left out: the clock of time-to-accuracy (``train_seconds``).
 
-  def __init__(self, checkpointer: checkpoint_lib.Checkpointer, meta: dict[str, Any], clock: Callable[[], float]):
+  A resumed run starts it at ``seconds_before``, the seconds its checkpoint saved, so the steps a killed
+  process ran after that checkpoint are not counted, and the resumed process's are. It runs from the loop's
+  start (after compilation), and ``EpochEvaluation`` pauses it while it evaluates.
+  """
+
+  def __init__(self, seconds_before: float = 0.0):
+    self._counted, self._since = seconds_before, time.perf_counter()
+
+  def seconds(self) -> float:
+    return self._counted + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
+  def pause(self) -> None:
+    self._counted, self._since = self.seconds(), None
+
+  def resume(self) -> None:
+    self._since = time.perf_counter()
+
+
+class CheckpointSaver:
+  """Starts an asynchronous save; counts the seconds the loop was blocked doing so. The meta saved has the
+  clock's ``train_seconds`` too, so that a resumed run's clock goes on from there."""
+
+  def __init__(self, checkpointer: checkpoint_lib.Checkpointer, meta: dict[str, Any], clock: TrainClock):
     self.checkpointer, self.meta, self.clock = checkpointer, meta, clock
     self.blocking_seconds = 0.0
 
   def __call__(self, info: StepInfo) -> None:
     start = time.perf_counter()
-    if self.checkpointer.save(info.step, info.state, {**self.meta, "train_seconds": self.clock()}):
+    if self.checkpointer.save(info.step, info.state, {**self.meta, "train_seconds": self.clock.seconds()}):
       self.blocking_seconds += time.perf_counter() - start
 
 
 class EpochEvaluation:
   """At each epoch end (and the last step): evaluate, write one record to metrics.jsonl, print a line.
 
-  Images/s and the input-wait fraction cover the training steps since the previous record, without the
-  evaluation; ``train_seconds`` adds up the training time since the run started, also without the
-  evaluations: the clock of time-to-accuracy. A resumed run starts it at ``seconds_before``, the clock
-  its checkpoint saved (``clock()``), so the steps a killed process ran after that checkpoint are not
-  counted, and the resumed process's are. A checkpoint saved at step s comes after this hook, so
-  metrics.jsonl then holds every record up to s.
+  Images/s and the input-wait fraction cover the training steps since the previous record; ``train_seconds``
+  is ``clock``'s, which this hook pauses while it evaluates. A checkpoint saved at step s comes after this
+  hook, so metrics.jsonl then holds every record up to s.
   """
 
   def __init__(
@@ -174,22 +192,17 @@ class EpochEvaluation:
     bar,
     start_step: int,
     total_steps: int,
-    seconds_before: float = 0.0,
+    clock: TrainClock,
   ):
     self.evaluate, self.writer, self.plan, self.schedule = evaluate, writer, plan, schedule
-    self.prefetcher, self.bar, self.total_steps = prefetcher, bar, total_steps
+    self.prefetcher, self.bar, self.total_steps, self.clock = prefetcher, bar, total_steps, clock
     self.last_record: dict[str, Any] | None = None
-    self.train_seconds = seconds_before
-    self._start_step, self._start_time, self._start_wait = start_step, time.perf_counter(), prefetcher.wait_seconds
-
-  def clock(self) -> float:
-    """Training seconds so far: the records' and the steps' since the last record."""
-    return self.train_seconds + time.perf_counter() - self._start_time
+    self._start_step, self._start_seconds, self._start_wait = start_step, clock.seconds(), prefetcher.wait_seconds
 
   def __call__(self, info: StepInfo) -> None:
     train_loss = step_lib.epoch_mean_loss(info.state)  # waits for the step: the clock below then counts it
-    train_seconds = time.perf_counter() - self._start_time
-    self.train_seconds += train_seconds
+    self.clock.pause()
+    train_seconds = self.clock.seconds() - self._start_seconds  # since the last record
     images = sum(self.plan.batch_size_at(s) for s in range(self._start_step, info.step))
     record = epoch_record(
       info.step,
@@ -202,7 +215,7 @@ class EpochEvaluation:
       info.comm_bytes,
       int(info.state.nonfinite_steps.addressable_data(0)),
       info.step == self.total_steps,
-      self.train_seconds,
+      self.clock.seconds(),
     )
     if info.state.loss_scale:  # dynamic loss scaling (float16): the scale the next step starts from
       record["loss_scale"] = float(info.state.loss_scale["scale"].addressable_data(0))
@@ -213,7 +226,12 @@ class EpochEvaluation:
       f"{record['images_per_sec']:.0f} images/s, input wait {100 * record['input_wait_fraction']:.1f}%"
     )
     self.last_record = record
-    self._start_step, self._start_time, self._start_wait = info.step, time.perf_counter(), self.prefetcher.wait_seconds
+    self._start_step, self._start_seconds, self._start_wait = (
+      info.step,
+      self.clock.seconds(),
+      self.prefetcher.wait_seconds,
+    )
+    self.clock.resume()
 
 
 class HangDrill:

@@ -47,6 +47,7 @@ from light_jax.hooks import (
   ProgressBar,
   StepInfo,
   StepTimer,
+  TrainClock,
 )
 from light_jax.models import create_model
 from light_jax.parallel import mesh as mesh_lib
@@ -122,11 +123,10 @@ def train_and_evaluate(
       hooks.add(nonfinite, every=config.log_every_steps, when=ends_record)
       # With several processes the check is a collective, so not every step.
       hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
-      evaluation = EpochEvaluation(
-        evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps, seconds_before
-      )
+      clock = TrainClock(seconds_before)  # training seconds, evaluations left out
+      evaluation = EpochEvaluation(evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps, clock)
       hooks.add(evaluation, when=ends_record)
-      saver = CheckpointSaver(checkpointer, meta, evaluation.clock)
+      saver = CheckpointSaver(checkpointer, meta, clock)
       hooks.add(saver, every=config.checkpoint.every_steps)
       if config.train.time_steps and is_main:
         hooks.add(StepTimer(os.path.join(workdir, "step_times.jsonl")), every=1)
@@ -139,7 +139,7 @@ def train_and_evaluate(
 
       loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)
       # Save the final state; a no-op when CheckpointSaver has just saved this step.
-      checkpointer.save(loop.step, loop.state, {**meta, "train_seconds": evaluation.clock()})
+      checkpointer.save(loop.step, loop.state, {**meta, "train_seconds": clock.seconds()})
     if loop.stop:
       return stopped(loop)
 

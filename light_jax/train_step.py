@@ -45,7 +45,6 @@ from jax.sharding import PartitionSpec as P
 from light_jax import data as data_lib
 from light_jax import optim
 from light_jax.parallel import fusion as fusion_lib
-from light_jax.parallel.diloco import DiLoCo
 from light_jax.parallel.mesh import AXES, BATCH_SPEC, LOCAL, NODE
 from light_jax.parallel.reducer import Reducer
 
@@ -188,8 +187,8 @@ def make_train_step(
       return scaling.scale(loss), (loss, updates.get("batch_stats", {}))
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
-    local_steps = isinstance(reducer, DiLoCo)  # each machine steps on its own copy between outer steps
-    params = reducer.machine_params(state.params, state.comm_state) if local_steps else state.params
+    # A reducer that updates the parameters says where the forward pass runs (DiLoCo: each machine's own copy).
+    params = reducer.machine_params(state.params, state.comm_state) if reducer.updates_parameters else state.params
     # check_vma=False below: grad of replicated params is the *local* gradient, not JAX's implicit
     # psum of it, so the reducer is the only reduction (no silent double sum; tested).
     if micro_batches == 1:
@@ -207,12 +206,9 @@ def make_train_step(
       comm_state = reducer.rescale_residuals(comm_state, residual_scale(state.step))
     grads, comm_state = reducer.reduce(local_grads, comm_state)
     if reducer.updates_parameters:  # DiLoCo's inner and outer steps; the sharded update (grads: shards)
-      sync = None
-      if local_steps:
-        sync = (state.step + 1) % reducer.sync_every == 0
-        if epoch_first_steps:  # and at each epoch's end, so evaluations see the machines' common model
-          sync = jnp.logical_or(sync, jnp.isin(state.step + 1, jnp.asarray(epoch_first_steps[1:], jnp.int32)))
-      new_params, opt_state, comm_state = reducer.apply(grads, state.params, state.opt_state, comm_state, sync)
+      new_params, opt_state, comm_state = reducer.apply(
+        grads, state.params, state.opt_state, comm_state, state.step, epoch_first_steps
+      )
     else:
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       new_params = optax.apply_updates(state.params, updates)

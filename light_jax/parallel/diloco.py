@@ -97,10 +97,22 @@ class DiLoCo:
     return jax.tree.unflatten(treedef, [g / self.local for g in fusion_lib.unpack(summed, leaves)]), comm_state
 
   def apply(
-    self, grads: PyTree, params: PyTree, opt_state: PyTree, comm_state: PyTree, sync: jax.Array
+    self,
+    grads: PyTree,
+    params: PyTree,
+    opt_state: PyTree,
+    comm_state: PyTree,
+    step: jax.Array,
+    epoch_first_steps: tuple[int, ...] = (),
   ) -> tuple[PyTree, PyTree, PyTree]:
-    """Inner step on this machine's parameters; when ``sync``, the outer step across machines.
+    """Inner step on this machine's parameters, then the outer step across machines after every
+    ``sync_every``-th step and at each epoch's end (``step``, counted from 0, is the one being taken;
+    ``epoch_first_steps`` as ``EpochPlan.first_steps``), so evaluations and checkpoints see one model.
     Returns (outer params, outer optimizer state, comm_state)."""
+    done = step + 1
+    sync = done % self.sync_every == 0
+    if epoch_first_steps:
+      sync = jnp.logical_or(sync, jnp.isin(done, jnp.asarray(epoch_first_steps[1:], jnp.int32)))
     mine = lambda tree: jax.tree.map(lambda x: x[0, 0], tree)  # noqa: E731
     delta, inner_opt = mine(comm_state["delta"]), mine(comm_state["optimizer"])
     machine = self.machine_params(params, comm_state)

@@ -295,8 +295,9 @@ class GradientReducer:
 class Reducer(Protocol):
   """What the train step and CompiledSteps use of a gradient reducer: GradientReducer, powersgd.PowerSGDReducer,
   diloco.DiLoCo, and sharded_update.ShardedUpdate (which wraps a GradientReducer). Those with
-  ``updates_parameters`` also have ``init_optimizer_state`` and ``apply`` (the step calls them instead of the
-  optimizer); those with error-feedback residuals of gradients (GradientReducer, ShardedUpdate) also
+  ``updates_parameters`` also have ``init_optimizer_state``, ``machine_params`` (the parameters the forward pass
+  runs on) and ``apply(grads, params, opt_state, comm_state, step, epoch_first_steps)`` (the step calls them
+  instead of the optimizer); those with error-feedback residuals of gradients (GradientReducer, ShardedUpdate) also
   ``rescale_residuals`` (``comm.residual_units="update"``)."""
 
   @property

@@ -181,8 +181,15 @@ class ShardedUpdate:
       shards[_key(b)] = shard / (base.nodes * base.local)
     return shards, comm_state
 
-  def apply(self, grads: PyTree, params: PyTree, opt_state: PyTree, comm_state: PyTree, sync=None):
-    """The optimizer on this device's shards; returns (all parameters, opt_state, comm_state)."""
+  def machine_params(self, params: PyTree, comm_state: PyTree) -> PyTree:
+    """The replicated parameters: every device runs its forward pass on them."""
+    return params
+
+  def apply(
+    self, grads: PyTree, params: PyTree, opt_state: PyTree, comm_state: PyTree, step=None, epoch_first_steps=()
+  ):
+    """The optimizer on this device's shards; returns (all parameters, opt_state, comm_state). (``step`` and
+    ``epoch_first_steps``: the interface DiLoCo shares; unused here.)"""
     leaves, treedef = jax.tree.flatten(params)
     param_shards = [self._on_device(b, _take_pieces, leaves) for b in range(len(self.buckets))]
     grad_shards = [grads[_key(b)] for b in range(len(self.buckets))]
