@@ -77,10 +77,16 @@ class Hooks:
 # --- The trainer's hooks ----------------------------------------------------------------------------
 
 
-def last_update(info: StepInfo) -> int:
-  """The optimizer's count at the last update (0-based): the learning rate it used is ``schedule`` of it. A
-  skipped (non-finite) step keeps the optimizer state, so it does not advance the count."""
-  return max(info.step - 1 - int(info.state.nonfinite_steps.addressable_data(0)), 0)
+def skipped_steps(info: StepInfo) -> int:
+  """Steps skipped as non-finite so far (the train state's count, replicated: any device's copy)."""
+  return int(info.state.nonfinite_steps.addressable_data(0))
+
+
+def last_update(step: int, skipped: int) -> int:
+  """The optimizer's count at the last update (0-based) after ``step`` steps of which ``skipped`` were skipped:
+  the learning rate it used is ``schedule`` of it. A skipped (non-finite) step keeps the optimizer state, so it
+  does not advance the count."""
+  return max(step - 1 - skipped, 0)
 
 
 class ProgressBar:
@@ -101,7 +107,7 @@ class ProgressBar:
       now = time.perf_counter()
       self.bar.set_postfix(
         loss=f"{loss:.4f}",
-        lr=f"{float(self.schedule(last_update(info))):.3g}",
+        lr=f"{float(self.schedule(last_update(info.step, skipped_steps(info)))):.3g}",
         img_s=f"{self._images / (now - self._since):.0f}",
       )
       self._images, self._since = 0, now
@@ -119,7 +125,7 @@ class NonFiniteCheck:
     self.seen = seen
 
   def __call__(self, info: StepInfo) -> str | None:
-    count = int(info.state.nonfinite_steps.addressable_data(0))  # replicated: any device's copy
+    count = skipped_steps(info)
     if count <= self.seen:
       return None
     self.seen = count
@@ -204,6 +210,7 @@ class EpochEvaluation:
     self.clock.pause()
     train_seconds = self.clock.seconds() - self._start_seconds  # since the last record
     images = sum(self.plan.batch_size_at(s) for s in range(self._start_step, info.step))
+    skipped = skipped_steps(info)
     record = epoch_record(
       info.step,
       self.plan,
@@ -211,9 +218,9 @@ class EpochEvaluation:
       self.evaluate(info.state),
       images / train_seconds,
       (self.prefetcher.wait_seconds - self._start_wait) / train_seconds,
-      float(self.schedule(last_update(info))),
+      float(self.schedule(last_update(info.step, skipped))),
       info.comm_bytes,
-      int(info.state.nonfinite_steps.addressable_data(0)),
+      skipped,
       info.step == self.total_steps,
       self.clock.seconds(),
     )
@@ -262,16 +269,17 @@ class ProfileTrace:
       self.tracing = True
     elif info.step == self.last and self.tracing:
       jax.block_until_ready(info.loss)
-      jax.profiler.stop_trace()
-      self.tracing = False
-      logging.info("profile of steps %d-%d written to %s", self.first + 1, self.last, self.logdir)
+      self._stop(f"profile of steps {self.first + 1}-{self.last}")
 
   def close(self) -> None:
     """Writes a trace the run ended inside of (it stopped or failed before step ``last``)."""
     if self.tracing:
-      jax.profiler.stop_trace()
-      self.tracing = False
-      logging.info("profile from step %d, cut short by the end of the run, written to %s", self.first + 1, self.logdir)
+      self._stop(f"profile from step {self.first + 1}, cut short by the end of the run,")
+
+  def _stop(self, what: str) -> None:
+    jax.profiler.stop_trace()
+    self.tracing = False
+    logging.info("%s written to %s", what, self.logdir)
 
 
 class StepTimer:

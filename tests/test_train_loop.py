@@ -105,6 +105,13 @@ def test_progressive_resizing_on_fashion_mnist_compiles_every_phase_before_the_l
   assert last["learning_rate"] == pytest.approx(float(schedule(19)))
 
 
+def test_a_profile_the_run_ends_inside_of_is_still_written(tmp_path):
+  """train.profile_steps past the run's end: the trace started after step 2 is written when the run ends."""
+  train_lib.train_and_evaluate(small_config(max_steps=3, train__profile_steps="2:9"), str(tmp_path))
+  traces = [name for _, _, names in os.walk(tmp_path / "profile") for name in names if name.endswith(".xplane.pb")]
+  assert len(traces) == 1
+
+
 def test_an_error_before_the_loop_still_closes_the_checkpointer(tmp_path, monkeypatch):
   """What train_and_evaluate opens is closed on any error, not only on one inside the loop."""
   closed = []
