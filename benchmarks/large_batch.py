@@ -56,6 +56,8 @@ COMPACT, AT_05 = ["--config.comm.compact_pairs=True"], ["--config.comm.density=0
 GTOPK = ["--config.comm.strategy=gtopk"]
 # ... with the last 8 epochs at comm.final_density.
 FINAL_8 = ["--config.comm.final_density_epochs=8"]
+# ... with EF21's estimates instead of error feedback's residuals (the velocity is never masked under EF21).
+EF21 = ["--config.comm.feedback=ef21", "--config.comm.momentum_masking=False"]
 
 
 def seeded(label: str, overrides: list[str], what: str, seeds) -> dict[str, tuple]:
@@ -390,6 +392,19 @@ RUNS = {
     BASE,
     [*CLIPPED, "--config.comm.density=0.00145", *FINAL_8, "--config.comm.final_density=0.0001"],
     "the clipped run at 0.145%, its last 8 epochs at 0.01%: 0.1% on average after the density warm-up",
+  ),
+  # Every 0.1% run sends each entry about 0.4 times after the density warm-up, and an entry moves only when
+  # sent. EF21 applies every entry's last estimate each step: do the entries between sends move usefully?
+  **seeded(
+    "sgd_4096_w3_hitopk_clip_ef21",
+    [*CLIPPED, *EF21],
+    ":large_batch_hitopk (0.1%) with EF21 (estimates applied every step) instead of error feedback",
+    range(4),
+  ),
+  "sgd_4096_w3_hitopk_clip_rerun_ef21": (
+    BASE,
+    CLIPPED,
+    ":large_batch_hitopk (seed 0) rerun on the EF21 rows' commit, their same-commit side",
   ),
   "sgd_4096_w3_hitopk_clip_rerun": (
     BASE,

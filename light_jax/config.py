@@ -159,6 +159,12 @@ def base_config() -> ml_collections.ConfigDict:
     # replicated, so wd w needs no communication, reaches every entry each step, and takes no top-k slots.
     decay_in_velocity=True,
     local_clip_norm=0.0,
+    # What the top-k strategies keep of what they did not send: "residual" (error feedback: the unsent part,
+    # sent later) or "ef21" (hitopk, topk; EF21 with momentum, Fatkhullin et al. 2023: each device sends top-k
+    # of the change of its momentum step since its peers' estimate of it, and every step applies the sum of
+    # those estimates whole, so every entry moves every step. Needs momentum_correction=True and
+    # momentum_masking=False; light_jax/parallel/compression.py, select_change).
+    feedback="residual",
     # What the error-feedback residuals hold: "gradient" (DGC's: summed gradients, applied at the learning
     # rate of the step that sends them) or "update" (Stich et al. 2018: each step's gradient weighted by
     # its own learning rate, so an entry sent late is not shrunk by a decayed schedule; 2 points worse on
@@ -299,6 +305,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   from light_jax.parallel.reducer import (
     AUTO,
     DILOCO,
+    EF21_STRATEGIES,
+    FEEDBACKS,
     FUSIONS,
     POWERSGD,
     STRATEGIES,
@@ -374,6 +382,21 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       f"{config.comm.momentum_correction}, {config.optimizer.name!r}, {config.optimizer.sharded_update}). "
       "Change those, or leave comm.decay_in_velocity=True."
     )
+  _choice("comm.feedback", config.comm.feedback, FEEDBACKS)
+  if config.comm.feedback == "ef21":
+    comm = config.comm
+    needs = [  # (field, its value, whether it fits, what it needs)
+      ("strategy", comm.strategy, comm.strategy in EF21_STRATEGIES, " or ".join(EF21_STRATEGIES)),
+      ("momentum_correction", comm.momentum_correction, comm.momentum_correction, "True: EF21 estimates its step"),
+      ("momentum_masking", comm.momentum_masking, not comm.momentum_masking, "False: a sent velocity owes nothing"),
+      ("residual_units", comm.residual_units, comm.residual_units == "gradient", "gradient: there is no residual"),
+    ]
+    wrong = [f"comm.{field}={value!r} (needs {want})" for field, value, ok, want in needs if not ok]
+    if wrong:
+      raise ConfigError(
+        "comm.feedback='ef21' sends top-k of the change of each device's momentum step and applies every "
+        f"estimate each step; change {'; '.join(wrong)}, or set comm.feedback=residual."
+      )
   if config.comm.momentum_correction and config.optimizer.momentum_schedule != "constant":
     raise ConfigError(
       "comm.momentum_correction keeps a constant optimizer.momentum in the reducer; set "

@@ -510,6 +510,79 @@ def test_momentum_correction_without_masking_conserves_momentum_sgd(nesterov):
       assert error < 1e-3 * np.abs(dense_sum).max(), error
 
 
+def _ef21_reference(rows, k, momentum, nesterov, wire):
+  """EF21 with momentum in numpy, one sender per row of ``rows`` (T, senders, n): each sender's estimate of its
+  momentum step after each step, (T, senders, n)."""
+  u, own, estimates = np.zeros(rows.shape[1:]), np.zeros(rows.shape[1:]), []
+  for g in rows:
+    u = momentum * (u + g) if nesterov else momentum * u + g
+    step = u + g if nesterov else u
+    for row in range(len(g)):
+      top = np.argsort(-np.abs(step[row] - own[row]))[:k]
+      own[row, top] += wire(step[row, top] - own[row, top])
+    estimates.append(own.copy())
+  return np.stack(estimates)
+
+
+@pytest.mark.parametrize(
+  "strategy,shape,nesterov,compact",
+  [
+    ("hitopk", (2, 4), True, False),
+    ("hitopk", (4, 2), False, False),
+    ("topk", (2, 4), True, False),
+    ("hitopk", (2, 4), False, True),
+    ("topk", (2, 4), False, True),
+  ],
+)
+def test_ef21_returns_the_sum_of_the_estimates_as_in_numpy(strategy, shape, nesterov, compact):
+  """comm.feedback="ef21": each sender moves its estimate of its momentum step by top-k of the difference, and
+  the reduction returns every sender's estimate summed, whole (where error feedback returns the k entries each
+  sender sent). Compact pairs move the estimate by the rounded values."""
+  steps, d, density, momentum = 6, 800, 0.02, 0.9
+  nodes, local = shape
+  grads = np.asarray(np.random.default_rng(9).normal(size=(steps, 8, d)), np.float32)
+  options = dict(momentum_correction=momentum, nesterov=nesterov, momentum_masking=False, compact_pairs=compact)
+  outputs, state, _ = _run_steps(strategy, shape, grads, density, feedback="ef21", **options)
+  wire = _to_bfloat16 if compact else lambda x: x
+  if strategy == "topk":
+    own = _ef21_reference(grads.astype(np.float64), compression.num_selected(d, density), momentum, nesterov, wire)
+    expected = own.sum(axis=1) / 8
+  else:  # device (i, j) estimates shard j of node i's summed gradient's step
+    shards = grads.reshape(steps, nodes, local, d).sum(axis=2).reshape(steps, nodes * local, d // local)
+    own = _ef21_reference(shards, compression.num_selected(d // local, density), momentum, nesterov, wire)
+    expected = own.reshape(steps, nodes, d).sum(axis=1) / 8
+  np.testing.assert_allclose(outputs, expected, rtol=1e-4, atol=1e-5)
+  # Every entry sent once stays in the sum: after 6 steps many more entries move than one step sends.
+  assert (outputs[-1] != 0).sum() > 3 * (outputs[0] != 0).sum()
+  (estimate,) = state.values()
+  assert isinstance(estimate, compression.Estimate)
+  # Every receiver's total is the sum of the senders' own estimates.
+  group = (0, 1) if strategy == "topk" else (0,)
+  np.testing.assert_allclose(
+    np.broadcast_to(estimate.own.sum(axis=group, keepdims=True), estimate.own.shape), estimate.total, atol=1e-4
+  )
+
+
+def test_ef21_at_density_one_is_momentum_sgd():
+  """Sending every entry's change, each estimate is its step: the sum is momentum SGD's on the mean gradient."""
+  steps, d, momentum = 4, 600, 0.9
+  grads = np.asarray(np.random.default_rng(10).normal(size=(steps, 8, d)), np.float32)
+  outputs, _, _ = _run_steps(
+    "hitopk", (2, 4), grads, 1.0, feedback="ef21", momentum_correction=momentum, momentum_masking=False
+  )
+  u = np.zeros(d)
+  for t, g in enumerate(grads.astype(np.float64).mean(axis=1)):
+    u = momentum * u + g
+    np.testing.assert_allclose(outputs[t], u, rtol=1e-4, atol=1e-5)
+
+
+def test_ef21_needs_momentum_correction_and_an_estimate_per_sender():
+  with pytest.raises(ValueError, match="momentum correction"):
+    reducer_lib.make_gradient_reducer("hitopk", 2, 4, feedback="ef21")
+  with pytest.raises(ValueError, match="strategy 'gtopk'"):
+    reducer_lib.make_gradient_reducer("gtopk", 2, 4, feedback="ef21", momentum_correction=0.9)
+
+
 def test_local_gradient_clipping_clips_each_device_before_the_sum():
   d, clip = 600, 2.0
   grads = np.asarray(np.random.default_rng(6).normal(size=(1, 8, d)), np.float32)

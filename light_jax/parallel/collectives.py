@@ -141,11 +141,23 @@ def hierarchical_topk_reduce_to_shard(
   """HiTopK up to this device's shard of the (approximate) sum: ``x`` zero-padded to ``local`` shards."""
   shard = _scatter_to_local_shard(x, wire_dtype, round_up(x.size, lax.axis_size(LOCAL)))
   value_dtype, _ = compression.pair_dtypes(compact_pairs, shard.dtype)
+  if isinstance(residual, compression.Estimate):  # EF21: the nodes' estimates, moved by these pairs
+    indices, values, estimate = compression.select_change(shard, residual, k, selector, correction, value_dtype)
+    return _add_to_total(estimate, indices, values, NODE, compact_pairs)
   indices, values, residual = compression.apply_error_feedback(
     shard, residual, k, selector, error_feedback, correction, value_dtype
   )
   # (nodes x k) pairs: the same local rank's shard on every node
   return _sum_pairs(jnp.zeros_like(shard), indices, values, NODE, compact_pairs), residual
+
+
+def _add_to_total(
+  estimate: compression.Estimate, indices: jax.Array, values: jax.Array, axis, compact: bool
+) -> tuple[jax.Array, compression.Estimate]:
+  """EF21's reduction: every sender's pairs over ``axis`` added to the sum of the estimates; returns (that sum,
+  the state holding it)."""
+  total = estimate.total + _sum_pairs(jnp.zeros_like(estimate.total), indices, values, axis, compact)
+  return total, estimate._replace(total=total)
 
 
 def _pack_pairs(
@@ -191,6 +203,9 @@ def topk_allreduce(
   No dense hop, so ``wire_dtype`` does not apply."""
   del wire_dtype
   value_dtype, _ = compression.pair_dtypes(compact_pairs, x.dtype)
+  if isinstance(residual, compression.Estimate):  # EF21: every device's estimate, moved by these pairs
+    indices, values, estimate = compression.select_change(x, residual, k, selector, correction, value_dtype)
+    return _add_to_total(estimate, indices, values, AXES, compact_pairs)
   indices, values, residual = compression.apply_error_feedback(
     x, residual, k, selector, error_feedback, correction, value_dtype
   )
@@ -216,6 +231,8 @@ def gtopk_allreduce(
   so partners still agree on one set; the sums at the winners stay exact float32.
   """
   del wire_dtype
+  if isinstance(residual, compression.Estimate):
+    raise ValueError("gtopk merges the devices' selections into one set; it has no EF21 form (comm.feedback)")
   value_dtype, _ = compression.pair_dtypes(compact_pairs, x.dtype)
   corrected, forget_sent = compression.compensate(x, residual, error_feedback, correction)
   select = compression.SELECTORS[selector]

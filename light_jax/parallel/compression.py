@@ -224,6 +224,41 @@ def apply_error_feedback(
   return indices, sent, forget_sent(indices, values - sent.astype(values.dtype))
 
 
+class Estimate(NamedTuple):
+  """A device's state for one bucket under EF21 (``comm.feedback="ef21"``, ``select_change``): the estimate of
+  its momentum step that its peers hold (``own``), the sum of every sender's estimate (``total``, the same on
+  each of them: what the reduction returns), and DGC's velocity."""
+
+  own: jax.Array
+  total: jax.Array
+  velocity: jax.Array
+
+
+def select_change(
+  x: jax.Array,
+  state: Estimate,
+  k: int,
+  selector: str,
+  correction: MomentumCorrection,
+  value_dtype=None,
+) -> tuple[jax.Array, jax.Array, Estimate]:
+  """EF21 with momentum (Richtarik et al. 2021; Fatkhullin et al. 2023): top-k of the change of this device's
+  momentum step since its estimate was last moved; returns (indices, values, the state with ``own`` moved by
+  them and the new velocity). The caller adds every sender's pairs to ``total``.
+
+  Error feedback keeps what was not sent and sends it later; EF21 keeps, for every entry, the last step its
+  peers know, and the reduction returns the sum of those estimates whole: every entry moves every step, by a
+  possibly stale value, instead of only when it is sent. ``value_dtype``: narrower values move ``own`` by
+  what the peers received, rounding included, so ``own`` stays what they hold.
+  """
+  velocity, step = correction.step(x, state.velocity)
+  indices, values = SELECTORS[selector](step - state.own, k)
+  if value_dtype is not None:
+    values = values.astype(value_dtype)
+  own = state.own.at[indices].add(values.astype(x.dtype))
+  return indices, values, state._replace(own=own, velocity=velocity)
+
+
 def clip_local(local_grads, clip_norm: float, num_devices: int):
   """DGC's local gradient clipping: each device's gradient scaled down to global norm
   ``clip_norm / sqrt(num_devices)`` if it is longer, so that the sum of ``num_devices`` independent gradients

@@ -28,6 +28,10 @@ AUTO = "auto"  # comm.strategy: a strategy per bucket, chosen by the cost model 
 POWERSGD = powersgd.NAME  # comm.strategy: rank-r compression of whole tensors (powersgd.PowerSGDReducer)
 DILOCO = diloco.NAME  # comm.strategy: local steps in each machine, an outer step across machines (diloco.DiLoCo)
 STRATEGIES = (*strategies.NAMES, POWERSGD, DILOCO, AUTO)  # every comm.strategy
+# comm.feedback: what the top-k strategies keep of what they did not send. "residual": error feedback (sent
+# later); "ef21": an estimate per entry, applied whole every step (compression.select_change).
+FEEDBACKS = ("residual", "ef21")
+EF21_STRATEGIES = ("hitopk", "topk")  # gtopk merges the devices' selections into one set: no estimate per sender
 
 
 def may_select_top_k(strategy: str) -> bool:
@@ -56,6 +60,9 @@ class GradientReducer:
     density: fraction of entries kept by the compressed strategies (k per ``topk_unit``).
     selector: ``"exact"`` or ``"mstopk"`` (compression.py).
     error_feedback: keep what top-k did not send and add it to the next step's gradient.
+    feedback: ``"residual"`` (error feedback as above) or ``"ef21"``: send top-k of the change of each
+      device's momentum step, and return the sum of the estimates its peers hold, every entry every step
+      (``compression.select_change``; needs ``momentum_correction`` and hitopk or topk).
     min_compress_elements: buckets whose top-k unit is smaller than this go to the strategy's dense
       fallback: top-k would save little and cost a selection.
     wire_dtype: dtype of the dense hops on the wire (``comm.dtype``): "bfloat16" halves their bytes;
@@ -87,6 +94,7 @@ class GradientReducer:
   density: float = 1.0
   selector: str = "exact"
   error_feedback: bool = True
+  feedback: str = "residual"
   min_compress_elements: int = 512
   wire_dtype: str = "float32"
   order: tuple[int, ...] | None = None
@@ -101,6 +109,13 @@ class GradientReducer:
   updates_parameters = False  # the train step applies the optimizer to what ``reduce`` returns
 
   def __post_init__(self):
+    if self.feedback not in FEEDBACKS:
+      raise ValueError(f"unknown feedback {self.feedback!r}; known: {FEEDBACKS}")
+    if self.feedback == "ef21" and not (self.momentum_correction and self.strategy in EF21_STRATEGIES):
+      raise ValueError(
+        f"feedback 'ef21' needs momentum correction and one of {EF21_STRATEGIES}; got momentum_correction="
+        f"{self.momentum_correction}, strategy {self.strategy!r}"
+      )
     if self.compact_pairs and not takes_compact_pairs(self.strategy):
       capable = [s.name for s in strategies.REGISTRY.values() if s.compact_pairs]
       raise ValueError(f"compact pairs: strategy {self.strategy!r} cannot send them; use one of {capable} or auto")
@@ -131,6 +146,7 @@ class GradientReducer:
       f"top-k density {self.density:.4g}"
       + (", k in proportion to sqrt(size)" if self.sqrt_crossover_size else "")
       + (", compact pairs (bfloat16 value, uint16 index)" if self.compact_pairs else "")
+      + (", EF21 estimates" if self.feedback == "ef21" else "")
     )
 
   def for_bucket(self, bucket: int) -> GradientReducer:
@@ -203,13 +219,17 @@ class GradientReducer:
   # --- state -------------------------------------------------------------------------------------
   def init_state(self, params: PyTree) -> dict[str, jax.Array | compression.Memory]:
     """Zero residuals, {"bucket_i": float32 (nodes, local, compressed size)}, for compressed buckets
-    (a ``compression.Memory`` of two such arrays with momentum correction)."""
+    (a ``compression.Memory`` of two such arrays with momentum correction, a ``compression.Estimate`` of
+    three with EF21)."""
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
     state = {}
     for b, n in enumerate(sizes):
       if self.for_bucket(b).is_compressed(n):
         zeros = jnp.zeros((self.nodes, self.local, self.for_bucket(b).topk_unit(n)), jnp.float32)
-        state[_key(b)] = compression.Memory(zeros, zeros) if self.momentum_correction else zeros
+        if self.feedback == "ef21":
+          state[_key(b)] = compression.Estimate(zeros, zeros, zeros)
+        else:
+          state[_key(b)] = compression.Memory(zeros, zeros) if self.momentum_correction else zeros
       elif self.momentum_correction:  # a dense bucket keeps its velocity too: the optimizer has no momentum
         state[_key(b)] = jnp.zeros((self.nodes, self.local, n), jnp.float32)
     return state
@@ -382,6 +402,7 @@ def reducer_from_config(
     density=comm.density,
     selector=comm.topk_selector,
     error_feedback=comm.error_feedback,
+    feedback=comm.feedback,
     min_compress_elements=comm.min_compress_elements,
     wire_dtype=comm.dtype,
     compact_pairs=comm.compact_pairs and comm.strategy != AUTO,  # auto's: cost_model.plan_auto gives them
