@@ -62,13 +62,15 @@ def main():
     random_flip=True,
   )
   model = create_model("resnet8_small", num_classes=10, width=args.width)
-  tx = optax.sgd(0.1, momentum=0.9)
+  name, _, option = args.strategy.partition("+")  # "hitopk+compact": bfloat16 values, uint16 indices
+  # "hitopk+ef21": EF21's estimates; the momentum moves into the reducer (momentum correction)
+  ef21 = dict(feedback="ef21", momentum_correction=0.9, momentum_masking=False) if option == "ef21" else {}
+  tx = optax.sgd(0.1) if ef21 else optax.sgd(0.1, momentum=0.9)
   if args.strategy == "diloco":  # an outer step after step 2; step 3 leaves the machines apart
     reducer = diloco.DiLoCo(2, 4, sync_every=2, inner_tx=tx)
   else:
-    top_k = {} if args.strategy == "powersgd" else {"density": args.density}  # powersgd: its rank (4)
-    name, _, compact = args.strategy.partition("+")  # "hitopk+compact": bfloat16 values, uint16 indices
-    if compact:
+    top_k = {} if args.strategy == "powersgd" else {"density": args.density, **ef21}  # powersgd: its rank (4)
+    if option == "compact":
       top_k["compact_pairs"] = True
     reducer = reducer_lib.make_gradient_reducer(
       name, 2, 4, fusion="fixed", bucket_bytes=args.bucket_bytes, min_compress_elements=64, **top_k

@@ -81,6 +81,15 @@ def test_default_configs_validate():
       r"optimizer.name=sgd and optimizer.sharded_update=False \(got True, 'lars', False\)",
     ),
     ({"comm__residual_units": "lr"}, r"comm.residual_units='lr' is unknown; use one of \['gradient', 'update'\]"),
+    ({"comm__feedback": "ef22"}, r"comm.feedback='ef22' is unknown; use one of \['residual', 'ef21'\]"),
+    (
+      {"comm__feedback": "ef21", "comm__strategy": "gtopk"},
+      r"change comm.strategy='gtopk' \(needs hitopk or topk\); comm.momentum_correction=False \(needs True",
+    ),
+    (
+      {"comm__feedback": "ef21", "comm__strategy": "hitopk", "comm__momentum_correction": True},
+      r"change comm.momentum_masking=True \(needs False: a sent velocity owes nothing\), or set comm.feedback=resid",
+    ),
     ({"comm__k_allocation": "sqrt"}, r"comm.strategy='hierarchical' compresses nothing"),
     ({"comm__compact_pairs": True}, r"comm.strategy='hierarchical' sends none it can narrow"),
     ({"comm__strategy": "auto", "comm__k_allocation": "sqrt"}, r"costs computed with the proportional k"),

@@ -79,7 +79,8 @@ def _run(num_processes, out, strategy, *extra):
 # indices travel as offsets in 65,536-entry blocks with per-block counts. "topk+compact": the same for flat
 # top-k, whose whole bucket (308,074 entries, five blocks) is the vector each device selects from.
 COMPACT_LONG = ("--width", "32", "--bucket_bytes", str(2**21))
-SLOW = ("gtopk", "powersgd", "diloco", "hitopk+compact", "topk+compact", "gtopk+compact")
+# "hitopk+ef21": EF21's estimates (comm.feedback), each receiver's sum of every sender's estimate.
+SLOW = ("gtopk", "powersgd", "diloco", "hitopk+compact", "topk+compact", "gtopk+compact", "hitopk+ef21")
 
 
 @pytest.mark.parametrize(
