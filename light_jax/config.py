@@ -163,7 +163,8 @@ def base_config() -> ml_collections.ConfigDict:
     # sent later) or "ef21" (hitopk, topk; EF21 with momentum, Fatkhullin et al. 2023: each device sends top-k
     # of the change of its momentum step since its peers' estimate of it, and every step applies the sum of
     # those estimates whole, so every entry moves every step. Needs momentum_correction=True and
-    # momentum_masking=False; light_jax/parallel/compression.py, select_change).
+    # momentum_masking=False; light_jax/parallel/compression.py, select_change). 3 points worse at 0.1% on
+    # :large_batch_hitopk: at that density the estimates go stale (docs/techniques.md section 11).
     feedback="residual",
     # What the error-feedback residuals hold: "gradient" (DGC's: summed gradients, applied at the learning
     # rate of the step that sends them) or "update" (Stich et al. 2018: each step's gradient weighted by

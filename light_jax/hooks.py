@@ -23,8 +23,8 @@ from typing import Any
 import jax
 
 from light_jax import checkpoint as checkpoint_lib
+from light_jax import evaluation, schedules
 from light_jax import metrics as metrics_lib
-from light_jax import schedules
 from light_jax import train_step as step_lib
 from light_jax.parallel.strategies import CommBytes
 from light_jax.preemption import PreemptionGuard
@@ -103,7 +103,7 @@ class ProgressBar:
     self.bar.update(1)
     self._images += info.batch_size
     if info.step % self.log_every == 0:
-      loss = step_lib.global_mean(info.loss)  # waits for this step: the clock below then counts it
+      loss = evaluation.global_mean(info.loss)  # waits for this step: the clock below then counts it
       now = time.perf_counter()
       self.bar.set_postfix(
         loss=f"{loss:.4f}",
@@ -206,7 +206,7 @@ class EpochEvaluation:
     self._start_step, self._start_seconds, self._start_wait = start_step, clock.seconds(), prefetcher.wait_seconds
 
   def __call__(self, info: StepInfo) -> None:
-    train_loss = step_lib.epoch_mean_loss(info.state)  # waits for the step: the clock below then counts it
+    train_loss = evaluation.epoch_mean_loss(info.state)  # waits for the step: the clock below then counts it
     self.clock.pause()
     train_seconds = self.clock.seconds() - self._start_seconds  # since the last record
     images = sum(self.plan.batch_size_at(s) for s in range(self._start_step, info.step))

@@ -4,7 +4,7 @@
 model, optimizer and the compiled steps -> train state, resumed from the newest checkpoint -> input
 tuning -> the loop and its hooks (progress, non-finite check, preemption, evaluation, checkpoint) ->
 summary. What one step computes is ``train_step.py``; its compilation per phase ``compiled_steps.py``;
-the periodic actions ``hooks.py``.
+the periodic actions ``hooks.py``; the evaluation ``evaluation.py``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import numpy as np
 
 from light_jax import checkpoint as checkpoint_lib
 from light_jax import data as data_lib
+from light_jax import evaluation, optim, schedules
 from light_jax import metrics as metrics_lib
-from light_jax import optim, schedules
 from light_jax import train_step as step_lib
 from light_jax.compiled_steps import CompiledSteps
 from light_jax.config import INITIAL_LOSS_SCALE, loss_scaling, parse_profile_steps
@@ -98,9 +98,9 @@ def train_and_evaluate(
         compiled.compile_phases(start_step, total_steps, state)  # every phase's step, before the clock starts
 
       input_settings = tune_input(config, train_batches, start_step, compiled, measure=not finished)
-      eval_step = step_lib.make_eval_step(model, mesh, info)
+      eval_step = evaluation.make_eval_step(model, mesh, info)
       evaluate = functools.partial(
-        step_lib.evaluate, eval_step, batches=eval_batches, sharding=compiled.sharding, **input_settings
+        evaluation.evaluate, eval_step, batches=eval_batches, sharding=compiled.sharding, **input_settings
       )
       host_batches = train_batches.iterator(start_step, **input_settings)
       prefetcher = opened.enter_context(
@@ -124,8 +124,8 @@ def train_and_evaluate(
       # With several processes the check is a collective, so not every step.
       hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
       clock = TrainClock(seconds_before)  # training seconds, evaluations left out
-      evaluation = EpochEvaluation(evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps, clock)
-      hooks.add(evaluation, when=ends_record)
+      evaluations = EpochEvaluation(evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps, clock)
+      hooks.add(evaluations, when=ends_record)
       saver = CheckpointSaver(checkpointer, meta, clock)
       hooks.add(saver, every=config.checkpoint.every_steps)
       if config.train.time_steps and is_main:
@@ -144,7 +144,7 @@ def train_and_evaluate(
       return stopped(loop)
 
     # A finished run resumed ran no step: evaluate what it restored (every process alike) to report again.
-    final = evaluation.last_record or final_metrics(evaluate, loop, compiled)
+    final = evaluations.last_record or final_metrics(evaluate, loop, compiled)
     buckets = compiled.reducer_at(loop.step - 1).bucket_plan(loop.state.params)
     summary = run_summary(
       config, final, writer.records, plan, mesh, loop, start_step, nonfinite.seen, saver.blocking_seconds, wall_start
@@ -200,7 +200,7 @@ def final_metrics(evaluate, loop: LoopResult, compiled: CompiledSteps) -> dict[s
   comm_bytes = compiled.comm_bytes_at(loop.step - 1, loop.state.params)
   return {
     **evaluate(loop.state),
-    "train_loss": step_lib.epoch_mean_loss(loop.state),
+    "train_loss": evaluation.epoch_mean_loss(loop.state),
     "inter_node_bytes_per_step": comm_bytes.inter_node,
     "intra_node_bytes_per_step": comm_bytes.intra_node,
   }

@@ -24,6 +24,8 @@ Compressed strategies, ``(flat vector, residual) -> (approximate sum, new residu
   missed G; here one k-element psum of every device's corrected gradient at G gives the exact sums
   instead, and the residual is the corrected gradient off G, so error feedback loses nothing (partial
   sums dropped in an early round would otherwise vanish). Needs a power-of-two device count.
+hitopk and topk have an EF21 form (``comm.feedback="ef21"``, a ``compression.Estimate`` for state): they send top-k of
+the change of each sender's momentum step and return the sum of every sender's estimate (``_add_to_total``).
 The top-k strategies can send their pairs compact (``compact_pairs``: a bfloat16 value and a uint16 index,
 ``compression.pair_dtypes``); gTop-k only in its merge rounds, its sums at G stay float32.
 Buckets too small to be worth compressing (``min_compress_elements``) go to the strategy's dense

@@ -1,0 +1,91 @@
+"""Evaluation over the (node, local) mesh, and what the host reads back from the devices' training state.
+
+``make_eval_step`` is one jitted ``shard_map`` step that sums top-1, top-5 and loss over a batch; ``evaluate``
+runs it over a whole split. ``epoch_mean_loss`` and ``global_mean`` read per-device values that may live on
+other processes' devices (collectives: every process calls them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from light_jax import data as data_lib
+from light_jax.parallel.mesh import AXES, BATCH_SPEC
+from light_jax.train_step import STATE_SPECS, TrainState, normalize
+
+
+def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.DatasetInfo) -> Callable:
+  """Returns ``eval_step(state, images, labels, mask) -> {top1, top5, loss, count}`` summed over the batch.
+
+  Padding rows (mask 0) count for nothing, so every example of the split counts exactly once.
+  """
+
+  def device_eval(state: TrainState, images, labels, mask):
+    logits = model.apply(
+      {"params": state.params, "batch_stats": state.batch_stats}, normalize(images, info.mean, info.std), train=False
+    )
+    top5 = lax.top_k(logits, min(5, info.num_classes))[1]
+    hits = top5 == labels[:, None]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    sums = {"top1": hits[:, 0], "top5": hits.any(axis=1), "loss": loss, "count": jnp.ones_like(loss)}
+    return {k: lax.psum(jnp.sum(v * mask), AXES) for k, v in sums.items()}
+
+  sharded = jax.shard_map(
+    device_eval, mesh=mesh, in_specs=(STATE_SPECS, BATCH_SPEC, BATCH_SPEC, BATCH_SPEC), out_specs=P(), check_vma=False
+  )
+  return jax.jit(sharded)
+
+
+def evaluate(
+  eval_step: Callable,
+  state: TrainState,
+  batches: data_lib.EvalBatches,
+  sharding: NamedSharding,
+  read_threads: int = 1,
+  workers: int = 0,
+  buffer: int = 4,
+) -> dict[str, float]:
+  """Top-1, top-5 and mean loss over the whole split (``read_threads``, ``workers``, ``buffer``: grain's)."""
+  totals = None
+  host_batches = batches.iterator(read_threads, buffer=buffer, workers=workers)
+  for batch in data_lib.DevicePrefetcher(host_batches, sharding):
+    sums = eval_step(state, batch["images"], batch["labels"], batch["mask"])
+    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    # One evaluation step in flight at a time. On 8 simulated CPU devices two 28-epoch runs hung in an
+    # epoch end's evaluation, 6 of 8 device threads waiting in its all-reduce for the other 2 (one for 10
+    # minutes, when XLA aborted it), while the split's steps were all dispatched ahead
+    # (light_jax/xla_flags.py). This is our guard against it; a guess, as the hang does not come on demand.
+    jax.block_until_ready(totals)
+  totals = jax.device_get(totals)
+  count = float(totals["count"])
+  return {
+    "eval_top1": float(totals["top1"]) / count,
+    "eval_top5": float(totals["top5"]) / count,
+    "eval_loss": float(totals["loss"]) / count,
+    "eval_examples": int(count),
+  }
+
+
+def epoch_mean_loss(state: TrainState) -> float:
+  """Mean training loss of the current epoch's steps so far, over all devices (a collective: all call it)."""
+  total, count = (np.sum(multihost_utils.process_allgather(x, tiled=True)) for x in (state.loss_sum, state.loss_count))
+  return float(total / count) if count else float("nan")
+
+
+def global_mean(per_device_values) -> float:
+  """Mean of per-device arrays that may live on other processes' devices too (a collective: all call it).
+
+  Non-finite values (a skipped step's loss, when the loss itself overflowed) are left out.
+  """
+  values = np.asarray(multihost_utils.process_allgather(per_device_values, tiled=True))
+  return float(np.mean(values[np.isfinite(values)])) if np.isfinite(values).any() else float("nan")
