@@ -393,7 +393,7 @@ RUNS = {
     [*CLIPPED, "--config.comm.density=0.00145", *FINAL_8, "--config.comm.final_density=0.0001"],
     "the clipped run at 0.145%, its last 8 epochs at 0.01%: 0.1% on average after the density warm-up",
   ),
-  # Every 0.1% run sends each entry about 0.4 times after the density warm-up, and an entry moves only when
+  # Every 0.1% run sends each entry about 0.34 times per node after the density warm-up, and an entry moves only when
   # sent. EF21 applies every entry's last estimate each step: do the entries between sends move usefully?
   # Measured: no, 89.40% against the same seed's 92.38% (docs/measurements.md, "EF21").
   "sgd_4096_w3_hitopk_clip_ef21": (

@@ -387,12 +387,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   if config.comm.feedback == "ef21":
     comm = config.comm
     needs = [  # (field, its value, whether it fits, what it needs)
-      ("strategy", comm.strategy, comm.strategy in EF21_STRATEGIES, " or ".join(EF21_STRATEGIES)),
-      ("momentum_correction", comm.momentum_correction, comm.momentum_correction, "True: EF21 estimates its step"),
-      ("momentum_masking", comm.momentum_masking, not comm.momentum_masking, "False: a sent velocity owes nothing"),
-      ("residual_units", comm.residual_units, comm.residual_units == "gradient", "gradient: there is no residual"),
+      ("comm.strategy", comm.strategy, comm.strategy in EF21_STRATEGIES, " or ".join(EF21_STRATEGIES)),
+      ("comm.momentum_correction", comm.momentum_correction, comm.momentum_correction, "True: EF21 estimates its step"),
+      ("optimizer.momentum", config.optimizer.momentum, config.optimizer.momentum > 0, "> 0: the step's momentum"),
+      ("comm.momentum_masking", comm.momentum_masking, not comm.momentum_masking, "False: nothing is owed"),
+      ("comm.residual_units", comm.residual_units, comm.residual_units == "gradient", "gradient: there is no residual"),
     ]
-    wrong = [f"comm.{field}={value!r} (needs {want})" for field, value, ok, want in needs if not ok]
+    wrong = [f"{field}={value!r} (needs {want})" for field, value, ok, want in needs if not ok]
     if wrong:
       raise ConfigError(
         "comm.feedback='ef21' sends top-k of the change of each device's momentum step and applies every "

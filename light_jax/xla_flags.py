@@ -22,7 +22,7 @@ Lateness is not the whole story: a 28-epoch batch-1,024 study run died at its 1,
 epoch 23) with XLA's default; with this flag a batch-256 run died at step 3,744 (the end of epoch 16)
 after 6 of its 8 device threads had waited 10 minutes in an evaluation's all-reduce for the other 2, and
 a batch-4,096 run hung so at step 378 (the end of epoch 27; killed after 3 minutes): hangs, all at an
-epoch end, the last two while a test run shared the 2 cores. `train_step.evaluate` now keeps one
+epoch end, the last two while a test run shared the 2 cores. `evaluation.evaluate` now keeps one
 evaluation step in flight, our guess at a guard; the studies' harness (benchmarks/train_runs.py) resumes a
 run that dies from its last checkpoint, and `train.py` with the same workdir does the same by hand. In a
 run of several processes a survivor's device threads may also wait this long on a dead peer's collective;

@@ -87,8 +87,17 @@ def test_default_configs_validate():
       r"change comm.strategy='gtopk' \(needs hitopk or topk\); comm.momentum_correction=False \(needs True",
     ),
     (
+      {
+        "comm__feedback": "ef21",
+        "comm__strategy": "topk",
+        "comm__momentum_correction": True,
+        "optimizer__momentum": 0.0,
+      },
+      r"optimizer.momentum=0.0 \(needs > 0: the step's momentum\); comm.momentum_masking=True",
+    ),
+    (
       {"comm__feedback": "ef21", "comm__strategy": "hitopk", "comm__momentum_correction": True},
-      r"change comm.momentum_masking=True \(needs False: a sent velocity owes nothing\), or set comm.feedback=resid",
+      r"change comm.momentum_masking=True \(needs False: nothing is owed\), or set comm.feedback=residual",
     ),
     ({"comm__k_allocation": "sqrt"}, r"comm.strategy='hierarchical' compresses nothing"),
     ({"comm__compact_pairs": True}, r"comm.strategy='hierarchical' sends none it can narrow"),

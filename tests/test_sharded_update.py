@@ -24,7 +24,8 @@ from tests.test_train_step import _batches, _config, _max_diff
 def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hierarchical"):
   """``strategy`` "hitopk+mc": hitopk with DGC's momentum correction (the momentum and SGD's decay move);
   "+update": its residuals in learning-rate-weighted units, under a decaying learning rate; "+unmasked":
-  without momentum factor masking; "+compact": with compact (bfloat16, uint16) pairs."""
+  without momentum factor masking; "+compact": with compact (bfloat16, uint16) pairs; "+ef21": EF21's estimates
+  (comm.feedback) instead of residuals."""
   config = ml_collections.ConfigDict({"optimizer": _config(optimizer).optimizer})
   opt = config.optimizer
   opt.update(lars_trust="mlperf" if optimizer == "lars" else "optax", sharded_update=sharded)
@@ -45,7 +46,9 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
   options = {"density": 0.1, "min_compress_elements": 64} if strategy.startswith("hitopk") else {}
   if config.comm.momentum_correction:
     options["momentum_correction"] = opt.momentum
-    options["momentum_masking"] = not strategy.endswith("+unmasked")
+    options["momentum_masking"] = not strategy.endswith(("+unmasked", "+ef21"))
+  if strategy.endswith("+ef21"):
+    options["feedback"] = "ef21"
   if strategy.endswith("+compact"):
     options["compact_pairs"] = True
   reducer = reducer_lib.make_gradient_reducer(strategy.split("+")[0], *shape, "fixed", bucket_bytes, **options)
@@ -77,6 +80,7 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
     ((2, 4), "sgd", 4096, "hitopk+mc+update"),
     ((4, 2), "sgd", 4096, "hitopk+mc+unmasked"),
     ((2, 4), "sgd", 4096, "hitopk+mc+compact"),
+    ((2, 4), "sgd", 4096, "hitopk+mc+ef21"),
   ],
   ids=str,
 )

@@ -4,8 +4,9 @@ Local gradients are packed into buckets (``fusion.py``), each bucket is reduced 
 collective (or its dense fallback when too small to compress), and the sums are divided by the device
 count, so the result is the mean gradient over the global batch. The residuals of the compressed
 strategies are ``comm_state``: one float32 vector per compressed bucket per device (with DGC momentum
-correction a ``compression.Memory`` of two, residual and velocity, and a velocity for each dense bucket),
-carried in the train state with leading dims (nodes, local), sharded over both mesh axes.
+correction a ``compression.Memory`` of two, residual and velocity, and a velocity for each dense bucket; with
+EF21 a ``compression.Estimate`` of three instead of the ``Memory``), carried in the train state with leading
+dims (nodes, local), sharded over both mesh axes.
 """
 
 from __future__ import annotations
@@ -111,10 +112,12 @@ class GradientReducer:
   def __post_init__(self):
     if self.feedback not in FEEDBACKS:
       raise ValueError(f"unknown feedback {self.feedback!r}; known: {FEEDBACKS}")
-    if self.feedback == "ef21" and not (self.momentum_correction and self.strategy in EF21_STRATEGIES):
+    ef21_fits = self.momentum_correction and self.strategy in EF21_STRATEGIES
+    if self.feedback == "ef21" and not (ef21_fits and self.error_feedback and not self.momentum_masking):
       raise ValueError(
-        f"feedback 'ef21' needs momentum correction and one of {EF21_STRATEGIES}; got momentum_correction="
-        f"{self.momentum_correction}, strategy {self.strategy!r}"
+        f"feedback 'ef21' needs momentum correction without masking, error feedback and one of {EF21_STRATEGIES}; "
+        f"got momentum_correction={self.momentum_correction}, momentum_masking={self.momentum_masking}, "
+        f"error_feedback={self.error_feedback}, strategy {self.strategy!r}"
       )
     if self.compact_pairs and not takes_compact_pairs(self.strategy):
       capable = [s.name for s in strategies.REGISTRY.values() if s.compact_pairs]
@@ -243,7 +246,8 @@ class GradientReducer:
     """
     if not self.momentum_correction:  # every entry is a compressed bucket's residual
       return jax.tree.map(lambda r: r * factor, comm_state)
-    return {  # Memory(residual, velocity) for compressed buckets, a bare velocity for dense ones
+    return {  # Memory(residual, velocity) for compressed buckets, a bare velocity for dense ones (an EF21
+      # Estimate has no residual: comm.residual_units="update" is a config error with it)
       key: state._replace(residual=state.residual * factor) if isinstance(state, compression.Memory) else state
       for key, state in comm_state.items()
     }
@@ -252,9 +256,9 @@ class GradientReducer:
   def reduce(self, local_grads: PyTree, comm_state: dict[str, Any]) -> tuple[PyTree, dict[str, Any]]:
     """Inside shard_map, on one device's gradient: clip it (``local_clip_norm``), pack its leaves into the
     buckets, reduce each bucket with its strategy, unpack; returns (the mean gradient, the new comm_state).
-    ``comm_state`` holds per bucket its per-device state: a compressed bucket's ``compression.Memory`` (the
-    residual, and DGC's velocity under momentum correction), or under momentum correction a dense bucket's
-    velocity."""
+    ``comm_state`` holds per bucket its per-device state: a compressed bucket's residual (a
+    ``compression.Memory`` with DGC's velocity under momentum correction, a ``compression.Estimate`` under
+    EF21), or under momentum correction a dense bucket's velocity."""
     if self.local_clip_norm:
       local_grads = compression.clip_local(local_grads, self.local_clip_norm, self.nodes * self.local)
     leaves, treedef = jax.tree.flatten(local_grads)
