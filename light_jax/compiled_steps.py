@@ -73,7 +73,7 @@ class CompiledSteps:
     # Its init_state is the train state's comm_state; each phase's step uses reducer_at(step), which may
     # re-plan the buckets (adaptive fusion of a dense strategy) but keeps this comm_state's shapes.
     self.reducer = reducer
-    self.residual_scale = schedules.residual_rescale(schedule) if comm.residual_units == "update" else None
+    self.residual_rescale = schedules.residual_rescale(schedule) if comm.residual_units == "update" else None
     # Only the top-k strategies have a density: for the others a density schedule would compile the same step
     # once per phase.
     top_k = may_select_top_k(comm.strategy)
@@ -128,7 +128,7 @@ class CompiledSteps:
       micro_batches=self.config.micro_batches,
       loss_scale_period=self.config.model.loss_scale_period,
       local_tx=optim.local_transform(self.config),
-      residual_scale=self.residual_scale,
+      residual_rescale=self.residual_rescale,
     )
     compiled = train.lower(abstract_state, images, labels).compile()
     comm_bytes = reducer.bytes_per_step(abstract_state.params)

@@ -9,7 +9,7 @@ One step, on every device at once, inside ``jax.jit`` + ``jax.shard_map``:
      accumulation, for a batch larger than the device holds, with one reduction per step);
   3. optionally, a per-device transformation of the local gradient before any communication (``local_tx``:
      LARS's trust ratio with ``comm.local_trust_ratio``, or SGD's weight decay before a compressed reduction),
-     and the error-feedback residuals brought to this step's learning rate (``residual_scale``);
+     and the error-feedback residuals brought to this step's learning rate (``residual_rescale``);
   4. the gradient reducer of ``comm.strategy`` (``parallel/reducer.py``) turns local gradients into the
      mean gradient of the global batch (dense psum, hierarchical, or a compressed strategy);
   5. the optimizer applies it, identically on every device, so parameters stay replicated (with
@@ -144,7 +144,7 @@ def make_train_step(
   loss_scale_period: int = 2000,
   unroll_micro_batches: bool | None = None,
   local_tx: optax.GradientTransformation | None = None,
-  residual_scale: Callable[[jax.Array], jax.Array] | None = None,
+  residual_rescale: Callable[[jax.Array], jax.Array] | None = None,
 ) -> Callable:
   """Returns ``step(state, images, labels) -> (state, per_device_loss)``, jitted, donating ``state``.
 
@@ -162,7 +162,7 @@ def make_train_step(
   CPU only, see ``accumulate_gradients``). ``loss_scale_period``: finite steps after
   which dynamic loss scaling doubles the scale (with ``state.loss_scale``). ``local_tx``: a stateless
   transformation of each device's gradient before the reduction (``optim.local_transform``).
-  ``residual_scale``: ``step -> factor`` for the reducer's error-feedback residuals before the step's
+  ``residual_rescale``: ``step -> factor`` for the reducer's error-feedback residuals before the step's
   reduction (``schedules.residual_rescale`` with ``comm.residual_units="update"``).
   """
 
@@ -201,8 +201,8 @@ def make_train_step(
     if local_tx is not None:  # optim.local_transform: LARS's trust ratio or SGD's decay per device
       local_grads, _ = local_tx.update(local_grads, local_tx.init(params), params)
     comm_state = state.comm_state
-    if residual_scale is not None:  # residuals in units of this step's learning rate (comm.residual_units)
-      comm_state = reducer.rescale_residuals(comm_state, residual_scale(state.step))
+    if residual_rescale is not None:  # residuals in units of this step's learning rate (comm.residual_units)
+      comm_state = reducer.rescale_residuals(comm_state, residual_rescale(state.step))
     grads, comm_state = reducer.reduce(local_grads, comm_state)
     if reducer.updates_parameters:  # DiLoCo's inner and outer steps; the sharded update (grads: shards)
       new_params, opt_state, comm_state = reducer.apply(

@@ -36,10 +36,10 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
   }
   momentum = 0.0 if config.comm.momentum_correction else opt.momentum
   schedule = optax.constant_schedule({"sgd": 0.1, "lars": 1.0}[optimizer])
-  residual_scale = None
+  residual_rescale = None
   if strategy.endswith("+update"):
     schedule = optax.linear_schedule(0.1, 0.01, len(batches))
-    residual_scale = schedules.residual_rescale(schedule)
+    residual_rescale = schedules.residual_rescale(schedule)
   decay = not optim.decay_before_reduction(config)
   tx = optim.build_optimizer(opt, schedule, momentum, decay=decay)
   mesh = mesh_lib.make_mesh(*shape)
@@ -59,7 +59,7 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
   state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
   local_tx = optim.local_transform(config)
   step = step_lib.make_train_step(
-    model, tx, reducer, mesh, info, label_smoothing=0.1, local_tx=local_tx, residual_scale=residual_scale
+    model, tx, reducer, mesh, info, label_smoothing=0.1, local_tx=local_tx, residual_rescale=residual_rescale
   )
   sharding = mesh_lib.batch_sharding(mesh)
   losses = []

@@ -181,19 +181,19 @@ def test_the_residual_scale_reaches_the_residuals_each_step():
   tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
   mesh = mesh_lib.make_mesh(2, 4)
 
-  def train(error_feedback, residual_scale=None):
+  def train(error_feedback, residual_rescale=None):
     reducer = reducer_lib.make_gradient_reducer(
       "hitopk", 2, 4, density=0.1, min_compress_elements=16, error_feedback=error_feedback
     )
     state = step_lib.create_train_state(TinyCNN(), tx, reducer, info.image_shape, mesh, seed=0)
-    step = step_lib.make_train_step(TinyCNN(), tx, reducer, mesh, info, 0.1, residual_scale=residual_scale)
+    step = step_lib.make_train_step(TinyCNN(), tx, reducer, mesh, info, 0.1, residual_rescale=residual_rescale)
     sharding = mesh_lib.batch_sharding(mesh)
     for images, labels in batches:
       state, _ = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
     return jax.device_get(state).params
 
   without = train(error_feedback=False)
-  assert _max_diff(train(True, residual_scale=lambda step: jnp.float32(0.0)), without) < 1e-6
+  assert _max_diff(train(True, residual_rescale=lambda step: jnp.float32(0.0)), without) < 1e-6
   plain = train(True)
   assert _max_diff(plain, without) > 1e-4  # the residuals matter in these 3 steps
 
@@ -202,9 +202,9 @@ def test_the_residual_scale_reaches_the_residuals_each_step():
 
   # Before each step's reduction, with that step's number: at step 0 the residuals are still zero (the same
   # run); at steps 1 and 2 what is forgotten is what that step would have sent (another run each).
-  assert _max_diff(train(True, residual_scale=forget_at(0)), plain) < 1e-6
-  assert _max_diff(train(True, residual_scale=forget_at(1)), plain) > 1e-5
-  assert _max_diff(train(True, residual_scale=forget_at(2)), plain) > 1e-5
+  assert _max_diff(train(True, residual_rescale=forget_at(0)), plain) < 1e-6
+  assert _max_diff(train(True, residual_rescale=forget_at(1)), plain) > 1e-5
+  assert _max_diff(train(True, residual_rescale=forget_at(2)), plain) > 1e-5
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
