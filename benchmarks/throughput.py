@@ -77,12 +77,11 @@ def main(argv):
   import numpy as np
   import optax
 
-  from light_jax import schedules
+  from light_jax import optim, schedules
   from light_jax import train_step as step_lib
   from light_jax.compiled_steps import CompiledSteps
   from light_jax.data import IMAGENET_MEAN, IMAGENET_STD, DatasetInfo
   from light_jax.models import create_model
-  from light_jax.optim import build_optimizer
   from light_jax.parallel import mesh as mesh_lib
 
   config = _CONFIG.value
@@ -99,12 +98,11 @@ def main(argv):
   steps = _WARMUP.value + _STEPS.value + (_PROFILE_STEPS.value if _PROFILE_DIR.value else 0)
   plan = schedules.EpochPlan(global_batch * steps, 1, (schedules.Phase(0, size),), global_batch)
   model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
-  schedule = optax.constant_schedule(0.1)
-  tx = build_optimizer(config.optimizer, schedule)
+  optimizer = optim.from_config(config, optax.constant_schedule(0.1))
 
   start = time.perf_counter()
-  compiled = CompiledSteps(config, model, tx, mesh, info, plan, schedule, config.optimizer.momentum)
-  state = step_lib.create_train_state(model, tx, compiled.reducer, info.image_shape, mesh, config.seed)
+  compiled = CompiledSteps(config, model, optimizer, mesh, info, plan)
+  state = step_lib.create_train_state(model, optimizer.tx, compiled.reducer, info.image_shape, mesh, config.seed)
   step_fn, comm_bytes = compiled.for_step(0, state)
   compile_seconds = time.perf_counter() - start
   peak = peak_memory_bytes(step_fn)

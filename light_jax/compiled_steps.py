@@ -23,7 +23,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
-import optax
 
 from light_jax import checkpoint as checkpoint_lib
 from light_jax import optim, schedules
@@ -44,36 +43,36 @@ class CompiledSteps:
     self,
     config: ml_collections.ConfigDict,
     model: nn.Module,
-    tx: optax.GradientTransformation,
+    optimizer: optim.Optimizer,
     mesh: jax.sharding.Mesh,
     info: DatasetInfo,
     plan: schedules.EpochPlan,
-    schedule: optax.Schedule,
-    optimizer_momentum: float | Callable,
   ):
-    """``tx`` is built from ``schedule`` and ``optimizer_momentum`` (optim.build_optimizer; 0 when DGC's
-    momentum correction moves the momentum into the reducer); the sharded update (``optimizer.sharded_update``)
-    builds its optimizer on shards from the same two."""
-    self.config, self.model, self.tx, self.mesh, self.info, self.plan = config, model, tx, mesh, info, plan
+    """``optimizer``: ``optim.from_config``'s; the sharded update (``optimizer.sharded_update``) builds its
+    optimizer on shards from its schedule, momentum and decay."""
+    self.config, self.model, self.tx, self.mesh, self.info, self.plan = config, model, optimizer.tx, mesh, info, plan
     comm = config.comm
     nodes, local = mesh.devices.shape
     self.profile = fusion_lib.profile_parameters(model, info.image_shape)  # backward order, FLOPs per tensor
     opt = config.optimizer
     # The config's momentum, which the reducer uses only with momentum correction (the optimizer then has none).
     reducer = reducer_from_config(
-      comm, nodes, local, self.profile.order, momentum=opt.momentum, optimizer=tx, nesterov=opt.nesterov
+      comm, nodes, local, self.profile.order, momentum=opt.momentum, optimizer=optimizer.tx, nesterov=opt.nesterov
     )  # optimizer: DiLoCo's inner one
     # A dense strategy's adaptive buckets are planned again for each phase (reducer_at); the others' once.
     self.replans_buckets_per_phase = cost_model.replans_buckets_per_phase(comm)
     if not self.replans_buckets_per_phase:
       reducer = self._planned(reducer, self.batch_shape_at(0))
     if config.optimizer.sharded_update:  # the optimizer moves into the reducer, on each device's shards
-      decay = not optim.decay_before_reduction(config)
-      reducer = sharded_update(reducer, self.profile.params, config.optimizer, schedule, optimizer_momentum, decay)
+      reducer = sharded_update(
+        reducer, self.profile.params, opt, optimizer.schedule, optimizer.momentum, optimizer.decay
+      )
     # Its init_state is the train state's comm_state; each phase's step uses reducer_at(step), which may
     # re-plan the buckets (adaptive fusion of a dense strategy) but keeps this comm_state's shapes.
     self.reducer = reducer
-    self.residual_rescale = schedules.residual_rescale(schedule) if comm.residual_units == "update" else None
+    self.residual_rescale = None
+    if comm.residual_units == "update":
+      self.residual_rescale = schedules.residual_rescale(optimizer.schedule)
     # Only the top-k strategies have a density: for the others a density schedule would compile the same step
     # once per phase.
     top_k = may_select_top_k(comm.strategy)

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,31 @@ import numpy as np
 import optax
 
 LARS_TRUST = ("optax", "mlperf")
+
+
+class Optimizer(NamedTuple):
+  """What applies the reduced gradient (``from_config``): the optax optimizer, and the parts it was built from,
+  which the sharded update (``optimizer.sharded_update``) builds its optimizer on shards from."""
+
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule  # the learning rate of the step
+  momentum: float | Callable  # 0 when the gradient reducer keeps it (DGC momentum correction)
+  decay: bool  # False when the weight decay runs on each device before the reduction
+
+
+def from_config(
+  config: ml_collections.ConfigDict, schedule: optax.Schedule, momentum: float | Callable | None = None
+) -> Optimizer:
+  """The optimizer the config describes, with the learning rate ``schedule``. ``momentum``: a float or a schedule
+  of the step (``schedules.momentum_schedule``); None: ``optimizer.momentum``. Either way 0 when the reducer
+  keeps the momentum (``momentum_in_optimizer``)."""
+  if not momentum_in_optimizer(config):
+    momentum = 0.0
+  elif momentum is None:
+    momentum = config.optimizer.momentum
+  decay = not decay_before_reduction(config)
+  tx = build_optimizer(config.optimizer, schedule, momentum, decay, decay_momentum(config))
+  return Optimizer(tx, schedule, momentum, decay)
 
 
 def decay_mask(params):

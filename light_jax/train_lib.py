@@ -79,12 +79,12 @@ def train_and_evaluate(
     model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
     schedule = schedules.learning_rate_schedule(config.optimizer, plan)
     # The momentum lives in the optimizer, or in the gradient reducer with DGC's momentum correction.
-    momentum = schedules.momentum_schedule(config.optimizer, plan) if optim.momentum_in_optimizer(config) else 0.0
-    decay = not optim.decay_before_reduction(config)
-    tx = optim.build_optimizer(config.optimizer, schedule, momentum, decay, optim.decay_momentum(config))
-    compiled = CompiledSteps(config, model, tx, mesh, info, plan, schedule, momentum)
+    optimizer = optim.from_config(config, schedule, schedules.momentum_schedule(config.optimizer, plan))
+    compiled = CompiledSteps(config, model, optimizer, mesh, info, plan)
     loss_scale = INITIAL_LOSS_SCALE if loss_scaling(config) else 0.0
-    state = step_lib.create_train_state(model, tx, compiled.reducer, info.image_shape, mesh, config.seed, loss_scale)
+    state = step_lib.create_train_state(
+      model, optimizer.tx, compiled.reducer, info.image_shape, mesh, config.seed, loss_scale
+    )
     _log_setup(config, plan, state, total_steps, len(train_batches.source), len(eval_batches.source))
 
     # Whatever ends the run (an error too), what is opened from here on is closed again, in reverse order: the
