@@ -77,9 +77,9 @@ class Hooks:
 # --- The trainer's hooks ----------------------------------------------------------------------------
 
 
-def skipped_steps(info: StepInfo) -> int:
+def skipped_steps(state: step_lib.TrainState) -> int:
   """Steps skipped as non-finite so far (the train state's count, replicated: any device's copy)."""
-  return int(info.state.nonfinite_steps.addressable_data(0))
+  return int(state.nonfinite_steps.addressable_data(0))
 
 
 def last_update(step: int, skipped: int) -> int:
@@ -107,7 +107,7 @@ class ProgressBar:
       now = time.perf_counter()
       self.bar.set_postfix(
         loss=f"{loss:.4f}",
-        lr=f"{float(self.schedule(last_update(info.step, skipped_steps(info)))):.3g}",
+        lr=f"{float(self.schedule(last_update(info.step, skipped_steps(info.state)))):.3g}",
         img_s=f"{self._images / (now - self._since):.0f}",
       )
       self._images, self._since = 0, now
@@ -125,7 +125,7 @@ class NonFiniteCheck:
     self.seen = seen
 
   def __call__(self, info: StepInfo) -> str | None:
-    count = skipped_steps(info)
+    count = skipped_steps(info.state)
     if count <= self.seen:
       return None
     self.seen = count
@@ -203,14 +203,14 @@ class EpochEvaluation:
     self.evaluate, self.writer, self.plan, self.schedule = evaluate, writer, plan, schedule
     self.prefetcher, self.bar, self.total_steps, self.clock = prefetcher, bar, total_steps, clock
     self.last_record: dict[str, Any] | None = None
-    self._start_step, self._start_seconds, self._start_wait = start_step, clock.seconds(), prefetcher.wait_seconds
+    self._mark(start_step)
 
   def __call__(self, info: StepInfo) -> None:
     train_loss = evaluation.epoch_mean_loss(info.state)  # waits for the step: the clock below then counts it
     self.clock.pause()
     train_seconds = self.clock.seconds() - self._start_seconds  # since the last record
     images = sum(self.plan.batch_size_at(s) for s in range(self._start_step, info.step))
-    skipped = skipped_steps(info)
+    skipped = skipped_steps(info.state)
     record = epoch_record(
       info.step,
       self.plan,
@@ -233,12 +233,12 @@ class EpochEvaluation:
       f"{record['images_per_sec']:.0f} images/s, input wait {100 * record['input_wait_fraction']:.1f}%"
     )
     self.last_record = record
-    self._start_step, self._start_seconds, self._start_wait = (
-      info.step,
-      self.clock.seconds(),
-      self.prefetcher.wait_seconds,
-    )
+    self._mark(info.step)
     self.clock.resume()
+
+  def _mark(self, step: int) -> None:
+    """Where the next record's images/s and input wait start counting: after ``step``, at this clock."""
+    self._start_step, self._start_seconds, self._start_wait = step, self.clock.seconds(), self.prefetcher.wait_seconds
 
 
 class HangDrill:

@@ -48,6 +48,7 @@ from light_jax.hooks import (
   StepInfo,
   StepTimer,
   TrainClock,
+  skipped_steps,
 )
 from light_jax.models import create_model
 from light_jax.parallel import mesh as mesh_lib
@@ -119,7 +120,7 @@ def train_and_evaluate(
       for hook, every in extra_hooks:
         hooks.add(hook, every=every)
       hooks.add(ProgressBar(bar, schedule, config.log_every_steps), every=1)
-      nonfinite = NonFiniteCheck(config.train.on_nonfinite, seen=int(state.nonfinite_steps.addressable_data(0)))
+      nonfinite = NonFiniteCheck(config.train.on_nonfinite, seen=skipped_steps(state))
       hooks.add(nonfinite, every=config.log_every_steps, when=ends_record)
       # With several processes the check is a collective, so not every step.
       hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
