@@ -80,14 +80,10 @@ class CompiledSteps:
     self.final_density = None  # (first step, density) of the last comm.final_density_epochs epochs
     if top_k and comm.final_density_epochs > 0:
       self.final_density = (plan.step_at(plan.num_epochs - comm.final_density_epochs), comm.final_density)
-    self.sharding = mesh_lib.batch_sharding(mesh)
     self._compiled: dict[tuple, tuple[Callable, CommBytes]] = {}
 
   def batch_shape_at(self, step: int) -> tuple[int, ...]:
-    """Global (batch, height, width, channels) of ``step``."""
-    size = self.plan.image_size_at(step)
-    image_shape = (size, size, self.info.image_shape[2]) if size else self.info.image_shape
-    return (self.plan.batch_size_at(step), *image_shape)
+    return self.plan.batch_shape_at(step, self.info.image_shape)
 
   def density_at(self, step: int) -> float:
     comm = self.config.comm
@@ -112,8 +108,9 @@ class CompiledSteps:
     batch_shape = self.batch_shape_at(step)
     reducer = self.reducer_at(step)
     abstract_state = checkpoint_lib.abstract(state)
-    images = jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=self.sharding)
-    labels = jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=self.sharding)
+    batch_sharding = mesh_lib.batch_sharding(self.mesh)
+    images = jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=batch_sharding)
+    labels = jax.ShapeDtypeStruct(batch_shape[:1], jnp.int32, sharding=batch_sharding)
     start = time.time()
     train = step_lib.make_train_step(
       self.model,

@@ -106,6 +106,13 @@ class EpochPlan:
   def image_size_at(self, step: int) -> int | None:
     return self.image_sizes[self.epoch_at(step)]
 
+  def batch_shape_at(self, step: int, image_shape: tuple[int, int, int]) -> tuple[int, int, int, int]:
+    """Global (batch, height, width, channels) of ``step``, for images of ``image_shape`` (the dataset's,
+    which progressive resizing's image size replaces)."""
+    size = self.image_size_at(step)
+    height, width, channels = image_shape
+    return (self.batch_size_at(step), *((size, size) if size else (height, width)), channels)
+
   def epochs_done(self, step: int) -> float:
     """Epochs completed after ``step`` steps, fractional: 2.5 is halfway through the third epoch."""
     epoch, batch = self.batch_in_epoch(step)

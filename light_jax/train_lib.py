@@ -98,14 +98,15 @@ def train_and_evaluate(
       if not finished:
         compiled.compile_phases(start_step, total_steps, state)  # every phase's step, before the clock starts
 
-      input_settings = tune_input(config, train_batches, start_step, compiled, measure=not finished)
+      input_settings = tune_input(config, train_batches, start_step, info.image_shape, measure=not finished)
+      sharding = mesh_lib.batch_sharding(mesh)  # batches split over every device of the mesh
       eval_step = evaluation.make_eval_step(model, mesh, info)
       evaluate = functools.partial(
-        evaluation.evaluate, eval_step, batches=eval_batches, sharding=compiled.sharding, **input_settings
+        evaluation.evaluate, eval_step, batches=eval_batches, sharding=sharding, **input_settings
       )
       host_batches = train_batches.iterator(start_step, **input_settings)
       prefetcher = opened.enter_context(
-        closing(data_lib.DevicePrefetcher(host_batches, compiled.sharding, size=config.data.prefetch))
+        closing(data_lib.DevicePrefetcher(host_batches, sharding, size=config.data.prefetch))
       )
       is_main = jax.process_index() == 0
       writer = opened.enter_context(
@@ -255,7 +256,7 @@ def tune_input(
   config: ml_collections.ConfigDict,
   train_batches: data_lib.TrainBatches,
   start_step: int,
-  compiled: CompiledSteps,
+  image_shape: tuple[int, int, int],
   measure: bool = True,
 ) -> dict[str, int]:
   """Grain's settings for the run, ``{read_threads, workers, buffer}``: the config's worker count and prefetch
@@ -266,7 +267,8 @@ def tune_input(
   if not measure:
     workers, depth = max(config.data.num_workers, 0), config.data.host_prefetch
     return {"read_threads": read_threads, "workers": workers, "buffer": depth if depth > 0 else read_threads}
-  largest = max(math.prod(compiled.batch_shape_at(s)) for s in train_batches.plan.first_steps[:-1])
+  plan = train_batches.plan
+  largest = max(math.prod(plan.batch_shape_at(s, image_shape)) for s in plan.first_steps[:-1])
   workers, depth = autotune.best_input_settings(
     lambda w, d: train_batches.iterator(start_step, read_threads=read_threads, buffer=d, workers=w),
     config.data.num_workers,

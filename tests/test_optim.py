@@ -48,6 +48,9 @@ def test_schedule_with_a_batch_per_phase_keeps_its_shape_in_epochs_and_scales_th
   assert plan.steps_per_epoch == [100] * 4 + [200] * 6 and plan.num_steps == 1600
   assert plan.epochs_done(450) == pytest.approx(4.25) and plan.step_at(4.25) == 450
   assert plan.ends_epoch(400) and plan.ends_epoch(600) and not plan.ends_epoch(500)
+  assert plan.batch_shape_at(399, (256, 256, 3)) == (1024, 128, 128, 3)
+  assert plan.batch_shape_at(400, (256, 256, 3)) == (512, 224, 224, 3)
+  assert EpochPlan(102_400, 10, (), 1024).batch_shape_at(0, (28, 28, 1)) == (1024, 28, 28, 1)  # the data's own size
   config = _config(decay="poly")  # warm-up 2 epochs, peak 0.5 * batch / 256
   schedule = schedules.learning_rate_schedule(config.optimizer, plan)
   assert float(schedule(100)) == pytest.approx(2.0 / 2)  # 1 epoch into the warm-up at batch 1024
