@@ -152,7 +152,7 @@ class BucketComm:
   strategy: str  # the strategy that reduces it (the configured one or its dense fallback)
   elements: int
   k: int = 0  # entries top-k keeps; 0 for a dense bucket
-  selection_elements: int = 0  # elements the top-k runs on
+  selection_elements: int = 0  # elements the top-k selections run on, all of them (gtopk: log2(P) + 1 of the unit)
   last_position: int = 0  # its last gradient's position in backward order: it is ready after that one
   # comm.compact_pairs for this bucket: its pairs cross as bfloat16 values and uint16 indices where its
   # strategy sends them so (the top-k strategies; gtopk's merge rounds, not its float32 sums)
@@ -235,12 +235,13 @@ def bucket_comms(reducer, params) -> list[BucketComm]:
     elements = sum(math.prod(leaves[order[i]].shape) for i in positions)
     one = reducer.for_bucket(b)
     k = one.k_for(elements)
+    spec = one.bucket_strategy(elements)
     comms.append(
       BucketComm(
-        one.bucket_strategy(elements).name,
+        spec.name,
         elements,
         k,
-        one.topk_unit(elements) if k else 0,
+        one.topk_unit(elements) * spec.selections(reducer.nodes * reducer.local) if k else 0,
         max(positions),
         one.compact_pairs,
       )

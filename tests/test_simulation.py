@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from configs import imagenet_resnet50
@@ -45,6 +46,19 @@ def test_step_timeline_overlaps_buckets_with_the_backward_pass():
   compact = [dataclasses.replace(compressed[0], compact_pairs=True)]
   narrow = simulation.simulate_step(cost, 2, 1, compact, 1.0, [1.0, 1.0], overlap=False)
   assert wide.exposed_comm == pytest.approx(1.0) and narrow.exposed_comm == pytest.approx(0.5)
+
+
+def test_gtopk_is_charged_one_full_size_selection_per_merge_round_and_one_before_them():
+  """gtopk_allreduce selects top-k of the corrected vector, then of the merged vector after each of its log2(P)
+  rounds; hitopk selects once, from the device's shard of its node's sum."""
+  from light_jax.parallel.reducer import GradientReducer
+
+  params = {"kernel": jax.numpy.zeros((4096,))}
+  for nodes, local, selections in ((2, 4, 4), (16, 8, 8)):
+    (gtopk,) = simulation.bucket_comms(GradientReducer("gtopk", nodes, local, density=0.01), params)
+    (hitopk,) = simulation.bucket_comms(GradientReducer("hitopk", nodes, local, density=0.01), params)
+    assert gtopk.k > 0 and gtopk.selection_elements == selections * 4096
+    assert hitopk.selection_elements == 4096 // local
 
 
 def test_a_measured_step_moves_to_a_slower_link_by_the_modelled_difference():

@@ -111,6 +111,16 @@ def gtopk_bytes(b: Buffer) -> CommBytes:
   )
 
 
+def one_selection(devices: int) -> int:
+  del devices
+  return 1
+
+
+def gtopk_selections(devices: int) -> int:
+  # Top-k of the corrected vector, then again of the merged (full-size) vector after each of log2(P) rounds.
+  return devices.bit_length()
+
+
 def whole_bucket(elements: int, local: int) -> int:
   del local
   return elements
@@ -137,6 +147,8 @@ class Strategy:
     flat: one collective over every device, paced by the slowest link (not a sum of the two levels).
     needs_power_of_two_devices: the algorithm pairs devices by the bits of their index.
     compact_pairs: compressed strategies that can send their pairs compact (``comm.compact_pairs``).
+    selections: compressed strategies: ``devices -> `` top-k selections of a whole ``topk_unit`` each device
+      runs per step (the simulator charges each).
   """
 
   name: str
@@ -148,6 +160,7 @@ class Strategy:
   flat: bool = False
   needs_power_of_two_devices: bool = False
   compact_pairs: bool = False
+  selections: Callable[[int], int] = one_selection
 
 
 REGISTRY: dict[str, Strategy] = {
@@ -181,6 +194,7 @@ REGISTRY: dict[str, Strategy] = {
       dense_fallback="dense",
       needs_power_of_two_devices=True,
       compact_pairs=True,
+      selections=gtopk_selections,
     ),
   )
 }
