@@ -39,6 +39,9 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
   "init_timeout", 300, "Multi-process: seconds to wait for every process to join at start-up."
 )
 flags.mark_flags_as_required(["config", "workdir"])
+flags.register_validator("peer_timeout", lambda v: v > 0, message="--peer_timeout must be > 0 seconds")
+flags.register_validator("step_timeout", lambda v: v >= 0, message="--step_timeout must be >= 0 seconds (0: never)")
+flags.register_validator("init_timeout", lambda v: v > 0, message="--init_timeout must be > 0 seconds")
 
 
 @flags.multi_flags_validator(
@@ -76,12 +79,20 @@ def _start_jax(config):
   timeouts = dict(
     initialization_timeout=_INIT_TIMEOUT.value, heartbeat_timeout_seconds=max(int(2 * _PEER_TIMEOUT.value), 1)
   )
-  if explicit:
-    jax.distributed.initialize(
-      _COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value, **timeouts
+  try:
+    if explicit:
+      jax.distributed.initialize(
+        _COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value, **timeouts
+      )
+    elif detected:
+      jax.distributed.initialize(**timeouts)
+  except (ValueError, RuntimeError) as e:  # e.g. SLURM_JOB_ID set by salloc, but no srun task to join
+    found = ", ".join(v for v in _CLUSTER_ENV if os.environ.get(v)) or "none"
+    cli.fail(
+      f"jax.distributed could not start ({type(e).__name__}: {str(e)[:300]}). Cluster variables set: {found}. "
+      "Start each process through the cluster manager (srun, mpirun), or give --coordinator, --num_processes "
+      "and --process_id; for one process, unset the cluster variables."
     )
-  elif detected:
-    jax.distributed.initialize(**timeouts)
   return jax
 
 

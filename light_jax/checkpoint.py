@@ -11,7 +11,8 @@ files are written in the background; the train step may then donate (overwrite) 
 (tested). Every process calls ``save`` and ``restore`` (orbax coordinates them with the JAX
 distributed runtime). A save that did not finish (killed process) leaves no ``commit_success`` marker and
 orbax ignores it; a finished checkpoint whose files are damaged fails to restore, and ``restore_latest``
-falls back to the previous one and says so.
+falls back to the previous one and says so. The damaged one stays on disk until the resumed run saves at
+its step again, which replaces it.
 """
 
 from __future__ import annotations
@@ -38,9 +39,15 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(
       self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
     )
+    self.damaged_steps: set[int] = set()  # found by restore_latest; a save at one of them replaces it
 
   def save(self, step: int, state, meta: dict[str, Any]) -> bool:
-    """Starts an asynchronous save of ``state`` at ``step``; False if that step is saved already."""
+    """Starts an asynchronous save of ``state`` at ``step``; False if that step is saved already (and
+    restores: a damaged one is replaced, else a resumed run would fall back past it on every restart)."""
+    if step in self.damaged_steps:
+      logging.warning("replacing the damaged checkpoint at step %d in %s", step, self.directory)
+      self.manager.delete(step)
+      self.damaged_steps.discard(step)
     if step in self.manager.all_steps():
       return False
     self.manager.save(
@@ -85,6 +92,7 @@ class Checkpointer:
     return None
 
   def _damaged(self, step: int, error: Exception) -> None:
+    self.damaged_steps.add(step)
     logging.warning(
       "checkpoint at step %d in %s cannot be restored (%s: %s); falling back to the previous one",
       step,

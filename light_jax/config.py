@@ -26,7 +26,9 @@ CACHES = ("none", "disk", "memory")
 
 
 # Fields that may change between a run and its resumption: they change neither shapes, nor the data
-# order, nor the maths of a step (a prefix covers its sub-fields).
+# order, nor the maths of a step (a prefix covers its sub-fields). One exception, on purpose: num_epochs
+# lengthens or shortens a run, and the schedules (warm-up, decay, a cycled momentum) stretch over the new
+# count, so the rate jumps at the resume.
 SAFE_TO_CHANGE = (
   "num_epochs",
   "max_steps",

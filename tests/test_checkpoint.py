@@ -175,6 +175,25 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(uninterrupte
   _assert_same_run(uninterrupted, tmp_path)
 
 
+def test_a_damaged_checkpoint_is_replaced_when_the_resumed_run_saves_at_its_step(tmp_path):
+  state, meta = {"w": jax.numpy.arange(4.0)}, {"config": {}}
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  for step in (1, 2):
+    checkpointer.save(step, jax.tree.map(lambda x: x + step, state), meta)
+  checkpointer.close()
+  for root, _, files in os.walk(os.path.join(tmp_path, "checkpoints", "2", "state")):
+    for name in files:
+      with open(os.path.join(root, name), "wb") as f:
+        f.write(b"garbage")
+  abstract = checkpoint_lib.abstract(state)
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  assert checkpointer.restore_latest(abstract, {})[0] == 1  # falls back past the damaged step 2
+  assert checkpointer.save(2, jax.tree.map(lambda x: x + 20, state), meta)  # replaces it instead of skipping
+  checkpointer.close()
+  step, restored, _ = checkpoint_lib.Checkpointer(str(tmp_path), keep=3).restore_latest(abstract, {})
+  assert step == 2 and np.array_equal(restored["w"], np.arange(4.0) + 20)
+
+
 def test_incompatible_config_is_refused_with_exit_code_2(tmp_path):
   train_lib.train_and_evaluate(_config(max_steps=4), str(tmp_path))
   with pytest.raises(CheckpointError, match=r"the checkpoint at step 4 .* model.width: 0 -> 16"):

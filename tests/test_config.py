@@ -191,8 +191,17 @@ def test_cli_reports_a_bad_config_without_traceback(tmp_path):
     ),
     (["--nope=1"], "Unknown command line flag 'nope'"),
     (["--config.mesh.cpu_devices=-2"], "invalid config: mesh.cpu_devices=-2 must be >= 0"),
+    (["--peer_timeout=0"], "--peer_timeout must be > 0 seconds"),
   ],
-  ids=["misspelled-field", "wrong-type", "missing-config-file", "unknown-variant", "unknown-flag", "cpu-devices"],
+  ids=[
+    "misspelled-field",
+    "wrong-type",
+    "missing-config-file",
+    "unknown-variant",
+    "unknown-flag",
+    "cpu-devices",
+    "peer-timeout",
+  ],  # fmt: skip
 )
 def test_cli_bad_flags_get_one_error_line_and_exit_code_2(tmp_path, args, message):
   result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "run"), *args)
@@ -239,6 +248,14 @@ def test_cli_multi_process_flags_go_together(tmp_path, flags):
   assert result.returncode == 2 and "Traceback" not in result.stderr
   assert "--coordinator, --num_processes and --process_id go together" in result.stderr
   assert not os.listdir(tmp_path)
+
+
+def test_cli_a_cluster_variable_without_a_cluster_task_says_what_to_do(tmp_path, monkeypatch):
+  """SLURM_JOB_ID alone (salloc, or sbatch without srun) is not enough for jax.distributed to start."""
+  monkeypatch.setenv("SLURM_JOB_ID", "1")
+  result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "run"))
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert "error: jax.distributed could not start" in result.stderr and "variables set: SLURM_JOB_ID" in result.stderr
 
 
 def test_cli_imagenet_without_prepared_data_says_how_to_prepare_it(tmp_path):
