@@ -65,7 +65,7 @@ def measure(nodes: int, local: int, repeats: int, max_mib: int, rate_bits: int |
   levels = {"intra": (mesh_lib.LOCAL, local, 1, False), "inter": (mesh_lib.NODE, nodes, local, True)}
   fits, rows = {}, []
   for level, (axis, group, sharing, shaped) in levels.items():
-    if group == 1:
+    if group == 1:  # no such link on this mesh: no cost (beta 0, so readers must not divide by it)
       fits[level] = cost_model.LinkCost(alpha=0.0, beta=0.0)
       continue
     link_bytes_per_buffer_byte = sharing * 2 * (group - 1) / group

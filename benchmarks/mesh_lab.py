@@ -21,10 +21,11 @@ shares the loopback interface.
 `comm.fusion="adaptive"` (light_jax/parallel/cost_model.py), calibrated on these links: before the
 cells of a bandwidth, benchmarks/calibrate_links.py runs on the cluster at that shaping and fits
 alpha/beta per level. A cell's prediction is the step time measured unshaped for the same strategy,
-less the modelled time of the step's collectives (its `comm_buckets` in summary.json) at the unshaped
-fit, plus their modelled time at the shaped fit, without overlap (XLA on CPU runs collectives in line);
-null without an unshaped cell. `link_seconds` is the
-measured difference from the unshaped step: the time the step waits on the shaped link. No latency is
+less the modelled time of that step's collectives (its `comm_buckets` in summary.json) at the unshaped
+fit, plus the modelled time of the cell's own at the shaped fit, without overlap (XLA on CPU runs
+collectives in line); null without an unshaped cell, and for diloco (its collectives run on one step in
+sync_every, not on the median step). `link_seconds` is the measured difference from the unshaped step:
+the time the step waits on the shaped link. No latency is
 added (the kernel has no sch_netem). All processes share this machine's CPU cores, which inflates
 compute time with --nodes x --local devices.
 
@@ -56,12 +57,18 @@ from light_jax import config as config_lib  # noqa: E402
 from light_jax import simulation  # noqa: E402
 from light_jax.emulated_cluster import ClusterError, EmulatedCluster, LoopbackCluster, free_port, parse_rate  # noqa: E402
 from light_jax.parallel import cost_model  # noqa: E402
+from light_jax.parallel.reducer import DILOCO, STRATEGIES  # noqa: E402
 
 
 def parse_strategy(text: str) -> tuple[str, list[str]]:
   """ "hitopk@0.001" -> ("hitopk@0.001", its comm overrides): NAME@VALUE sets the density of the top-k
   strategies, the rank of powersgd, the steps between syncs of diloco; "/bfloat16" sends the dense hops
-  in bfloat16 (comm.dtype): "hierarchical/bfloat16"; "/compact" sets comm.compact_pairs."""
+  in bfloat16 (comm.dtype): "hierarchical/bfloat16"; "/compact" sets comm.compact_pairs. Raises ValueError
+  (config.ConfigError) for an unknown name or a bad value, before any run."""
+  name = text.split("/")[0].partition("@")[0]
+  if name not in STRATEGIES:
+    raise ValueError(f"strategy {text!r}: {name!r} is unknown; use one of {', '.join(STRATEGIES)} (NAME, NAME@VALUE, "
+                     "NAME/OPTION)")  # fmt: skip
   return text, [f"--config.comm.{field}={value}" for field, value in config_lib.strategy_fields(text).items()]
 
 
@@ -110,22 +117,31 @@ def run_cell(
     "comm_buckets": summary["comm_buckets"],
     "wire_itemsize": 2 if summary["config"]["comm"]["dtype"] == "bfloat16" else 4,
     "compact_pairs": summary["config"]["comm"]["compact_pairs"],
+    "strategy": summary["config"]["comm"]["strategy"],
   }
 
 
-def predict_step(unshaped: dict, cell: dict, unshaped_fit: dict, shaped_fit: dict, nodes: int, local: int) -> float:
-  """The simulator's step (light_jax/simulation.py, no overlap) for ``cell``'s collectives: the unshaped step
-  of the same strategy moved from the unshaped links' fit to the shaped one (the links inside a machine
-  are not shaped: both keep the unshaped intra-node fit)."""
+def predict_step(
+  unshaped: dict, cell: dict, unshaped_fit: dict, shaped_fit: dict, nodes: int, local: int
+) -> float | None:
+  """The simulator's step (light_jax/simulation.py, no overlap) for ``cell``: the unshaped step of the same
+  strategy less its collectives at the unshaped links' fit, plus ``cell``'s collectives at the shaped fit (the
+  buckets may differ: adaptive fusion and auto plan them from each bandwidth's calibration). The links inside
+  a machine are not shaped: both keep the unshaped intra-node fit. None for diloco."""
+  if cell["strategy"] == DILOCO:
+    # Its comm_buckets are a sync step's all-reduce (one step in sync_every), but step_seconds is a median,
+    # a step without it: charging it there would predict a sync on every step.
+    return None
   measured_on = cost_model.ClusterCost.from_dict(unshaped_fit)
   moved_to = cost_model.ClusterCost(intra=measured_on.intra, inter=cost_model.LinkCost(**shaped_fit["inter"]))
-  buckets = [
-    simulation.BucketComm(strategy, elements, k, compact_pairs=cell["compact_pairs"])
-    for strategy, elements, k in cell["comm_buckets"]
-  ]
+
+  def buckets(c: dict) -> list[simulation.BucketComm]:
+    return [simulation.BucketComm(s, n, k, compact_pairs=c["compact_pairs"]) for s, n, k in c["comm_buckets"]]
+
   return simulation.move_measured_step(
-    unshaped["step_seconds"], buckets, measured_on, moved_to, nodes, local, cell["wire_itemsize"]
-  )
+    unshaped["step_seconds"], buckets(unshaped), measured_on, moved_to, nodes, local, cell["wire_itemsize"],
+    moved_buckets=buckets(cell),
+  )  # fmt: skip
 
 
 def run_mesh(
@@ -160,7 +176,7 @@ def run_mesh(
         cell["inter_link"] = calibration[text]["inter"]  # the fitted alpha (s) and beta (s/B) of a machine's link
         results[f"{label}@{text}"] = cell
   for cell in results.values():
-    del cell["comm_buckets"], cell["wire_itemsize"], cell["compact_pairs"]
+    del cell["comm_buckets"], cell["wire_itemsize"], cell["compact_pairs"], cell["strategy"]
   return results, calibration
 
 
@@ -173,6 +189,9 @@ def plot_predictions(results: dict[str, dict], path: str) -> None:
   import matplotlib.ticker
 
   cells = {k: c for k, c in results.items() if c["predicted_step_seconds"] is not None}
+  if not cells:  # e.g. only diloco, which has no prediction
+    print(f"no predicted step times to plot: {path} not written", file=sys.stderr)
+    return
   values = [v for c in cells.values() for v in (c["step_seconds"], c["predicted_step_seconds"])]
   low, high = 0.7 * min(values), 1.4 * max(values)
   fig, ax = plt.subplots(figsize=(6.5, 6))
@@ -204,12 +223,33 @@ def load_experiment(spec: str, args) -> list[tuple[int, int]]:
   module_spec = importlib.util.spec_from_file_location("mesh_experiment", os.path.join(ROOT, path))
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  experiment = module.get_config(variant or None)
+  experiment = module.get_config(variant or None)  # ValueError for an unknown variant
   args.bandwidth = ",".join(experiment.bandwidths)
   args.strategies = ",".join(experiment.strategies)
   args.steps, args.warmup, args.config = experiment.steps, experiment.warmup, experiment.config
   args.set = [*experiment.overrides, *args.set]
   return [tuple(mesh) for mesh in experiment.meshes]
+
+
+def parse_bandwidths(text: str) -> dict[str, int | None]:
+  """ "50mbit, Unshaped" -> {"50mbit": 50_000_000, "unshaped": None}: each label as parse_rate reads it (lower
+  case, no spaces), since the cells' keys and the lookups of the unshaped cell and fit use the label."""
+  return {label.strip().lower(): parse_rate(label) for label in text.split(",")}
+
+
+def check_args(args) -> tuple[dict[str, int | None], list[tuple[str, list[str]]]]:
+  """The rates per bandwidth label and the strategies (parse_strategy) ``args`` asks for; raises ValueError for
+  what would otherwise fail only after runs."""
+  rates = parse_bandwidths(args.bandwidth)
+  shaped = [label for label, rate in rates.items() if rate is not None]
+  if args.loopback and shaped:
+    raise ValueError(f"the 127.0.0.1 mode cannot shape links ({', '.join(shaped)}: that needs root and tc, network "
+                     "namespaces); use --loopback --bandwidth unshaped, or drop --loopback")  # fmt: skip
+  if args.plot and (not shaped or len(shaped) == len(rates)):
+    # A prediction moves the unshaped step's collectives to a shaped link: it needs one of each.
+    raise ValueError("--plot draws predicted against measured step seconds, which needs an unshaped and a shaped "
+                     "bandwidth, e.g. --bandwidth 50mbit,unshaped")  # fmt: skip
+  return rates, [parse_strategy(s) for s in args.strategies.split(",")]
 
 
 def main() -> None:
@@ -231,16 +271,14 @@ def main() -> None:
   parser.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
   parser.add_argument("--plot", metavar="FILE.png", help="draw predicted against measured step seconds")
   args = parser.parse_args()
-  meshes = load_experiment(args.experiment, args) if args.experiment else [(args.nodes, args.local)]
   try:
-    rates = {text: parse_rate(text) for text in args.bandwidth.split(",")}
+    meshes = load_experiment(args.experiment, args) if args.experiment else [(args.nodes, args.local)]
+  except (OSError, ValueError) as e:
+    parser.error(f"--experiment {args.experiment}: {e}")
+  try:
+    rates, requested = check_args(args)
   except ValueError as e:
     parser.error(str(e))
-  if args.plot and (None not in rates.values() or all(rate is None for rate in rates.values())):
-    # A prediction moves the unshaped step's collectives to a shaped link: it needs one of each.
-    parser.error("--plot draws predicted against measured step seconds, which needs an unshaped and a shaped "
-                 "bandwidth, e.g. --bandwidth 50mbit,unshaped")  # fmt: skip
-  requested = [parse_strategy(s) for s in args.strategies.split(",")]
 
   results, calibrations = {}, {}
   for nodes, local in meshes:
@@ -256,9 +294,9 @@ def main() -> None:
 
   print(f"mesh lab: {args.steps} steps per cell after {args.warmup} warm-up; meshes (nodes x devices): "
         f"{', '.join(f'{n} x {m}' for n, m in meshes)}")  # fmt: skip
-  print("link calibration (inter-node, per machine's link): " + "; ".join(
+  print("link calibration (inter-node, per machine's link): " + ("; ".join(
     f"{key} alpha {1e3 * fit['inter']['alpha']:.2f} ms, {8e-6 / fit['inter']['beta']:,.1f} Mbit/s"
-    for key, fit in calibrations.items() if fit["inter"]["beta"]) or "none (one machine)")  # fmt: skip
+    for key, fit in calibrations.items() if fit["inter"]["beta"]) or "none (one machine)"))  # fmt: skip
   print(f"{'cell':<34}{'step s':>9}{'predicted s':>13}{'error':>8}{'link s':>9}{'inter-node B/dev':>18}"
         f"{'wire B/node':>14}")  # fmt: skip
   for key, cell in results.items():

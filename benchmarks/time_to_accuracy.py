@@ -10,8 +10,9 @@ devices, jax.distributed over gloo) whose links are shaped to --bandwidth (bench
 light_jax/emulated_cluster.py; needs root). Each run evaluates on the test set after every epoch;
 the clock is `train_seconds` of metrics.jsonl, the training time since the start with the evaluations
 left out. Reported per strategy: the training seconds and epochs until the first evaluation at or above
---target top-1 (null if never), the final top-1 and the median seconds per step. Runs are the same
-config but for comm.strategy and comm.density, one after the other on this machine's shared cores.
+--target top-1 (null if never), the final top-1 and the mean seconds per step (training seconds / steps).
+Runs are the same config but for comm.strategy and comm.density, one after the other on this machine's
+shared cores.
 
 --report_only reads the runs already in --workdir (a run cut short is shown as far as it got).
 Each run's workdir (metrics.jsonl, summary.json, checkpoints) is kept under --workdir/<strategy>, and
@@ -92,8 +93,12 @@ def main() -> None:
   except ValueError as e:
     parser.error(str(e))
 
+  try:
+    labels = [parse_strategy(text) for text in args.strategies.split(",")]
+  except ValueError as e:
+    parser.error(str(e))
+
   runs, results = {}, {}
-  labels = [parse_strategy(text) for text in args.strategies.split(",")]
   workdirs = {label: os.path.abspath(os.path.join(args.workdir, label.replace("/", "_"))) for label, _ in labels}
   if not args.report_only:
     try:

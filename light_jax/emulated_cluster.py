@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import ipaddress
+import math
 import os
 import random
 import shutil
@@ -30,6 +31,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Sequence
 
 
@@ -59,11 +61,13 @@ def parse_rate(text: str) -> int | None:
   for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
     if text.endswith(unit):
       try:
-        value = float(text[: -len(unit)])
+        bits = float(text[: -len(unit)]) * scale
       except ValueError:
         break
-      if value > 0:
-        return int(value * scale)
+      if not math.isfinite(bits) or bits < 1:  # tc takes whole bits/s: 0.1bit would be no shaping at all
+        raise ValueError(f"bandwidth {text!r} must be a finite rate of at least 1bit (bits/s), e.g. '10mbit'; "
+                         "'unshaped' for no limit")  # fmt: skip
+      return int(bits)
   raise ValueError(f"bandwidth {text!r} is not 'unshaped' or a rate like '10mbit', '500kbit', '1gbit'")
 
 
@@ -75,16 +79,29 @@ def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class _Machines:
-  """What both clusters share: one process per node started together as one multi-process job."""
+  """What both clusters share: one process per node started together as one multi-process job, and the
+  cleanup of what they started (and made) on ``close``, at exit and on SIGTERM/SIGINT."""
 
   nodes: int
+
+  def __init__(self):
+    self._processes: list[subprocess.Popen] = []
+    self._closing = self._closed = False  # close() has started; it has finished
+    self._deferred_signal = None
+    self._lock = threading.RLock()  # reentrant: the signal handler may call close() inside close()'s lock
+    self._previous_handlers = {}
+    atexit.register(self.close)
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
 
   def run(self, node: int, argv: Sequence[str], **popen_kwargs) -> subprocess.Popen:
     raise NotImplementedError
 
   def run_everywhere(self, argv: Sequence[str], timeout: float, **popen_kwargs) -> list[str]:
-    """Runs ``argv`` + ``--process_id=NODE`` on every node at once, as one multi-process job; returns each
-    node's output (stdout and stderr), or raises RuntimeError naming the first node that failed."""
+    """Runs ``argv`` + ``--process_id=NODE`` on every node at once, as one multi-process job, for at most
+    ``timeout`` seconds in all; returns each node's output (stdout and stderr), or raises RuntimeError naming
+    the first node that failed (or the nodes still running at the deadline, which are then killed)."""
     procs = [
       self.run(
         node,
@@ -96,11 +113,71 @@ class _Machines:
       )  # fmt: skip
       for node in range(self.nodes)
     ]
-    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    deadline = time.monotonic() + timeout  # one for the job: waiting node by node would allow nodes x timeout
+    outputs = []
+    for proc in procs:
+      try:
+        outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 0))[0])
+      except subprocess.TimeoutExpired:
+        if proc.poll() is not None:  # it ended at the deadline, its output not read yet
+          outputs.append(proc.communicate()[0])
+          continue
+        running = [node for node, p in enumerate(procs) if p.poll() is None]
+        for node in running:
+          procs[node].kill()
+          procs[node].wait()
+        raise RuntimeError(
+          f"`{' '.join(argv[:2])}` on node(s) {', '.join(map(str, running))} still ran after {timeout:g} s (the "
+          "limit for the whole job); raise the timeout (e.g. --timeout) or run fewer steps"
+        ) from None
     for node, (proc, output) in enumerate(zip(procs, outputs)):
       if proc.returncode:
         raise RuntimeError(f"`{' '.join(argv[:2])}` on node {node} exited {proc.returncode}:\n{output[-3000:]}")
     return outputs
+
+  def _cleanup(self) -> None:
+    """Kills the processes still running; a cluster that made more removes it too. Each step may run twice."""
+    for proc in self._processes:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+  def close(self) -> None:
+    """Kills the processes still running and removes everything this cluster made (idempotent). A SIGINT or
+    SIGTERM during it is acted on once it is done: cut short, it would leave namespaces and links behind."""
+    with self._lock:
+      if self._closing:
+        return
+      self._closing = True
+    try:
+      self._cleanup()
+    finally:
+      for sig, handler in self._previous_handlers.items():
+        signal.signal(sig, handler)
+      atexit.unregister(self.close)
+      self._closed = True
+    if self._deferred_signal:
+      self._pass_on(*self._deferred_signal)
+
+  def _on_signal(self, signum, frame):
+    if self._closing and not self._closed:  # e.g. a second Ctrl-C while close() removes links: let it finish
+      self._deferred_signal = self._deferred_signal or (signum, frame)
+      return
+    self.close()
+    self._pass_on(signum, frame)
+
+  def _pass_on(self, signum, frame):
+    handler = self._previous_handlers.get(signum)
+    if callable(handler):
+      handler(signum, frame)
+    else:
+      raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 class LoopbackCluster(_Machines):
@@ -117,7 +194,7 @@ class LoopbackCluster(_Machines):
     if nodes < 1:
       raise ClusterError(f"nodes={nodes}: use at least 1")
     self.nodes = nodes
-    self._processes: list[subprocess.Popen] = []
+    super().__init__()
 
   def shape(self, bandwidth_bits: int | None) -> None:
     if bandwidth_bits:
@@ -129,18 +206,6 @@ class LoopbackCluster(_Machines):
     proc = subprocess.Popen(list(argv), **popen_kwargs)
     self._processes.append(proc)
     return proc
-
-  def close(self) -> None:
-    for proc in self._processes:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-  def __enter__(self) -> LoopbackCluster:
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
 
 
 class EmulatedCluster(_Machines):
@@ -165,14 +230,7 @@ class EmulatedCluster(_Machines):
     self.node_links = [f"lj{self.id}c{i}" for i in range(nodes)]  # the node's end
     self.addresses = [str(self.subnet[i + 1]) for i in range(nodes)]
     self.bandwidth_bits = bandwidth_bits
-    self._processes: list[subprocess.Popen] = []
-    self._closed = False
-    self._lock = threading.Lock()
-    self._previous_handlers = {}
-    atexit.register(self.close)
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+    super().__init__()  # the cleanup handlers, before anything is made
     try:
       self._create()
     except BaseException:
@@ -192,9 +250,16 @@ class EmulatedCluster(_Machines):
       _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", node_link)
       _sh("ip", "netns", "exec", ns, "ip", "link", "set", node_link, "up")
       _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-      os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-      with open(f"/etc/netns/{ns}/hosts", "w") as f:  # gloo advertises what the hostname resolves to
-        f.write(f"127.0.0.1 localhost\n{address} {hostname}\n")
+      try:
+        os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+        with open(f"/etc/netns/{ns}/hosts", "w") as f:  # gloo advertises what the hostname resolves to
+          f.write(f"127.0.0.1 localhost\n{address} {hostname}\n")
+      except OSError as e:
+        raise ClusterError(
+          f"cannot write /etc/netns/{ns}/hosts ({e.strerror}): each node needs a hosts file there (`ip netns exec` "
+          "mounts it over /etc/hosts); make /etc writable, or use the unshaped 127.0.0.1 mode "
+          "(benchmarks/mesh_lab.py --loopback --bandwidth unshaped)"
+        ) from e
     self.shape(self.bandwidth_bits)
 
   def shape(self, bandwidth_bits: int | None) -> None:
@@ -234,38 +299,13 @@ class EmulatedCluster(_Machines):
     links = _sh("ip", "-o", "link", "show", check=False).stdout
     return f"lj{self.id}" in namespaces or f"lj{self.id}" in links
 
-  def close(self) -> None:
-    """Kills the processes still running and removes everything this cluster made (idempotent)."""
-    with self._lock:
-      if self._closed:
-        return
-      self._closed = True
-    for proc in self._processes:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+  def _cleanup(self) -> None:
+    super()._cleanup()
     for ns in self.namespaces:  # deleting a namespace deletes its end of the veth pair, hence the pair
       _sh("ip", "netns", "del", ns, check=False)
       shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
     for link in [*self.host_links, self.bridge]:
       _sh("ip", "link", "del", link, check=False)
-    for sig, handler in self._previous_handlers.items():
-      signal.signal(sig, handler)
-    atexit.unregister(self.close)
-
-  def _on_signal(self, signum, frame):
-    self.close()
-    handler = self._previous_handlers.get(signum)
-    if callable(handler):
-      handler(signum, frame)
-    else:
-      raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
-
-  def __enter__(self) -> EmulatedCluster:
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
 
 
 def free_port() -> int:

@@ -212,18 +212,18 @@ def move_measured_step(
   nodes: int,
   local: int,
   wire_itemsize: int = 4,
+  moved_buckets: Sequence[BucketComm] | None = None,
 ) -> float:
   """A step measured on the links ``measured_on`` describes, predicted on ``moved_to``, without overlap (XLA
-  on CPU): its compute is the measured step less the modelled communication there. The mesh lab's
-  ``predicted_step_seconds``."""
+  on CPU): its compute is the measured step less the modelled communication of its ``buckets`` there, plus
+  that of ``moved_buckets`` (default: the same; adaptive fusion and auto may plan others for other links) on
+  ``moved_to``. The mesh lab's ``predicted_step_seconds``."""
 
-  def communication(cost: cost_model.ClusterCost) -> float:
-    return simulate_step(cost, nodes, local, buckets, 0.0, [0.0], overlap=False, wire_itemsize=wire_itemsize).total
+  def communication(cost: cost_model.ClusterCost, of: Sequence[BucketComm]) -> float:
+    return simulate_step(cost, nodes, local, of, 0.0, [0.0], overlap=False, wire_itemsize=wire_itemsize).total
 
-  compute = measured_seconds - communication(measured_on)
-  return simulate_step(
-    moved_to, nodes, local, buckets, 0.0, [compute], overlap=False, wire_itemsize=wire_itemsize
-  ).total
+  moved = buckets if moved_buckets is None else moved_buckets
+  return measured_seconds - communication(measured_on, buckets) + communication(moved_to, moved)
 
 
 def bucket_comms(reducer, params) -> list[BucketComm]:

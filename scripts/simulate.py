@@ -89,6 +89,12 @@ def make_cluster():
   return simulation.with_link(cluster, _NODES.value, _INTER_GBPS.value)
 
 
+def gbps(link, digits: int) -> str:
+  """A link's 1/beta in Gbit/s; calibrate_links.py writes beta 0 (no cost per byte) for a level the calibrated
+  mesh lacks (one node, or one device per node)."""
+  return f"{8e-9 / link.beta:.{digits}f} Gbit/s" if link.beta else "unlimited (beta 0)"
+
+
 def print_run(label: str, result: dict) -> None:
   exposed, efficiency = 100 * result["exposed_comm_fraction"], 100 * result["scaling_efficiency"]
   print(f"\n{label}: {result['seconds']:.1f} s ({result['train_seconds']:.1f} s training, "
@@ -139,8 +145,8 @@ def main(argv):
     cli.fail(str(e))
   overlap = not _NO_OVERLAP.value
   print(f"cluster {_CLUSTER.value}: {cluster.nodes} x {cluster.devices_per_node} {cluster.device.name}, inter-node "
-        f"{8e-9 / cluster.cost.inter.beta:.1f} Gbit/s goodput (alpha {1e6 * cluster.cost.inter.alpha:.0f} us), intra "
-        f"{8e-9 / cluster.cost.intra.beta:.0f} Gbit/s; input {cluster.input_images_per_sec:,.0f} images/s per host at "
+        f"{gbps(cluster.cost.inter, 1)} goodput (alpha {1e6 * cluster.cost.inter.alpha:.0f} us), intra "
+        f"{gbps(cluster.cost.intra, 0)}; input {cluster.input_images_per_sec:,.0f} images/s per host at "
         f"{cluster.input_image_size} px; communication {'during' if overlap else 'after'} the backward")  # fmt: skip
   print(f"device {cluster.device.name}: {cluster.device.images_per_sec:,.0f} training images/s at "
         f"{cluster.device.image_size} px ({cluster.device.source})")  # fmt: skip
@@ -167,7 +173,9 @@ def main(argv):
       if _SWEEP.value == "bandwidth":
         points = {g: simulation.with_link(cluster, inter_gbps=g) for g in BANDWIDTHS_GBPS}
       else:
-        points = {n: simulation.with_link(cluster, nodes=max(n // cluster.devices_per_node, 1)) for n in DEVICE_COUNTS}
+        # Whole machines: with 3 devices per node, 8 requested is 2 machines, so the point is 6 devices.
+        nodes = [max(n // cluster.devices_per_node, 1) for n in DEVICE_COUNTS]
+        points = {m * cluster.devices_per_node: simulation.with_link(cluster, nodes=m) for m in nodes}
       sweep[label] = {str(x): simulation.simulate(config, c, overlap)["seconds"] for x, c in points.items()}
     xlabel = "inter-node bandwidth (Gbit/s)" if _SWEEP.value == "bandwidth" else "devices"
     print(f"\nsweep over {xlabel}: simulated seconds to train")

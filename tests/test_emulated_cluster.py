@@ -3,8 +3,10 @@
 Needs root and iproute2, as on these machines and in CI; elsewhere these tests are skipped.
 """
 
+import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,6 +14,7 @@ import time
 
 import pytest
 
+from light_jax import emulated_cluster
 from light_jax.emulated_cluster import EmulatedCluster, free_port, parse_rate
 from light_jax.exit_codes import ExitCode
 from tests.helpers import ROOT
@@ -80,6 +83,42 @@ def test_failing_and_running_processes_do_not_keep_the_cluster_alive():
   cluster.close()  # idempotent
 
 
+def test_a_second_signal_during_close_does_not_cut_the_cleanup_short(monkeypatch):
+  """Ctrl-C, then Ctrl-C again while close() removes the namespaces: the cleanup finishes, then the interrupt
+  is raised once."""
+  cluster = EmulatedCluster(2)
+  sh = emulated_cluster._sh
+
+  def interrupted(*args, **kwargs):
+    if args[:3] == ("ip", "netns", "del") and args[3] == cluster.namespaces[0]:
+      signal.raise_signal(signal.SIGINT)  # the second Ctrl-C, in the middle of the cleanup
+    return sh(*args, **kwargs)
+
+  monkeypatch.setattr(emulated_cluster, "_sh", interrupted)
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      signal.raise_signal(signal.SIGINT)
+    left = cluster.exists() or any(os.path.exists(f"/etc/netns/{ns}") for ns in cluster.namespaces)
+  finally:
+    monkeypatch.undo()
+    cluster._cleanup()  # a failing run leaves no namespaces behind either
+  assert not left
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_unwritable_etc_is_a_cluster_error_and_leaves_nothing(monkeypatch):
+  def read_only(path, *args, **kwargs):
+    raise OSError(errno.EROFS, "Read-only file system", path)
+
+  monkeypatch.setattr(emulated_cluster.os, "makedirs", read_only)
+  with pytest.raises(emulated_cluster.ClusterError, match=r"cannot write /etc/netns/lj\w+/hosts \(Read-only"):
+    EmulatedCluster(1)
+  ours = f"lj{os.getpid() % 10000:04d}"  # this process's clusters' names (EmulatedCluster.id)
+  listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+  listed += subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+  assert ours not in listed
+
+
 def _mesh_lab(*extra):
   return subprocess.run(
     [sys.executable, "benchmarks/mesh_lab.py", "--nodes", "2", "--local", "2", "--bandwidth", "unshaped",
@@ -112,9 +151,9 @@ def test_two_namespace_training_run_through_the_mesh_lab(loopback):
     )
 
 
-def test_the_loopback_mode_refuses_a_shaped_bandwidth():
-  result = _mesh_lab("--loopback", "--bandwidth", "10mbit")
-  assert result.returncode == 1
+def test_the_loopback_mode_refuses_a_shaped_bandwidth_before_any_run():
+  result = _mesh_lab("--loopback", "--bandwidth", "10mbit,unshaped")
+  assert result.returncode == 2 and "calibrating" not in result.stderr and result.stdout == ""
   assert "error: the 127.0.0.1 mode cannot shape links" in result.stderr and "--bandwidth unshaped" in result.stderr
 
 

@@ -124,12 +124,30 @@ def load(name_or_path: str) -> ClusterCost:
     return PRESETS[name_or_path]
   try:
     with open(name_or_path) as f:
-      return ClusterCost.from_dict(json.load(f))
+      data = json.load(f)
   except FileNotFoundError:
     raise ValueError(
       f"comm.cost_model={name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor an "
       f"existing JSON file; run benchmarks/calibrate_links.py to write one."
     ) from None
+  except (OSError, ValueError) as e:  # ValueError: not JSON (json.JSONDecodeError) or not text
+    raise ValueError(f"comm.cost_model={name_or_path!r}: cannot read it as JSON ({e}); write it again with "
+                     "benchmarks/calibrate_links.py") from None  # fmt: skip
+  # Check the shape here: LinkCost(**d) would fail later with a TypeError or KeyError that names no file.
+  for level in ("intra", "inter"):
+    link = data.get(level) if isinstance(data, dict) else None
+    if not isinstance(link, dict) or sorted(link) != ["alpha", "beta"]:
+      raise ValueError(
+        f'comm.cost_model={name_or_path!r}: {level!r} must be {{"alpha": SECONDS, "beta": SECONDS_PER_BYTE}}, not '
+        f"{link!r}; a calibration holds both levels, as benchmarks/calibrate_links.py writes them"
+      )
+    for field, value in link.items():
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+        raise ValueError(
+          f"comm.cost_model={name_or_path!r}: {level}.{field}={value!r} must be a finite number >= 0 (seconds"
+          f"{' per byte' if field == 'beta' else ''})"
+        )
+  return ClusterCost.from_dict(data)
 
 
 def bucket_seconds(cost: ClusterCost, reducer: GradientReducer, elements: int) -> float:

@@ -1,0 +1,174 @@
+"""The inputs of the mesh lab and its tools, refused early with a message that says what is wrong: bandwidths,
+calibration files, strategies and flags; and the cleanup of the 127.0.0.1 cluster. No root or namespaces."""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from light_jax.emulated_cluster import LoopbackCluster, parse_rate
+from light_jax.parallel import cost_model
+from tests.helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import mesh_lab  # noqa: E402
+
+
+def test_parse_rate_reads_rates_and_refuses_what_tc_cannot_shape():
+  assert parse_rate("50mbit") == 50_000_000 and parse_rate("1bit") == 1 and parse_rate(" Unshaped ") is None
+  for text in ("0.1bit", "0mbit", "-5mbit", "infbit", "nanbit", "1e400gbit"):
+    with pytest.raises(ValueError, match="must be a finite rate of at least 1bit"):
+      parse_rate(text)
+  with pytest.raises(ValueError, match="not 'unshaped' or a rate"):
+    parse_rate("50mb")
+
+
+@pytest.mark.parametrize(
+  "content, message",
+  [
+    ('{"intra": {"alpha": 1e-5}, "inter": {"alpha": 1e-5, "beta": 1e-9}}', "'intra' must be {\"alpha\""),
+    ('{"intra": {"alpha": 1e-5, "beta": 1e-9}, "inter": {"alpha": 1e-5, "bta": 1e-9}}', "'inter' must be"),
+    ('{"intra": {"alpha": 1e-5, "beta": 1e-9}}', "'inter' must be .*not None"),
+    ("[1, 2]", "'intra' must be"),
+    ('{"intra": {"alpha": 1e-5, "beta": "fast"}, "inter": {"alpha": 0, "beta": 0}}', "intra.beta='fast' must be"),
+    ('{"intra": {"alpha": -1, "beta": 0}, "inter": {"alpha": 0, "beta": 0}}', "intra.alpha=-1 must be"),
+    ('{"intra": {"alpha": 1e-5, "beta": 1e-9},', "cannot read it as JSON"),
+  ],
+)
+def test_a_bad_calibration_file_is_a_value_error_naming_it(tmp_path, content, message):
+  path = tmp_path / "links.json"
+  path.write_text(content)
+  with pytest.raises(ValueError, match=message) as info:
+    cost_model.load(str(path))
+  assert str(path) in str(info.value)
+
+
+def test_a_calibration_file_loads_and_a_missing_one_is_named(tmp_path):
+  path = tmp_path / "links.json"
+  path.write_text('{"intra": {"alpha": 1e-5, "beta": 0.0}, "inter": {"alpha": 5e-5, "beta": 1e-9}}')
+  assert cost_model.load(str(path)).inter == cost_model.LinkCost(5e-5, 1e-9)
+  with pytest.raises(ValueError, match="neither a preset"):
+    cost_model.load(str(tmp_path / "missing.json"))
+
+
+def _lab_args(**changes):
+  args = dict(bandwidth="50mbit,unshaped", strategies="hierarchical,hitopk@0.001", loopback=False, plot=None)
+  return argparse.Namespace(**{**args, **changes})
+
+
+def test_mesh_lab_bandwidth_labels_are_normalised_once():
+  rates, requested = mesh_lab.check_args(_lab_args(bandwidth="50MBit, Unshaped"))
+  assert rates == {"50mbit": 50_000_000, "unshaped": None}  # the cells' keys and the unshaped lookups agree
+  assert [label for label, _ in requested] == ["hierarchical", "hitopk@0.001"]
+
+
+@pytest.mark.parametrize(
+  "changes, message",
+  [
+    ({"loopback": True}, "the 127.0.0.1 mode cannot shape links \\(50mbit"),
+    ({"strategies": "hierarchical,hitopkk"}, "'hitopkk' is unknown; use one of"),
+    ({"strategies": "hitopk@abc"}, "'abc' is not a valid comm.density"),
+    ({"strategies": "diloco@0"}, "sync_every"),
+    ({"strategies": "hierarchical/float16"}, "neither a wire dtype"),
+    ({"bandwidth": "unshaped", "plot": "lab.png"}, "needs an unshaped and a shaped"),
+    ({"bandwidth": "0.1bit,unshaped"}, "at least 1bit"),
+  ],
+)
+def test_mesh_lab_refuses_bad_arguments_before_any_run(changes, message):
+  with pytest.raises(ValueError, match=message):
+    mesh_lab.check_args(_lab_args(**changes))
+
+
+def test_mesh_lab_accepts_every_strategy_the_config_does():
+  _, requested = mesh_lab.check_args(_lab_args(strategies="auto@0.01,powersgd@2,diloco@4,gtopk@0.01/compact"))
+  assert len(requested) == 4
+
+
+@pytest.mark.parametrize(
+  "script, argv, message",
+  [
+    ("mesh_lab.py", ["--loopback"], "the 127.0.0.1 mode cannot shape links"),
+    ("mesh_lab.py", ["--strategies", "hitopkk"], "'hitopkk' is unknown"),
+    ("mesh_lab.py", ["--experiment", "configs/mesh_experiments.py:nope"], "unknown variant 'nope'"),
+    ("time_to_accuracy.py", ["--report_only", "--strategies", "hitopk@abc"], "is not a valid comm.density"),
+  ],
+)
+def test_the_lab_scripts_exit_with_a_usage_error(script, argv, message):
+  result = subprocess.run([sys.executable, f"benchmarks/{script}", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+  assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+  assert "Traceback" not in result.stderr and "calibrating" not in result.stderr and result.stdout == ""
+
+
+def _cell(buckets, step_seconds=0.5, strategy="hierarchical"):
+  return {"step_seconds": step_seconds, "comm_buckets": buckets, "wire_itemsize": 4, "compact_pairs": False,
+          "strategy": strategy}  # fmt: skip
+
+
+UNSHAPED_FIT = {"intra": {"alpha": 1e-5, "beta": 1e-10}, "inter": {"alpha": 1e-4, "beta": 1e-9}}
+SHAPED_FIT = {"intra": {"alpha": 1e-5, "beta": 1e-10}, "inter": {"alpha": 1e-3, "beta": 1e-7}}
+
+
+def test_mesh_lab_prediction_takes_each_cells_own_buckets():
+  """The unshaped step loses its own collectives and gains the shaped cell's (adaptive fusion and auto plan
+  different buckets at each bandwidth); with the same buckets it is the simulator's move_measured_step."""
+  from light_jax import simulation
+
+  bucket = [("hierarchical", 1_000_000, 0)]
+  same = mesh_lab.predict_step(_cell(bucket), _cell(bucket), UNSHAPED_FIT, SHAPED_FIT, 2, 4)
+  moved_to = cost_model.ClusterCost.from_dict({**UNSHAPED_FIT, "inter": SHAPED_FIT["inter"]})
+  buckets = [simulation.BucketComm("hierarchical", 1_000_000, 0)]
+  unshaped = cost_model.ClusterCost.from_dict(UNSHAPED_FIT)
+  assert same == pytest.approx(simulation.move_measured_step(0.5, buckets, unshaped, moved_to, 2, 4))
+  # No collectives in the unshaped cell: its whole step is compute, and the shaped cell's are added to it.
+  shaped_only = mesh_lab.predict_step(_cell([]), _cell(bucket), UNSHAPED_FIT, SHAPED_FIT, 2, 4)
+  assert shaped_only == pytest.approx(0.5 + moved_to.reduction_seconds("hierarchical", 1_000_000, 2, 4))
+  assert shaped_only > same
+
+
+def test_mesh_lab_predicts_no_diloco_step():
+  """Its buckets are a sync step's, but the median step has no sync."""
+  cell = _cell([("hierarchical", 1_000_000, 0)], strategy="diloco")
+  assert mesh_lab.predict_step(cell, cell, UNSHAPED_FIT, SHAPED_FIT, 2, 4) is None
+
+
+def test_a_job_past_its_deadline_names_the_node_and_is_killed_at_one_deadline():
+  """One deadline for all nodes: node 0 ends after 1 s, node 1 never; the job stops at 1.5 s, not 2.5 s."""
+  script = "import sys, time; time.sleep(1 if sys.argv[-1] == '--process_id=0' else 60)"
+  with LoopbackCluster(2) as cluster:
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"on node\(s\) 1 still ran after 1.5 s"):
+      cluster.run_everywhere([sys.executable, "-c", script], timeout=1.5)
+    assert time.perf_counter() - start < 2.3
+    assert all(p.poll() is not None for p in cluster._processes)
+
+
+def test_sigterm_stops_the_loopback_clusters_processes():
+  previous = signal.getsignal(signal.SIGTERM)
+  cluster = LoopbackCluster(1)
+  sleeper = cluster.run(0, [sys.executable, "-c", "import time; time.sleep(600)"])
+  with pytest.raises(SystemExit) as info:
+    signal.raise_signal(signal.SIGTERM)
+  assert info.value.code == 128 + signal.SIGTERM
+  assert sleeper.poll() is not None and signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_simulate_keys_the_device_sweep_by_simulated_devices_and_takes_a_beta_of_0(tmp_path):
+  """--devices_per_node 3: whole machines, so 8 requested devices are 6; calibrate_links.py writes beta 0 for a
+  level the mesh lacks, and the printout shows it instead of dividing by it."""
+  links = tmp_path / "links.json"
+  links.write_text(json.dumps({"intra": {"alpha": 1e-5, "beta": 0.0}, "inter": {"alpha": 5e-5, "beta": 0.0}}))
+  result = subprocess.run(
+    [sys.executable, "scripts/simulate.py", "--config", "configs/fashion_mnist.py", "--devices_per_node", "3",
+     "--cost_model", str(links), "--sweep", "devices"],
+    cwd=ROOT, capture_output=True, text=True, timeout=300,
+  )  # fmt: skip
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "inter-node unlimited (beta 0)" in result.stdout
+  sweep = json.loads(result.stdout.strip().splitlines()[-1])["sweep"]
+  assert list(next(iter(sweep.values()))) == ["6", "15", "30", "63", "126", "255", "510", "1023"]
