@@ -296,6 +296,9 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
     num_train, num_eval, num_classes, channels = DATASETS[config.data.dataset]
   except KeyError:
     raise ValueError(f"the simulator knows the datasets {sorted(DATASETS)}, not {config.data.dataset!r}") from None
+  # The subsets a run trains and evaluates on, as the input pipeline takes them (0: the whole split).
+  num_train = min(num_train, config.data.train_subset or num_train)
+  num_eval = min(num_eval, config.data.eval_subset or num_eval)
   if config.comm.strategy in (POWERSGD, DILOCO):
     raise ValueError(
       f"the simulator times bucketed strategies ({', '.join(strategies.NAMES)}, auto), not "
