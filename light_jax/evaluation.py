@@ -66,6 +66,8 @@ def evaluate(
     # minutes, when XLA aborted it), while the split's steps were all dispatched ahead
     # (light_jax/xla_flags.py). This is our guard against it; a guess, as the hang does not come on demand.
     jax.block_until_ready(totals)
+  if totals is None:
+    raise data_lib.DataError("the eval split has no examples: give data.dataset an eval split with images in it")
   totals = jax.device_get(totals)
   count = float(totals["count"])
   return {

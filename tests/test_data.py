@@ -1,13 +1,17 @@
 import gzip
+import os
+import subprocess
+import sys
 
+import ml_collections
 import numpy as np
 import pytest
 from PIL import Image
 
-from light_jax.data import DataError, EvalBatches, TrainBatches, fashion_mnist
+from light_jax.data import DataError, EvalBatches, TrainBatches, fashion_mnist, load_dataset
 from light_jax.data.pipeline import pad_crop_flip
 from light_jax.data.transforms import resize_images
-from tests.helpers import random_source
+from tests.helpers import ROOT, random_source
 
 
 def test_pad_crop_flip_matches_a_per_image_loop():
@@ -127,6 +131,60 @@ def test_corrupt_idx_file_is_reported(tmp_path):
     f.write(b"PK\x03\x04 not an idx file")
   with pytest.raises(DataError, match="bad magic number"):
     fashion_mnist.read_idx(str(path))
+  whole = gzip.compress(b"\x00\x00\x08\x01" + (1000).to_bytes(4, "big") + bytes(range(250)) * 4)
+  path.write_bytes(whole[: len(whole) // 2])  # cut off
+  with pytest.raises(DataError, match="not a complete gzip file.*reinstall"):
+    fashion_mnist.read_idx(str(path))
+  path.write_bytes(b"not gzip at all")
+  with pytest.raises(DataError, match="not a complete gzip file.*reinstall"):
+    fashion_mnist.read_idx(str(path))
+
+
+def test_fashion_mnist_data_dir_expands_the_home_directory(tmp_path, monkeypatch):
+  monkeypatch.setenv("HOME", str(tmp_path))
+  config = ml_collections.ConfigDict({"dataset": "fashion_mnist", "data_dir": "~/fmnist", "train_subset": 0})
+  with pytest.raises(DataError, match=f"missing {tmp_path}/fmnist/train-images"):
+    load_dataset(config)
+
+
+_SIGNALS_SCRIPT = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import grain
+from absl import flags
+from light_jax.data import pipeline
+
+if __name__ == "__main__":
+  flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags
+  received = []
+  for sig in (signal.SIGINT, signal.SIGTERM):  # the PreemptionGuard's part: note it, carry on
+    signal.signal(sig, lambda signum, frame: received.append(signum))
+  iterator = pipeline._iterate(grain.MapDataset.range(100_000).map(lambda i: i), 1, 4, workers=1)
+  assert next(iterator) == 0  # the worker is up
+  os.killpg(0, signal.SIGINT)  # a terminal's Ctrl-C, then a scheduler's SIGTERM: to the whole group
+  os.killpg(0, signal.SIGTERM)
+  time.sleep(0.5)
+  assert [next(iterator) for _ in range(1000)] == list(range(1, 1001))
+  iterator.close()
+  assert len(received) == 2
+  print("workers survived")
+"""
+
+
+def test_input_worker_processes_survive_signals_to_the_process_group(tmp_path):
+  """A Ctrl-C or a process-group SIGTERM reaches grain's workers too; they must leave it to the main
+  process (which finishes the step and saves) instead of dying under it."""
+  script = tmp_path / "signals.py"
+  script.write_text(_SIGNALS_SCRIPT)
+  result = subprocess.run(
+    [sys.executable, str(script), ROOT],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    start_new_session=True,  # its own process group: the signals reach it and its workers only
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
+  assert result.returncode == 0 and "workers survived" in result.stdout, result.stderr[-3000:]
 
 
 def test_real_fashion_mnist_loads():

@@ -1,7 +1,9 @@
 """The JPEG input path: image-folder conversion, transforms, bad files, decoded caches, determinism."""
 
 import json
+import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -35,6 +37,37 @@ def test_image_folder_conversion_keeps_labels_and_reports_bad_files(folder):
 def test_missing_converted_folder_says_how_to_make_it(tmp_path):
   with pytest.raises(DataError, match="prepare_image_folder.py"):
     records.FolderRecords(str(tmp_path), "train")
+
+
+def test_damaged_converted_folder_or_cache_says_how_to_fix_it(folder, tmp_path):
+  damaged = str(tmp_path / "converted")
+  shutil.copytree(folder["dir"], damaged)
+  path = os.path.join(damaged, "train.array_record")
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+  with pytest.raises(DataError, match="train.array_record is truncated or damaged.*prepare_image_folder.py"):
+    records.FolderRecords(damaged, "train")
+  shutil.copy(path, tmp_path / "cache.array_record")
+  with pytest.raises(DataError, match="cache.array_record is truncated or damaged.*delete that file"):
+    records.DecodedCache(str(tmp_path / "cache.array_record"))
+  with open(os.path.join(damaged, "info.json"), "w") as f:
+    f.write('{"classes": ["class_00", ')
+  with pytest.raises(DataError, match="info.json is damaged.*prepare_image_folder.py"):
+    records.FolderRecords(damaged, "val")
+
+
+def test_an_empty_eval_split_is_refused_when_loaded(tmp_path):
+  for split in ("train", "val"):
+    os.makedirs(tmp_path / "raw" / split / "cat")
+  (tmp_path / "raw" / "val" / "cat" / "broken.jpg").write_bytes(b"not a jpeg")
+  # A file name that is not UTF-8 is kept (as its bytes), not a UnicodeEncodeError.
+  name = os.fsdecode(b"caf\xe9.jpg")
+  (tmp_path / "raw" / "train" / "cat" / name).write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(0), 32, 32)))
+  records.convert_image_folder(str(tmp_path / "raw"), str(tmp_path / "converted"))
+  assert sorted(os.listdir(tmp_path / "converted")) == ["info.json", "train.array_record", "val.array_record"]
+  assert records.FolderRecords(str(tmp_path / "converted"), "train")[0][1:] == (0, "cat/caf\ufffd.jpg")
+  with pytest.raises(DataError, match="val.array_record holds no images.*FOLDER/val/CLASS_NAME"):
+    records.FolderRecords(str(tmp_path / "converted"), "val")
 
 
 def test_every_kind_of_image_decodes_to_rgb_or_is_refused():

@@ -37,8 +37,9 @@ IMAGENET_STD = (58.395, 57.12, 57.375)
 
 def load_dataset(data_config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySource, DatasetInfo]:
   if data_config.dataset == "fashion_mnist":
-    train = fashion_mnist.load(data_config.data_dir, "train").take(data_config.train_subset)
-    test = fashion_mnist.load(data_config.data_dir, "test").take(data_config.eval_subset)
+    data_dir = os.path.expanduser(data_config.data_dir)
+    train = fashion_mnist.load(data_dir, "train").take(data_config.train_subset)
+    test = fashion_mnist.load(data_dir, "test").take(data_config.eval_subset)
     info = DatasetInfo(
       num_classes=fashion_mnist.NUM_CLASSES,
       image_shape=train.images.shape[1:],

@@ -35,7 +35,7 @@ def candidate_counts(cpus: int | None = None) -> list[int]:
 
 
 def measure(make_iterator: Callable[[int], Iterator], workers: int, seconds: float) -> float:
-  """Batches per second from ``make_iterator(workers)`` after its first batch."""
+  """Batches per second from ``make_iterator(workers)`` after its first max(1, workers) batches."""
   iterator = make_iterator(workers)
   # W workers start together, so when the first batch arrives W - 1 more are nearly done: skip W
   # batches (at least 1) before the clock starts, or more workers would look faster than they are.

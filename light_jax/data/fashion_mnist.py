@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 
 import numpy as np
 
@@ -26,8 +27,14 @@ NUM_CLASSES = 10
 
 def read_idx(path: str) -> np.ndarray:
   """Reads one gzipped IDX file (the MNIST format: magic, dims, big-endian uint8 payload)."""
-  with gzip.open(path, "rb") as f:
-    data = f.read()
+  try:
+    with gzip.open(path, "rb") as f:
+      data = f.read()
+  except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # cut off, or not gzip at all
+    raise DataError(
+      f"{path} is not a complete gzip file ({type(e).__name__}: {e}); the file may be truncated or corrupt: "
+      f"reinstall it ({INSTALL_HINT})."
+    ) from None
   if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
     raise DataError(
       f"{path} is not an unsigned-byte IDX file (bad magic number); the file may be corrupt: "

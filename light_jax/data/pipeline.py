@@ -20,6 +20,10 @@ JPEGs are decoded at that size; an array dataset's augmented images are resized 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
+import time
 
 import grain
 import numpy as np
@@ -179,5 +183,24 @@ def _iterate(dataset: grain.MapDataset, read_threads: int, buffer: int, workers:
   """Iterates ``dataset`` with ``read_threads`` grain threads, in ``workers`` worker processes (0: here)."""
   dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=buffer))
   if workers > 0:
-    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers), worker_init_fn=ignore_signals)
   return iter(dataset)
+
+
+def ignore_signals(*_) -> None:
+  """Initializer of input worker processes (grain's, the decoded cache's): they ignore SIGINT and SIGTERM.
+
+  A terminal Ctrl-C or a process-group SIGTERM reaches the workers too; the main process's
+  PreemptionGuard finishes the step and saves, which needs them alive, and stops them when it exits.
+  Should the main process die without stopping them (a second signal exits at once), they exit too.
+  """
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  parent = os.getppid()
+
+  def exit_with_parent():
+    while os.getppid() == parent:
+      time.sleep(1)
+    os._exit(1)
+
+  threading.Thread(target=exit_with_parent, daemon=True).start()

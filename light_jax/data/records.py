@@ -30,6 +30,7 @@ import numpy as np
 from absl import logging
 
 from light_jax.data import transforms
+from light_jax.data.pipeline import ignore_signals
 from light_jax.data.source import DataError
 
 _FOLDER_HEADER = struct.Struct("<iI")  # label, file-name length
@@ -37,18 +38,34 @@ _CACHE_HEADER = struct.Struct("<iHH")  # label, height, width (0 x 0: bad source
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
 
 
+@contextlib.contextmanager
 def _writer(path: str):
+  """An ArrayRecord writer to a temporary file renamed to ``path`` at the end; on error it is closed and
+  removed (no stray ``.tmp`` files)."""
   from array_record.python.array_record_module import ArrayRecordWriter
 
+  tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # unique even when hosts sharing a directory have equal pids
   # group_size:1 keeps every record separately addressable (random access reads one record); no
   # compression: decompressing pixels would cost the CPU time the decoded cache exists to save.
-  return ArrayRecordWriter(path, "group_size:1,uncompressed")
+  writer = ArrayRecordWriter(tmp, "group_size:1,uncompressed")
+  try:
+    yield writer
+  except BaseException:
+    writer.close()
+    os.remove(tmp)
+    raise
+  writer.close()
+  os.replace(tmp, path)
 
 
-def _reader(paths: list[str]):
+def _reader(path: str, fix: str):
   import grain
 
-  return grain.sources.ArrayRecordDataSource(paths)
+  try:
+    return grain.sources.ArrayRecordDataSource([path])
+  except RuntimeError as e:  # riegeli's, often with an empty message
+    reason = f": {str(e).splitlines()[0][:200]}" if str(e).strip() else ""
+    raise DataError(f"{path} is truncated or damaged (not a readable ArrayRecord file{reason}); {fix}.") from None
 
 
 class TfdsRecords:
@@ -92,11 +109,24 @@ class FolderRecords:
         f"convert it once with `python scripts/prepare_image_folder.py --folder FOLDER "
         f"--out {data_dir}`."
       )
-    with open(info_path) as f:
-      info = json.load(f)
-    self.classes = info["classes"]
+    try:
+      with open(info_path) as f:
+        self.classes = json.load(f)["classes"]
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+      raise DataError(
+        f"{info_path} is damaged ({type(e).__name__}: {e}); convert the folder again with "
+        f"`python scripts/prepare_image_folder.py --folder FOLDER --out {data_dir}`."
+      ) from None
     self.num_classes = len(self.classes)
-    self._source = _reader([path])
+    self._source = _reader(
+      path, f"convert the folder again with `python scripts/prepare_image_folder.py --folder FOLDER --out {data_dir}`"
+    )
+    if not len(self._source):  # found here, not by the evaluation after a whole epoch of training
+      raise DataError(
+        f"{path} holds no images: the image folder's {split}/ had none that decode (info.json lists the "
+        f"skipped files). Put images in FOLDER/{split}/CLASS_NAME/ and convert it again with "
+        f"`python scripts/prepare_image_folder.py --folder FOLDER --out {data_dir}`."
+      )
     self.fingerprint = f"folder:{os.path.abspath(path)}:{os.path.getsize(path)}:{len(self._source)}"
 
   def __len__(self) -> int:
@@ -106,7 +136,8 @@ class FolderRecords:
     record = self._source[index]
     label, name_length = _FOLDER_HEADER.unpack_from(record)
     start = _FOLDER_HEADER.size
-    return record[start + name_length :], label, record[start : start + name_length].decode()
+    # "replace": a file name that was not UTF-8 is kept as its bytes (os.fsencode) and only shown.
+    return record[start + name_length :], label, record[start : start + name_length].decode(errors="replace")
 
 
 class ListRecords:
@@ -146,32 +177,30 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
     if unknown:
       raise DataError(f"{root} has class folders that {first} lacks: {unknown[:5]}; every split needs the same classes")
     written, skipped, empty = 0, [], []
-    writer = _writer(os.path.join(out_dir, f"{split}.array_record.tmp"))
-    for label, name in enumerate(classes):
-      class_dir = os.path.join(root, name)
-      files = (
-        sorted(f for f in os.listdir(class_dir) if f.lower().endswith(IMAGE_EXTENSIONS))
-        if os.path.isdir(class_dir)
-        else []
-      )
-      if not files:
-        empty.append(name)
-        logging.warning("image folder: class %r has no images in %s", name, root)
-      for file_name in files:
-        with open(os.path.join(class_dir, file_name), "rb") as f:
-          data = f.read()
-        try:
-          # A cheap full check: the whole image at 1/8 scale (the region decoder would stop early).
-          transforms.decode_crop_resize(data, 8, region_decode=False)
-        except transforms.BadImage as e:
-          skipped.append(f"{name}/{file_name}")
-          logging.warning("image folder: skipping %s/%s: %s", name, file_name, e)
-          continue
-        rel = f"{name}/{file_name}".encode()
-        writer.write(_FOLDER_HEADER.pack(label, len(rel)) + rel + data)
-        written += 1
-    writer.close()
-    os.replace(os.path.join(out_dir, f"{split}.array_record.tmp"), os.path.join(out_dir, f"{split}.array_record"))
+    with _writer(os.path.join(out_dir, f"{split}.array_record")) as writer:
+      for label, name in enumerate(classes):
+        class_dir = os.path.join(root, name)
+        files = (
+          sorted(f for f in os.listdir(class_dir) if f.lower().endswith(IMAGE_EXTENSIONS))
+          if os.path.isdir(class_dir)
+          else []
+        )
+        if not files:
+          empty.append(name)
+          logging.warning("image folder: class %r has no images in %s", name, root)
+        for file_name in files:
+          with open(os.path.join(class_dir, file_name), "rb") as f:
+            data = f.read()
+          try:
+            # A cheap full check: the whole image at 1/8 scale (the region decoder would stop early).
+            transforms.decode_crop_resize(data, 8, region_decode=False)
+          except transforms.BadImage as e:
+            skipped.append(f"{name}/{file_name}")
+            logging.warning("image folder: skipping %s/%s: %s", name, file_name, e)
+            continue
+          rel = os.fsencode(f"{name}/{file_name}")  # the name's own bytes, UTF-8 or not
+          writer.write(_FOLDER_HEADER.pack(label, len(rel)) + rel + data)
+          written += 1
     info["splits"][split] = {"examples": written, "skipped": skipped, "empty_classes": empty}
     logging.info(
       "image folder %s: %d images written, %d skipped, %d empty classes", split, written, len(skipped), len(empty)
@@ -225,14 +254,16 @@ def estimate_cache_bytes(records, shorter: int, sample: int = 32) -> int:
 def build_disk_cache(records, path: str, shorter: int, workers: int | None = None) -> None:
   """Decodes every record once (``workers`` processes) and writes the cache atomically."""
   workers = workers or os.cpu_count() or 1
-  tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # unique even when hosts sharing cache_dir have equal pids
-  writer = _writer(tmp)
   start, n = time.time(), len(records)
   chunk = 256
   # spawn, not fork: the caller is multithreaded (JAX), and forking it can deadlock.
   context = multiprocessing.get_context("spawn")
-  pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) if workers > 1 else None
-  with pool or contextlib.nullcontext():
+  pool = (
+    concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=ignore_signals)
+    if workers > 1
+    else None
+  )
+  with pool or contextlib.nullcontext(), _writer(path) as writer:
     for first in range(0, n, chunk):
       items = [records[i] for i in range(first, min(first + chunk, n))]
       for record in (pool.map if pool else map)(_decode_for_cache, items, [shorter] * len(items)):
@@ -241,8 +272,6 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
         logging.info(
           "building the decoded cache %s: %d / %d images (%.0f s)", path, first + len(items), n, time.time() - start
         )
-  writer.close()
-  os.replace(tmp, path)
   logging.info(
     "decoded cache %s built: %d images, %.1f MB, %.0f s", path, n, os.path.getsize(path) / 1e6, time.time() - start
   )
@@ -257,7 +286,7 @@ class DecodedCache:
 
   def __init__(self, path: str, in_memory: bool = False):
     self.path = path
-    self._source = _reader([path])
+    self._source = _reader(path, "delete that file to rebuild the decoded cache")
     self._memory = [self._source[i] for i in range(len(self._source))] if in_memory else None
     self.in_memory = in_memory
 
