@@ -233,9 +233,9 @@ def bucket_comms(reducer, params) -> list[BucketComm]:
   comms = []
   for b, positions in enumerate(buckets):
     elements = sum(math.prod(leaves[order[i]].shape) for i in positions)
-    one = reducer.for_bucket(b)
+    one = reducer.bucket_reducer(b)
     k = one.k_for(elements)
-    spec = one.bucket_strategy(elements)
+    spec = one.strategy_for_size(elements)
     comms.append(
       BucketComm(
         spec.name,

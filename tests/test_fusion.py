@@ -195,7 +195,7 @@ def test_auto_plans_its_candidates_with_compact_pairs_from_the_config():
   ours = planned[True]
   assert ours.compact_pairs and any(strategies.sends_compact_pairs(c) for c in ours.choices)
   for b, choice in enumerate(ours.choices):
-    assert ours.for_bucket(b).compact_pairs == strategies.sends_compact_pairs(choice)
+    assert ours.bucket_reducer(b).compact_pairs == strategies.sends_compact_pairs(choice)
   bytes_ = {c: r.bytes_per_step(profile.params).inter_node for c, r in planned.items()}
   assert bytes_[True] < 0.75 * bytes_[False]
 

@@ -153,7 +153,7 @@ def load(name_or_path: str) -> ClusterCost:
 def bucket_seconds(cost: ClusterCost, reducer: GradientReducer, elements: int) -> float:
   """Modelled time of ``reducer`` (one strategy) reducing a bucket of ``elements``: its strategy, or the dense
   fallback for a bucket too small to compress, with its k, wire dtype and pair format."""
-  name, k = reducer.bucket_strategy(elements).name, reducer.k_for(elements)
+  name, k = reducer.strategy_for_size(elements).name, reducer.k_for(elements)
   wire_itemsize = jnp.dtype(reducer.wire_dtype).itemsize
   return cost.reduction_seconds(
     name, elements, reducer.nodes, reducer.local, k, wire_itemsize=wire_itemsize, compact_pairs=reducer.compact_pairs

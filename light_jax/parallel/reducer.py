@@ -126,7 +126,7 @@ class GradientReducer:
   @property
   def spec(self) -> strategies.Strategy:
     if self.strategy == AUTO:
-      raise ValueError("strategy='auto' has a strategy per bucket: use for_bucket(b), after cost_model.plan_auto")
+      raise ValueError("strategy='auto' has a strategy per bucket: use bucket_reducer(b), after cost_model.plan_auto")
     return strategies.get(self.strategy)
 
   @property
@@ -152,7 +152,7 @@ class GradientReducer:
       + (", EF21 estimates" if self.feedback == "ef21" else "")
     )
 
-  def for_bucket(self, bucket: int) -> GradientReducer:
+  def bucket_reducer(self, bucket: int) -> GradientReducer:
     """The one-strategy reducer of bucket ``bucket``: this one, or for "auto" the strategy chosen for it."""
     if self.strategy != AUTO:
       return self
@@ -204,13 +204,16 @@ class GradientReducer:
     A bucket whose share would exceed its unit sends whole (``num_selected`` caps k), and what it gives up is
     not passed on, so near density 1 the total falls short of density x all units."""
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
-    units = [self.for_bucket(b).topk_unit(n) for b, n in enumerate(sizes) if self.for_bucket(b).is_compressed(n)]
+    units = [
+      self.bucket_reducer(b).topk_unit(n) for b, n in enumerate(sizes) if self.bucket_reducer(b).is_compressed(n)
+    ]
     if not units:
       return self
     return dataclasses.replace(self, sqrt_crossover_size=(sum(units) / sum(math.sqrt(u) for u in units)) ** 2)
 
-  def bucket_strategy(self, elements: int) -> strategies.Strategy:
-    """The strategy that reduces a bucket of ``elements``: this one, or its dense fallback."""
+  def strategy_for_size(self, elements: int) -> strategies.Strategy:
+    """The strategy that reduces a bucket of ``elements`` entries: this reducer's, or its dense fallback for a
+    bucket too small to compress (``is_compressed``). With "auto", ask ``bucket_reducer(b)``."""
     spec = self.spec
     return spec if not spec.compressed or self.is_compressed(elements) else strategies.get(spec.dense_fallback)
 
@@ -227,8 +230,8 @@ class GradientReducer:
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
     state = {}
     for b, n in enumerate(sizes):
-      if self.for_bucket(b).is_compressed(n):
-        zeros = jnp.zeros((self.nodes, self.local, self.for_bucket(b).topk_unit(n)), jnp.float32)
+      if self.bucket_reducer(b).is_compressed(n):
+        zeros = jnp.zeros((self.nodes, self.local, self.bucket_reducer(b).topk_unit(n)), jnp.float32)
         if self.feedback == "ef21":
           state[_key(b)] = compression.Estimate(zeros, zeros, zeros)
         else:
@@ -269,20 +272,20 @@ class GradientReducer:
     for b, (bucket, size) in enumerate(zip(buckets, sizes)):
       members = [order[i] for i in bucket]
       flat = fusion_lib.pack([leaves[m] for m in members])
-      bucket_reducer = self.for_bucket(b)
-      spec = bucket_reducer.bucket_strategy(size)
+      this = self.bucket_reducer(b)
+      spec = this.strategy_for_size(size)
       if spec.compressed:
         # This device's block of the (nodes, local, ...) arrays.
         memory = jax.tree.map(lambda x: x[0, 0], comm_state[_key(b)])
         flat, memory = spec.reduce(
           flat,
           memory,
-          bucket_reducer.k_for(size),
+          this.k_for(size),
           self.selector,
           self.error_feedback,
           wire_dtype,
           self.correction,
-          bucket_reducer.compact_pairs,
+          this.compact_pairs,
         )
         new_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
       else:
@@ -303,8 +306,8 @@ class GradientReducer:
   def bucket_plan(self, params: PyTree) -> list[tuple[str, int, int]]:
     """One step's collectives: (strategy, elements, k) per bucket, in reduction order."""
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
-    buckets = [(self.for_bucket(b), n) for b, n in enumerate(sizes)]
-    return [(one.bucket_strategy(n).name, n, one.k_for(n)) for one, n in buckets]
+    buckets = [(self.bucket_reducer(b), n) for b, n in enumerate(sizes)]
+    return [(one.strategy_for_size(n).name, n, one.k_for(n)) for one, n in buckets]
 
   def bytes_per_step(self, params: PyTree) -> CommBytes:
     itemsize = jnp.dtype(jax.tree.leaves(params)[0].dtype).itemsize

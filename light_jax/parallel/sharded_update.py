@@ -161,7 +161,7 @@ class ShardedUpdate:
     shards, comm_state = {}, dict(comm_state)
     for b, bucket in enumerate(self.buckets):
       flat = fusion_lib.pack([leaves[m] for m in bucket.members]).astype(jnp.float32)
-      if base.bucket_strategy(flat.size).compressed:
+      if base.strategy_for_size(flat.size).compressed:
         memory = jax.tree.map(lambda x: x[0, 0], comm_state[_key(b)])
         shard, memory = collectives.hierarchical_topk_reduce_to_shard(
           flat,
@@ -232,7 +232,7 @@ def sharded_update(
     sizes = [math.prod(leaves[m].shape) for m in members]
     # The shard layout of the bucket's collective: a dense bucket's as the hierarchical reduction pads it, a
     # hitopk bucket's into plain local shards (hitopk pads so whatever the wire dtype).
-    dense = not base.bucket_strategy(sum(sizes)).compressed
+    dense = not base.strategy_for_size(sum(sizes)).compressed
     padded = collectives.hierarchical_padded_size(sum(sizes), base.local, base.nodes, narrow and dense)
     buckets.append(split_into_shards(members, sizes, padded // base.local, base.local))
   decays = tuple(bool(d) for d in jax.tree.leaves(optim.decay_mask(params)))
