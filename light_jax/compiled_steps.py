@@ -80,6 +80,10 @@ class CompiledSteps:
     self.final_density = None  # (first step, density) of the last comm.final_density_epochs epochs
     if top_k and comm.final_density_epochs > 0:
       self.final_density = (plan.step_at(plan.num_epochs - comm.final_density_epochs), comm.final_density)
+    # Where the epoch's loss accumulators restart and DiLoCo's machines sync: each epoch's first step, and the
+    # run's end, which a max_steps may put inside an epoch: its evaluation must see one model, not stale shared
+    # parameters.
+    self.record_boundaries = tuple(sorted({*plan.first_steps, schedules.total_steps(config.max_steps, plan)}))
     self._compiled: dict[tuple, tuple[Callable, CommBytes]] = {}
 
   def batch_shape_at(self, step: int) -> tuple[int, ...]:
@@ -120,7 +124,7 @@ class CompiledSteps:
       self.info,
       label_smoothing=self.config.optimizer.label_smoothing,
       inject_nan_at_step=self.config.train.inject_nan_at_step,
-      epoch_first_steps=tuple(self.plan.first_steps),
+      epoch_first_steps=self.record_boundaries,
       micro_batches=self.config.micro_batches,
       loss_scale_period=self.config.model.loss_scale_period,
       local_tx=optim.local_transform(self.config),

@@ -134,6 +134,11 @@ class EpochPlan:
     return len(set(self.batch_sizes)) == 1
 
 
+def total_steps(max_steps: int, plan: EpochPlan) -> int:
+  """The steps a run takes: the plan's, or ``max_steps`` (the config's; 0: no limit) if fewer."""
+  return min(max_steps, plan.num_steps) if max_steps else plan.num_steps
+
+
 def peak_learning_rate(optimizer: ml_collections.ConfigDict, global_batch_size: int) -> float:
   """The linear scaling rule: ``base_lr * global_batch_size / 256`` (Goyal et al. 2017)."""
   return optimizer.base_lr * global_batch_size / 256

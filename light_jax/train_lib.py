@@ -75,7 +75,7 @@ def train_and_evaluate(
     logging.info("%s", mesh_lib.describe(mesh))
     train_batches, eval_batches, info = make_input(config)
     plan = train_batches.plan  # step -> epoch, image size, batch size
-    total_steps = min(config.max_steps, plan.num_steps) if config.max_steps else plan.num_steps
+    total_steps = schedules.total_steps(config.max_steps, plan)
 
     model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
     schedule = schedules.learning_rate_schedule(config.optimizer, plan)

@@ -98,3 +98,16 @@ def test_config_builds_diloco_with_the_inner_optimizer_and_refuses_bad_values():
     setattr(bad.comm, field, value)
     with pytest.raises(config_lib.ConfigError, match=message):
       config_lib.validate(bad, 8)
+
+
+def test_a_run_that_max_steps_ends_between_syncs_syncs_at_its_end(tmp_path):
+  """The final evaluation and checkpoint see one model: the machines sync at the run's last step too."""
+  import orbax.checkpoint as ocp
+
+  from light_jax import train_lib
+  from tests.helpers import small_config
+
+  config = small_config(comm__strategy="diloco", comm__sync_every=8, max_steps=5, model__width=8)
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  saved = ocp.StandardCheckpointer().restore(tmp_path / "checkpoints" / "5" / "state")
+  assert saved["step"] == 5 and all(not np.any(d) for d in jax.tree.leaves(saved["comm_state"]["delta"]))
