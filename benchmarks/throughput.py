@@ -108,10 +108,11 @@ def main(argv):
   peak = peak_memory_bytes(step_fn)
 
   rng = np.random.default_rng(0)
+  sharding = mesh_lib.batch_sharding(mesh)
   batches = [
     (
-      jax.device_put(rng.integers(0, 256, (global_batch, size, size, 3), dtype=np.uint8), compiled.sharding),
-      jax.device_put(rng.integers(0, info.num_classes, global_batch).astype(np.int32), compiled.sharding),
+      jax.device_put(rng.integers(0, 256, (global_batch, size, size, 3), dtype=np.uint8), sharding),
+      jax.device_put(rng.integers(0, info.num_classes, global_batch).astype(np.int32), sharding),
     )
     for _ in range(2)
   ]
