@@ -71,10 +71,12 @@ def _start_jax(config):
   explicit = _COORDINATOR.value is not None
   detected = any(os.environ.get(v) for v in _CLUSTER_ENV)
   num_processes = _NUM_PROCESSES.value or 1
+  if detected and not explicit:  # the process count the cluster manager announces, for the CPU devices' split
+    num_processes = int(os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
   if not isinstance(config.mesh.cpu_devices, int) or config.mesh.cpu_devices < 0:
     cli.fail(f"invalid config: mesh.cpu_devices={config.mesh.cpu_devices!r} must be >= 0 (0: the platform's own).")
   if config.mesh.cpu_devices:
-    # Simulated CPU devices (tests, laptops): the total is split over the --num_processes processes. No effect on GPUs.
+    # Simulated CPU devices (tests, laptops): the total is split over the processes. No effect on GPUs.
     jax.config.update("jax_num_cpu_devices", max(config.mesh.cpu_devices // num_processes, 1))
   timeouts = dict(
     initialization_timeout=_INIT_TIMEOUT.value, heartbeat_timeout_seconds=max(int(2 * _PEER_TIMEOUT.value), 1)

@@ -546,6 +546,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     value = config.train[field]
     if type(value) is not int or (value != -1 and value < lowest):  # (a bool is an int to isinstance)
       raise ConfigError(f"train.{field}={value!r} must be -1 (off) or an integer >= {lowest}.")
+  if config.train.inject_hang_at_step != -1 and num_processes == 1:
+    # Only the other processes' watchdog (--step_timeout) ends a hang; one process alone would hang for good.
+    raise ConfigError(
+      "train.inject_hang_at_step is a drill for multi-process runs (the other processes detect the hang); "
+      "with one process nothing would end it. Run several processes (--num_processes), or set it to -1."
+    )
   _positive("global_batch_size", config.global_batch_size)
   _positive("data.eval_batch_size", config.data.eval_batch_size)
   train_batches = {

@@ -57,7 +57,9 @@ class _Registered:
 
 
 class Hooks:
-  """Hooks in registration order; ``run`` calls those due and returns the last stop reason given."""
+  """Hooks in registration order; ``run`` calls those due and returns the first stop reason given, so the order
+  ranks the reasons too: the trainer adds its non-finite check before its preemption check, so that a run with
+  both in one check window stops as non-finite (exit code 3), not as preempted (0)."""
 
   def __init__(self):
     self._hooks: list[_Registered] = []
@@ -70,7 +72,8 @@ class Hooks:
     stop = None
     for hook in self._hooks:
       if hook.due(info.step):
-        stop = hook.fn(info) or stop
+        reason = hook.fn(info)  # every due hook runs, a stop reason given or not
+        stop = stop or reason
     return stop
 
 

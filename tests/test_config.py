@@ -37,6 +37,7 @@ def test_default_configs_validate():
     ({"train__profile_steps": "0:3"}, r"train.profile_steps='0:3' is not 'A:B' with 1 <= A < B"),  # was a no-op
     ({"train__inject_hang_at_step": 0}, r"train.inject_hang_at_step=0 must be -1 \(off\) or an integer >= 1"),
     ({"train__inject_nan_at_step": -3}, r"train.inject_nan_at_step=-3 must be -1 \(off\) or an integer >= 0"),
+    ({"train__inject_hang_at_step": 3}, r"train.inject_hang_at_step is a drill for multi-process runs"),
     ({"train__inject_hang_at_step": True}, r"train.inject_hang_at_step=True must be -1 \(off\) or an integer >= 1"),
     ({"comm__fusion": "bucketed"}, r"comm.fusion='bucketed' is unknown; use one of \['none', 'fixed', 'adaptive'\]"),
     (

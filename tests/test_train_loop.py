@@ -29,6 +29,11 @@ def test_hooks_run_by_period_and_predicate_in_order():
   stops = [hooks.run(StepInfo(step, None, None, 8, None)) for step in range(1, 7)]
   assert calls == [("odd", 1), ("every3", 3), ("odd", 3), ("odd", 5), ("every3", 6)]
   assert stops == [None, None, None, None, "stop", None]
+  # Two reasons at one step: the first registered wins, and every due hook still runs.
+  ranked = Hooks()
+  for reason in ("nonfinite", "preempted"):
+    ranked.add(lambda i, reason=reason: calls.append(reason) or reason, every=1)
+  assert ranked.run(StepInfo(7, None, None, 8, None)) == "nonfinite" and calls[-2:] == ["nonfinite", "preempted"]
 
 
 def test_max_steps_stops_mid_epoch_evaluates_and_writes_the_summary(tmp_path):
