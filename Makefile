@@ -81,7 +81,8 @@ time-to-accuracy: .venv
 	$(PY) benchmarks/time_to_accuracy.py --nodes 2 --local 4 --bandwidth 50mbit \
 	  --strategies hierarchical,hitopk@0.01,hitopk@0.001,gtopk@0.01 --target 0.92 --plot docs/time_to_accuracy.png
 
-# The large-batch study (README "Large batch"): whole runs, one after the other (about an hour here).
+# The large-batch study (README "Large batch"): whole runs, one after the other; every row is about 40 hours on
+# these 2 cores (a 28-epoch run at batch 4,096 takes 16-18 minutes), so --only LABELS picks some.
 large-batch: .venv
 	$(PY) benchmarks/large_batch.py --workdir runs/large_batch --plot docs/large_batch.png
 

@@ -141,7 +141,7 @@ RUNS = {
     f"sgd_4096_w5_seed{s}": (
       BASE,
       [*B4096, *E28, *W5, f"--config.seed={s}"],
-      f":large_batch with seed {s} warmed up over 5 epochs instead of 3",
+      f":large_batch as it was then (cosine decay) with seed {s}, warmed up over 5 epochs instead of 3",
     )
     for s in range(7)
   },
@@ -232,7 +232,8 @@ RUNS = {
   "sgd_4096_w3_lr015": (
     BASE,
     [*B4096, *E28, *W3, "--config.optimizer.base_lr=0.15"],
-    ":large_batch at base lr 0.15 (peak 2.4) instead of 0.2 (3.2): the uncompressed side of the lr015 row",
+    ":large_batch as it was then (3 warm-up epochs, cosine) at base lr 0.15 (peak 2.4) instead of 0.2 (3.2): the "
+    "uncompressed side of the lr015 row",
   ),
   "sgd_4096_w3_hitopk_dgc": (
     BASE,
@@ -448,12 +449,13 @@ RUNS = {
   "sgd_1024_w3_hitopk_dgc_per_tensor": (
     BASE,
     [*PER_TENSOR, *B1024],
-    ":large_batch_hitopk at batch 1,024: 4x the steps (1,624), so 4x the entries sent per weight, same density",
+    "the per-tensor Nesterov run (:large_batch_hitopk without its clipping) at batch 1,024: 4x the steps (1,624), "
+    "so 4x the entries sent per weight, same density",
   ),
   "sgd_1024_w3": (
     BASE,
     [*B4096, *E28, *W3, *B1024],
-    ":large_batch at batch 1,024: the uncompressed side of the row above",
+    ":large_batch as it was then (3 warm-up epochs, cosine) at batch 1,024: the uncompressed side of the row above",
   ),
   "sgd_1024_w3_hitopk_dgc_per_tensor_seed1": (
     BASE,
