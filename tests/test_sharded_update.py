@@ -8,6 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 import pytest
 
@@ -25,7 +26,7 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
   """``strategy`` "hitopk+mc": hitopk with DGC's momentum correction (the momentum and SGD's decay move);
   "+update": its residuals in learning-rate-weighted units, under a decaying learning rate; "+unmasked":
   without momentum factor masking; "+compact": with compact (bfloat16, uint16) pairs; "+ef21": EF21's estimates
-  (comm.feedback) instead of residuals."""
+  (comm.feedback) instead of residuals; "+bfloat16": the dense hops in bfloat16 (comm.dtype)."""
   config = ml_collections.ConfigDict({"optimizer": _config(optimizer).optimizer})
   opt = config.optimizer
   opt.update(lars_trust="mlperf" if optimizer == "lars" else "optax", sharded_update=sharded)
@@ -51,6 +52,8 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
     options["feedback"] = "ef21"
   if strategy.endswith("+compact"):
     options["compact_pairs"] = True
+  if strategy.endswith("+bfloat16"):
+    options["wire_dtype"] = "bfloat16"
   reducer = reducer_lib.make_gradient_reducer(strategy.split("+")[0], *shape, "fixed", bucket_bytes, **options)
   model = TinyCNN()
   if sharded:
@@ -103,6 +106,19 @@ def test_sharded_update_takes_the_replicated_steps(shape, optimizer, bucket_byte
     residuals = [k for k in sharded.comm_state if k != "optimizer"]
     assert residuals and residuals == list(replicated.comm_state)
     assert _max_diff([sharded.comm_state[k] for k in residuals], [replicated.comm_state[k] for k in residuals]) < 1e-6
+
+
+def test_a_bfloat16_wire_carries_the_updates_and_leaves_the_parameters_float32():
+  """With comm.dtype=bfloat16 the sharded update gathers the updates at bfloat16, not the new parameters: the
+  parameters stay float32 (rounded to bfloat16 every step, an update below half a bfloat16 step would vanish),
+  and the run stays as close to the replicated one as the rounding of the gradients' hops allows."""
+  batches, info = _batches(4)
+  replicated, _ = _train((2, 4), "sgd", False, batches, info, 4096, "hierarchical+bfloat16")
+  sharded, _ = _train((2, 4), "sgd", True, batches, info, 4096, "hierarchical+bfloat16")
+  leaves = [np.asarray(x) for x in jax.tree.leaves(sharded.params)]
+  off_bfloat16 = sum(int(np.sum(x != x.astype(jnp.bfloat16).astype(np.float32))) for x in leaves)
+  assert off_bfloat16 > sum(x.size for x in leaves) // 2
+  assert _max_diff(sharded.params, replicated.params) < 1e-3
 
 
 @pytest.mark.slow  # three train.py runs, ~2 min

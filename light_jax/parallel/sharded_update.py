@@ -198,11 +198,14 @@ class ShardedUpdate:
     updates, state = self._tail.update(direction, state, dict(zip(grads, param_shards)))
     new = list(leaves)
     wire = jnp.dtype(self.base.wire_dtype)
-    for b, (bucket, p) in enumerate(zip(self.buckets, param_shards)):
-      full = collectives.gather_local_shards(p + updates[_key(b)], wire)
+    for b, bucket in enumerate(self.buckets):
+      # The updates cross the wire, not the new parameters: at a narrow wire dtype the parameters would be
+      # rounded to it every step (an update below half a bfloat16 step would vanish). Every device adds the
+      # same gathered update to the same parameters, so the replicas stay equal.
+      update = collectives.gather_local_shards(updates[_key(b)], wire).astype(jnp.float32)
       members = [leaves[m] for m in bucket.members]
-      for m, x in zip(bucket.members, fusion_lib.unpack(full, members)):
-        new[m] = x.astype(leaves[m].dtype)
+      for m, u in zip(bucket.members, fusion_lib.unpack(update, members)):
+        new[m] = (leaves[m] + u).astype(leaves[m].dtype)
     comm_state = dict(comm_state, optimizer=jax.tree.map(lambda x: x[None, None], state))
     return jax.tree.unflatten(treedef, new), opt_state, comm_state
 
