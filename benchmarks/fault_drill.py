@@ -53,7 +53,8 @@ def main():
     "--config.log_every_steps=4",
   ]
   total_steps = 192
-  root = args.workdir or tempfile.mkdtemp(prefix="fault_drill_")
+  # train.py runs in ROOT: a relative workdir would be read here and written there.
+  root = os.path.abspath(args.workdir) if args.workdir else tempfile.mkdtemp(prefix="fault_drill_")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
 
   def start(workdir):

@@ -33,6 +33,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from light_jax import cli  # noqa: E402
 from light_jax.data import ImageSource, records, transforms  # noqa: E402
 
 CACHE_PX = {128: 160, 224: 256}  # shorter side of the cached copy for each training size
@@ -73,6 +74,11 @@ def main():
   parser.add_argument("--seconds", type=float, default=2.0, help="per path, size and round")
   parser.add_argument("--workdir", default="", help="where the cache files go (default: a temporary dir)")
   args = parser.parse_args()
+  workdir = args.workdir or tempfile.mkdtemp(prefix="input_bench_")
+  try:  # before the minutes of work that end in it
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    cli.fail(f"--workdir={args.workdir}: cannot create it ({e.strerror}); choose another directory")
 
   if not transforms.region_decoding_available():
     print("warning: the JPEG region decoder was not built (see setup.py): 'jpeg' decodes whole images", file=sys.stderr)
@@ -85,7 +91,6 @@ def main():
     file=sys.stderr,
   )
   encoded = records.ListRecords([(j, i % 10, f"img_{i}.JPEG") for i, j in enumerate(jpegs)])
-  workdir = args.workdir or tempfile.mkdtemp(prefix="input_bench_")
 
   paths = {}
   for size in (128, 224):

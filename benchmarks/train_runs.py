@@ -31,9 +31,12 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
   workdir holds a checkpoint of the same command, and up to ``retries`` times when train.py dies (a
   signal, an unexpected error, a failed peer) after writing one; not after a deliberate stop (a bad input,
   a non-finite loss), which would stop again. ``rerun`` starts over."""
+  workdir = os.path.abspath(workdir)  # train.py runs in ROOT: a relative one would be read here and written there
   command = [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
   stamp = os.path.join(workdir, "command.txt")
-  same_command = _read(stamp) == shlex.join(command[1:])
+  # A stamp from before workdirs were absolute names it relative to ROOT (the studies ran from there).
+  relative = [*command[1:3], f"--workdir={os.path.relpath(workdir, ROOT)}", *command[4:]]
+  same_command = _read(stamp) in (shlex.join(command[1:]), shlex.join(relative))
   if not rerun and same_command and os.path.exists(os.path.join(workdir, "summary.json")):
     print(f"{label}: reusing {workdir}", file=sys.stderr)
     return

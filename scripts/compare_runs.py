@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from light_jax import metrics  # noqa: E402
+from light_jax import cli, metrics  # noqa: E402
 
 
 def main():
@@ -23,7 +23,14 @@ def main():
   runs = {}
   for spec in args.runs:
     label, _, workdir = spec.partition("=")
-    runs[label] = metrics.read_metrics(workdir)
+    if not label or not workdir:
+      cli.fail(f"{spec!r} is not LABEL=WORKDIR; e.g. dense=runs/fashion_mnist")
+    try:
+      runs[label] = metrics.read_metrics(workdir)
+    except (FileNotFoundError, NotADirectoryError):
+      cli.fail(f"{spec}: no {os.path.join(workdir, 'metrics.jsonl')}; give the workdir of a train.py run")
+    if not runs[label]:
+      cli.fail(f"{spec}: {os.path.join(workdir, 'metrics.jsonl')} holds no evaluation yet; give a run that has one")
   metrics.plot_comparison(runs, args.out, args.title)
   finals = {label: records[-1] for label, records in runs.items()}
   print(f"{'run':<16}{'epochs':>8}{'test top-1':>12}{'test top-5':>12}{'inter-node B/step':>20}")

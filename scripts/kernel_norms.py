@@ -17,12 +17,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from light_jax import cli  # noqa: E402
+
 
 def newest_checkpoint(workdir: str) -> str:
   directory = os.path.join(workdir, "checkpoints")
   steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
   if not steps:
-    raise SystemExit(f"{workdir}: no checkpoint under {directory}; is it a train.py workdir with a saved step?")
+    cli.fail(f"{workdir}: no checkpoint under {directory}; is it a train.py workdir with a saved step?")
   return os.path.join(directory, str(steps[-1]), "state")
 
 
@@ -34,14 +36,15 @@ def main() -> None:
   for workdir in args.workdirs:
     path = os.path.join(workdir, "summary.json")
     if not os.path.exists(path):
-      raise SystemExit(f"{workdir}: no summary.json; kernel norms need a finished train.py run")
+      cli.fail(f"{workdir}: no summary.json; kernel norms need a finished train.py run")
     with open(path) as f:
       summaries.append(json.load(f))
   config = summaries[0]["config"]
-  devices = {s["config"]["mesh"]["nodes"] * s["config"]["mesh"]["local"] for s in summaries}
+  # The mesh the run resolved (the config's may say -1, all devices), which the checkpoints were saved on.
+  devices = {s["mesh"]["nodes"] * s["mesh"]["local"] for s in summaries}
   models = {json.dumps(s["config"]["model"], sort_keys=True) for s in summaries}
   if len(devices) > 1 or len(models) > 1:
-    raise SystemExit(f"the runs differ in device count ({sorted(devices)}) or model; compare runs of one kind")
+    cli.fail(f"the runs differ in device count ({sorted(devices)}) or model; compare runs of one kind")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
   import jax.numpy as jnp

@@ -29,10 +29,14 @@ def main():
   parser.add_argument("--splits", default="train,val")
   args = parser.parse_args()
   logging.set_verbosity(logging.INFO)
+  out = os.path.expanduser(args.out)
   try:
-    info = records.convert_image_folder(
-      os.path.expanduser(args.folder), os.path.expanduser(args.out), tuple(args.splits.split(","))
-    )
+    os.makedirs(out, exist_ok=True)
+  except OSError as e:  # a file in its place or above it, no permission
+    print(f"error: --out={args.out}: cannot create it ({e.strerror}); choose another directory", file=sys.stderr)
+    sys.exit(2)
+  try:
+    info = records.convert_image_folder(os.path.expanduser(args.folder), out, tuple(args.splits.split(",")))
   except DataError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

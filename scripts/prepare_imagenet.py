@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     check_prepare_deps()
     start = time.time()
     builder = prepare(manual_dir, data_dir)
-  except PrepareError as e:
-    print(f"prepare_imagenet: error: {e}", file=sys.stderr)
-    return 1
+  except PrepareError as e:  # the inputs or a missing extra: the message says what to fix
+    print(f"error: {e}", file=sys.stderr)
+    return 2  # ExitCode.BAD_INPUT, as every script's bad input
   print(summary(builder, data_dir, time.time() - start))
   return 0
 

@@ -12,7 +12,8 @@ study lives in STUDY_DIR/study.db (SQLite): --trials is the number of finished (
 trials the study should hold, so the same command continues a killed study, and a larger --trials
 extends a finished one. Several machines can share a study through the same storage (--storage, e.g. a
 PostgreSQL URL). A trial killed with its study is marked failed once its heartbeat stops and is retried
-once with the same parameters, resuming from its checkpoint.
+once with the same parameters, resuming from its checkpoint; a trial stopped by Ctrl-C is retried the same
+way when the same command runs again.
 
 Output: a table of the trials, STUDY_DIR/best_config.py (a config file train.py accepts: the base config,
 the --config overrides and the best trial's parameters), Optuna's plots as PNG in STUDY_DIR, and as the
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import time
 import warnings
+from typing import NoReturn
 
 import ml_collections
 import optuna
@@ -57,8 +59,22 @@ class TrialFailed(RuntimeError):
   """train.py exited with an error; the message says where its log is."""
 
 
+class TrialInterrupted(RuntimeError):
+  """train.py was stopped (SIGINT or SIGTERM: it saved a checkpoint and exited 0) before its end."""
+
+
 class TrialRejected(RuntimeError):
   """train.py rejected a new trial as bad input (exit code 2: its config, or the data): every trial would."""
+
+
+# Each kind of search-space field as the Optuna distribution it samples from: built when the space loads, so
+# a bad field stops the study before its database or a trial exists.
+KINDS = {
+  "log": lambda low, high: optuna.distributions.FloatDistribution(low, high, log=True),
+  "float": lambda low, high: optuna.distributions.FloatDistribution(low, high),
+  "int": lambda low, high: optuna.distributions.IntDistribution(low, high),
+  "choice": lambda choices: optuna.distributions.CategoricalDistribution(choices),
+}
 
 
 def load_space(spec: str) -> dict[str, tuple]:
@@ -68,7 +84,27 @@ def load_space(spec: str) -> dict[str, tuple]:
   module_spec = importlib.util.spec_from_file_location("search_space", os.path.join(ROOT, path))
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  return module.get_space(variant or None)
+  space = module.get_space(variant or None)
+  check_space(space)
+  return space
+
+
+def check_space(space: dict[str, tuple]) -> None:
+  """Raises ValueError naming the first field that is not one of the kinds with its arguments."""
+  for name, field in space.items():
+    kind, *args = field if isinstance(field, (tuple, list)) and field else (None,)
+    if kind not in KINDS:
+      raise ValueError(f"search space field {name}: unknown kind {kind!r}; use log, float, int or choice")
+    try:
+      KINDS[kind](*args)
+    except (TypeError, ValueError) as e:
+      usage = "(kind, low, high)" if kind != "choice" else '("choice", [a, b, ...])'
+      raise ValueError(f"search space field {name}: {field!r} is not {usage}: {e}") from e
+
+
+def _format(value) -> str:
+  """A sampled value for the log and the table: numbers short, choices (strings, None) as they are."""
+  return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
 def check_study_config(config_spec: str, overrides: list[str], space: dict[str, tuple]) -> ml_collections.ConfigDict:
@@ -157,10 +193,14 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
     *(f"--config.{name}={value if isinstance(value, str) else repr(value)}" for name, value in params.items()),
   ]
   log_path = os.path.join(args.study_dir, "trials", f"{number:04d}.log")
-  print(f"trial {trial.number}: " + ", ".join(f"{k}={v:.4g}" for k, v in params.items()), flush=True)
+  print(f"trial {trial.number}: " + ", ".join(f"{k}={_format(v)}" for k, v in params.items()), flush=True)
   start = time.time()
   with open(log_path, "a") as log:
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=_die_with_parent)
+    # In a session of its own, so a terminal's Ctrl-C reaches only this process, whose SIGTERM below is then
+    # the run's one signal (it saves a checkpoint; a second signal would make it exit without one).
+    process = subprocess.Popen(
+      command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, preexec_fn=_die_with_parent
+    )
     try:
       reported = set()
       while True:
@@ -193,6 +233,8 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
     failure = TrialFailed(f"trial {trial.number}: train.py exited with {process.returncode}; see {log_path}")
     print(f"  failed: {failure}", file=sys.stderr, flush=True)  # optuna logs errors only (main)
     raise failure
+  if not os.path.exists(os.path.join(workdir, "summary.json")):  # a signal to train.py alone, e.g. SIGINT here ignored
+    raise TrialInterrupted(f"trial {trial.number}: train.py was stopped before its end; see {log_path}")
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
   trial.set_user_attr("wall_seconds", summary["wall_seconds"])
@@ -278,7 +320,8 @@ def print_table(study: optuna.Study) -> None:
     value = t.value if t.value is not None else t.intermediate_values.get(last)
     print(
       f"{t.number:>5}  {t.state.name.lower():8} {'' if value is None else f'{100 * value:6.2f}%':>7} {last:>6} "
-      f"{t.user_attrs.get('seconds', 0):7.0f}  " + "  ".join(f"{t.params.get(n, float('nan')):13.4g}" for n in names)
+      f"{t.user_attrs.get('seconds', 0):7.0f}  "
+      + "  ".join(f"{_format(t.params.get(n, float('nan'))):>13}" for n in names)
     )
 
 
@@ -299,6 +342,22 @@ def open_storage(url: str) -> RDBStorage:
       time.sleep(1 + attempt)
 
 
+def resume_later(study: optuna.Study, started: list[int]) -> NoReturn:
+  """After Ctrl-C (or its trial's train.py stopped alone): Optuna has marked the running trial failed, where the
+  heartbeat's retry never applies; queue its retry as that callback does (same parameters, its first workdir and
+  checkpoint), then exit 130."""
+  trial = study.get_trials()[started[-1]] if started else None  # a copy: the callback appends to its history
+  if trial is not None and trial.state == TrialState.FAIL:
+    RetryHeartbeatStaleTrialCallback()(study, trial)  # any number of times: an interruption is no failure
+    print(
+      f"interrupted: trial {trial.number} resumes from its checkpoint when the same command runs again",
+      file=sys.stderr,
+    )
+  else:
+    print("interrupted: the same command continues the study", file=sys.stderr)
+  sys.exit(130)  # 128 + SIGINT, as a shell reports it
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", required=True, help="config file[:variant], as for train.py")
@@ -317,6 +376,16 @@ def main() -> None:
   args.overrides = unknown
   if args.trials < 1:
     parser.error("--trials must be >= 1")
+  # The trials' train.py runs in ROOT: a relative directory would be read here and written there.
+  args.study_dir = os.path.abspath(args.study_dir)
+  if args.storage:
+    try:
+      sqlalchemy.engine.make_url(args.storage)
+    except sqlalchemy.exc.ArgumentError:
+      cli.fail(
+        f"--storage={args.storage} is not a database URL; for a SQLite file write "
+        f"sqlite:///{args.storage} (or leave --storage out: sqlite in --study_dir)"
+      )
   start = time.time()
   try:
     space = load_space(args.space)
@@ -346,12 +415,20 @@ def main() -> None:
   finished = lambda: sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))  # noqa: E731
   print(f"study {args.study_name} in {args.study_dir}: {finished()} of {args.trials} trials finished", flush=True)
   failures = 0
+  started = []  # this process's trials: the last is the one a Ctrl-C stops
+
+  def objective(trial: optuna.Trial) -> float:
+    started.append(trial.number)
+    return run_trial(trial, args, space)
+
   while finished() < args.trials:
     before = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
     try:  # optuna records a failed trial and goes on (TrialFailed), or records it and raises (TrialRejected)
-      study.optimize(lambda trial: run_trial(trial, args, space), n_trials=1, catch=(TrialFailed,))
+      study.optimize(objective, n_trials=1, catch=(TrialFailed,))
     except TrialRejected as e:  # every trial would be: stop the study
       cli.fail(str(e))
+    except (KeyboardInterrupt, TrialInterrupted):
+      resume_later(study, started)
     failures += len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,))) - before
     if failures > max(3, args.trials // 4):
       sys.exit(f"error: {failures} trials failed in this run; see the logs in {args.study_dir}/trials")

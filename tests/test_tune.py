@@ -9,6 +9,8 @@ import sys
 import time
 
 import optuna
+import pytest
+from optuna.storages import RetryHeartbeatStaleTrialCallback
 
 from light_jax import config as config_lib
 from tests.helpers import ROOT
@@ -109,3 +111,69 @@ def test_a_trial_that_train_py_refuses_stops_the_study_with_its_error(tmp_path):
   assert error.startswith("error: trial 0: train.py rejected it: invalid config: optimizer.decay='cosin'")
   study = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{tmp_path}/study/study.db")
   assert [t.state for t in study.trials] == [optuna.trial.TrialState.FAIL]  # one trial, not one per --trials
+
+
+def test_a_bad_storage_or_search_space_stops_the_study_before_it_exists(tmp_path):
+  study_dir = tmp_path / "study"
+  error = _tune_fails(study_dir, "--storage=runs/x.db")
+  assert error.startswith("error: --storage=runs/x.db is not a database URL") and "sqlite:///runs/x.db" in error
+  space = tmp_path / "space.py"
+  for field, expected in [
+    ('("uniform", 0.1, 1.0)', "unknown kind 'uniform'; use log, float, int or choice"),
+    ('("log", 0.0, 1.0)', "('log', 0.0, 1.0) is not (kind, low, high)"),
+    ('("choice", "cosine", "poly")', 'is not ("choice", [a, b, ...])'),
+  ]:
+    space.write_text(f"def get_space(variant=None):\n  return {{'optimizer.decay': {field}}}\n")
+    error = _tune_fails(study_dir, f"--space={space}")
+    assert error.startswith(f"error: --space={space}: search space field optimizer.decay: ") and expected in error
+  assert not study_dir.exists()
+
+
+def _tune_module():
+  spec = importlib.util.spec_from_file_location("tune", os.path.join(ROOT, "scripts", "tune.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_trials_log_and_table_show_string_choices(capsys):
+  tune = _tune_module()
+  space = {"optimizer.decay": ("choice", ["cosine", "poly"]), "optimizer.base_lr": ("log", 0.02, 2.0)}
+  tune.check_space(space)
+  study = optuna.create_study(direction="maximize")
+  study.optimize(lambda trial: len(str(tune.suggest(trial, space))) / 100, n_trials=2)
+  tune.print_table(study)
+  table = capsys.readouterr().out
+  assert "decay" in table and any(decay in table for decay in ("cosine", "poly"))
+  assert [tune._format(v) for v in (0.123456, 3, "poly", None, True)] == ["0.1235", "3", "poly", "None", "True"]
+
+
+def test_a_study_stopped_by_ctrl_c_retries_its_trial_from_its_workdir(tmp_path, monkeypatch, capsys):
+  """Optuna marks a trial that KeyboardInterrupt stops failed (no heartbeat retry then): the study queues its
+  retry itself, so the next run resumes the trial's checkpoint with the same parameters. No training here."""
+  tune = _tune_module()
+  seen = []
+
+  def fake_trial(trial, args, space, interrupt=True):
+    params = tune.suggest(trial, space)
+    retried = RetryHeartbeatStaleTrialCallback.retried_trial_number(trial.study.get_trials()[trial.number])
+    seen.append((params, retried, args.study_dir))
+    if interrupt:
+      raise KeyboardInterrupt
+    return 0.5
+
+  monkeypatch.chdir(tmp_path)  # a relative --study_dir, from outside the repository
+  argv = ["tune.py", "--config=configs/fashion_mnist.py:large_batch_lars", "--study_dir=study", "--trials=1"]
+  monkeypatch.setattr(sys, "argv", argv)
+  monkeypatch.setattr(tune, "run_trial", fake_trial)
+  for _ in range(2):  # interrupted, then its retry interrupted too
+    with pytest.raises(SystemExit) as stopped:
+      tune.main()
+    assert stopped.value.code == 130
+    assert "interrupted: trial" in capsys.readouterr().err
+  monkeypatch.setattr(tune, "run_trial", lambda *a: fake_trial(*a, interrupt=False))
+  tune.main()
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completed"] == 1
+  assert [retried for _, retried, _ in seen] == [None, 0, 0]  # trial 0's workdir, each time
+  assert all(params == seen[0][0] for params, _, _ in seen)
+  assert all(study_dir == str(tmp_path / "study") for _, _, study_dir in seen)
