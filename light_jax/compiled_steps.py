@@ -83,7 +83,10 @@ class CompiledSteps:
     # Where the epoch's loss accumulators restart and DiLoCo's machines sync: each epoch's first step, and the
     # run's end, which a max_steps may put inside an epoch: its evaluation must see one model, not stale shared
     # parameters.
-    self.record_boundaries = tuple(sorted({*plan.first_steps, schedules.total_steps(config.max_steps, plan)}))
+    total_steps = schedules.total_steps(config.max_steps, plan)
+    self.record_boundaries = tuple(sorted({*plan.first_steps, total_steps}))
+    if hasattr(self.reducer, "for_run"):  # DiLoCo: its bytes count the syncs those boundaries add
+      self.reducer = self.reducer.for_run(self.record_boundaries, total_steps)
     self._compiled: dict[tuple, tuple[Callable, CommBytes]] = {}
 
   def batch_shape_at(self, step: int) -> tuple[int, ...]:

@@ -80,6 +80,12 @@ def test_bytes_the_slow_link_carries_once_every_h_steps():
     intra_node=strategies.ring_allreduce_bytes(4 * n, 4) + hierarchical.intra_node // 8,
     inter_node=hierarchical.inter_node // 8,
   )
+  # Epochs of 32 steps and H = 64: the machines also sync at each epoch's end, so every 32 steps, twice as often
+  # as H alone says; in a run that max_steps ends at step 40, after steps 32 and 40.
+  epochs = diloco.DiLoCo(2, 4, sync_every=64).for_run((0, 32, 64, 96, 128), 128)
+  assert epochs.bytes_per_step(params).inter_node == hierarchical.inter_node // 32
+  cut = diloco.DiLoCo(2, 4, sync_every=64).for_run((0, 32, 40, 64, 96, 128), 40)
+  assert cut.bytes_per_step(params).inter_node == hierarchical.inter_node * 2 // 40
 
 
 def test_config_builds_diloco_with_the_inner_optimizer_and_refuses_bad_values():

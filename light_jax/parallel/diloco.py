@@ -3,8 +3,8 @@
 Each machine (``node``) trains on its own for ``sync_every`` = H steps: its devices average their
 gradients inside the machine only (one all-reduce over ``local``, the fast links) and the inner optimizer
 (``optimizer.*``: SGD, LARS or LAMB with its schedule) updates the machine's own copy of the parameters.
-Every H steps, and at the end of every epoch (so evaluations and checkpoints at epoch ends see one
-model), the machines average how far they moved, the pseudo-gradient
+Every H steps, at the end of every epoch and at the run's last step (so evaluations and checkpoints
+see one model), the machines average how far they moved, the pseudo-gradient
 
   outer_grad = theta_outer - mean over machines of theta_machine,
 
@@ -22,6 +22,7 @@ devices of one machine). The algorithm: docs/techniques.md section 13.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 from typing import Any
 
 import jax
@@ -48,6 +49,8 @@ class DiLoCo:
     outer_lr, outer_momentum: the outer optimizer, SGD with Nesterov momentum.
     inner_tx: the inner optimizer (the config's ``optimizer``), given by ``reducer.reducer_from_config``.
     wire_dtype: dtype of the dense hops of the outer all-reduce.
+    syncs_per_step: the outer steps per step over the whole run, for the byte accounting (``for_run``); None:
+      1 / sync_every.
   """
 
   nodes: int
@@ -57,6 +60,7 @@ class DiLoCo:
   outer_momentum: float = 0.9
   inner_tx: optax.GradientTransformation | None = None
   wire_dtype: str = "float32"
+  syncs_per_step: fractions.Fraction | None = None
   strategy: str = NAME
   updates_parameters = True  # the train step calls apply, not the optimizer
 
@@ -67,6 +71,16 @@ class DiLoCo:
   def at_density(self, density: float) -> DiLoCo:
     """Itself: it has no top-k density."""
     return self
+
+  def for_run(self, boundaries: tuple[int, ...], total_steps: int) -> DiLoCo:
+    """This DiLoCo with its byte accounting for a run of ``total_steps`` with these boundaries (``apply``'s
+    ``epoch_first_steps``): it syncs after every H-th step and at each boundary, which is more often than every
+    H steps where H does not divide an epoch (twice as often when H is two epochs)."""
+    if total_steps <= 0:
+      return self
+    syncs = set(range(self.sync_every, total_steps + 1, self.sync_every))
+    syncs |= {b for b in boundaries if 0 < b <= total_steps}
+    return dataclasses.replace(self, syncs_per_step=fractions.Fraction(len(syncs), total_steps))
 
   @property
   def outer_tx(self) -> optax.GradientTransformation:
@@ -140,14 +154,13 @@ class DiLoCo:
     return [("hierarchical", sum(x.size for x in jax.tree.leaves(params)), 0)]
 
   def bytes_per_step(self, params: PyTree) -> CommBytes:
-    """Per step on average: the inner all-reduce over ``local`` every step, the outer one every H steps
-    (a little more often where an epoch ends between two syncs)."""
+    """Per step on average: the inner all-reduce over ``local`` every step, the outer one every H steps, or as
+    often as the run syncs (``for_run``: at epoch ends too)."""
     leaves = jax.tree.leaves(params)
     elements = sum(x.size for x in leaves)
     itemsize = jnp.dtype(leaves[0].dtype).itemsize
     wire = jnp.dtype(self.wire_dtype).itemsize
     outer = strategies.hierarchical_bytes(strategies.Buffer(elements, itemsize, self.nodes, self.local, 0, wire))
     inner = strategies.ring_allreduce_bytes(elements * itemsize, self.local)
-    return CommBytes(
-      intra_node=inner + outer.intra_node // self.sync_every, inter_node=outer.inter_node // self.sync_every
-    )
+    rate = self.syncs_per_step if self.syncs_per_step is not None else fractions.Fraction(1, self.sync_every)
+    return CommBytes(intra_node=inner + int(outer.intra_node * rate), inter_node=int(outer.inter_node * rate))
