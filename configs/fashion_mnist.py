@@ -31,7 +31,7 @@ def lars(config: ml_collections.ConfigDict) -> None:
 def large_batch(config: ml_collections.ConfigDict) -> None:
   config.global_batch_size = 4096
   config.num_epochs = 28  # the seed's ImageNet regime; 8 epochs (112 steps) leave every batch-4,096 run short
-  config.micro_batches = 8  # 64 images per device at a time: 1.3x the images/s of 512 at once on this CPU (docs/measurements.md)
+  config.micro_batches = 8  # 64 images per device at a time: 1.3x the images/s of 512 at once here
   # The default SGD + Nesterov at the linear scaling rule's peak (0.2 x 4096 / 256 = 3.2), warmed up over
   # 5 epochs instead of 1 and decayed linearly instead of by the cosine: 93.32% over seven seeds (93.03-93.52%),
   # 0.47 below the batch-256 run's 93.80% (the same seven seeds). 3 warm-up epochs went badly on two seeds of seven
