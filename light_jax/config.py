@@ -26,9 +26,10 @@ CACHES = ("none", "disk", "memory")
 
 
 # Fields that may change between a run and its resumption: they change neither shapes, nor the data
-# order, nor the maths of a step (a prefix covers its sub-fields). One exception, on purpose: num_epochs
+# order, nor the maths of a step (a prefix covers its sub-fields). Two exceptions, on purpose: num_epochs
 # lengthens or shortens a run, and the schedules (warm-up, decay, a cycled momentum) stretch over the new
-# count, so the rate jumps at the resume.
+# count, so the rate jumps at the resume; and with comm.strategy=diloco the machines sync at the run's last
+# step, so a run stopped by max_steps and resumed with a larger one took a sync the longer run would not.
 SAFE_TO_CHANGE = (
   "num_epochs",
   "max_steps",

@@ -93,7 +93,8 @@ class _Machines:
     atexit.register(self.close)
     if threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGTERM, signal.SIGINT):
-        self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # a signal ignored (nohup, a background job) stays so
+          self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
 
   def run(self, node: int, argv: Sequence[str], **popen_kwargs) -> subprocess.Popen:
     raise NotImplementedError

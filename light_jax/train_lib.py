@@ -122,7 +122,8 @@ def train_and_evaluate(
         hooks.add(hook, every=every)
       hooks.add(ProgressBar(bar, schedule, config.log_every_steps), every=1)
       nonfinite = NonFiniteCheck(config.train.on_nonfinite, seen=skipped_steps(state))
-      hooks.add(nonfinite, every=config.log_every_steps, when=ends_record)
+      # Also at a stop for a signal: a bad step not yet reported would be counted as seen on resume, never stopping.
+      hooks.add(nonfinite, every=config.log_every_steps, when=lambda s: ends_record(s) or preemption.requested())
       # With several processes the check is a collective, so not every step.
       hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
       clock = TrainClock(seconds_before)  # training seconds, evaluations left out

@@ -226,6 +226,20 @@ def test_nan_skip_policy_skips_the_step_and_goes_on(tmp_path):
   assert step == 10 and all(np.all(np.isfinite(v)) for v in _flatten(state).values())  # nothing poisoned kept
 
 
+def test_a_signal_before_the_next_check_still_reports_a_non_finite_step(tmp_path):
+  """on_nonfinite=stop with the bad step (1) not yet checked (every 4 steps) when a SIGTERM stops the run at step
+  3: it stops as non-finite, not as preempted, else the resumed run would count the step as seen and go on."""
+
+  def send_sigterm(info):
+    if info.step == 3:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  config = _config(train__inject_nan_at_step=1, train__on_nonfinite="stop", log_every_steps=4)
+  with pytest.raises(train_lib.NonFiniteError):
+    train_lib.train_and_evaluate(config, str(tmp_path), extra_hooks=[(send_sigterm, 1)])
+  assert _steps(tmp_path)[-1] == 3
+
+
 def test_nan_stop_policy_saves_and_stops_with_exit_code_3(tmp_path):
   err = _run_cli(tmp_path, ExitCode.NONFINITE_STOP, train__inject_nan_at_step=5, train__on_nonfinite="stop")
   assert "stopped: non-finite loss or gradient" in err

@@ -86,7 +86,9 @@ def test_failing_and_running_processes_do_not_keep_the_cluster_alive():
 def test_a_second_signal_during_close_does_not_cut_the_cleanup_short(monkeypatch):
   """Ctrl-C, then Ctrl-C again while close() removes the namespaces: the cleanup finishes, then the interrupt
   is raised once."""
-  before = signal.getsignal(signal.SIGINT)  # SIG_IGN under nohup or a background shell, as in CI
+  # Ctrl-C as in a terminal: under nohup or a background shell (CI) SIGINT is ignored, and the cluster leaves an
+  # ignored signal alone.
+  outside = signal.signal(signal.SIGINT, signal.default_int_handler)
   cluster = EmulatedCluster(2)
   sh = emulated_cluster._sh
 
@@ -103,8 +105,9 @@ def test_a_second_signal_during_close_does_not_cut_the_cleanup_short(monkeypatch
   finally:
     monkeypatch.undo()
     cluster._cleanup()  # a failing run leaves no namespaces behind either
+    restored = signal.signal(signal.SIGINT, outside)
   assert not left
-  assert signal.getsignal(signal.SIGINT) is before  # the handler from before the cluster, back in place
+  assert restored is signal.default_int_handler  # the handler from before the cluster, back in place
 
 
 def test_an_unwritable_etc_is_a_cluster_error_and_leaves_nothing(monkeypatch):

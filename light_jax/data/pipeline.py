@@ -188,7 +188,7 @@ def _iterate(dataset: grain.MapDataset, read_threads: int, buffer: int, workers:
 
 
 def ignore_signals(*_) -> None:
-  """Initializer of input worker processes (grain's, the decoded cache's): they ignore SIGINT and SIGTERM.
+  """Initializer of grain's input worker processes: they ignore SIGINT and SIGTERM.
 
   A terminal Ctrl-C or a process-group SIGTERM reaches the workers too; the main process's
   PreemptionGuard finishes the step and saves, which needs them alive, and stops them when it exits.

@@ -30,7 +30,6 @@ import numpy as np
 from absl import logging
 
 from light_jax.data import transforms
-from light_jax.data.pipeline import ignore_signals
 from light_jax.data.source import DataError
 
 _FOLDER_HEADER = struct.Struct("<iI")  # label, file-name length
@@ -48,13 +47,23 @@ def _writer(path: str):
   # group_size:1 keeps every record separately addressable (random access reads one record); no
   # compression: decompressing pixels would cost the CPU time the decoded cache exists to save.
   writer = ArrayRecordWriter(tmp, "group_size:1,uncompressed")
+
+  def discard():
+    with contextlib.suppress(Exception):
+      writer.close()
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+
   try:
     yield writer
   except BaseException:
-    writer.close()
-    os.remove(tmp)
+    discard()
     raise
-  writer.close()
+  try:
+    writer.close()  # buffered writes report a full disk only here
+  except RuntimeError as e:
+    discard()
+    raise DataError(f"writing {path} failed ({e}); check the free space there and run again") from None
   os.replace(tmp, path)
 
 
@@ -258,20 +267,24 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
   chunk = 256
   # spawn, not fork: the caller is multithreaded (JAX), and forking it can deadlock.
   context = multiprocessing.get_context("spawn")
-  pool = (
-    concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=ignore_signals)
-    if workers > 1
-    else None
-  )
-  with pool or contextlib.nullcontext(), _writer(path) as writer:
-    for first in range(0, n, chunk):
-      items = [records[i] for i in range(first, min(first + chunk, n))]
-      for record in (pool.map if pool else map)(_decode_for_cache, items, [shorter] * len(items)):
-        writer.write(record)
-      if first // chunk % 20 == 0:
-        logging.info(
-          "building the decoded cache %s: %d / %d images (%.0f s)", path, first + len(items), n, time.time() - start
-        )
+  # The workers take a Ctrl-C as this process does (no ignore_signals): a build can take hours, and the
+  # PreemptionGuard, already on, would only note the signal; the interrupted build leaves no partial file.
+  pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) if workers > 1 else None
+  try:
+    with pool or contextlib.nullcontext(), _writer(path) as writer:
+      for first in range(0, n, chunk):
+        items = [records[i] for i in range(first, min(first + chunk, n))]
+        for record in (pool.map if pool else map)(_decode_for_cache, items, [shorter] * len(items)):
+          writer.write(record)
+        if first // chunk % 20 == 0:
+          logging.info(
+            "building the decoded cache %s: %d / %d images (%.0f s)", path, first + len(items), n, time.time() - start
+          )
+  except concurrent.futures.BrokenExecutor:  # BrokenProcessPool
+    raise DataError(
+      f"building the decoded cache {path} stopped: a worker process died (a Ctrl-C or SIGTERM, or out of "
+      "memory); nothing was written, and the next run builds it again"
+    ) from None
   logging.info(
     "decoded cache %s built: %d images, %.1f MB, %.0f s", path, n, os.path.getsize(path) / 1e6, time.time() - start
   )
