@@ -345,10 +345,22 @@ def open_storage(url: str) -> RDBStorage:
 def resume_later(study: optuna.Study, started: list[int]) -> NoReturn:
   """After Ctrl-C (or its trial's train.py stopped alone): Optuna has marked the running trial failed, where the
   heartbeat's retry never applies; queue its retry as that callback does (same parameters, its first workdir and
-  checkpoint), then exit 130."""
-  trial = study.get_trials()[started[-1]] if started else None  # a copy: the callback appends to its history
+  checkpoint), then exit 130. Its retry history is left as it was: an interruption is no failure, so the
+  retry still has its one retry left should its study be killed later."""
+  trial = study.get_trials()[started[-1]] if started else None
   if trial is not None and trial.state == TrialState.FAIL:
-    RetryHeartbeatStaleTrialCallback()(study, trial)  # any number of times: an interruption is no failure
+    # As RetryHeartbeatStaleTrialCallback queues a retry ("failed_trial": the first run, whose workdir and
+    # checkpoint it resumes), but without adding this trial to "retry_history", which its max_retry counts.
+    system_attrs = {"failed_trial": trial.number, "retry_history": [], **trial.system_attrs}
+    study.add_trial(
+      optuna.create_trial(
+        state=TrialState.WAITING,
+        params=trial.params,
+        distributions=trial.distributions,
+        user_attrs=trial.user_attrs,
+        system_attrs=system_attrs,
+      )
+    )
     print(
       f"interrupted: trial {trial.number} resumes from its checkpoint when the same command runs again",
       file=sys.stderr,

@@ -152,12 +152,13 @@ def test_a_study_stopped_by_ctrl_c_retries_its_trial_from_its_workdir(tmp_path, 
   """Optuna marks a trial that KeyboardInterrupt stops failed (no heartbeat retry then): the study queues its
   retry itself, so the next run resumes the trial's checkpoint with the same parameters. No training here."""
   tune = _tune_module()
-  seen = []
+  seen, histories = [], []
 
   def fake_trial(trial, args, space, interrupt=True):
     params = tune.suggest(trial, space)
     retried = RetryHeartbeatStaleTrialCallback.retried_trial_number(trial.study.get_trials()[trial.number])
     seen.append((params, retried, args.study_dir))
+    histories.append(trial.study.get_trials()[trial.number].system_attrs.get("retry_history", []))
     if interrupt:
       raise KeyboardInterrupt
     return 0.5
@@ -177,3 +178,4 @@ def test_a_study_stopped_by_ctrl_c_retries_its_trial_from_its_workdir(tmp_path, 
   assert [retried for _, retried, _ in seen] == [None, 0, 0]  # trial 0's workdir, each time
   assert all(params == seen[0][0] for params, _, _ in seen)
   assert all(study_dir == str(tmp_path / "study") for _, _, study_dir in seen)
+  assert histories == [[], [], []]  # an interruption spends no retry: a kill later is still retried once
