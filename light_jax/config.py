@@ -211,8 +211,11 @@ def strategy_fields(label: str) -> dict[str, Any]:
   """The ``comm`` fields a strategy label "NAME[@VALUE][/OPTION...]" stands for, as benchmarks and scripts take
   them: "hitopk@0.001" -> strategy and density, "powersgd@4" -> rank 4, "diloco@8" -> sync_every 8; options
   "/bfloat16" -> the wire dtype (comm.dtype), "/compact" -> comm.compact_pairs: "hitopk@0.01/bfloat16/compact"."""
+  from light_jax.parallel.reducer import STRATEGIES
+
   spec, *options = label.split("/")
   name, _, value = spec.partition("@")
+  _choice(f"strategy {label!r}: comm.strategy", name, STRATEGIES)  # before any run that would take it
   fields: dict[str, Any] = {"strategy": name}
   if value:
     field, kind = STRATEGY_PARAMETER.get(name, ("density", float))

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import logging  # noqa: E402
 
+from light_jax import cli  # noqa: E402
 from light_jax.data import DataError, records  # noqa: E402
 
 
@@ -33,13 +34,11 @@ def main():
   try:
     os.makedirs(out, exist_ok=True)
   except OSError as e:  # a file in its place or above it, no permission
-    print(f"error: --out={args.out}: cannot create it ({e.strerror}); choose another directory", file=sys.stderr)
-    sys.exit(2)
+    cli.fail(f"--out={args.out}: cannot create it ({e.strerror}); choose another directory")
   try:
     info = records.convert_image_folder(os.path.expanduser(args.folder), out, tuple(args.splits.split(",")))
   except DataError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail(str(e))
   print(f"{len(info['classes'])} classes -> {args.out}")
   for split, counts in info["splits"].items():
     print(
