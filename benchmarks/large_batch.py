@@ -27,7 +27,12 @@ HITOPK = ["--config.comm.strategy=hitopk", "--config.comm.density=0.001"]
 B4096 = ["--config.global_batch_size=4096", "--config.micro_batches=8"]
 # Batch 1,024 in 2 micro-batches, 64 images per device at a time as above; given after B4096, whose flags it overrides.
 B1024 = ["--config.global_batch_size=1024", "--config.micro_batches=2"]
-LAMB = ["--config.optimizer.name=lamb", "--config.optimizer.base_lr=0.001", "--config.optimizer.weight_decay=0.01"]
+LAMB = [
+  "--config.optimizer.name=lamb",
+  "--config.optimizer.base_lr=0.001",
+  "--config.optimizer.weight_decay=0.01",
+  "--config.optimizer.nesterov=False",  # the paper's LAMB: b1 = optimizer.momentum (0.9), no Nesterov
+]
 # The LARS variant's first values, from the AutoML study's 3-epoch trials: poly decay, base lr 0.64 (peak
 # 10.24), warmed up over 2 epochs. It has since taken the best 28-epoch LARS run's (lars_tuned_lr1); the rows
 # measured on the first values state them, so that they rerun as they ran.

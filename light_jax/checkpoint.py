@@ -55,11 +55,15 @@ class Checkpointer:
     )
     return True
 
-  def restore_latest(self, abstract_state, config: dict[str, Any]) -> tuple[int, Any, dict[str, Any]] | None:
+  def restore_latest(
+    self, abstract_state, config: dict[str, Any], mesh_shape: list[int] | None = None
+  ) -> tuple[int, Any, dict[str, Any]] | None:
     """(step, state, meta) of the newest checkpoint that restores; None when there is none.
 
     ``abstract_state`` gives shapes, dtypes and shardings (jax.ShapeDtypeStruct leaves). The saved config
-    is compared with ``config`` first: a breaking change raises CheckpointError, a safe one is logged.
+    is compared with ``config`` first: a breaking change raises CheckpointError, a safe one is logged. So is
+    the saved mesh with ``mesh_shape`` ([nodes, local]): the per-device state (residuals, loss sums) has the
+    mesh's shape, so a checkpoint from another mesh cannot restore, though nothing in it is damaged.
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
@@ -73,6 +77,14 @@ class Checkpointer:
         raise CheckpointError(
           f"the checkpoint at step {step} in {self.directory} was written with a config that differs where "
           f"it matters: {'; '.join(breaking)}. Use a new --workdir, or restore those values."
+        )
+      saved_mesh = meta.get("mesh")
+      if mesh_shape is not None and saved_mesh is not None and list(saved_mesh) != list(mesh_shape):
+        raise CheckpointError(
+          f"the checkpoint at step {step} in {self.directory} was written on a mesh of nodes x local = "
+          f"{' x '.join(map(str, saved_mesh))}; this run's mesh is {' x '.join(map(str, mesh_shape))}. Its per-device "
+          f"state has the old mesh's shape: run with --config.mesh.nodes={saved_mesh[0]} "
+          f"--config.mesh.local={saved_mesh[1]} on as many devices, or use a new --workdir."
         )
       for change in safe:
         logging.warning("config changed since the checkpoint (accepted): %s", change)

@@ -152,7 +152,9 @@ def base_config() -> ml_collections.ConfigDict:
     # DGC's accuracy compensation (docs/techniques.md section 11): momentum correction moves
     # optimizer.momentum into the reducer (a velocity per device, masked where entries were sent; the
     # optimizer then runs without momentum); local_clip_norm > 0 clips each device's gradient to
-    # local_clip_norm / sqrt(devices) before compression.
+    # local_clip_norm / sqrt(devices) before compression. With LARS, pair it with local_trust_ratio: else the
+    # trust ratio and weight decay act after the reduction, on the sum of the velocities sent (at 0.1% that
+    # diverged, docs/measurements.md).
     momentum_correction=False,
     # DGC's momentum factor masking: the velocity is zeroed where entries were sent. False zeroes only the
     # accumulated step, so the velocity stays the device's momentum SGD's (light_jax/parallel/compression.py).
@@ -512,6 +514,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _positive("optimizer.base_lr", config.optimizer.base_lr)
   _positive("optimizer.weight_decay", config.optimizer.weight_decay, allow_zero=True)
   _positive("optimizer.warmup_epochs", config.optimizer.warmup_epochs, allow_zero=True)
+  _positive("optimizer.lars_eta", config.optimizer.lars_eta)
   if not 0.0 <= config.optimizer.momentum < 1.0:
     raise ConfigError(f"optimizer.momentum={config.optimizer.momentum!r} must be in [0, 1).")
   if not 0.0 <= config.optimizer.end_lr_factor <= 1.0:

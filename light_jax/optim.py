@@ -2,8 +2,8 @@
 
 - The learning rate is a schedule from ``light_jax/schedules.py`` (warm-up, decay, linear scaling);
   the momentum may be one too (``optimizer.momentum_schedule="cycle"``, ``schedules.momentum_schedule``).
-- Biases and BatchNorm parameters (every parameter with ndim <= 1) get no weight decay and, for LARS,
-  no trust ratio: the MLPerf ResNet-50 convention.
+- Biases and BatchNorm parameters (every parameter with ndim <= 1) get no weight decay and, for LARS and
+  LAMB, no trust ratio: the MLPerf ResNet-50 convention, and the LAMB paper's.
 - LARS has two trust ratios (``optimizer.lars_trust``, docs/techniques.md section 11): optax's
   ``eta ||w|| / ||g + wd w||`` and the MLPerf reference's ``eta ||w|| / (||g|| + wd ||w||)``.
 - With ``comm.momentum_correction`` the gradient reducer keeps the momentum (DGC): the optimizer then
@@ -148,7 +148,15 @@ def build_optimizer(
       return optax.chain(*tail)
     return optax.chain(_lars_trust(opt), *tail)
   if opt.name == "lamb":
-    return optax.lamb(schedule, weight_decay=opt.weight_decay, mask=decay_mask)
+    # optax.lamb's chain (its b2, eps), but the first moment's decay is optimizer.momentum (Nesterov's form with
+    # optimizer.nesterov), and the trust ratio, like the weight decay, is the kernels' only: optax.lamb gives
+    # biases and BatchNorm one too, which the LAMB paper's reference code leaves out.
+    return optax.chain(
+      optax.scale_by_adam(b1=opt.momentum, b2=0.999, eps=1e-6, nesterov=opt.nesterov),
+      optax.add_decayed_weights(opt.weight_decay, mask=decay_mask),
+      optax.masked(optax.scale_by_trust_ratio(), decay_mask),
+      optax.scale_by_learning_rate(schedule),
+    )
   raise ValueError(f"unknown optimizer {opt.name!r}")  # config.validate refuses it first
 
 

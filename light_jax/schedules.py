@@ -123,7 +123,9 @@ class EpochPlan:
     if epochs >= self.num_epochs:
       return self.num_steps
     epoch = int(epochs)
-    return self.first_steps[epoch] + math.floor((epochs - epoch) * self.steps_per_epoch[epoch])
+    # Rounded before the floor: in floats 0.3 x 100 is 29.999..., which would make 2.3 epochs step 229, and
+    # epochs_done(136) is 1.3599999999999999, which would map back to step 135.
+    return self.first_steps[epoch] + math.floor(round((epochs - epoch) * self.steps_per_epoch[epoch], 6))
 
   def ends_epoch(self, step: int) -> bool:
     """Whether ``step`` steps complete an epoch."""

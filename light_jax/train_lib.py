@@ -93,7 +93,7 @@ def train_and_evaluate(
     with contextlib.ExitStack() as opened:
       checkpointer = opened.enter_context(closing(checkpoint_lib.Checkpointer(workdir, config.checkpoint.keep)))
       meta = {"config": json.loads(config.to_json_best_effort()), "mesh": list(mesh.devices.shape)}
-      start_step, state, seconds_before = restore(checkpointer, state, meta["config"], plan)
+      start_step, state, seconds_before = restore(checkpointer, state, meta, plan)
       finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
       if not finished:
         compiled.compile_phases(start_step, total_steps, state)  # every phase's step, before the clock starts
@@ -240,12 +240,13 @@ def make_input(
 def restore(
   checkpointer: checkpoint_lib.Checkpointer,
   state: step_lib.TrainState,
-  config: dict[str, Any],
+  meta: dict[str, Any],
   plan: schedules.EpochPlan,
 ) -> tuple[int, step_lib.TrainState, float]:
   """(step, state, training seconds before it) of the newest checkpoint that restores, or (0, ``state``, 0)
-  when there is none (checkpoints written before the seconds were saved: 0)."""
-  restored = checkpointer.restore_latest(checkpoint_lib.abstract(state), config)
+  when there is none (checkpoints written before the seconds were saved: 0). ``meta``: this run's config and
+  mesh, which the checkpoint's must match (``Checkpointer.restore_latest``)."""
+  restored = checkpointer.restore_latest(checkpoint_lib.abstract(state), meta["config"], meta["mesh"])
   if restored is None:
     return 0, state, 0.0
   step, state, meta = restored

@@ -202,7 +202,8 @@ def make_train_step(
       local_grads, _ = local_tx.update(local_grads, local_tx.init(params), params)
     comm_state = state.comm_state
     if residual_rescale is not None:  # residuals in units of this step's learning rate (comm.residual_units)
-      comm_state = reducer.rescale_residuals(comm_state, residual_rescale(state.step))
+      # The optimizer's step count, which the schedule follows: skipped steps do not advance it.
+      comm_state = reducer.rescale_residuals(comm_state, residual_rescale(state.step - state.nonfinite_steps))
     grads, comm_state = reducer.reduce(local_grads, comm_state)
     if reducer.updates_parameters:  # DiLoCo's inner and outer steps; the sharded update (grads: shards)
       new_params, opt_state, comm_state = reducer.apply(

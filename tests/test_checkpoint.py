@@ -194,6 +194,19 @@ def test_a_damaged_checkpoint_is_replaced_when_the_resumed_run_saves_at_its_step
   assert step == 2 and np.array_equal(restored["w"], np.arange(4.0) + 20)
 
 
+def test_a_checkpoint_from_another_mesh_is_refused_and_not_called_damaged(tmp_path):
+  # mesh.nodes/local=-1 resolve from the processes and devices, so the same config can meet another mesh
+  state = {"w": jax.numpy.arange(4.0)}
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  checkpointer.save(3, state, {"config": {}, "mesh": [2, 4]})
+  checkpointer.close()
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  with pytest.raises(CheckpointError, match=r"step 3 .* nodes x local = 2 x 4; this run's mesh is 4 x 2.*nodes=2"):
+    checkpointer.restore_latest(checkpoint_lib.abstract(state), {}, [4, 2])
+  assert checkpointer.damaged_steps == set()
+  assert checkpointer.restore_latest(checkpoint_lib.abstract(state), {}, [2, 4])[0] == 3
+
+
 def test_incompatible_config_is_refused_with_exit_code_2(tmp_path):
   train_lib.train_and_evaluate(_config(max_steps=4), str(tmp_path))
   with pytest.raises(CheckpointError, match=r"the checkpoint at step 4 .* model.width: 0 -> 16"):

@@ -127,6 +127,7 @@ def test_default_configs_validate():
     ({"max_steps": -1}, r"max_steps=-1 must be >= 0"),
     ({"optimizer__label_smoothing": 1.0}, r"label_smoothing=1.0 must be in \[0, 1\)"),
     ({"optimizer__momentum": 1.5}, r"optimizer.momentum=1.5 must be in \[0, 1\)"),
+    ({"optimizer__lars_eta": -0.001}, r"optimizer.lars_eta=-0.001 must be > 0"),
     ({"optimizer__end_lr_factor": -1.0}, r"optimizer.end_lr_factor=-1.0 must be in \[0, 1\] \(the final lr"),
     ({"model__width": -4}, r"model.width=-4 must be >= 0"),
     ({"data__crop_padding": -1}, r"data.crop_padding=-1 must be >= 0"),

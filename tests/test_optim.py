@@ -47,6 +47,8 @@ def test_schedule_with_a_batch_per_phase_keeps_its_shape_in_epochs_and_scales_th
   plan = EpochPlan(102_400, 10, (Phase(0, 128), Phase(4, 224, 512)), 1024)
   assert plan.steps_per_epoch == [100] * 4 + [200] * 6 and plan.num_steps == 1600
   assert plan.epochs_done(450) == pytest.approx(4.25) and plan.step_at(4.25) == 450
+  assert plan.step_at(2.3) == 230 and plan.step_at(2.305) == 230  # 0.3 x 100 in floats is 29.999...
+  assert all(plan.step_at(plan.epochs_done(step)) == step for step in range(1600))  # its inverse
   assert plan.ends_epoch(400) and plan.ends_epoch(600) and not plan.ends_epoch(500)
   assert plan.batch_shape_at(399, (256, 256, 3)) == (1024, 128, 128, 3)
   assert plan.batch_shape_at(400, (256, 256, 3)) == (512, 224, 224, 3)
@@ -94,6 +96,28 @@ def test_lars_trust_ratio_applies_to_kernels_only():
   # kernel: eta * ||w|| / ||g|| * g = 0.001 * 8 / 2 * 0.5; bias: plain -lr * g.
   np.testing.assert_allclose(updates["kernel"], -0.001 * 8.0 / 2.0 * 0.5, rtol=1e-6)
   np.testing.assert_allclose(updates["bias"], -0.5, rtol=1e-6)
+
+
+def test_lamb_is_optax_lamb_on_kernels_and_adam_on_biases_and_batchnorm():
+  """b1 is optimizer.momentum; biases and BatchNorm get neither weight decay nor a trust ratio."""
+  params = {"kernel": jnp.full((4, 4), 2.0), "bias": jnp.full((4,), 1e-3)}
+  schedule = optax.constant_schedule(0.01)
+  for momentum in (0.9, 0.5):
+    config = _config(name="lamb", weight_decay=0.1, momentum=momentum, nesterov=False).optimizer
+    transforms = [
+      optim.build_optimizer(config, schedule),
+      optax.lamb(schedule, b1=momentum, weight_decay=0.1),  # the kernel's steps
+      optax.chain(optax.scale_by_adam(b1=momentum, eps=1e-6), optax.scale_by_learning_rate(schedule)),  # the bias's
+    ]
+    states = [tx.init(params) for tx in transforms]
+    grads = {"kernel": jnp.linspace(-1.0, 1.0, 16).reshape(4, 4), "bias": jnp.full((4,), 1.0)}
+    for _ in range(3):  # past the first step, where Adam's step is sign(g) whatever b1 is
+      steps = [tx.update(grads, state, params) for tx, state in zip(transforms, states)]
+      (lamb, lamb_ref, adam), states = zip(*steps)
+      grads = jax.tree.map(lambda g: 0.5 * g + 0.1, grads)
+    np.testing.assert_allclose(lamb["kernel"], lamb_ref["kernel"], rtol=1e-6)
+    np.testing.assert_allclose(lamb["bias"], adam["bias"], rtol=1e-6)
+    assert float(jnp.abs(lamb_ref["bias"]).max()) < 1e-4 < float(jnp.abs(lamb["bias"]).min())  # optax.lamb's ratio
 
 
 def test_label_smoothing():

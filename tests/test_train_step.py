@@ -181,12 +181,14 @@ def test_the_residual_scale_reaches_the_residuals_each_step():
   tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
   mesh = mesh_lib.make_mesh(2, 4)
 
-  def train(error_feedback, residual_rescale=None):
+  def train(error_feedback, residual_rescale=None, nan_at=-1):
     reducer = reducer_lib.make_gradient_reducer(
       "hitopk", 2, 4, density=0.1, min_compress_elements=16, error_feedback=error_feedback
     )
     state = step_lib.create_train_state(TinyCNN(), tx, reducer, info.image_shape, mesh, seed=0)
-    step = step_lib.make_train_step(TinyCNN(), tx, reducer, mesh, info, 0.1, residual_rescale=residual_rescale)
+    step = step_lib.make_train_step(
+      TinyCNN(), tx, reducer, mesh, info, 0.1, inject_nan_at_step=nan_at, residual_rescale=residual_rescale
+    )
     sharding = mesh_lib.batch_sharding(mesh)
     for images, labels in batches:
       state, _ = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
@@ -205,6 +207,11 @@ def test_the_residual_scale_reaches_the_residuals_each_step():
   assert _max_diff(train(True, residual_rescale=forget_at(0)), plain) < 1e-6
   assert _max_diff(train(True, residual_rescale=forget_at(1)), plain) > 1e-5
   assert _max_diff(train(True, residual_rescale=forget_at(2)), plain) > 1e-5
+  # The factor follows the optimizer's count, which a skipped step does not advance (the schedule's): with step 1
+  # skipped, step 2 is the optimizer's step 1, so forgetting at 1 takes effect there.
+  skipped = train(True, nan_at=1)
+  assert _max_diff(train(True, residual_rescale=forget_at(1), nan_at=1), skipped) > 1e-5
+  assert _max_diff(train(True, residual_rescale=forget_at(2), nan_at=1), skipped) < 1e-6
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])

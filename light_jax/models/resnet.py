@@ -4,7 +4,8 @@ Conventions (those of the large-batch ImageNet recipes, MLPerf and flax/examples
 - v1.5: the stride-2 of a bottleneck block sits on its 3x3 convolution, not on the first 1x1.
 - The last BatchNorm of every residual block starts with scale 0, so each block starts as the identity
   (Goyal et al. 2017); this matters at large batch sizes.
-- Parameters are always float32; ``dtype`` is the compute dtype (float32 or bfloat16).
+- Parameters are always float32; ``dtype`` is the compute dtype (float32, bfloat16, or float16 with loss
+  scaling); BatchNorm reduces in float32 whatever it is (flax's ``force_float32_reductions``).
 - **BatchNorm statistics are per device.** The train step runs the model inside ``jax.shard_map`` on the
   device's shard of the batch, so mean and variance are those of the local batch (as in the ImageNet
   recipes that train at 32k-64k global batch, where cross-device BN would cost a collective per layer).
