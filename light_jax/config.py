@@ -535,16 +535,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     nodes, local = mesh_lib.resolve_mesh_shape(config.mesh.nodes, config.mesh.local, num_devices, num_processes)
   except mesh_lib.MeshError as e:
     raise ConfigError(str(e)) from None
-  devices = nodes * local
   # auto starts from hierarchical; powersgd sums its P and Q with it.
-  strategy = strategies.get(config.comm.strategy if config.comm.strategy in strategies.NAMES else "hierarchical")
-  if strategy.needs_power_of_two_devices and devices & (devices - 1):
-    others = [s.name for s in strategies.REGISTRY.values() if s.compressed and not s.needs_power_of_two_devices]
-    raise ConfigError(
-      f"comm.strategy={config.comm.strategy!r} pairs devices by the bits of their index and needs "
-      f"a power-of-two device count, not {nodes} x {local} = {devices}; use {' or '.join(map(repr, others))}, "
-      f"or a mesh of {1 << (devices.bit_length() - 1)} devices."
-    )
+  error = strategies.device_count_error(
+    config.comm.strategy if config.comm.strategy in strategies.NAMES else "hierarchical", nodes, local
+  )
+  if error:
+    raise ConfigError(error)
 
   if config.train.profile_steps:
     parse_profile_steps(config.train.profile_steps)

@@ -37,8 +37,18 @@ def problem():
   return model, params, images, labels, reference
 
 
+def assert_replicas_agree(tree):
+  """Every device holds the same bits of each replicated (``out_specs=P()``) output: with ``check_vma=False``
+  JAX does not check it, and reading the array gives device 0's copy alone."""
+  for leaf in jax.tree.leaves(tree):
+    first, *others = [np.asarray(shard.data) for shard in leaf.addressable_shards]
+    for i, other in enumerate(others, 1):
+      assert other.tobytes() == first.tobytes(), f"device {i}'s copy differs from device 0's"
+
+
 def reduce_on_mesh(reducer, mesh, model, params, images, labels, state=None):
-  """Local gradients on each device's shard, then ``reducer``; returns (mean gradient, new state)."""
+  """Local gradients on each device's shard, then ``reducer``; returns (mean gradient, new state), the mean
+  checked to be the same on every device."""
   state = reducer.init_state(params) if state is None else state
   per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
 
@@ -47,7 +57,7 @@ def reduce_on_mesh(reducer, mesh, model, params, images, labels, state=None):
     return reducer.reduce(local, state)
 
   sharding = mesh_lib.batch_sharding(mesh)
-  return jax.jit(
+  reduced, state = jax.jit(
     jax.shard_map(
       device_grad,
       mesh=mesh,
@@ -61,6 +71,8 @@ def reduce_on_mesh(reducer, mesh, model, params, images, labels, state=None):
     jax.device_put(images, sharding),
     jax.device_put(labels, sharding),
   )
+  assert_replicas_agree(reduced)
+  return reduced, state
 
 
 @pytest.mark.parametrize("strategy", strategies.NAMES)
@@ -97,6 +109,7 @@ def test_allreduce_of_odd_sizes_sums_over_devices(strategy, size):
       check_vma=False,
     )
   )(jax.device_put(x, mesh_lib.batch_sharding(mesh)))
+  assert_replicas_agree(out)
   np.testing.assert_allclose(np.asarray(out), np.asarray(x).sum(axis=0), rtol=1e-6)
 
 
@@ -252,3 +265,16 @@ def test_auto_reduction_with_every_mix_of_strategies_equals_whole_batch_gradient
     assert [name for name, _, _ in plan] == list(choices)
     for ours, ref in zip(jax.tree.leaves(reduced), jax.tree.leaves(reference)):
       np.testing.assert_array_less(np.max(np.abs(np.asarray(ours) - np.asarray(ref))), 1e-5)
+
+
+def test_gtopk_reducer_refuses_a_device_count_that_is_not_a_power_of_two():
+  """gtopk pairs devices by the bits of their index: on 6 devices the reducer says so when it is built (in
+  config.py's words), not ppermute deep inside the first trace; auto cannot be given gtopk there either."""
+  message = r"comm.strategy='gtopk' pairs devices .* not 3 x 2 = 6; use 'hitopk' or 'topk', or a mesh of 4 devices"
+  with pytest.raises(ValueError, match=message):
+    reducer_lib.make_gradient_reducer("gtopk", 3, 2)
+  auto = reducer_lib.make_gradient_reducer("auto", 3, 2)
+  with pytest.raises(ValueError, match=r"strategy 'auto' chose 'gtopk' for a bucket: " + message):
+    dataclasses.replace(auto, choices=("hitopk", "gtopk"))
+  dataclasses.replace(auto, choices=("hitopk", "topk"))  # the others run on any mesh
+  reducer_lib.make_gradient_reducer("gtopk", 2, 4)

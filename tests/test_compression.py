@@ -13,6 +13,7 @@ from light_jax import schedules
 from light_jax.parallel import compression, strategies
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel import reducer as reducer_lib
+from tests.test_collectives import assert_replicas_agree
 
 
 def _heavy_tailed(n, seed):
@@ -79,7 +80,8 @@ def test_final_density_phase_follows_the_warmup_and_the_target():
 
 
 def _run_steps(strategy, shape, grads, density, error_feedback=True, selector="exact", lrs=None, **options):
-  """Reduces each step's per-device vectors (T, devices, d); returns (outputs (T, d), final state).
+  """Reduces each step's per-device vectors (T, devices, d); returns (outputs (T, d), final state), each
+  output checked to be the same on every device.
 
   ``lrs``: a learning rate per step; the residuals then go into its units before each step, as the train
   step does with ``comm.residual_units="update"``."""
@@ -109,6 +111,7 @@ def _run_steps(strategy, shape, grads, density, error_feedback=True, selector="e
   outputs = []
   for g, factor in zip(grads, factors):
     out, state = step(jax.device_put(g, mesh_lib.batch_sharding(mesh)), state, jnp.float32(factor))
+    assert_replicas_agree(out)
     outputs.append(np.asarray(out["w"]))
   return np.stack(outputs), jax.device_get(state), reducer
 

@@ -37,6 +37,12 @@ def test_resolve_errors_say_what_to_change(nodes, local, message):
     mesh_lib.resolve_mesh_shape(nodes, local, 8)
 
 
+def test_resolve_both_fill_names_the_process_count_when_it_does_not_divide():
+  # The user set neither count: the message says the 3 came from the processes, not from mesh.nodes.
+  with pytest.raises(mesh_lib.MeshError, match="make each of the 3 processes a node, but 3 does not divide the 8"):
+    mesh_lib.resolve_mesh_shape(-1, -1, 8, num_processes=3)
+
+
 def test_make_mesh_is_node_major():
   mesh = mesh_lib.make_mesh(2, 4)
   assert mesh.axis_names == ("node", "local")

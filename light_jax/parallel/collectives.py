@@ -186,8 +186,13 @@ def _sum_pairs(zeros: jax.Array, indices: jax.Array, values: jax.Array, axis, co
   if counts is not None:
     all_counts = lax.all_gather(counts, axis).reshape(-1, counts.size)
     all_indices = jax.vmap(compression.indices_from_blocks)(all_indices, all_counts)
-  all_values = lax.all_gather(values, axis).reshape(-1).astype(zeros.dtype)
-  return zeros.at[all_indices.reshape(-1).astype(jnp.int32)].add(all_values)
+  all_values = lax.all_gather(values, axis).reshape(all_indices.shape).astype(zeros.dtype)
+  # One scatter-add per sender, in sender order: a single one over every sender's pairs runs on GPU with
+  # atomics, so the order of the addends at a shared index (and the sum's last bits) would differ between
+  # devices and the replicas drift apart. A sender's own indices are distinct (its top-k), except mstopk's
+  # padding on a non-finite vector, so no ``unique_indices``.
+  rows = (all_indices.astype(jnp.int32), all_values)
+  return lax.scan(lambda total, row: (total.at[row[0]].add(row[1]), None), zeros, rows)[0]
 
 
 def topk_allreduce(

@@ -31,6 +31,12 @@ def resolve_mesh_shape(nodes: int, local: int, num_devices: int, num_processes: 
   if nodes == 0 or local == 0 or nodes < -1 or local < -1:
     raise MeshError(f"mesh.nodes={nodes}, mesh.local={local}: each must be a positive int or -1 (fill).")
   if nodes == -1 and local == -1:
+    if num_devices % num_processes:  # say where the node count came from: the user set neither
+      raise MeshError(
+        f"mesh.nodes=-1 and mesh.local=-1 make each of the {num_processes} processes a node, but "
+        f"{num_processes} does not divide the {num_devices} devices; set mesh.nodes and mesh.local so that "
+        f"their product is {num_devices}."
+      )
     nodes = num_processes
   if nodes == -1:
     if num_devices % local:

@@ -122,6 +122,11 @@ class GradientReducer:
     if self.compact_pairs and not takes_compact_pairs(self.strategy):
       capable = [s.name for s in strategies.REGISTRY.values() if s.compact_pairs]
       raise ValueError(f"compact pairs: strategy {self.strategy!r} cannot send them; use one of {capable} or auto")
+    # Checked here too, not only in config.py: gtopk's ppermute fails deep in tracing otherwise.
+    for name in dict.fromkeys(self.choices or ()) if self.strategy == AUTO else (self.strategy,):
+      error = strategies.device_count_error(name, self.nodes, self.local)
+      if error:
+        raise ValueError(error if self.strategy != AUTO else f"strategy 'auto' chose {name!r} for a bucket: {error}")
 
   @property
   def spec(self) -> strategies.Strategy:

@@ -201,6 +201,19 @@ REGISTRY: dict[str, Strategy] = {
 NAMES = tuple(REGISTRY)
 
 
+def device_count_error(name: str, nodes: int, local: int) -> str | None:
+  """Why strategy ``name`` cannot run on a ``nodes`` x ``local`` mesh, or None if it can."""
+  devices = nodes * local
+  if not (get(name).needs_power_of_two_devices and devices & (devices - 1)):
+    return None
+  others = [s.name for s in REGISTRY.values() if s.compressed and not s.needs_power_of_two_devices]
+  return (
+    f"comm.strategy={name!r} pairs devices by the bits of their index and needs "
+    f"a power-of-two device count, not {nodes} x {local} = {devices}; use {' or '.join(map(repr, others))}, "
+    f"or a mesh of {1 << (devices.bit_length() - 1)} devices."
+  )
+
+
 def get(name: str) -> Strategy:
   try:
     return REGISTRY[name]
