@@ -114,15 +114,20 @@ class _Machines:
       )  # fmt: skip
       for node in range(self.nodes)
     ]
+    # Every node's output is drained as it comes, each by a thread of its own: read one node after another, a
+    # later node whose pipe filled (64 KiB) would block in its write, and its peers with it in a collective.
+    chunks: list[list[str]] = [[] for _ in procs]
+    readers = [
+      threading.Thread(target=lambda p=proc, out=out: out.append(p.stdout.read()), daemon=True)
+      for proc, out in zip(procs, chunks)
+    ]
+    for reader in readers:
+      reader.start()
     deadline = time.monotonic() + timeout  # one for the job: waiting node by node would allow nodes x timeout
-    outputs = []
     for proc in procs:
       try:
-        outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 0))[0])
+        proc.wait(timeout=max(deadline - time.monotonic(), 0))
       except subprocess.TimeoutExpired:
-        if proc.poll() is not None:  # it ended at the deadline, its output not read yet
-          outputs.append(proc.communicate()[0])
-          continue
         running = [node for node, p in enumerate(procs) if p.poll() is None]
         for node in running:
           procs[node].kill()
@@ -131,6 +136,9 @@ class _Machines:
           f"`{' '.join(argv[:2])}` on node(s) {', '.join(map(str, running))} still ran after {timeout:g} s (the "
           "limit for the whole job); raise the timeout (e.g. --timeout) or run fewer steps"
         ) from None
+    for reader in readers:  # the pipes close when the processes end (a child left holding one: given up at 5 s)
+      reader.join(timeout=5)
+    outputs = ["".join(out) for out in chunks]
     for node, (proc, output) in enumerate(zip(procs, outputs)):
       if proc.returncode:
         raise RuntimeError(f"`{' '.join(argv[:2])}` on node {node} exited {proc.returncode}:\n{output[-3000:]}")
