@@ -176,7 +176,7 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
   from light_jax import checkpoint as checkpoint_lib
   from light_jax import config as config_lib
   from light_jax import data as data_lib
-  from light_jax import schedules, train_lib
+  from light_jax import metrics, schedules, train_lib
 
   try:
     config_lib.validate(config, jax.device_count(), jax.process_count())
@@ -194,7 +194,7 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
   logging.info("resolved config:\n%s", config)
   try:
     summary = train_lib.train_and_evaluate(config, _WORKDIR.value, extra_hooks=[(watchdog.step_done, 1)])
-  except (data_lib.DataError, schedules.ScheduleError, checkpoint_lib.CheckpointError) as e:
+  except (data_lib.DataError, schedules.ScheduleError, checkpoint_lib.CheckpointError, metrics.MetricsError) as e:
     print(f"error: {e}", file=sys.stderr)
     return ExitCode.BAD_INPUT, str(e)
   except train_lib.NonFiniteError as e:

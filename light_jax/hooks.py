@@ -230,11 +230,12 @@ class EpochEvaluation:
     if info.state.loss_scale:  # dynamic loss scaling (float16): the scale the next step starts from
       record["loss_scale"] = float(info.state.loss_scale["scale"].addressable_data(0))
     self.writer.write(record)
-    self.bar.write(
-      f"epoch {record['epoch']:.2f} step {info.step}: train loss {train_loss:.4f}, test top-1 "
-      f"{100 * record['eval_top1']:.2f}% top-5 {100 * record['eval_top5']:.2f}%, "
-      f"{record['images_per_sec']:.0f} images/s, input wait {100 * record['input_wait_fraction']:.1f}%"
-    )
+    if self.writer.enabled:  # process 0 only (tqdm's write prints even for a disabled bar)
+      self.bar.write(
+        f"epoch {record['epoch']:.2f} step {info.step}: train loss {train_loss:.4f}, test top-1 "
+        f"{100 * record['eval_top1']:.2f}% top-5 {100 * record['eval_top5']:.2f}%, "
+        f"{record['images_per_sec']:.0f} images/s, input wait {100 * record['input_wait_fraction']:.1f}%"
+      )
     self.last_record = record
     self._mark(info.step)
     self.clock.resume()

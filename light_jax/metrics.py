@@ -13,6 +13,10 @@ from typing import Any
 import tqdm
 
 
+class MetricsError(RuntimeError):
+  """``metrics.jsonl`` is damaged before its last line; the message says which line and what to do."""
+
+
 class MetricsWriter:
   """Appends one JSON object per evaluation to ``DIR/metrics.jsonl`` and mirrors numbers to TensorBoard."""
 
@@ -37,8 +41,11 @@ class MetricsWriter:
             if resume_step is not None
             else "of a previous run without a checkpoint (starting over)",
           )
-        with open(path, "w") as f:
+        # Written again (without a last line cut short) to a new file, renamed over the old one: a kill
+        # mid-write cannot lose the records kept.
+        with open(path + ".tmp", "w") as f:
           f.writelines(json.dumps(r) + "\n" for r in self.records)
+        os.replace(path + ".tmp", path)
       from tensorboardX import SummaryWriter  # imported here: only process 0 needs it
 
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -96,8 +103,23 @@ def progress_bar(total: int, enabled: bool, initial: int = 0) -> tqdm.tqdm:
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The records of ``DIR/metrics.jsonl``. A last line cut short (a crash or a full disk mid-append) is left out
+  with a warning: it is the newest record, which a resumed run writes again. A bad line before it is an error."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  records = []
+  for number, line in enumerate(lines, 1):
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if number < len(lines):
+        raise MetricsError(
+          f"{path}, line {number}: not a JSON record ({e}); the file is damaged. Move it away to go on (a resumed "
+          "run then writes the records from its checkpoint on; the earlier ones stay in the moved file)."
+        ) from None
+      logging.warning("%s: leaving out its last line, cut short: %r", path, line[:80])
+  return records
 
 
 def plot_comparison(runs: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> None:

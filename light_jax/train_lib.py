@@ -122,8 +122,17 @@ def train_and_evaluate(
         hooks.add(hook, every=every)
       hooks.add(ProgressBar(bar, schedule, config.log_every_steps), every=1)
       nonfinite = NonFiniteCheck(config.train.on_nonfinite, seen=skipped_steps(state))
-      # Also at a stop for a signal: a bad step not yet reported would be counted as seen on resume, never stopping.
-      hooks.add(nonfinite, every=config.log_every_steps, when=lambda s: ends_record(s) or preemption.requested())
+
+      # Also wherever a checkpoint may be saved: a resumed run counts the checkpoint's skipped steps as seen, so one
+      # not reported by then would never be. So at each checkpoint step, and at a stop for a signal (one process:
+      # at any step, from the local flag; several: at the log steps, where the check runs anyway, since asking
+      # the others is a collective).
+      def may_save(step: int) -> bool:
+        every = config.checkpoint.every_steps
+        signalled = jax.process_count() == 1 and preemption.signal is not None
+        return ends_record(step) or signalled or (every > 0 and step % every == 0)
+
+      hooks.add(nonfinite, every=config.log_every_steps, when=may_save)
       # With several processes the check is a collective, so not every step.
       hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
       clock = TrainClock(seconds_before)  # training seconds, evaluations left out

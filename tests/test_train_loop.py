@@ -13,7 +13,7 @@ from light_jax import checkpoint as checkpoint_lib
 from light_jax import data as data_lib
 from light_jax import schedules, train_lib
 from light_jax.hooks import Hooks, StepInfo
-from light_jax.metrics import read_metrics
+from light_jax.metrics import MetricsError, MetricsWriter, read_metrics
 from light_jax.models import create_model
 from light_jax.parallel import fusion
 from light_jax.parallel import reducer as reducer_lib
@@ -210,3 +210,17 @@ def test_float16_with_dynamic_loss_scaling_trains_like_float32(tmp_path):
   assert fp16["final_eval_top1"] > 0.5 and abs(fp16["final_eval_top1"] - fp32["final_eval_top1"]) < 0.05
   assert fp16["final_train_loss"] == pytest.approx(fp32["final_train_loss"], rel=0.05)
   assert fp16["final_train_loss"] != fp32["final_train_loss"]  # it did compute in float16
+
+
+def test_metrics_jsonl_with_a_last_line_cut_short_resumes_and_a_damaged_one_is_named(tmp_path, caplog):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 4, "epoch": 1.0}\n{"step": 8, "epoch": 2.0}\n{"step": 12, "ep')  # a crash mid-append
+  with caplog.at_level(logging.WARNING):
+    writer = MetricsWriter(str(tmp_path), resume_step=8)
+  assert "leaving out its last line" in caplog.text and [r["step"] for r in writer.records] == [4, 8]
+  writer.write({"step": 12, "epoch": 3.0})
+  assert [r["step"] for r in read_metrics(str(tmp_path))] == [4, 8, 12]  # rewritten whole, then appended to
+  assert not (tmp_path / "metrics.jsonl.tmp").exists()
+  path.write_text('{"step": 4, "epoch": 1.0}\n{"step": 8, "ep\n{"step": 12, "epoch": 3.0}\n')
+  with pytest.raises(MetricsError, match=r"metrics.jsonl, line 2: not a JSON record .* Move it away"):
+    MetricsWriter(str(tmp_path), resume_step=8)

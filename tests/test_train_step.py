@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from light_jax import optim
+from light_jax import evaluation, optim
 from light_jax import train_step as step_lib
 from light_jax.models import create_model
 from light_jax.parallel import mesh as mesh_lib
@@ -362,3 +362,33 @@ def test_an_overflow_on_one_device_under_top_k_halves_the_loss_scale_and_leaves_
   assert _max_diff(state.params, after_skip.params) > 0.0
   assert _max_diff(state.comm_state, after_skip.comm_state) > 0.0  # the unsent entries went into the residuals
   assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.comm_state))
+
+
+def test_eval_step_sums_top1_top5_and_loss_of_the_unmasked_rows_as_numpy_does():
+  """A batch whose last rows are padding (mask 0), split over 2 x 4 devices: the sums equal numpy's over the real
+  rows of one whole-batch forward pass."""
+  batches, info = _batches(1)
+  images, labels = batches[0]
+  mesh = mesh_lib.make_mesh(2, 4)
+  tx = optax.sgd(0.1)
+  reducer = reducer_lib.make_gradient_reducer("hierarchical", 2, 4)
+  state = step_lib.create_train_state(TinyCNN(), tx, reducer, info.image_shape, mesh, seed=0)
+  mask = (np.arange(len(labels)) < len(labels) - 5).astype(np.float32)  # the last 5 rows: padding
+  sharding = mesh_lib.batch_sharding(mesh)
+  put = lambda x: jax.device_put(x, sharding)  # noqa: E731
+  sums = evaluation.make_eval_step(TinyCNN(), mesh, info)(state, put(images), put(labels), put(mask))
+
+  params = jax.device_get(state.params)
+  logits = np.asarray(TinyCNN().apply({"params": params}, step_lib.normalize(images, info.mean, info.std)))
+  real = mask > 0
+  ranked = np.argsort(-logits, axis=1)
+  log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+  expected = {
+    "top1": np.sum((ranked[:, 0] == labels)[real]),
+    "top5": np.sum((ranked[:, :5] == labels[:, None]).any(axis=1)[real]),
+    "loss": -np.sum(log_probs[np.arange(len(labels)), labels][real]),
+    "count": real.sum(),
+  }
+  for key, value in expected.items():
+    assert float(sums[key]) == pytest.approx(float(value), rel=1e-5), key
+  assert 0 < expected["top1"] < expected["top5"] < expected["count"]  # the check sees hits and misses of both
