@@ -3,9 +3,11 @@
   python scripts/prepare_image_folder.py --folder ~/data/flowers --out ~/data/flowers_ar
 
 The folder holds `train/` and `val/`, each with one sub-folder per class (the same class names in
-both). Labels are the sorted class names. Every file is checked with a reduced-size decode: files that
-cannot be decoded are skipped and listed (log and OUT/info.json); CMYK, greyscale and PNG-named-.jpg
-files are kept (the pipeline converts them). No TensorFlow needed. Then train with
+both). Labels are the sorted class names. Records are written in a fixed random order, so the first
+N (`data.train_subset`, `data.eval_subset`) sample every class. Every file is checked with a
+reduced-size decode: files that cannot be decoded are skipped and listed (log and OUT/info.json); CMYK,
+greyscale and PNG-named-.jpg files are kept (the pipeline converts them). No TensorFlow needed. Then
+train with
 
   python train.py --config configs/imagenet_resnet50.py --config.data.dataset=image_folder \\
       --config.data.data_dir=OUT ...

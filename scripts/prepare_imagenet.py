@@ -58,7 +58,8 @@ def check_val_names(val_tar: str) -> int:
   """
   try:
     with tarfile.open(val_tar, mode="r:") as tar:
-      names = sorted(m.name for m in tar if m.isfile())
+      # Every member's name, as TFDS takes them (tar.getnames()): a directory entry shifts its labels too.
+      names = sorted(tar.getnames())
   except tarfile.TarError as e:
     raise PrepareError(f"{val_tar} is not a readable tar ({e}); is the download complete?") from e
   numbers = []

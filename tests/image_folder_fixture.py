@@ -41,8 +41,8 @@ def make_image_folder(
   bad: bool = True,
   empty_class: bool = True,
 ) -> dict:
-  """Writes ``root/{train,val}/class_NN/*.JPEG``; returns {split: [(relative path, label, kind)]} in the
-  order the converter reads them (classes sorted, files sorted)."""
+  """Writes ``root/{train,val}/class_NN/*.JPEG``; returns {split: [(relative path, label, kind)]}, classes
+  sorted, files sorted (the converter writes them in a fixed random order of its own)."""
   rng = np.random.default_rng(seed)
   written = {"train": [], "val": []}
   names = [f"class_{c:02d}" for c in range(num_classes)] + (["class_zz_empty"] if empty_class else [])

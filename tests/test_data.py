@@ -93,6 +93,20 @@ def test_each_epoch_is_a_new_permutation_without_repeats():
   assert not np.array_equal(epochs[0], epochs[1])
 
 
+def test_neighbouring_seeds_do_not_share_epoch_orders():
+  """grain seeds epoch e of its shuffle with seed + e; the run seed is hashed first, so seed 1's epoch 0 is
+  not seed 0's epoch 1."""
+  source = random_source(64)
+  orders = {}
+  for seed in range(3):
+    batches = TrainBatches(source, 16, num_epochs=3, seed=seed)
+    for epoch in range(3):
+      orders[seed, epoch] = np.concatenate([batches.indices(s)[0] for s in range(epoch * 4, (epoch + 1) * 4)])
+  assert not np.array_equal(orders[0, 1], orders[1, 0]) and not np.array_equal(orders[0, 2], orders[2, 0])
+  distinct = {tuple(order) for order in orders.values()}
+  assert len(distinct) == len(orders)
+
+
 def test_same_seed_same_batches_and_resume_mid_run():
   source = random_source(100)
   a = _all_batches(TrainBatches(source, 20, num_epochs=2, seed=7, crop_padding=1))

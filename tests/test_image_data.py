@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from light_jax.data import DataError, EvalBatches, ImageSource, TrainBatches, records, transforms
+from light_jax.data import DataError, EvalBatches, ImageSource, TrainBatches, load_dataset, records, transforms
 from tests.helpers import train_py
 from tests.image_folder_fixture import DECODABLE, bad_files, class_image, jpeg_bytes, make_image_folder
 
@@ -31,7 +31,63 @@ def test_image_folder_conversion_keeps_labels_and_reports_bad_files(folder):
     assert sorted(info["splits"][split]["skipped"]) == ["class_01/bad_corrupt.JPEG", "class_01/bad_truncated.JPEG"]
     assert info["splits"][split]["empty_classes"] == ["class_zz_empty"]
     source = records.FolderRecords(folder["dir"], split)
-    assert [(source[i][2], source[i][1]) for i in range(len(source))] == good  # never a wrong label
+    assert sorted((source[i][2], source[i][1]) for i in range(len(source))) == sorted(good)  # never a wrong label
+
+
+def _folder_config(data_dir, cache_dir, **overrides):
+  from configs import imagenet_resnet50
+
+  config = imagenet_resnet50.get_config("tiny").data
+  config.update(dataset="image_folder", data_dir=str(data_dir), cache_dir=str(cache_dir), **overrides)
+  return config
+
+
+def test_a_subset_of_a_converted_folder_samples_every_class(folder, tmp_path):
+  """data.train_subset / eval_subset keep the first N records; the conversion shuffles them (with a fixed
+  seed), so those are not the first classes' images only."""
+  config = _folder_config(folder["dir"], tmp_path, train_subset=8, eval_subset=8, cache="none")
+  for subset in load_dataset(config)[:2]:
+    assert len(subset) == 8
+    assert len({subset.records[i][1] for i in range(8)}) >= 3, [subset.records[i][2] for i in range(8)]
+  again = tmp_path / "again"
+  records.convert_image_folder(str(folder["root"] / "raw"), str(again))
+  for split in ("train", "val"):  # the same order every time
+    first, second = records.FolderRecords(folder["dir"], split), records.FolderRecords(str(again), split)
+    assert [first[i][2] for i in range(len(first))] == [second[i][2] for i in range(len(second))]
+
+
+def test_a_folder_converted_again_gets_a_new_decoded_cache(tmp_path):
+  """Converted again with other labels, the folder's record file can keep its size and count (an image moved
+  between classes of equal name length; a new class sorting first, which shifts every label): the decoded
+  cache notices (it holds the fingerprint of the records it was built from) and is built again, instead of
+  training on the old labels."""
+  raw, converted = tmp_path / "raw", tmp_path / "converted"
+  rng = np.random.default_rng(0)
+  for split in ("train", "val"):
+    for label, name in enumerate(("cat_a", "cat_b")):
+      os.makedirs(raw / split / name)
+      for i in range(3):
+        (raw / split / name / f"{name}_{i}.jpg").write_bytes(jpeg_bytes(class_image(label, rng, 32, 32)))
+  config = _folder_config(converted, tmp_path / "cache", cache="disk")
+
+  def convert_and_load():
+    records.convert_image_folder(str(raw), str(converted))
+    train = load_dataset(config)[0].records
+    assert isinstance(train, records.DecodedCache)
+    labels = [train[i][1] for i in range(len(train))]
+    fresh = records.FolderRecords(str(converted), "train")
+    assert labels == [fresh[i][1] for i in range(len(fresh))]  # the new conversion's labels
+    return labels, os.path.getsize(converted / "train.array_record")
+
+  first, size = convert_and_load()
+  shutil.move(raw / "train" / "cat_a" / "cat_a_0.jpg", raw / "train" / "cat_b" / "cat_a_0.jpg")
+  moved, moved_size = convert_and_load()
+  assert sorted(moved) == [0, 0, 1, 1, 1, 1] != sorted(first) and moved_size == size
+  for split in ("train", "val"):
+    os.makedirs(raw / split / "aaa")  # an empty class sorting first: every label one higher
+  shifted, shifted_size = convert_and_load()
+  assert sorted(shifted) == [1, 1, 2, 2, 2, 2] and shifted_size == size
+  assert len(os.listdir(tmp_path / "cache")) == 1  # each replaced the last, none left beside it
 
 
 def test_missing_converted_folder_says_how_to_make_it(tmp_path):
@@ -223,7 +279,8 @@ def test_decoded_cache_gives_the_jpeg_paths_pixels(folder, tmp_path):
   path = str(tmp_path / "cache.array_record")
   records.build_disk_cache(jpegs, path, shorter=40, workers=2)
   disk, memory = records.DecodedCache(path), records.DecodedCache(path, in_memory=True)
-  assert len(disk) == len(memory) == len(jpegs)
+  assert len(disk) == len(memory) == len(jpegs)  # the last record, the records' fingerprint, is not an image
+  assert disk.source_fingerprint == memory.source_fingerprint == jpegs.fingerprint
   for i in range(len(jpegs)):
     data, label, _ = jpegs[i]
     pixels, cached_label, _ = disk[i]
@@ -307,11 +364,25 @@ def test_worker_processes_give_the_same_batches(folder):
 
 
 def test_eval_batches_cover_the_split_once(folder):
+  """Two processes' unmasked rows of the padded batches are every record once, in order, each with the
+  label of its file."""
   source = ImageSource(records.FolderRecords(folder["dir"], "val"), 5, "val")
-  batches = EvalBatches(source, 8, image_size=20)
-  out = [batches.load(b) for b in range(batches.num_batches)]
-  assert sum(int(b["mask"].sum()) for b in out) == len(source)
-  assert out[0]["images"].shape == (8, 20, 20, 3)
+  halves = [EvalBatches(source, 8, process_index=p, process_count=2, image_size=20) for p in range(2)]
+  assert halves[0].num_batches == 3 and len(source) == 19  # 5 padding rows
+  images, labels = [], []
+  for b in range(halves[0].num_batches):
+    for half in halves:
+      batch = half.load(b)
+      assert batch["images"].shape == (4, 20, 20, 3)
+      valid = batch["mask"] == 1
+      images.extend(batch["images"][valid])
+      labels.extend(batch["labels"][valid].tolist())
+  expected = [source.eval_example(i, 20) for i in range(len(source))]
+  assert labels == [label for _, label in expected]
+  for image, (expected_image, _) in zip(images, expected, strict=True):
+    np.testing.assert_array_equal(image, expected_image)
+  written = {name: label for name, label, _ in folder["written"]["val"]}
+  assert labels == [written[source.records[i][2]] for i in range(len(source))]
 
 
 def test_train_py_on_an_image_folder_with_a_disk_cache(folder, tmp_path):

@@ -183,6 +183,19 @@ def test_partial_validation_tar_is_refused(tmp_path):
   assert "00000001" in result.stderr and "by position" in result.stderr, result.stderr
 
 
+def test_validation_tar_with_a_directory_entry_is_refused(tmp_path):
+  """TFDS pairs the labels with every name in the tar (tar.getnames()), directories included: one sorting
+  first would shift every label by one."""
+  make_ilsvrc_tars(tmp_path, SYNSETS, 1, VAL_COUNT)
+  directory = tarfile.TarInfo("ILSVRC2012_img_val")
+  directory.type = tarfile.DIRTYPE
+  with tarfile.open(tmp_path / VAL_TAR, "a") as tar:
+    tar.addfile(directory)
+  result = _run_script("--manual_dir", str(tmp_path), "--data_dir", str(tmp_path / "out"), timeout=60)
+  assert result.returncode != 0
+  assert "unexpected member 'ILSVRC2012_img_val'" in result.stderr, result.stderr
+
+
 def test_without_tensorflow_says_how_to_install_it(tmp_path):
   """Blocks ``import tensorflow`` in the child (a None entry in sys.modules is Python's way to make a module
   unimportable), so this runs whether or not the prepare extra is installed."""
@@ -217,15 +230,23 @@ def test_pipeline_reads_every_record_with_its_label_and_skips_the_broken_ones(pr
   train, test, info = data_lib.load_dataset(_data_config(prepared["data_dir"]))
   assert info.num_classes == 1000 and len(train) == len(prepared["written"]["train"])
   kinds = {e.filename: e.kind for split in prepared["written"].values() for e in split}
-  synset_labels = {s: i for i, s in enumerate(imagenet_synsets())}
+  decodable = ("ok", "cmyk", "grey", "png")
+  replaced = 0
   for source in (train, test):
-    for i in range(len(source)):
+    n = len(source)
+    for i in range(n):
       _, record_label, name = source.records[i]
       image, label = source.eval_example(i, 32)
       assert image.shape == (32, 32, 3) and image.dtype == np.uint8
-      if kinds[name] in ("ok", "cmyk", "grey", "png"):
+      if kinds[name] in decodable:
         assert label == record_label  # decoded: its own label
-      assert 0 <= label < 1000 and label in synset_labels.values()
+        continue
+      # Undecodable: the next decodable record stands in, with its own image and label.
+      stand_in = next((i + k) % n for k in range(1, n) if kinds[source.records[(i + k) % n][2]] in decodable)
+      assert label == source.records[stand_in][1], (name, source.records[stand_in][2])
+      np.testing.assert_array_equal(image, source.eval_example(stand_in, 32)[0])
+      replaced += 1
+  assert replaced == 2 + sum(e.kind in ("truncated", "corrupt") for e in prepared["written"]["validation"])
   # The two undecodable train files were replaced by their successors, counted and named once each.
   broken = {e.filename for e in prepared["written"]["train"] if e.kind in ("truncated", "corrupt")}
   assert train.bad_records == broken

@@ -57,6 +57,7 @@ class _Subset:
 
   def __init__(self, records, n: int):
     self._records, self._n = records, min(n, len(records))
+    self.identity = f"{records.identity}:first{self._n}"
     self.fingerprint = f"{records.fingerprint}:first{self._n}"
 
   def __len__(self) -> int:
@@ -103,10 +104,19 @@ def _load_jpeg_dataset(data_config) -> tuple[ImageSource, ImageSource, DatasetIn
 
 
 def _decoded_cache(source, data_config):
-  """The decoded cache of ``source`` (built on first use if it fits the budget), or ``source`` itself."""
+  """The decoded cache of ``source`` (built on first use, or again when built from other records, if it
+  fits the budget), or ``source`` itself."""
   cache_dir = os.path.expanduser(data_config.cache_dir)
-  path = records.cache_path(cache_dir, source.fingerprint, data_config.cache_size)
-  if not os.path.exists(path):
+  path = records.cache_path(cache_dir, source.identity, data_config.cache_size)
+  built_from = records.DecodedCache(path).source_fingerprint if os.path.exists(path) else None
+  if built_from != source.fingerprint:
+    if os.path.exists(path):  # e.g. the image folder was converted again: its labels may have changed
+      logging.warning(
+        "decoded cache %s was built from other records than %s holds now (converted or prepared again since); "
+        "building it again",
+        path,
+        source.identity,
+      )
     expected = records.estimate_cache_bytes(source, data_config.cache_size)
     if expected > data_config.cache_budget_gb * 1e9:
       logging.warning(

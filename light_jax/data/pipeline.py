@@ -50,6 +50,11 @@ def pad_crop_flip(images: np.ndarray, offsets: np.ndarray, flips: np.ndarray, pa
   return padded[np.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]]
 
 
+def shuffle_seed(seed: int) -> int:
+  """grain's shuffle seed for run seed ``seed``: unrelated for neighbouring seeds."""
+  return int(np.random.SeedSequence([seed, 0x5EED]).generate_state(1)[0])
+
+
 class TrainBatches:
   """Process-local training batches, one per global step, for ``num_epochs`` epochs.
 
@@ -83,8 +88,9 @@ class TrainBatches:
     self.process_index, self.process_count = process_index, process_count
     self.crop_padding = crop_padding
     self.random_flip = random_flip
-    # grain's index shuffle: a new permutation of the split every epoch, from one seed.
-    self._order = grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat()
+    # grain's index shuffle: a new permutation of the split every epoch, from one seed. grain seeds epoch e
+    # with seed + e, so the run seed is hashed first: else seed 1's epoch 0 would be seed 0's epoch 1.
+    self._order = grain.MapDataset.range(len(source)).shuffle(seed=shuffle_seed(seed)).repeat()
     self.dataset = grain.MapDataset.range(self.num_steps).map(self.load)
 
   def indices(self, step: int) -> tuple[np.ndarray, slice]:

@@ -5,10 +5,16 @@ Three kinds of record files, all read by index without TensorFlow:
 - ``TfdsRecords``: the TFDS ``imagenet2012`` dataset prepared in ArrayRecord format
   (``scripts/prepare_imagenet.py``), read with ``tfds.data_source`` and the JPEG bytes left encoded.
 - ``FolderRecords``: an image folder (``split/class_name/*.jpg``) converted by ``convert_image_folder``
-  into one ArrayRecord file per split; each record is ``label, file name, encoded bytes``.
+  into one ArrayRecord file per split, in a fixed random order; each record is ``label, file name,
+  encoded bytes``.
 - ``DecodedCache``: pixels already decoded and scaled to a shorter side of ``cache_size`` px, uint8,
   one record per source record in the same order (an empty record where the source image is bad), on
   local disk (ArrayRecord) or in memory. Built once, then read instead of the JPEGs: no decode at all.
+  Its last record holds the fingerprint of the records it was built from, so a cache of records since
+  converted again (other labels, say) is told apart from a current one.
+
+Each records class has an ``identity`` (which split of which dataset, where: names the cache file) and a
+``fingerprint`` (that, and what distinguishes one conversion of it from another).
 
 Each ``__getitem__`` returns ``(payload, label, file_name)``; the payload is encoded bytes, or for the
 cache a uint8 (h, w, 3) array (``None`` for a bad record).
@@ -34,6 +40,8 @@ from light_jax.data.source import DataError
 
 _FOLDER_HEADER = struct.Struct("<iI")  # label, file-name length
 _CACHE_HEADER = struct.Struct("<iHH")  # label, height, width (0 x 0: bad source image)
+_CACHE_TRAILER = b"light_jax decoded cache of "  # + the source's fingerprint: the cache's last record
+_CONVERSION_SEED = 0  # the record order of a converted image folder
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
 
 
@@ -95,7 +103,8 @@ class TfdsRecords:
         f"(needs `pip install -e '.[prepare]'`), or point --config.data.data_dir at it."
       ) from None
     self.num_classes = self._source.dataset_info.features["label"].num_classes
-    self.fingerprint = f"tfds:{name}:{split}:{data_dir}:{len(self._source)}"
+    self.identity = f"tfds:{name}:{split}:{data_dir}"
+    self.fingerprint = f"{self.identity}:{len(self._source)}"
 
   def __len__(self) -> int:
     return len(self._source)
@@ -119,8 +128,9 @@ class FolderRecords:
         f"--out {data_dir}`."
       )
     try:
-      with open(info_path) as f:
-        self.classes = json.load(f)["classes"]
+      with open(info_path, "rb") as f:
+        info = f.read()
+      self.classes = json.loads(info)["classes"]
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
       raise DataError(
         f"{info_path} is damaged ({type(e).__name__}: {e}); convert the folder again with "
@@ -136,7 +146,13 @@ class FolderRecords:
         f"skipped files). Put images in FOLDER/{split}/CLASS_NAME/ and convert it again with "
         f"`python scripts/prepare_image_folder.py --folder FOLDER --out {data_dir}`."
       )
-    self.fingerprint = f"folder:{os.path.abspath(path)}:{os.path.getsize(path)}:{len(self._source)}"
+    self.identity = f"folder:{os.path.abspath(path)}"
+    # New on every conversion (a new file; info.json's classes and conversion id), not only when the size
+    # or count changes: moving an image to another class, or a new class shifting the labels, changes
+    # neither, and a decoded cache of the old conversion would train on the old labels.
+    stat = os.stat(path)
+    info_hash = hashlib.sha1(info).hexdigest()[:16]
+    self.fingerprint = f"{self.identity}:{stat.st_size}:{stat.st_mtime_ns}:{len(self._source)}:{info_hash}"
 
   def __len__(self) -> int:
     return len(self._source)
@@ -155,6 +171,7 @@ class ListRecords:
   def __init__(self, items: list):
     self.items = items
     self.fingerprint = f"list:{len(items)}:{hashlib.sha1(b''.join(i[0][:64] for i in items)).hexdigest()[:16]}"
+    self.identity = self.fingerprint
 
   def __len__(self) -> int:
     return len(self.items)
@@ -168,7 +185,9 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
 
   Classes are the sorted sub-folder names of the first split (every split uses that list). Files that
   Pillow cannot decode are skipped, counted and named in the log and in info.json; an empty class
-  folder keeps its label (so labels follow the folder names) and is reported. No TensorFlow needed.
+  folder keeps its label (so labels follow the folder names) and is reported. Records are written in
+  a fixed random order (as TFDS writes ImageNet), not class by class, so the first N records
+  (``data.train_subset``, ``data.eval_subset``) sample every class. No TensorFlow needed.
   """
   first = os.path.join(folder, splits[0])
   if not os.path.isdir(first):
@@ -177,7 +196,8 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   if not classes:
     raise DataError(f"{first} has no class sub-folders (expected {first}/CLASS_NAME/*.jpg)")
   os.makedirs(out_dir, exist_ok=True)
-  info = {"classes": classes, "splits": {}}
+  # New on every conversion: FolderRecords.fingerprint changes with it, so no decoded cache outlives it.
+  info = {"classes": classes, "conversion_id": uuid.uuid4().hex, "splits": {}}
   for split in splits:
     root = os.path.join(folder, split)
     if not os.path.isdir(root):
@@ -185,32 +205,36 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
     unknown = sorted(set(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))) - set(classes))
     if unknown:
       raise DataError(f"{root} has class folders that {first} lacks: {unknown[:5]}; every split needs the same classes")
-    written, skipped, empty = 0, [], []
+    files, skipped, empty = [], [], []
+    for label, name in enumerate(classes):
+      class_dir = os.path.join(root, name)
+      names = (
+        sorted(f for f in os.listdir(class_dir) if f.lower().endswith(IMAGE_EXTENSIONS))
+        if os.path.isdir(class_dir)
+        else []
+      )
+      if not names:
+        empty.append(name)
+        logging.warning("image folder: class %r has no images in %s", name, root)
+      files.extend((label, name, file_name) for file_name in names)
+    # Shuffled once, with a fixed seed: class by class, the first N records would hold the first classes.
+    order = np.random.default_rng(_CONVERSION_SEED).permutation(len(files))
+    written = 0
     with _writer(os.path.join(out_dir, f"{split}.array_record")) as writer:
-      for label, name in enumerate(classes):
-        class_dir = os.path.join(root, name)
-        files = (
-          sorted(f for f in os.listdir(class_dir) if f.lower().endswith(IMAGE_EXTENSIONS))
-          if os.path.isdir(class_dir)
-          else []
-        )
-        if not files:
-          empty.append(name)
-          logging.warning("image folder: class %r has no images in %s", name, root)
-        for file_name in files:
-          with open(os.path.join(class_dir, file_name), "rb") as f:
-            data = f.read()
-          try:
-            # A cheap full check: the whole image at 1/8 scale (the region decoder would stop early).
-            transforms.decode_crop_resize(data, 8, region_decode=False)
-          except transforms.BadImage as e:
-            skipped.append(f"{name}/{file_name}")
-            logging.warning("image folder: skipping %s/%s: %s", name, file_name, e)
-            continue
-          rel = os.fsencode(f"{name}/{file_name}")  # the name's own bytes, UTF-8 or not
-          writer.write(_FOLDER_HEADER.pack(label, len(rel)) + rel + data)
-          written += 1
-    info["splits"][split] = {"examples": written, "skipped": skipped, "empty_classes": empty}
+      for label, name, file_name in (files[i] for i in order):
+        with open(os.path.join(root, name, file_name), "rb") as f:
+          data = f.read()
+        try:
+          # A cheap full check: the whole image at 1/8 scale (the region decoder would stop early).
+          transforms.decode_crop_resize(data, 8, region_decode=False)
+        except transforms.BadImage as e:
+          skipped.append(f"{name}/{file_name}")
+          logging.warning("image folder: skipping %s/%s: %s", name, file_name, e)
+          continue
+        rel = os.fsencode(f"{name}/{file_name}")  # the name's own bytes, UTF-8 or not
+        writer.write(_FOLDER_HEADER.pack(label, len(rel)) + rel + data)
+        written += 1
+    info["splits"][split] = {"examples": written, "skipped": sorted(skipped), "empty_classes": empty}
     logging.info(
       "image folder %s: %d images written, %d skipped, %d empty classes", split, written, len(skipped), len(empty)
     )
@@ -240,8 +264,10 @@ def _parse_cache_record(record: bytes) -> tuple[np.ndarray | None, int]:
   return pixels.reshape(height, width, 3), label
 
 
-def cache_path(cache_dir: str, fingerprint: str, shorter: int) -> str:
-  key = hashlib.sha1(fingerprint.encode()).hexdigest()[:16]
+def cache_path(cache_dir: str, identity: str, shorter: int) -> str:
+  # Named by the records' identity, not fingerprint: a cache of records converted again is replaced, not
+  # left beside the new one.
+  key = hashlib.sha1(identity.encode()).hexdigest()[:16]
   return os.path.join(cache_dir, f"decoded_{shorter}px_{key}.array_record")
 
 
@@ -261,7 +287,8 @@ def estimate_cache_bytes(records, shorter: int, sample: int = 32) -> int:
 
 
 def build_disk_cache(records, path: str, shorter: int, workers: int | None = None) -> None:
-  """Decodes every record once (``workers`` processes) and writes the cache atomically."""
+  """Decodes every record once (``workers`` processes) and writes the cache atomically, the records'
+  fingerprint last."""
   workers = workers or os.cpu_count() or 1
   start, n = time.time(), len(records)
   chunk = 256
@@ -280,6 +307,7 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
           logging.info(
             "building the decoded cache %s: %d / %d images (%.0f s)", path, first + len(items), n, time.time() - start
           )
+      writer.write(_CACHE_TRAILER + records.fingerprint.encode(errors="surrogateescape"))  # a path's own bytes
   except concurrent.futures.BrokenExecutor:  # BrokenProcessPool
     raise DataError(
       f"building the decoded cache {path} stopped: a worker process died (a Ctrl-C or SIGTERM, or out of "
@@ -300,13 +328,22 @@ class DecodedCache:
   def __init__(self, path: str, in_memory: bool = False):
     self.path = path
     self._source = _reader(path, "delete that file to rebuild the decoded cache")
-    self._memory = [self._source[i] for i in range(len(self._source))] if in_memory else None
+    n = len(self._source)
+    last = self._source[n - 1] if n else b""
+    # The fingerprint of the records it was built from (None: a cache from before it was kept).
+    self.source_fingerprint = (
+      last[len(_CACHE_TRAILER) :].decode(errors="surrogateescape") if last.startswith(_CACHE_TRAILER) else None
+    )
+    self._n = n - 1 if self.source_fingerprint is not None else n
+    self._memory = [self._source[i] for i in range(self._n)] if in_memory else None
     self.in_memory = in_memory
 
   def __len__(self) -> int:
-    return len(self._source)
+    return self._n
 
   def __getitem__(self, index: int) -> tuple[np.ndarray | None, int, str]:
+    if not 0 <= index < self._n:  # not the fingerprint record
+      raise IndexError(index)
     record = self._memory[index] if self._memory is not None else self._source[index]
     pixels, label = _parse_cache_record(record)
     return pixels, label, f"{self.path}[{index}]"
