@@ -49,15 +49,16 @@ train: .venv
 	$(PY) train.py --config $(CONFIG) --workdir $(WORKDIR)
 
 # Two pytest-xdist workers, one per core here (TEST_WORKERS=0 runs the tests in one process); a test file stays on
-# one worker (--dist loadfile), so the tests that share a module-scoped fixture build it once.
+# one worker (--dist loadfile), so the tests that share a module-scoped fixture build it once; files are handed out
+# in collection order, the slowest first (tests/conftest.py), not by their number of tests (--no-loadscope-reorder).
 TEST_WORKERS ?= 2
 test: .venv $(VENV)/.installed-test
-	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # Also the tests marked slow (pyproject.toml): the fault drills on the emulated cluster, every strategy across
 # two processes, the prepared GPU check at toy size.
 test-all: .venv $(VENV)/.installed-test
-	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile -m "" tests
+	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "" tests
 
 # ruff's formatter (check only) and linter, configured in pyproject.toml; `make format` applies the formatter.
 $(VENV)/.installed-lint: $(VENV)/.installed
