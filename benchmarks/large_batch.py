@@ -31,7 +31,7 @@ LAMB = [
   "--config.optimizer.name=lamb",
   "--config.optimizer.base_lr=0.001",
   "--config.optimizer.weight_decay=0.01",
-  "--config.optimizer.nesterov=False",  # the paper's LAMB: b1 = optimizer.momentum (0.9), no Nesterov
+  "--config.optimizer.nesterov=False",  # LAMB takes no Nesterov since; kept: the recorded run's command
 ]
 # The LARS variant's first values, from the AutoML study's 3-epoch trials: poly decay, base lr 0.64 (peak
 # 10.24), warmed up over 2 epochs. It has since taken the best 28-epoch LARS run's (lars_tuned_lr1); the rows

@@ -40,6 +40,7 @@ class Checkpointer:
       self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
     )
     self.damaged_steps: set[int] = set()  # found by restore_latest; a save at one of them replaces it
+    self._errors: dict[int, str] = {}  # why each of them failed to restore
 
   def save(self, step: int, state, meta: dict[str, Any]) -> bool:
     """Starts an asynchronous save of ``state`` at ``step``; False if that step is saved already (and
@@ -98,13 +99,15 @@ class Checkpointer:
       return step, state, meta
     if steps:
       raise CheckpointError(
-        f"none of the checkpoints in {self.directory} (steps {steps}) can be restored; "
-        f"move the directory away to start over."
+        f"none of the checkpoints in {self.directory} (steps {steps}) can be restored: damaged, or written by a "
+        f"version of light_jax whose train state differs (the newest: {self._errors[steps[0]]}); move the "
+        f"directory away to start over, or resume with the version that wrote them."
       )
     return None
 
   def _damaged(self, step: int, error: Exception) -> None:
     self.damaged_steps.add(step)
+    self._errors[step] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
     logging.warning(
       "checkpoint at step %d in %s cannot be restored (%s: %s); falling back to the previous one",
       step,

@@ -110,34 +110,45 @@ class _Machines:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        errors="replace",  # a node's stray bytes must not kill its reader
         **popen_kwargs,
       )  # fmt: skip
       for node in range(self.nodes)
     ]
     # Every node's output is drained as it comes, each by a thread of its own: read one node after another, a
     # later node whose pipe filled (64 KiB) would block in its write, and its peers with it in a collective.
+    # In chunks, so a node whose child still holds the pipe at the end keeps what it wrote.
     chunks: list[list[str]] = [[] for _ in procs]
-    readers = [
-      threading.Thread(target=lambda p=proc, out=out: out.append(p.stdout.read()), daemon=True)
-      for proc, out in zip(procs, chunks)
-    ]
+
+    def drain(proc: subprocess.Popen, out: list[str]) -> None:
+      for chunk in iter(lambda: proc.stdout.read(65536), ""):
+        out.append(chunk)
+
+    readers = [threading.Thread(target=drain, args=(p, out), daemon=True) for p, out in zip(procs, chunks)]
     for reader in readers:
       reader.start()
     deadline = time.monotonic() + timeout  # one for the job: waiting node by node would allow nodes x timeout
-    for proc in procs:
-      try:
-        proc.wait(timeout=max(deadline - time.monotonic(), 0))
-      except subprocess.TimeoutExpired:
-        running = [node for node, p in enumerate(procs) if p.poll() is None]
-        for node in running:
-          procs[node].kill()
-          procs[node].wait()
-        raise RuntimeError(
-          f"`{' '.join(argv[:2])}` on node(s) {', '.join(map(str, running))} still ran after {timeout:g} s (the "
-          "limit for the whole job); raise the timeout (e.g. --timeout) or run fewer steps"
-        ) from None
-    for reader in readers:  # the pipes close when the processes end (a child left holding one: given up at 5 s)
-      reader.join(timeout=5)
+    try:
+      for proc in procs:
+        try:
+          proc.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+          running = [node for node, p in enumerate(procs) if p.poll() is None]
+          for node in running:
+            procs[node].kill()
+            procs[node].wait()
+          raise RuntimeError(
+            f"`{' '.join(argv[:2])}` on node(s) {', '.join(map(str, running))} still ran after {timeout:g} s (the "
+            "limit for the whole job); raise the timeout (e.g. --timeout) or run fewer steps"
+          ) from None
+      # The pipes close when the processes end; a child left holding one is given up on after 5 s in all.
+      readers_deadline = time.monotonic() + 5
+      for reader in readers:
+        reader.join(timeout=max(readers_deadline - time.monotonic(), 0))
+    finally:
+      for proc, reader in zip(procs, readers):
+        if not reader.is_alive():  # closing a pipe under a blocked read is not safe; a stuck one is left open
+          proc.stdout.close()
     outputs = ["".join(out) for out in chunks]
     for node, (proc, output) in enumerate(zip(procs, outputs)):
       if proc.returncode:

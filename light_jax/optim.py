@@ -148,11 +148,11 @@ def build_optimizer(
       return optax.chain(*tail)
     return optax.chain(_lars_trust(opt), *tail)
   if opt.name == "lamb":
-    # optax.lamb's chain (its b2, eps), but the first moment's decay is optimizer.momentum (Nesterov's form with
-    # optimizer.nesterov), and the trust ratio, like the weight decay, is the kernels' only: optax.lamb gives
-    # biases and BatchNorm one too, which the LAMB paper's reference code leaves out.
+    # optax.lamb's chain (its b2, eps), but the first moment's decay is optimizer.momentum (optimizer.nesterov is
+    # SGD's and LARS's: this is the paper's LAMB), and the trust ratio, like the weight decay, is the kernels'
+    # only: optax.lamb gives biases and BatchNorm one too, which the LAMB paper's reference code leaves out.
     return optax.chain(
-      optax.scale_by_adam(b1=opt.momentum, b2=0.999, eps=1e-6, nesterov=opt.nesterov),
+      optax.scale_by_adam(b1=opt.momentum, b2=0.999, eps=1e-6),
       optax.add_decayed_weights(opt.weight_decay, mask=decay_mask),
       optax.masked(optax.scale_by_trust_ratio(), decay_mask),
       optax.scale_by_learning_rate(schedule),

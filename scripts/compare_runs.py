@@ -29,6 +29,8 @@ def main():
       runs[label] = metrics.read_metrics(workdir)
     except (FileNotFoundError, NotADirectoryError):
       cli.fail(f"{spec}: no {os.path.join(workdir, 'metrics.jsonl')}; give the workdir of a train.py run")
+    except metrics.MetricsError as e:
+      cli.fail(f"{spec}: {e}")
     if not runs[label]:
       cli.fail(f"{spec}: {os.path.join(workdir, 'metrics.jsonl')} holds no evaluation yet; give a run that has one")
   metrics.plot_comparison(runs, args.out, args.title)

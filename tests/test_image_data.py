@@ -88,6 +88,12 @@ def test_a_folder_converted_again_gets_a_new_decoded_cache(tmp_path):
   shifted, shifted_size = convert_and_load()
   assert sorted(shifted) == [1, 1, 2, 2, 2, 2] and shifted_size == size
   assert len(os.listdir(tmp_path / "cache")) == 1  # each replaced the last, none left beside it
+  # A cache named by its records' fingerprint, as caches were before they kept it inside, is read where it is.
+  [name] = os.listdir(tmp_path / "cache")
+  fingerprint = records.FolderRecords(str(converted), "train").fingerprint
+  legacy = records.cache_path(str(tmp_path / "cache"), fingerprint, config.cache_size)
+  os.rename(tmp_path / "cache" / name, legacy)
+  assert load_dataset(config)[0].records.path == legacy and os.listdir(tmp_path / "cache") == [os.path.basename(legacy)]
 
 
 def test_missing_converted_folder_says_how_to_make_it(tmp_path):

@@ -150,19 +150,20 @@ def test_a_job_past_its_deadline_names_the_node_and_is_killed_at_one_deadline():
 
 def test_a_node_that_writes_more_than_a_pipe_holds_does_not_stall_the_job(tmp_path):
   """Node 1 writes 1 MiB, then lets node 0 finish (a collective, in miniature): its output is read as it comes,
-  not after node 0's, so neither waits on the other."""
+  not after node 0's, so neither waits on the other. A byte that is not UTF-8 comes back replaced."""
   flag = tmp_path / "node1_done"
   script = (
     "import os, sys, time\n"
     "if sys.argv[-1] == '--process_id=1':\n"
     f"  sys.stdout.write('x' * 2**20); sys.stdout.flush(); open({str(flag)!r}, 'w').close()\n"
+    "  sys.stdout.buffer.write(b'\\xff')\n"  # not UTF-8: replaced, not a dead reader
     "else:\n"
     f"  while not os.path.exists({str(flag)!r}): time.sleep(0.01)\n"
     "  print('node 0 done')\n"
   )
   with LoopbackCluster(2) as cluster:
     outputs = cluster.run_everywhere([sys.executable, "-c", script], timeout=10)
-  assert outputs[0] == "node 0 done\n" and len(outputs[1]) == 2**20
+  assert outputs[0] == "node 0 done\n" and outputs[1] == "x" * 2**20 + "\ufffd"
 
 
 def test_sigterm_stops_the_loopback_clusters_processes():

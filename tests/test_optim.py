@@ -103,7 +103,7 @@ def test_lamb_is_optax_lamb_on_kernels_and_adam_on_biases_and_batchnorm():
   params = {"kernel": jnp.full((4, 4), 2.0), "bias": jnp.full((4,), 1e-3)}
   schedule = optax.constant_schedule(0.01)
   for momentum in (0.9, 0.5):
-    config = _config(name="lamb", weight_decay=0.1, momentum=momentum, nesterov=False).optimizer
+    config = _config(name="lamb", weight_decay=0.1, momentum=momentum, nesterov=True).optimizer  # nesterov: not LAMB's
     transforms = [
       optim.build_optimizer(config, schedule),
       optax.lamb(schedule, b1=momentum, weight_decay=0.1),  # the kernel's steps

@@ -108,7 +108,14 @@ def _decoded_cache(source, data_config):
   fits the budget), or ``source`` itself."""
   cache_dir = os.path.expanduser(data_config.cache_dir)
   path = records.cache_path(cache_dir, source.identity, data_config.cache_size)
-  built_from = records.DecodedCache(path).source_fingerprint if os.path.exists(path) else None
+  # Caches were once named by their records' fingerprint and kept none inside. Such a file is still its
+  # records' cache (a TFDS split's fingerprint has not changed; an image folder's has): read it as it is rather
+  # than decode the split again, which takes hours for ImageNet.
+  legacy = records.cache_path(cache_dir, source.fingerprint, data_config.cache_size)
+  if not os.path.exists(path) and os.path.exists(legacy):
+    path, built_from = legacy, source.fingerprint
+  else:
+    built_from = records.DecodedCache(path).source_fingerprint if os.path.exists(path) else None
   if built_from != source.fingerprint:
     if os.path.exists(path):  # e.g. the image folder was converted again: its labels may have changed
       logging.warning(

@@ -147,12 +147,11 @@ class FolderRecords:
         f"`python scripts/prepare_image_folder.py --folder FOLDER --out {data_dir}`."
       )
     self.identity = f"folder:{os.path.abspath(path)}"
-    # New on every conversion (a new file; info.json's classes and conversion id), not only when the size
-    # or count changes: moving an image to another class, or a new class shifting the labels, changes
-    # neither, and a decoded cache of the old conversion would train on the old labels.
-    stat = os.stat(path)
+    # New on every conversion (info.json's classes and conversion id), not only when the size or count
+    # changes: moving an image to another class, or a new class shifting the labels, changes neither, and a
+    # decoded cache of the old conversion would train on the old labels.
     info_hash = hashlib.sha1(info).hexdigest()[:16]
-    self.fingerprint = f"{self.identity}:{stat.st_size}:{stat.st_mtime_ns}:{len(self._source)}:{info_hash}"
+    self.fingerprint = f"{self.identity}:{os.path.getsize(path)}:{len(self._source)}:{info_hash}"
 
   def __len__(self) -> int:
     return len(self._source)
