@@ -71,15 +71,16 @@ def test_rank_at_least_the_gradients_rank_gives_the_whole_batch_gradient(shape):
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_error_feedback_keeps_what_rank_one_did_not_send(shape):
-  """sum over devices of (sent + residual) = sum of the local gradients; without error feedback it is lost."""
+  """sum over devices of (sent + residual) = sum of the local gradients, also with a bfloat16 wire (the residuals
+  keep what it rounds off); without error feedback it is lost."""
   model = TinyCNN()
   images, labels = next(_batches(1, 32, seed=1))
   params = init_variables(model, images.shape[1:])["params"]
   reference = jax.grad(lambda p: _loss(model, p, images, labels))(params)  # = sum of local gradients / 8
   mesh = mesh_lib.make_mesh(*shape)
-  for feedback in (True, False):
+  for feedback, wire in ((True, "float32"), (True, "bfloat16"), (False, "float32")):
     reducer = reducer_lib.make_gradient_reducer(
-      "powersgd", *shape, rank=1, error_feedback=feedback, min_compress_elements=1
+      "powersgd", *shape, rank=1, error_feedback=feedback, min_compress_elements=1, wire_dtype=wire
     )
     reduced, state = reduce_on_mesh(reducer, mesh, model, params, images, labels)
     leaves, ref_leaves = jax.tree.leaves(reduced), jax.tree.leaves(reference)

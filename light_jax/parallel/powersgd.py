@@ -9,9 +9,10 @@ sum of M over the devices:
   Q' = sum_devices M_d^T P^      one all-reduce of m x r numbers
   sum_devices M_d ~= P^ Q'^T     (exact when the summed gradient has rank <= r)
 
-Each device's own share of that approximation is P^ P^T M_d (its projection), so with error feedback a
-device keeps e_d = M_d - P^ P^T M_d and adds it to the next step's gradient; sum_d e_d + P^ Q'^T =
-sum_d M_d, nothing is lost. An orthonormal basis of Q' is the next step's Q (the same span, better conditioned).
+With error feedback each device keeps e_d = M_d - P^ Q'^T / devices (the paper's form: its equal share of
+the approximation applied) and adds it to the next step's gradient; sum_d e_d + P^ Q'^T = sum_d M_d, nothing
+is lost, not even what a bfloat16 wire rounded off Q' (Q' as it arrived is what is applied and subtracted).
+An orthonormal basis of Q' is the next step's Q (the same span, better conditioned).
 
 Here the P and Q of every compressed tensor are packed into one flat buffer each, and the two buffers are
 summed with the hierarchical all-reduce (reduce-scatter over ``local``, all-reduce over ``node``,
@@ -129,11 +130,14 @@ class PowerSGDReducer:
     local_qs = {i: matrices[i].T @ p_hats[i] for i in compressed}
     qs = dict(zip(compressed, _hierarchical_sum([local_qs[i] for i in compressed], wire)))
 
+    devices = self.nodes * self.local
     out: list[jax.Array | None] = [None] * len(leaves)
     new_state = {}
     for i in compressed:
       out[i] = (p_hats[i] @ qs[i].T).reshape(leaves[i].shape).astype(leaves[i].dtype)
-      sent = p_hats[i] @ local_qs[i].T  # this device's share of the approximation
+      # This device's share of the approximation applied: from the summed Q as it arrived, not the local Q, so the
+      # residuals also keep what a bfloat16 wire rounded off (their sum is exactly what was not applied).
+      sent = p_hats[i] @ (qs[i] / devices).T
       residual = matrices[i] - sent if self.error_feedback else jnp.zeros_like(matrices[i])
       # The next step starts from Q's span; an orthonormal basis of it keeps M Q well conditioned (Q' itself
       # has columns scaled by M's singular values, and float32 loses the small ones).
@@ -141,7 +145,6 @@ class PowerSGDReducer:
       new_state[_key(i)] = jax.tree.map(lambda x: x[None, None], Memory(residual, next_q))
     for i, g in zip(dense, summed[len(compressed) :]):
       out[i] = g.astype(leaves[i].dtype)
-    devices = self.nodes * self.local
     return jax.tree.unflatten(treedef, [g / devices for g in out]), new_state
 
   # --- accounting (static, from shapes) ----------------------------------------------------------
