@@ -22,11 +22,14 @@ For each phase (consecutive epochs with one image size and global batch) it simu
 4. Input: a host's share of the global batch at the host's input rate, which falls with the pixels;
    the pipeline runs ahead, so the step takes the slower of the input and everything else.
 
-Evaluation: the eval split once per epoch (as the trainer does), forward only, at a third of a training
-step's time per image, on every device. Not modelled: compilation and start-up, checkpoints, the top-k
-density warm-up, stragglers, selection competing with the backward pass for the device (it runs on the
-communication stream here), several communication streams. docs/techniques.md section 8 lists the
-assumptions and their sources.
+The config is checked as the trainer checks it (``config.validate`` on the cluster's mesh), and the run ends
+where the trainer's would (``schedules.total_steps``: ``max_steps`` may end it early).
+
+Evaluation: the eval split once per epoch and at a run's last step (as the trainer does), forward only, at a
+third of a training step's time per image, on every device. Not modelled: compilation and start-up,
+checkpoints, the top-k density warm-up, stragglers, selection competing with the backward pass for the
+device (it runs on the communication stream here), several communication streams. docs/techniques.md
+section 8 lists the assumptions and their sources.
 """
 
 from __future__ import annotations
@@ -268,7 +271,9 @@ class PhaseReport:
 
 
 def phases_of(config: ml_collections.ConfigDict, num_train: int) -> list[tuple[int, int, int, int, int]]:
-  """(first epoch, epochs, image size, global batch, steps) for each run of epochs with one size and batch."""
+  """(first epoch, epochs, image size, global batch, steps) for each run of epochs with one size and batch, up to
+  the run's last step (``schedules.total_steps``: ``max_steps`` may end it inside an epoch, which then counts as
+  one of ``epochs``: the trainer evaluates at its end too)."""
   image_size = config.data.image_size or 28
   plan = schedules.EpochPlan(
     num_train,
@@ -276,35 +281,49 @@ def phases_of(config: ml_collections.ConfigDict, num_train: int) -> list[tuple[i
     schedules.parse_resolution_schedule(config.data.resolution_schedule, image_size),
     config.global_batch_size,
   )
+  total = schedules.total_steps(config.max_steps, plan)
   phases = []
   for epoch in range(config.num_epochs):
+    if plan.first_steps[epoch] >= total:
+      break
     key = (plan.image_sizes[epoch] or image_size, plan.batch_sizes[epoch])
+    epoch_steps = min(plan.steps_per_epoch[epoch], total - plan.first_steps[epoch])
     if phases and phases[-1][2:4] == key:
       first, epochs, size, batch, steps = phases[-1]
-      phases[-1] = (first, epochs + 1, size, batch, steps + plan.steps_per_epoch[epoch])
+      phases[-1] = (first, epochs + 1, size, batch, steps + epoch_steps)
     else:
-      phases.append((epoch, 1, *key, plan.steps_per_epoch[epoch]))
+      phases.append((epoch, 1, *key, epoch_steps))
   return phases
 
 
-def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool = True) -> dict:
-  """The whole run: per phase, the step split and the seconds; the total, the exposed-communication
-  fraction and the scaling efficiency against one device."""
-  from light_jax.models import create_model
-
-  try:
-    num_train, num_eval, num_classes, channels = DATASETS[config.data.dataset]
-  except KeyError:
-    raise ValueError(f"the simulator knows the datasets {sorted(DATASETS)}, not {config.data.dataset!r}") from None
-  # The subsets a run trains and evaluates on, as the input pipeline takes them (0: the whole split).
-  num_train = min(num_train, config.data.train_subset or num_train)
-  num_eval = min(num_eval, config.data.eval_subset or num_eval)
+def check(config: ml_collections.ConfigDict, cluster: Cluster) -> None:
+  """Raises ValueError (``config.ConfigError`` for the trainer's own checks) where ``simulate`` cannot time
+  ``config`` on ``cluster``: a dataset or strategy it has no model of, or what the trainer would refuse there
+  (num_epochs=0, a batch that does not divide over the devices, gtopk on a device count that is no power of
+  two, ...)."""
+  if config.data.dataset not in DATASETS:
+    raise ValueError(f"the simulator knows the datasets {sorted(DATASETS)}, not {config.data.dataset!r}")
   if config.comm.strategy in (POWERSGD, DILOCO):
     raise ValueError(
       f"the simulator times bucketed strategies ({', '.join(strategies.NAMES)}, auto), not "
       f"{config.comm.strategy!r}: its step (QR factorisations; DiLoCo's rare outer step) has no model yet"
     )
-  config_lib.check_k_allocation(config)
+  # The trainer's checks, not a copy of them: on the cluster's mesh, one process per node.
+  checked = config.copy_and_resolve_references()
+  checked.mesh.update(nodes=cluster.nodes, local=cluster.devices_per_node)
+  config_lib.validate(checked, cluster.num_devices, num_processes=cluster.nodes)
+
+
+def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool = True) -> dict:
+  """The whole run: per phase, the step split and the seconds; the total, the exposed-communication
+  fraction and the scaling efficiency against one device. Raises ValueError as ``check`` does."""
+  from light_jax.models import create_model
+
+  check(config, cluster)
+  num_train, num_eval, num_classes, channels = DATASETS[config.data.dataset]
+  # The subsets a run trains and evaluates on, as the input pipeline takes them (0: the whole split).
+  num_train = min(num_train, config.data.train_subset or num_train)
+  num_eval = min(num_eval, config.data.eval_subset or num_eval)
   eval_size = config.data.image_size or 28
   model = create_model(config.model.name, num_classes, config.model.dtype, config.model.width)
   profile = fusion_lib.profile_parameters(model, (eval_size, eval_size, channels))
@@ -327,7 +346,9 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
     # As CompiledSteps plans them: once, or for each phase where cost_model.replans_buckets_per_phase says so.
     if reducer is None or cost_model.replans_buckets_per_phase(config.comm):
       examples = per_device * (size / eval_size) ** 2
-      reducer, _ = cost_model.plan_reducer(base, config.comm, profile, cluster.cost, device_flops, examples, overlap)
+      reducer, _ = cost_model.plan_reducer(
+        base, config.comm, profile, cluster.cost, device_flops, examples, overlap, device.topk_elements_per_sec
+      )
     buckets = bucket_comms(reducer, profile.params)
     step = simulate_step(
       cluster.cost,

@@ -15,7 +15,9 @@ one run; without --strategies the config's own. Config fields: --config.FIELD=VA
 Prints, per strategy, each phase's step split (compute, exposed communication, update, input wait) and
 seconds, then a summary. The last line is one JSON object: `seconds`, `phases`, `exposed_comm_fraction`
 (and the rest of the simulation) of the first strategy, and `strategies` with every strategy's totals;
-with --sweep, `sweep` holds the seconds per strategy at each point.
+with --sweep, `sweep` holds the seconds per strategy at each point. The config is checked as train.py checks
+it, on the cluster: what the trainer would refuse there is an error; a sweep point it would refuse (a batch
+that does not divide over that many devices) is left out, with the reason on stderr.
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ def main(argv):
   labels = _STRATEGIES.value or [_CONFIG.value.comm.strategy]
   try:
     configs = {label: with_strategy(_CONFIG.value, label) for label in labels}
+    for config in configs.values():  # what the trainer would refuse on this cluster: before any output
+      simulation.check(config, cluster)
   except ValueError as e:
     cli.fail(str(e))
   overlap = not _NO_OVERLAP.value
@@ -168,20 +172,29 @@ def main(argv):
 
   if _SWEEP.value:
     sweep = {}
+    bandwidth = _SWEEP.value == "bandwidth"
+    xlabel, unit = ("inter-node bandwidth (Gbit/s)", "Gbit/s") if bandwidth else ("devices", "devices")
     for label in labels:
       config = configs[label]
-      if _SWEEP.value == "bandwidth":
+      if bandwidth:
         points = {g: simulation.with_link(cluster, inter_gbps=g) for g in BANDWIDTHS_GBPS}
       else:
         # Whole machines: with 3 devices per node, 8 requested is 2 machines, so the point is 6 devices.
         nodes = [max(n // cluster.devices_per_node, 1) for n in DEVICE_COUNTS]
         points = {m * cluster.devices_per_node: simulation.with_link(cluster, nodes=m) for m in nodes}
-      sweep[label] = {str(x): simulation.simulate(config, c, overlap)["seconds"] for x, c in points.items()}
-    xlabel = "inter-node bandwidth (Gbit/s)" if _SWEEP.value == "bandwidth" else "devices"
-    print(f"\nsweep over {xlabel}: simulated seconds to train")
-    print(f"{'strategy':<24}" + "".join(f"{x:>9}" for x in sweep[labels[0]]))
+      sweep[label] = {}
+      for x, c in points.items():
+        try:
+          sweep[label][str(x)] = simulation.simulate(config, c, overlap)["seconds"]
+        except ValueError as e:  # a point the trainer would refuse (a batch that does not divide there): left out
+          print(f"sweep: {label} at {x} {unit} left out: {e}", file=sys.stderr)
+    xs = sorted({x for points in sweep.values() for x in points}, key=float)
+    if not xs:
+      cli.fail(f"--sweep {_SWEEP.value}: the trainer would refuse every point (stderr says why)")
+    print(f"\nsweep over {xlabel}: simulated seconds to train (-: left out)")
+    print(f"{'strategy':<24}" + "".join(f"{x:>9}" for x in xs))
     for label, points in sweep.items():
-      print(f"{label:<24}" + "".join(f"{s:>9.1f}" for s in points.values()))
+      print(f"{label:<24}" + "".join(f"{points[x]:>9.1f}" if x in points else f"{'-':>9}" for x in xs))
     output["sweep"] = sweep
     if _PLOT.value:
       plot_sweep(

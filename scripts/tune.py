@@ -11,9 +11,10 @@ epoch (train.py writes one evaluation per epoch to its metrics.jsonl, which this
 study lives in STUDY_DIR/study.db (SQLite): --trials is the number of finished (completed + pruned)
 trials the study should hold, so the same command continues a killed study, and a larger --trials
 extends a finished one. Several machines can share a study through the same storage (--storage, e.g. a
-PostgreSQL URL). A trial killed with its study is marked failed once its heartbeat stops and is retried
-once with the same parameters, resuming from its checkpoint; a trial stopped by Ctrl-C is retried the same
-way when the same command runs again.
+PostgreSQL URL). The study stores its --config and overrides: a later run with others, or with a search-space
+field of another kind, is refused before its first trial. A trial killed with its study is marked failed once
+its heartbeat stops and is retried once with the same parameters, resuming from its checkpoint; a trial
+stopped by Ctrl-C is retried the same way when the same command runs again.
 
 Output: a table of the trials, STUDY_DIR/best_config.py (a config file train.py accepts: the base config,
 the --config overrides and the best trial's parameters), Optuna's plots as PNG in STUDY_DIR, and as the
@@ -27,8 +28,11 @@ import argparse
 import ctypes
 import functools
 import importlib.util
+import inspect
 import json
 import logging
+import math
+import numbers
 import operator
 import os
 import shutil
@@ -84,22 +88,56 @@ def load_space(spec: str) -> dict[str, tuple]:
   module_spec = importlib.util.spec_from_file_location("search_space", os.path.join(ROOT, path))
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  space = module.get_space(variant or None)
+  get_space = getattr(module, "get_space", None)
+  if not callable(get_space):
+    raise ValueError(f"{path} has no function get_space(variant=None)")
+  try:  # checked before the call, so that a TypeError inside get_space keeps its traceback
+    inspect.signature(get_space).bind(variant or None)
+  except TypeError:
+    raise ValueError(
+      f"get_space{inspect.signature(get_space)} cannot take the variant; define get_space(variant=None) "
+      "(it is called with the text after ':' in --space, or None)"
+    ) from None
+  space = get_space(variant or None)
   check_space(space)
   return space
 
 
 def check_space(space: dict[str, tuple]) -> None:
   """Raises ValueError naming the first field that is not one of the kinds with its arguments."""
+  if not isinstance(space, dict):
+    raise ValueError(f"get_space returned a {type(space).__name__}, not a dict of field -> (kind, ...)")
   for name, field in space.items():
     kind, *args = field if isinstance(field, (tuple, list)) and field else (None,)
     if kind not in KINDS:
       raise ValueError(f"search space field {name}: unknown kind {kind!r}; use log, float, int or choice")
+    usage = "(kind, low, high)" if kind != "choice" else '("choice", [a, b, ...])'
     try:
-      KINDS[kind](*args)
+      _check_args(kind, args)
+      KINDS[kind](*args)  # Optuna's own checks: the number of arguments, low <= high, log bounds > 0
     except (TypeError, ValueError) as e:
-      usage = "(kind, low, high)" if kind != "choice" else '("choice", [a, b, ...])'
       raise ValueError(f"search space field {name}: {field!r} is not {usage}: {e}") from e
+
+
+def _check_args(kind: str, args: list) -> None:
+  """What Optuna's distributions let through: a string of choices (sampled letter by letter), an int field's
+  float bounds (suggest_int would round them), bounds that are no numbers."""
+  if kind == "choice":
+    if len(args) != 1 or not isinstance(args[0], (list, tuple)) or not args[0]:
+      raise ValueError("the choices are not a non-empty list")
+    return
+  if not all(isinstance(a, numbers.Real) and not isinstance(a, bool) and math.isfinite(a) for a in args):
+    raise ValueError("the bounds are not finite numbers")
+  if kind == "int" and not all(isinstance(a, numbers.Integral) for a in args):
+    raise ValueError("the bounds of an int field are not integers")
+
+
+def _spec(distribution: optuna.distributions.BaseDistribution) -> tuple:
+  """A stored trial's distribution as the search-space field it was sampled from."""
+  if isinstance(distribution, optuna.distributions.CategoricalDistribution):
+    return ("choice", list(distribution.choices))
+  kind = "int" if isinstance(distribution, optuna.distributions.IntDistribution) else "float"
+  return ("log" if distribution.log else kind, distribution.low, distribution.high)
 
 
 def _format(value) -> str:
@@ -126,6 +164,60 @@ def check_study_config(config_spec: str, overrides: list[str], space: dict[str, 
       "drop the override, or search another space (--space)"
     )
   return config
+
+
+def _config_key(spec: str) -> str:
+  """A --config spec as its file relative to the repository (the trials' directory) and its variant."""
+  path, colon, variant = spec.partition(":")
+  return os.path.relpath(os.path.normpath(os.path.join(ROOT, path)), ROOT) + colon + variant
+
+
+def _override_values(overrides: list[str]) -> dict[str, str]:
+  """Each overridden field's text, as train.py takes them (the last of a field's overrides wins)."""
+  return dict(arg[len("--config.") :].split("=", 1) for arg in overrides)
+
+
+def check_resume(study: optuna.Study, args, space: dict[str, tuple]) -> None:
+  """Before any trial of a study run before: its trials' parameters fit the search space, and it runs the same
+  config and overrides (which best_config.py joins to the best trial, and a retried trial resumes under). A
+  study without them stored (new, or from before they were) stores them.
+
+  Raises:
+    ValueError: with a message that says what differs and what to do.
+  """
+  new_study = "start a new study (a new --study_dir, or --study_name)"
+  checked = set()
+  for trial in study.get_trials(deepcopy=False):
+    for name, stored in trial.distributions.items():
+      if name not in space or name in checked:
+        continue
+      checked.add(name)
+      try:  # Optuna's check, which otherwise fails the first new trial with a traceback
+        optuna.distributions.check_distribution_compatibility(stored, KINDS[space[name][0]](*space[name][1:]))
+      except ValueError:
+        raise ValueError(
+          f"--space={args.space}: field {name} is {tuple(space[name])!r}, but the study's trials sampled it as "
+          f"{_spec(stored)!r}, which Optuna cannot mix; restore the field, or {new_study}"
+        ) from None
+  current = {"config": _config_key(args.config), "overrides": _override_values(args.overrides)}
+  stored = study.user_attrs
+  for key, value in current.items():
+    if key not in stored:  # a new study, or one from before these were stored
+      study.set_user_attr(key, value)
+      stored[key] = value
+  if stored["config"] != current["config"]:
+    raise ValueError(
+      f"the study in {args.study_dir} was run with --config={stored['config']}, not {args.config}; "
+      f"rerun with that --config, or {new_study}"
+    )
+  if stored["overrides"] != current["overrides"]:
+    was, now = stored["overrides"], current["overrides"]
+    differ = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
+    was = " ".join(f"--config.{k}={v}" for k, v in was.items()) or "none"
+    raise ValueError(
+      f"the study in {args.study_dir} was run with other --config overrides ({was}); this run's overrides differ "
+      f"in {differ}; rerun with the study's, or {new_study}"
+    )
 
 
 def _field(config: ml_collections.ConfigDict, dotted: str):
@@ -424,6 +516,10 @@ def main() -> None:
     sampler=optuna.samplers.TPESampler(n_startup_trials=args.startup_trials, seed=args.seed),
     pruner=optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials, n_warmup_steps=args.pruner_warmup_epochs),
   )
+  try:
+    check_resume(study, args, space)
+  except ValueError as e:
+    cli.fail(str(e))
   finished = lambda: sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))  # noqa: E731
   print(f"study {args.study_name} in {args.study_dir}: {finished()} of {args.trials} trials finished", flush=True)
   failures = 0

@@ -178,15 +178,17 @@ def test_sigterm_stops_the_loopback_clusters_processes():
 
 def test_simulate_keys_the_device_sweep_by_simulated_devices_and_takes_a_beta_of_0(tmp_path):
   """--devices_per_node 3: whole machines, so 8 requested devices are 6; calibrate_links.py writes beta 0 for a
-  level the mesh lacks, and the printout shows it instead of dividing by it."""
+  level the mesh lacks, and the printout shows it instead of dividing by it. Batch 252: the points whose device
+  count does not divide it (15, 30, 255, ...) are left out, as train.py would refuse them."""
   links = tmp_path / "links.json"
   links.write_text(json.dumps({"intra": {"alpha": 1e-5, "beta": 0.0}, "inter": {"alpha": 5e-5, "beta": 0.0}}))
   result = subprocess.run(
-    [sys.executable, "scripts/simulate.py", "--config", "configs/fashion_mnist.py", "--devices_per_node", "3",
+    [sys.executable, "scripts/simulate.py", "--config", "configs/fashion_mnist.py", "--nodes", "2",
+     "--devices_per_node", "3", "--config.global_batch_size=252", "--config.data.eval_batch_size=1008",
      "--cost_model", str(links), "--sweep", "devices"],
     cwd=ROOT, capture_output=True, text=True, timeout=300,
   )  # fmt: skip
   assert result.returncode == 0, result.stderr[-3000:]
   assert "inter-node unlimited (beta 0)" in result.stdout
   sweep = json.loads(result.stdout.strip().splitlines()[-1])["sweep"]
-  assert list(next(iter(sweep.values()))) == ["6", "15", "30", "63", "126", "255", "510", "1023"]
+  assert list(next(iter(sweep.values()))) == ["6", "63", "126"]

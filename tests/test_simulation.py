@@ -61,6 +61,25 @@ def test_gtopk_is_charged_one_full_size_selection_per_merge_round_and_one_before
     assert hitopk.selection_elements == 4096 // local
 
 
+def test_gtopk_charges_its_merge_rounds_from_every_device_of_a_node_and_its_sums_once():
+  """gtopk_allreduce's inter-node rounds are ppermutes from all `local` devices of a node at once; its last step is
+  one psum of the k sums over every device, a flat ring that crosses a node's link with one device's bytes and runs
+  at the pace of that link."""
+  cost = cost_model.ClusterCost(
+    intra=cost_model.LinkCost(alpha=1e-6, beta=1e-9), inter=cost_model.LinkCost(alpha=1e-3, beta=1e-6)
+  )
+  nodes, local, elements, k = 16, 8, 1_000_000, 1000
+  rounds = 4 * k * 8  # log2(16) rounds across nodes, k (float32, int32) pairs each
+  sums = 2 * 127 * k * 4 // 128  # ring all-reduce of k float32 sums over 128 devices
+  intra, inter = cost.level_seconds("gtopk", elements, nodes, local, k)
+  assert inter == pytest.approx(1e-3 + (local * rounds + sums) * 1e-6)
+  assert intra == pytest.approx(1e-6 + 3 * k * 8 * 1e-9)  # log2(8) rounds inside the node; the sums paced by inter
+  assert cost.reduction_seconds("gtopk", elements, nodes, local, k) == pytest.approx(intra + inter)
+  # One node: the sums' ring is all NVLink, added to the rounds there.
+  one_node = cost.level_seconds("gtopk", elements, 1, local, k)
+  assert one_node == (pytest.approx(1e-6 + (3 * k * 8 + 2 * 7 * k * 4 // 8) * 1e-9), 0.0)
+
+
 def test_a_measured_step_moves_to_a_slower_link_by_the_modelled_difference():
   unshaped, shaped = _cost(1e9, alpha=1e-3), _cost(1e6, alpha=3e-3)
   buckets = [simulation.BucketComm("hierarchical", 300_000)]
@@ -104,6 +123,25 @@ def test_lights_setting_compression_pays_on_25_gbps_and_stops_paying_on_a_fast_n
   assert simulation.simulate(config, fast)["seconds"] < 1.03 * hitopk["seconds"]
 
 
+def test_max_steps_ends_the_simulated_run_where_it_ends_the_trainers():
+  config = imagenet_resnet50.get_config("light")
+  cluster = simulation.CLUSTERS["v100x128_25gbe"]
+  full = simulation.simulate(config, cluster)
+  # 39 steps an epoch: 100 steps are two epochs and 22 steps of a third, evaluated at its end as the trainer does.
+  config.max_steps = 100
+  short = simulation.simulate(config, cluster)
+  first = full["phases"][0]  # 13 epochs at 96 px
+  assert [(p["first_epoch"], p["epochs"], p["steps"]) for p in short["phases"]] == [(0, 3, 100)]
+  assert short["train_seconds"] == pytest.approx(100 * first["step"]["total"])
+  assert short["eval_seconds"] == pytest.approx(3 / 13 * first["eval_seconds"])
+  # Past a phase's end: that phase whole, then 5 steps of the next.
+  config.max_steps = 13 * 39 + 5
+  steps = [(p["first_epoch"], p["epochs"], p["steps"]) for p in simulation.simulate(config, cluster)["phases"]]
+  assert steps == [(0, 13, 507), (13, 1, 5)]
+  config.max_steps = 10**6  # more than the run has: the whole run
+  assert simulation.simulate(config, cluster)["seconds"] == full["seconds"]
+
+
 def test_simulate_cli_prints_the_table_and_the_json_line():
   result = subprocess.run(
     [sys.executable, "scripts/simulate.py", "--config", "configs/imagenet_resnet50.py:light", "--cluster",
@@ -125,6 +163,10 @@ def test_simulate_cli_prints_the_table_and_the_json_line():
     (["--inter_gbps", "0"], "error: flag --inter_gbps=0.0: --inter_gbps must be > 0"),
     (["--strategies", "hitopk@2"], "error: strategy 'hitopk@2': comm.density=2.0 must be in (0, 1]"),
     (["--cost_model", "/nope.json"], "error: --cost_model=/nope.json: comm.cost_model='/nope.json' is neither"),
+    # What the trainer refuses, refused alike (config.validate on the cluster's mesh).
+    (["--config.num_epochs=0"], "error: num_epochs=0 must be > 0."),
+    (["--nodes", "4", "--devices_per_node", "6"], "error: global_batch_size=32768 does not divide over 24 devices"),
+    (["--nodes", "3", "--strategies", "gtopk@0.01"], "error: comm.strategy='gtopk' pairs devices by the bits"),
   ],
 )
 def test_simulate_cli_bad_arguments_get_one_error_line_and_exit_code_2(args, message):
@@ -132,3 +174,17 @@ def test_simulate_cli_bad_arguments_get_one_error_line_and_exit_code_2(args, mes
                        cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
   assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stdout == "", bad.stderr[-2000:]
   assert bad.stderr.strip().splitlines()[-1].startswith(message), bad.stderr[-2000:]
+
+
+def test_a_sweep_leaves_out_the_points_the_trainer_would_refuse():
+  """Fashion-MNIST's evaluation batch (1,000) divides over 8 devices, not over 16 or more."""
+  result = subprocess.run(
+    [sys.executable, "scripts/simulate.py", "--config", "configs/fashion_mnist.py", "--nodes", "1", "--sweep",
+     "devices"],
+    cwd=ROOT, capture_output=True, text=True, timeout=300,
+  )  # fmt: skip
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert json.loads(result.stdout.strip().splitlines()[-1])["sweep"]["hierarchical"].keys() == {"8"}
+  assert "sweep: hierarchical at 16 devices left out: data.eval_batch_size=1000 does not divide" in result.stderr
+  header, row = (line.split() for line in result.stdout.splitlines()[-3:-1])  # the table: 8 devices only
+  assert header == ["strategy", "8"] and row[0] == "hierarchical" and len(row) == 2

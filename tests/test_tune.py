@@ -179,3 +179,103 @@ def test_a_study_stopped_by_ctrl_c_retries_its_trial_from_its_workdir(tmp_path, 
   assert all(params == seen[0][0] for params, _, _ in seen)
   assert all(study_dir == str(tmp_path / "study") for _, _, study_dir in seen)
   assert histories == [[], [], []]  # an interruption spends no retry: a kill later is still retried once
+
+
+def test_a_search_space_field_with_bad_bounds_or_choices_names_the_field():
+  tune = _tune_module()
+  for field, expected in [
+    (("choice", "sgd"), "the choices are not a non-empty list"),  # a string would be sampled letter by letter
+    (("choice", []), "the choices are not a non-empty list"),
+    (("int", 0.5, 3.7), "the bounds of an int field are not integers"),
+    (("int", 3, 1), "`low <= high` must hold"),
+    (("float", 2.0, 1.0), "`low <= high` must hold"),
+    (("log", 0.0, 1.0), "is not (kind, low, high)"),
+    (("float", "0.1", 1.0), "the bounds are not finite numbers"),
+  ]:
+    with pytest.raises(ValueError, match="search space field optimizer.decay: ") as e:
+      tune.check_space({"optimizer.decay": field})
+    assert expected in str(e.value), (field, str(e.value))
+  tune.check_space({"a": ("choice", ("sgd",)), "b": ("int", 1, 1), "c": ("float", 0, 1)})
+
+
+def _main_fails(tune, monkeypatch, capsys, *argv):
+  """tune.main() in this process: exit code 2 and one error line, before any trial runs."""
+  monkeypatch.setattr(sys, "argv", ["tune.py", "--config=configs/fashion_mnist.py:large_batch_lars", *argv])
+  with pytest.raises(SystemExit) as stopped:
+    tune.main()
+  err = capsys.readouterr().err
+  assert stopped.value.code == 2, err
+  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "Traceback" not in err, err
+  return errors[0]
+
+
+def test_a_get_space_without_the_variant_argument_is_one_error_line(tmp_path, monkeypatch, capsys):
+  tune = _tune_module()
+  space = tmp_path / "space.py"
+  space.write_text("def get_space():\n  return {'optimizer.momentum': ('float', 0.8, 0.95)}\n")
+  error = _main_fails(tune, monkeypatch, capsys, f"--study_dir={tmp_path}/study", "--trials=1", f"--space={space}")
+  assert error.startswith(f"error: --space={space}: get_space() cannot take the variant") and "variant=None" in error
+  space.write_text("def get_space(variant=None):\n  return [('optimizer.momentum', ('float', 0.8, 0.95))]\n")
+  error = _main_fails(tune, monkeypatch, capsys, f"--study_dir={tmp_path}/study", "--trials=1", f"--space={space}")
+  assert "get_space returned a list, not a dict" in error
+  assert not (tmp_path / "study").exists()
+
+
+def _run_fake_study(tune, monkeypatch, capsys, *argv):
+  """A study of trials that train nothing (each scores 0.5), to set up one a later run resumes."""
+  monkeypatch.setattr(tune, "run_trial", lambda trial, args, space: tune.suggest(trial, space) and 0.5)
+  monkeypatch.setattr(sys, "argv", ["tune.py", "--config=configs/fashion_mnist.py:large_batch_lars", *argv])
+  tune.main()
+  return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_resuming_with_a_changed_field_kind_is_refused_before_a_trial(tmp_path, monkeypatch, capsys):
+  tune = _tune_module()
+  study = f"--study_dir={tmp_path}/study"
+  _run_fake_study(tune, monkeypatch, capsys, study, "--trials=1")
+  space = tmp_path / "space.py"
+  space.write_text("def get_space(variant=None):\n  return {'optimizer.momentum': ('choice', [0.9, 0.95])}\n")
+  error = _main_fails(tune, monkeypatch, capsys, study, "--trials=2", f"--space={space}")
+  assert "field optimizer.momentum is ('choice', [0.9, 0.95])" in error and "('float', 0.8, 0.95)" in error
+  assert "a new --study_dir" in error
+  # A changed range of the same kind is one Optuna takes.
+  space.write_text("def get_space(variant=None):\n  return {'optimizer.momentum': ('float', 0.85, 0.99)}\n")
+  assert _run_fake_study(tune, monkeypatch, capsys, study, "--trials=2", f"--space={space}")["completed"] == 2
+
+
+def test_resuming_with_another_config_or_overrides_is_refused(tmp_path, monkeypatch, capsys):
+  tune = _tune_module()
+  study = f"--study_dir={tmp_path}/study"
+  _run_fake_study(tune, monkeypatch, capsys, study, "--trials=1", "--config.num_epochs=3")
+  error = _main_fails(tune, monkeypatch, capsys, study, "--trials=2", "--config.num_epochs=4")
+  assert "overrides differ in ['num_epochs']" in error and "--config.num_epochs=3" in error
+  error = _main_fails(tune, monkeypatch, capsys, study, "--trials=2")
+  assert "overrides differ in ['num_epochs']" in error
+  error = _main_fails(tune, monkeypatch, capsys, study, "--trials=2", "--config=configs/fashion_mnist.py:large_batch")
+  assert "--config=configs/fashion_mnist.py:large_batch_lars" in error and "a new --study_dir" in error
+  # The same settings, the config spelt another way, continue it.
+  config = f"--config={ROOT}/configs/../configs/fashion_mnist.py:large_batch_lars"
+  assert (
+    _run_fake_study(tune, monkeypatch, capsys, study, "--trials=2", "--config.num_epochs=3", config)["completed"] == 2
+  )
+
+
+def test_a_study_from_before_the_stored_config_resumes_and_stores_it(tmp_path, monkeypatch, capsys):
+  tune = _tune_module()
+  study_dir = tmp_path / "study"
+  os.makedirs(study_dir / "trials")
+  storage = f"sqlite:///{study_dir}/study.db"
+  old = optuna.create_study(study_name="light_jax", storage=storage, direction="maximize")  # no stored config
+  momentum = optuna.distributions.FloatDistribution(0.8, 0.95)
+  old.add_trial(
+    optuna.create_trial(params={"optimizer.momentum": 0.9}, distributions={"optimizer.momentum": momentum}, value=0.5)
+  )
+  assert (
+    _run_fake_study(tune, monkeypatch, capsys, f"--study_dir={study_dir}", "--trials=2", "--config.num_epochs=3")[
+      "completed"
+    ]
+    == 2
+  )
+  attrs = optuna.load_study(study_name="light_jax", storage=storage).user_attrs
+  assert attrs == {"config": "configs/fashion_mnist.py:large_batch_lars", "overrides": {"num_epochs": "3"}}

@@ -5,7 +5,8 @@ alpha is the start-up latency of one collective (seconds), beta the time per byt
 inside a node (NVLink / PCIe), per device, as each device has its own; ``inter`` for a node's link to
 the others (Ethernet / InfiniBand), which the node's devices share: in a hierarchical step all ``local``
 devices of a node send their shard across at once, so the node's link carries ``local`` times one
-device's inter-node bytes; a flat ring over every device crosses it with one device's traffic.
+device's inter-node bytes; a flat ring over every device crosses it with one device's traffic (so does
+gtopk's final psum of its k sums, while its merge rounds cross from all ``local`` devices at once).
 
 ``fit_link`` fits alpha and beta from measured (bytes, seconds) pairs;
 ``benchmarks/calibrate_links.py`` measures them on the current mesh and writes a JSON file that
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 
 import jax
@@ -44,6 +46,15 @@ class LinkCost:
     return self.alpha + self.beta * num_bytes if num_bytes > 0 else 0.0
 
 
+def _gtopk_sums(b: strategies.Buffer) -> strategies.CommBytes:
+  # gtopk_allreduce's last step: a psum of the k exact sums over every device, as gtopk_bytes counts it.
+  return strategies.dense_bytes(strategies.Buffer(b.k, b.itemsize, b.nodes, b.local))
+
+
+# The part of a two-level strategy's bytes (keyed by its byte formula) that is one flat ring over every device.
+_FLAT_PARTS = {strategies.gtopk_bytes: _gtopk_sums}
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterCost:
   intra: LinkCost
@@ -62,9 +73,17 @@ class ClusterCost:
   ) -> tuple[float, float]:
     """(intra-node, inter-node) seconds of reducing one flat buffer with ``strategy``."""
     spec = strategies.get(strategy)
-    b = spec.bytes(strategies.Buffer(num_elements, itemsize, nodes, local, k, wire_itemsize, compact_pairs))
-    sharing = 1 if spec.flat else local  # devices of a node whose inter-node traffic crosses its link at once
-    return self.intra.seconds(b.intra_node), self.inter.seconds(b.inter_node * sharing)
+    buffer = strategies.Buffer(num_elements, itemsize, nodes, local, k, wire_itemsize, compact_pairs)
+    b = spec.bytes(buffer)
+    if spec.flat:
+      return self.intra.seconds(b.intra_node), self.inter.seconds(b.inter_node)
+    # A two-level strategy's inter-node bytes cross a node's link from all `local` devices at once, except a
+    # flat ring inside it (gtopk's sums), which crosses it with one device's bytes; that ring runs at the pace
+    # of the slowest link, so its intra-node bytes add no time where there is an inter-node link.
+    flat = _FLAT_PARTS[spec.bytes](buffer) if spec.bytes in _FLAT_PARTS else strategies.CommBytes()
+    intra = b.intra_node - (flat.intra_node if nodes > 1 else 0)
+    inter = local * (b.inter_node - flat.inter_node) + flat.inter_node
+    return self.intra.seconds(intra), self.inter.seconds(inter)
 
   def reduction_seconds(
     self,
@@ -200,10 +219,13 @@ def plan_auto(
   examples_per_device: int,
   overlap: bool = True,
   compact_pairs: bool = False,
+  topk_elements_per_sec: float = math.inf,
 ) -> tuple[GradientReducer, list[str]]:
   """``reducer``'s buckets, each with the strategy ``comm.strategy="auto"`` gives it; and a reason per bucket.
   ``compact_pairs`` (``comm.compact_pairs``): the top-k candidates send compact pairs, and so do
-  the buckets that take them.
+  the buckets that take them. ``topk_elements_per_sec``: the device's top-k selection rate, which charges each
+  compressed candidate its selections (gtopk: log2(P) + 1 of the whole unit) as the simulator does; the
+  trainer's cost file has no such rate, so it plans on link time alone (inf).
 
   Buckets are reduced one after the other on one stream, each once its gradients are ready (backward
   times as in ``plan_adaptive_fusion``). Every registered strategy the mesh allows is a candidate (exact,
@@ -214,9 +236,10 @@ def plan_auto(
   2. backward, from the last bucket: keep a bucket exact when the step can still end at that earliest
      time (its exact reduction is hidden behind backward compute or behind later buckets), else give it
      its fastest strategy; each choice sets the latest the bucket before it may end.
-  So no accuracy is spent where it buys no time, and the step ends no later than with any single
-  strategy. Without ``overlap`` (XLA on CPU runs collectives in line) every bucket waits for the whole
-  backward pass.
+  So no accuracy is spent where it buys no time, and by these times the step ends no later than with any single
+  strategy. Planned on link time alone (no selection rate), a bucket given gtopk can end far later than it
+  plans, for its log2(P) + 1 full-size selections. Without ``overlap`` (XLA on CPU runs collectives in line)
+  every bucket waits for the whole backward pass.
   """
   leaves = jax.tree.leaves(profile.params)
   order, buckets = reducer.buckets(leaves)
@@ -233,7 +256,13 @@ def plan_auto(
   exact_names = [n for n in candidates if not strategies.get(n).compressed]
   sizes = [sum(int(np.prod(leaves[order[i]].shape)) for i in positions) for positions in buckets]
   singles = {name: reducer.with_strategy(name, compact_pairs) for name in candidates}
-  durations = [{name: bucket_seconds(cost, one, n) for name, one in singles.items()} for n in sizes]
+
+  def seconds(one: GradientReducer, n: int) -> float:
+    k = one.k_for(n)
+    selecting = one.topk_unit(n) * one.strategy_for_size(n).selections(devices) / topk_elements_per_sec if k else 0.0
+    return bucket_seconds(cost, one, n) + selecting
+
+  durations = [{name: seconds(one, n) for name, one in singles.items()} for n in sizes]
   bucket_ready = [ready[max(positions)] for positions in buckets]
   earliest, free = [], 0.0
   for r, d in zip(bucket_ready, durations):
@@ -275,6 +304,7 @@ def plan_reducer(
   device_flops: float,
   examples_per_device: float,
   overlap: bool = True,
+  topk_elements_per_sec: float = math.inf,
 ) -> tuple[Reducer, list[str]]:
   """``reducer`` planned as the config section ``comm`` asks, each part after what it depends on: MG-WFBP
   buckets first (``comm.fusion="adaptive"``), then on those buckets auto's strategy per bucket
@@ -288,7 +318,9 @@ def plan_reducer(
   if comm.fusion == "adaptive":
     reducer = plan_adaptive_fusion(reducer, profile, cost, device_flops, examples_per_device)
   if comm.strategy == AUTO:
-    reducer, reasons = plan_auto(reducer, profile, cost, device_flops, examples_per_device, overlap, comm.compact_pairs)
+    reducer, reasons = plan_auto(
+      reducer, profile, cost, device_flops, examples_per_device, overlap, comm.compact_pairs, topk_elements_per_sec
+    )
   if comm.k_allocation == "sqrt":
     reducer = reducer.with_sqrt_allocation(profile.params)
   return reducer, reasons
