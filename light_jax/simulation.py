@@ -244,7 +244,7 @@ def bucket_comms(reducer, params) -> list[BucketComm]:
         spec.name,
         elements,
         k,
-        one.topk_unit(elements) * spec.selections(reducer.nodes * reducer.local) if k else 0,
+        one.selection_elements(elements),
         max(positions),
         one.compact_pairs,
       )

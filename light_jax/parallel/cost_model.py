@@ -257,12 +257,13 @@ def plan_auto(
   sizes = [sum(int(np.prod(leaves[order[i]].shape)) for i in positions) for positions in buckets]
   singles = {name: reducer.with_strategy(name, compact_pairs) for name in candidates}
 
-  def seconds(one: GradientReducer, n: int) -> float:
-    k = one.k_for(n)
-    selecting = one.topk_unit(n) * one.strategy_for_size(n).selections(devices) / topk_elements_per_sec if k else 0.0
-    return bucket_seconds(cost, one, n) + selecting
-
-  durations = [{name: seconds(one, n) for name, one in singles.items()} for n in sizes]
+  durations = [
+    {
+      name: bucket_seconds(cost, one, n) + one.selection_elements(n) / topk_elements_per_sec
+      for name, one in singles.items()
+    }
+    for n in sizes
+  ]
   bucket_ready = [ready[max(positions)] for positions in buckets]
   earliest, free = [], 0.0
   for r, d in zip(bucket_ready, durations):

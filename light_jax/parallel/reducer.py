@@ -192,6 +192,13 @@ class GradientReducer:
   def is_compressed(self, elements: int) -> bool:
     return self.spec.compressed and self.topk_unit(elements) >= self.min_compress_elements
 
+  def selection_elements(self, elements: int) -> int:
+    """Entries the top-k selections of a bucket of ``elements`` run on, all of them (0 when it goes dense):
+    the unit once per selection of its strategy (gtopk: log2(P) + 1)."""
+    if not self.k_for(elements):
+      return 0
+    return self.topk_unit(elements) * self.strategy_for_size(elements).selections(self.nodes * self.local)
+
   def k_for(self, elements: int) -> int:
     """Entries top-k keeps of a bucket of ``elements`` (0 when the bucket goes dense)."""
     if not self.is_compressed(elements):
