@@ -67,7 +67,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     cache="disk",  # on local SSD
     cache_size=288,  # >= the largest training size: ~425 GB
     cache_budget_gb=500.0,
-    eval_batch_size=16_384,
+    eval_batch_size=7_168,  # 1,024 x 7: the 50,000 validation images in 7 batches, 176 padding rows
     read_threads=16,
     host_prefetch=-1,
     num_workers=-1,

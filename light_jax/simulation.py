@@ -26,7 +26,8 @@ The config is checked as the trainer checks it (``config.validate`` on the clust
 where the trainer's would (``schedules.total_steps``: ``max_steps`` may end it early).
 
 Evaluation: the eval split once per epoch and at a run's last step (as the trainer does), forward only, at a
-third of a training step's time per image, on every device. Not modelled: compilation and start-up,
+third of a training step's time per image, on every device, padding rows included (the last batch is
+padded to ``data.eval_batch_size``). Not modelled: compilation and start-up,
 checkpoints, the top-k density warm-up, stragglers, selection competing with the backward pass for the
 device (it runs on the communication stream here), several communication streams. docs/techniques.md
 section 8 lists the assumptions and their sources.
@@ -324,6 +325,8 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
   # The subsets a run trains and evaluates on, as the input pipeline takes them (0: the whole split).
   num_train = min(num_train, config.data.train_subset or num_train)
   num_eval = min(num_eval, config.data.eval_subset or num_eval)
+  # Evaluation runs whole batches (data.EvalBatches pads the last one): the padding rows cost as much as the rest.
+  padded_eval = math.ceil(num_eval / config.data.eval_batch_size) * config.data.eval_batch_size
   eval_size = config.data.image_size or 28
   model = create_model(config.model.name, num_classes, config.model.dtype, config.model.width)
   profile = fusion_lib.profile_parameters(model, (eval_size, eval_size, channels))
@@ -363,7 +366,7 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
       wire_itemsize,
       device.topk_elements_per_sec,
     )
-    eval_seconds = epochs * num_eval / cluster.num_devices * device.train_seconds_per_image(eval_size) / 3
+    eval_seconds = epochs * padded_eval / cluster.num_devices * device.train_seconds_per_image(eval_size) / 3
     reports.append(PhaseReport(first, epochs, size, batch, steps, step, len(buckets), steps * step.total, eval_seconds))
 
   train = sum(r.train_seconds for r in reports)

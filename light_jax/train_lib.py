@@ -86,7 +86,7 @@ def train_and_evaluate(
     state = step_lib.create_train_state(
       model, optimizer.tx, compiled.reducer, info.image_shape, mesh, config.seed, loss_scale
     )
-    _log_setup(config, plan, state, total_steps, len(train_batches.source), len(eval_batches.source))
+    _log_setup(config, plan, state, total_steps, len(train_batches.source), eval_batches)
 
     # Whatever ends the run (an error too), what is opened from here on is closed again, in reverse order: the
     # checkpointer last, waiting for its saves in flight.
@@ -359,9 +359,10 @@ def _log_setup(
   state: step_lib.TrainState,
   total_steps: int,
   num_train: int,
-  num_eval: int,
+  eval_batches: data_lib.EvalBatches,
 ) -> None:
   steps_per_epoch = plan.steps_per_epoch[0] if plan.uniform else "/".join(map(str, sorted(set(plan.steps_per_epoch))))
+  num_eval = len(eval_batches.source)
   logging.info(
     "data %s: %d train / %d eval examples, %s steps per epoch, %d steps in all",
     config.data.dataset,
@@ -370,6 +371,8 @@ def _log_setup(
     steps_per_epoch,
     total_steps,
   )
+  if advice := eval_batches.padding_advice(jax.device_count()):
+    logging.warning("%s", advice)
   peaks = " / ".join(
     f"{schedules.peak_learning_rate(config.optimizer, b):.4g} (batch {b})" for b in dict.fromkeys(plan.batch_sizes)
   )

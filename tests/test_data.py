@@ -130,6 +130,19 @@ def test_eval_counts_every_example_exactly_once_with_padding():
   assert sorted(seen) == list(range(n))
 
 
+def test_eval_padding_and_the_batch_that_pads_least():
+  batches = EvalBatches(random_source(50_000), 16_384)
+  assert (batches.num_batches, batches.padded_examples) == (4, 65_536)
+  # The same 4 batches, each a multiple of 128 devices: 4 x 12,544 = 50,176 rows, 176 of them padding.
+  assert batches.least_padded_batch_size(128) == 12_544
+  assert EvalBatches(random_source(103), 40).least_padded_batch_size(2) == 36  # 3 batches: 108 rows, not 120
+  assert batches.padding_advice(128) == (
+    "evaluation pads 50,000 examples to 65,536 rows in batches of 16,384 (24% of its compute is padding): "
+    "--config.data.eval_batch_size=12544 takes as many batches with 176 padding rows"
+  )
+  assert EvalBatches(random_source(50_000), 12_544).padding_advice(128) is None
+
+
 def test_fashion_mnist_missing_gives_the_install_command(tmp_path):
   with pytest.raises(DataError, match="apt-get install -y dataset-fashion-mnist"):
     fashion_mnist.load(str(tmp_path), "train")

@@ -111,12 +111,17 @@ def test_lights_setting_compression_pays_on_25_gbps_and_stops_paying_on_a_fast_n
   shared = simulation.simulate(config, cluster)
   assert shared["seconds"] == pytest.approx(hitopk["seconds"], rel=0.01)
   assert shared["phases"][0]["step"] != hitopk["phases"][0]["step"]  # but the buckets' k did change
-  # The configured subsets: half the evaluation set costs half the evaluation time, a quarter of the training
-  # set a quarter of the steps.
+  # The configured subsets: half the evaluation set costs its rows (4 batches of 7,168 against 7), a quarter of
+  # the training set a quarter of the steps.
   config.data.update(eval_subset=25_000, train_subset=1_281_167 // 4)
   subsets = simulation.simulate(config, cluster)
-  assert subsets["eval_seconds"] == pytest.approx(shared["eval_seconds"] / 2)
+  assert subsets["eval_seconds"] == pytest.approx(shared["eval_seconds"] * 4 / 7)
   assert [p["steps"] for p in subsets["phases"]] == [13 * 9, 11 * 9, 3 * 9, 19]  # 320,291 // 32,768 = 9
+  # Evaluation computes its padding rows: 50,000 images in batches of 16,384 are 65,536 rows, against 50,176 in
+  # the config's batches of 7,168.
+  config.data.update(eval_subset=0, eval_batch_size=16_384)
+  assert simulation.simulate(config, cluster)["eval_seconds"] == pytest.approx(shared["eval_seconds"] * 65_536 / 50_176)
+  config.data.eval_batch_size = 7_168
   config.comm.k_allocation = "proportional"
   fast = simulation.with_link(cluster, inter_gbps=400)
   config.comm.update(strategy="hierarchical", density=1.0)

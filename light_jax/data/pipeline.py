@@ -159,6 +159,29 @@ class EvalBatches:
     self.num_batches = math.ceil(len(source) / global_batch_size)
     self.dataset = grain.MapDataset.range(self.num_batches).map(self.load)
 
+  @property
+  def padded_examples(self) -> int:
+    """Examples evaluated, padding rows included: every batch is whole, so the last one is padded."""
+    return self.num_batches * self.global_batch_size
+
+  def least_padded_batch_size(self, multiple: int) -> int:
+    """The global batch, a multiple of ``multiple`` (the device count), that covers the split in as many
+    batches as now with the fewest padding rows (never larger than the current batch)."""
+    return math.ceil(len(self.source) / self.num_batches / multiple) * multiple
+
+  def padding_advice(self, multiple: int) -> str | None:
+    """Where padding is over 5% of the rows evaluated (computed at every evaluation, then thrown away): what it
+    costs and the batch, a multiple of ``multiple``, that pads least."""
+    examples, padded = len(self.source), self.padded_examples
+    if padded <= 1.05 * examples:
+      return None
+    better = self.least_padded_batch_size(multiple)
+    return (
+      f"evaluation pads {examples:,} examples to {padded:,} rows in batches of {self.global_batch_size:,} "
+      f"({(padded - examples) / padded:.0%} of its compute is padding): --config.data.eval_batch_size={better} "
+      f"takes as many batches with {self.num_batches * better - examples:,} padding rows"
+    )
+
   def load(self, batch: int) -> dict[str, np.ndarray]:
     start = batch * self.global_batch_size + self.process_index * self.local_batch_size
     positions = np.arange(start, start + self.local_batch_size)
