@@ -18,17 +18,29 @@ the inter level then crosses the shaped links, and its sizes stop where one meas
 more than --max_seconds at RATE. To calibrate a real cluster, run one process per node with
 --coordinator, --num_processes and --process_id.
 
-The last line is one JSON object: {"intra": {"alpha", "beta"}, "inter": {...}, "out": PATH}.
+It also measures the device's exact top-k selection rate, which ``comm.strategy=auto`` charges each strategy's
+selections at (gtopk makes log2(P) + 1 per step): the reducer's selector (``compression.SELECTORS["exact"]``,
+jit-compiled) on one device of the first process, on float32 vectors of 2^20, 2^22 and 2^24 elements (up to
+--max_mib) at k = 0.1% and 1%, median of --repeats runs after a warm-up. The rate written is the slowest of
+these, in elements of input per second: the planner charges a selection its elements / rate, with no fixed
+part, so the slowest rate over bucket sizes charges none of them too little. On a CPU mesh the device is one
+of the simulated devices, alone (in a train step all of them select at once on the same cores).
+
+The file holds {"intra": {"alpha", "beta"}, "inter": {...}, "topk_elements_per_sec": RATE}; the last line
+printed is the same object with "out": PATH.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -44,6 +56,45 @@ def level_sizes(group_bytes_per_buffer_byte: float, max_bytes: int, link_bytes_b
     sizes.append(size)
     size *= 2
   return sizes or [4 * 2**10]
+
+
+TOPK_SIZES = (2**20, 2**22, 2**24)  # elements of a selection: buckets of 4 MiB to 64 MiB of float32
+TOPK_DENSITIES = (0.001, 0.01)
+
+
+def topk_sizes(max_bytes: int) -> list[int]:
+  """The TOPK_SIZES whose float32 vector fits in ``max_bytes``; where none does, the largest power of two that
+  does (at least 1,024 elements)."""
+  return [n for n in TOPK_SIZES if 4 * n <= max_bytes] or [max(2 ** int(math.log2(max(max_bytes // 4, 1))), 1024)]
+
+
+def measure_topk_rate(
+  repeats: int, sizes: Sequence[int], densities: Sequence[float] = TOPK_DENSITIES
+) -> tuple[float, list[tuple[int, float, int, float]]]:
+  """The exact top-k selection rate of this process's first device (elements of input per second): the slowest
+  of ``sizes`` x ``densities``, each the median of ``repeats`` timed runs after a warm-up. Returns (the rate, rows
+  of (elements, density, k, seconds))."""
+  import jax
+  import numpy as np
+
+  from light_jax.parallel import compression
+
+  device = jax.local_devices()[0]
+  # The reducer's call with comm.topk_selector="exact" (the default), on one flat vector as in a bucket.
+  select = jax.jit(compression.SELECTORS["exact"], static_argnums=1)
+  rows = []
+  for size in sizes:
+    x = jax.device_put(np.random.default_rng(0).standard_normal(size, dtype=np.float32), device)
+    for density in densities:
+      k = compression.num_selected(size, density)
+      jax.block_until_ready(select(x, k))  # compile and warm up
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(select(x, k))
+        times.append(time.perf_counter() - start)
+      rows.append((size, density, k, statistics.median(times)))
+  return min(size / seconds for size, _, _, seconds in rows), rows
 
 
 def measure(nodes: int, local: int, repeats: int, max_mib: int, rate_bits: int | None, max_seconds: float):
@@ -92,7 +143,7 @@ def measure(nodes: int, local: int, repeats: int, max_mib: int, rate_bits: int |
   return cost_model.ClusterCost(intra=fits["intra"], inter=fits["inter"]), rows
 
 
-def report(cost, rows, header: str) -> None:
+def report(cost, rows, topk_rows, header: str) -> None:
   print(f"\n{header}")
   print(f"{'level':<7}{'buffer (B)':>14}{'link (B)':>14}{'seconds':>11}{'fit (s)':>11}")
   for level, size, sent, seconds in rows:
@@ -101,6 +152,10 @@ def report(cost, rows, header: str) -> None:
     link = getattr(cost, level)
     bandwidth = f"{8 / link.beta / 1e6:,.1f} Mbit/s" if link.beta else "-"
     print(f"{level}: alpha {1e6 * link.alpha:,.1f} us, 1/beta {bandwidth}")
+  print(f"\n{'top-k':<7}{'elements':>14}{'density':>9}{'k':>10}{'seconds':>11}{'elements/s':>12}")
+  for size, density, k, seconds in topk_rows:
+    print(f"{'exact':<7}{size:>14,}{density:>9g}{k:>10,}{seconds:>11.6f}{size / seconds:>12.3g}")
+  print(f"top-k: {cost.topk_elements_per_sec:.3g} elements/s (the slowest row)")
 
 
 def calibrate_on_cluster(
@@ -129,7 +184,7 @@ def main():
   parser.add_argument("--nodes", type=int, default=2)
   parser.add_argument("--local", type=int, default=4)
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--max_mib", type=int, default=64, help="largest buffer per device")
+  parser.add_argument("--max_mib", type=int, default=64, help="largest buffer per device (psums, top-k vectors)")
   parser.add_argument("--max_seconds", type=float, default=1.0, help="longest inter-node measurement at the rate")
   parser.add_argument("--emulate", metavar="RATE", help="calibrate on an emulated cluster with links shaped to RATE")
   parser.add_argument("--coordinator", help="HOST:PORT of process 0 (one process per node)")
@@ -158,14 +213,16 @@ def main():
   elif jax.config.jax_num_cpu_devices in (None, -1, 1):
     jax.config.update("jax_num_cpu_devices", args.nodes * args.local)
   cost, rows = measure(args.nodes, args.local, args.repeats, args.max_mib, args.rate_bits or None, args.max_seconds)
+  rate, topk_rows = measure_topk_rate(args.repeats, topk_sizes(args.max_mib * 2**20))
+  cost = dataclasses.replace(cost, topk_elements_per_sec=rate)
   if jax.process_index() == 0:
     with open(args.out, "w") as f:
       f.write(cost.to_json())
     where = f"{jax.process_count()} processes" if jax.process_count() > 1 else "one process"
-    report(cost, rows, f"mesh {args.nodes} x {args.local} ({jax.device_count()} {jax.devices()[0].platform} devices, "
-                       f"{where}), median of {args.repeats}")  # fmt: skip
+    devices = f"{jax.device_count()} {jax.devices()[0].platform} devices"
+    report(cost, rows, topk_rows, f"mesh {args.nodes} x {args.local} ({devices}, {where}), median of {args.repeats}")
     print(f"wrote {args.out}")
-    print(json.dumps({"intra": vars(cost.intra), "inter": vars(cost.inter), "out": args.out}))
+    print(json.dumps({**json.loads(cost.to_json()), "out": args.out}))
 
 
 if __name__ == "__main__":

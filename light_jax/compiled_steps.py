@@ -31,7 +31,7 @@ from light_jax.data import DatasetInfo
 from light_jax.parallel import cost_model
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel import mesh as mesh_lib
-from light_jax.parallel.reducer import Reducer, may_select_top_k, reducer_from_config
+from light_jax.parallel.reducer import AUTO, Reducer, may_select_top_k, reducer_from_config
 from light_jax.parallel.sharded_update import sharded_update
 from light_jax.parallel.strategies import CommBytes
 
@@ -59,6 +59,16 @@ class CompiledSteps:
     reducer = reducer_from_config(
       comm, nodes, local, self.profile.order, momentum=opt.momentum, optimizer=optimizer.tx, nesterov=opt.nesterov
     )  # optimizer: DiLoCo's inner one
+    # The cluster's costs, read once: links for adaptive fusion and auto, and auto's top-k selection rate.
+    self.cost = cost_model.load(comm.cost_model) if cost_model.needs_cost(comm) else None
+    if comm.strategy == AUTO and self.cost is not None and not self.cost.has_topk_rate:
+      logging.warning(
+        "comm.cost_model=%s holds no top-k selection rate (%s), so comm.strategy=auto plans on link time alone, "
+        "without the time of its top-k selections (gtopk makes log2(P) + 1 per step); rerun "
+        "benchmarks/calibrate_links.py on this cluster to write a file that has one",
+        comm.cost_model,
+        cost_model.TOPK_RATE,
+      )
     # A dense strategy's adaptive buckets are planned again for each phase (reducer_at); the others' once.
     self.replans_buckets_per_phase = cost_model.replans_buckets_per_phase(comm)
     if not self.replans_buckets_per_phase:
@@ -151,14 +161,16 @@ class CompiledSteps:
 
   def _planned(self, reducer: Reducer, batch_shape: tuple[int, ...]) -> Reducer:
     """``reducer`` planned for this batch shape (``cost_model.plan_reducer``: adaptive fusion, auto, the
-    square-root k share, as configured; the profile is at the eval image size)."""
+    square-root k share, as configured; the profile is at the eval image size). Auto charges the top-k
+    selections at the cost's rate (a preset's assumption or a calibration's measurement), or plans on link time
+    alone where the calibration file has none."""
     comm, info = self.config.comm, self.info
     pixels = math.prod(batch_shape[1:3]) / math.prod(info.image_shape[:2])
     reducer, reasons = cost_model.plan_reducer(
       reducer,
       comm,
       self.profile,
-      cost_model.load(comm.cost_model) if cost_model.needs_cost(comm) else None,
+      self.cost,
       comm.device_tflops * 1e12,
       batch_shape[0] / self.mesh.size * pixels,
       overlap=self.mesh.devices.flat[0].platform != "cpu",  # XLA on CPU runs collectives in line
@@ -172,5 +184,9 @@ class CompiledSteps:
         len(self.profile.order),
       )
     if reasons:
-      logging.info("comm.strategy=auto (%s), per bucket:\n  %s", comm.cost_model, "\n  ".join(reasons))
+      rate = self.cost.topk_elements_per_sec
+      planned_with = f"top-k at {rate:.3g} elements/s" if math.isfinite(rate) else "link time alone, no top-k rate"
+      logging.info(
+        "comm.strategy=auto (%s, %s), per bucket:\n  %s", comm.cost_model, planned_with, "\n  ".join(reasons)
+      )
     return reducer

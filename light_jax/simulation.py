@@ -74,7 +74,7 @@ DEVICES = {
     image_size=224,
     dtype="float16",
     memory_bytes_per_sec=900e9,
-    topk_elements_per_sec=1e9,
+    topk_elements_per_sec=cost_model.ASSUMED_TOPK_RATES["v100"],
     source="images/s: NVIDIA DeepLearningExamples, ResNet-50 v1.5 mixed-precision training on V100 16 GB, about "
     "1,200-1,400 images/s per GPU (middle taken); memory: V100 datasheet, 900 GB/s HBM2; top-k: an "
     "assumption (1e9 elements/s), not measured; benchmarks/collectives.py measures it on a device",
@@ -85,9 +85,9 @@ DEVICES = {
     image_size=224,
     dtype="float16",
     memory_bytes_per_sec=4.8e12,
-    topk_elements_per_sec=8e9,
+    topk_elements_per_sec=cost_model.ASSUMED_TOPK_RATES["h200"],
     source="images/s: NVIDIA's MLPerf Training v4.0 ResNet-50 submission (MXNet, DALI), about 7,950 images/s "
-    "per H200; memory: H200 datasheet, 4.8 TB/s HBM3e; top-k: an assumption (8e9 elements/s, the V100 "
+    "per H200; memory: H200 datasheet, 4.8 TB/s HBM3e; top-k: an assumption (5.3e9 elements/s, the V100 "
     "figure scaled by memory bandwidth), not measured",
   ),
 }

@@ -272,3 +272,4 @@ def test_link_calibration_on_the_emulated_cluster_finds_the_shaped_rate(tmp_path
   assert 0.7 * rate < 8 * link_bytes / seconds <= rate, output
   assert 0.75 * rate < 8 / fit["inter"]["beta"] < 1.25 * rate, output
   assert fit["intra"]["beta"] > 0 and 0 <= fit["inter"]["alpha"] < 0.05
+  assert 0 < fit["topk_elements_per_sec"] < float("inf"), output  # node 0's device's top-k rate, unshaped

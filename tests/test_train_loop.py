@@ -154,7 +154,7 @@ def test_sqrt_k_allocation_and_auto_are_planned_by_the_trainer(tmp_path, caplog)
   caplog.clear()
   with caplog.at_level(logging.INFO):
     train_lib.train_and_evaluate(small_config(max_steps=2, comm__strategy="auto"), str(tmp_path / "b"))
-  assert "comm.strategy=auto (v100_nvlink_25gbe), per bucket:" in caplog.text
+  assert "comm.strategy=auto (v100_nvlink_25gbe, top-k at 1e+09 elements/s), per bucket:" in caplog.text
 
 
 def test_compact_pairs_reach_the_trained_step_and_its_byte_count(tmp_path, caplog):

@@ -16,8 +16,10 @@ to decide which gradients to merge.
 The presets are *assumptions* from public hardware figures, not measurements: NVLink 2 (V100) about
 100 GB/s of all-reduce bus bandwidth, NVLink 4 (H100) about 400 GB/s; 25 Gbps Ethernet about 2.8 GB/s
 of TCP goodput per node; 8 x 400 Gbps InfiniBand NDR about 45 GB/s per GPU, 360 GB/s per node.
-Latencies: a few microseconds on NVLink, tens over TCP. Calibrate on the real cluster before trusting a
-plan (``benchmarks/calibrate_links.py``, also on the mesh lab's emulated links).
+Latencies: a few microseconds on NVLink, tens over TCP. A preset also names its device's exact top-k
+selection rate, an assumption too (``ASSUMED_TOPK_RATES``, which the simulator's devices use as well).
+Calibrate on the real cluster before trusting a plan (``benchmarks/calibrate_links.py``, also on the mesh
+lab's emulated links): it measures both links and the rate on the device it runs on.
 """
 
 from __future__ import annotations
@@ -55,10 +57,30 @@ def _gtopk_sums(b: strategies.Buffer) -> strategies.CommBytes:
 _FLAT_PARTS = {strategies.gtopk_bytes: _gtopk_sums}
 
 
+TOPK_RATE = "topk_elements_per_sec"  # ClusterCost's field, a calibration file's optional top-level key
+
+# Exact top-k selection rates, elements of input per second: assumptions, not measurements (no GPU has run here). A
+# V100 at 1e9; the others scaled from it by memory bandwidth, as selection reads the vector a few times: an H100
+# (3.35 TB/s against the V100's 0.9) 3.7e9, an H200 (4.8 TB/s) 5.3e9.
+ASSUMED_TOPK_RATES = {"v100": 1e9, "h100": 3.7e9, "h200": 5.3e9}
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterCost:
   intra: LinkCost
   inter: LinkCost
+  # The device's exact top-k selection rate, elements of input per second (``comm.strategy="auto"`` charges each
+  # strategy its selections at it). inf: unknown (an older calibration file), so auto plans on link time alone.
+  topk_elements_per_sec: float = math.inf
+
+  def __post_init__(self):
+    rate = self.topk_elements_per_sec
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+      raise ValueError(f"topk_elements_per_sec={rate!r} must be a number > 0 (elements/s; inf: unknown)")
+
+  @property
+  def has_topk_rate(self) -> bool:
+    return math.isfinite(self.topk_elements_per_sec)
 
   def level_seconds(
     self,
@@ -111,19 +133,29 @@ class ClusterCost:
     return sum(intra for intra, _ in per_bucket), sum(inter for _, inter in per_bucket)
 
   def to_json(self) -> str:
-    return json.dumps(dataclasses.asdict(self), indent=2)
+    """The links and, where known, the top-k rate (an unknown one is left out: JSON has no inf)."""
+    d = dataclasses.asdict(self)
+    if not self.has_topk_rate:
+      del d[TOPK_RATE]
+    return json.dumps(d, indent=2)
 
   @classmethod
   def from_dict(cls, d: dict) -> ClusterCost:
-    return cls(intra=LinkCost(**d["intra"]), inter=LinkCost(**d["inter"]))
+    """``to_json``'s dict, or a calibration's; without "topk_elements_per_sec" the rate is unknown (inf)."""
+    rate = d.get(TOPK_RATE, math.inf)
+    return cls(intra=LinkCost(**d["intra"]), inter=LinkCost(**d["inter"]), topk_elements_per_sec=rate)
 
 
 PRESETS = {
   "v100_nvlink_25gbe": ClusterCost(
-    intra=LinkCost(alpha=10e-6, beta=1 / 100e9), inter=LinkCost(alpha=50e-6, beta=1 / 2.8e9)
+    intra=LinkCost(alpha=10e-6, beta=1 / 100e9),
+    inter=LinkCost(alpha=50e-6, beta=1 / 2.8e9),
+    topk_elements_per_sec=ASSUMED_TOPK_RATES["v100"],
   ),
   "h100_nvlink_ib": ClusterCost(
-    intra=LinkCost(alpha=5e-6, beta=1 / 400e9), inter=LinkCost(alpha=10e-6, beta=1 / 360e9)
+    intra=LinkCost(alpha=5e-6, beta=1 / 400e9),
+    inter=LinkCost(alpha=10e-6, beta=1 / 360e9),
+    topk_elements_per_sec=ASSUMED_TOPK_RATES["h100"],
   ),
 }
 
@@ -138,7 +170,8 @@ def fit_link(num_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost:
 
 
 def load(name_or_path: str) -> ClusterCost:
-  """A preset name or the path of a JSON file written by benchmarks/calibrate_links.py."""
+  """A preset name or the path of a JSON file written by benchmarks/calibrate_links.py. The file's top-level
+  "topk_elements_per_sec" is optional: an older calibration without it loads with the rate unknown (inf)."""
   if name_or_path in PRESETS:
     return PRESETS[name_or_path]
   try:
@@ -166,6 +199,13 @@ def load(name_or_path: str) -> ClusterCost:
           f"comm.cost_model={name_or_path!r}: {level}.{field}={value!r} must be a finite number >= 0 (seconds"
           f"{' per byte' if field == 'beta' else ''})"
         )
+  rate = data.get(TOPK_RATE, math.inf)
+  if TOPK_RATE in data and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf):
+    raise ValueError(
+      f"comm.cost_model={name_or_path!r}: {TOPK_RATE}={rate!r} must be a finite number > 0 (elements of input per "
+      "second that the device's exact top-k selects, as benchmarks/calibrate_links.py measures it); leave the field "
+      "out to plan on link time alone"
+    )
   return ClusterCost.from_dict(data)
 
 
@@ -219,13 +259,14 @@ def plan_auto(
   examples_per_device: int,
   overlap: bool = True,
   compact_pairs: bool = False,
-  topk_elements_per_sec: float = math.inf,
+  topk_elements_per_sec: float | None = None,
 ) -> tuple[GradientReducer, list[str]]:
   """``reducer``'s buckets, each with the strategy ``comm.strategy="auto"`` gives it; and a reason per bucket.
   ``compact_pairs`` (``comm.compact_pairs``): the top-k candidates send compact pairs, and so do
   the buckets that take them. ``topk_elements_per_sec``: the device's top-k selection rate, which charges each
-  compressed candidate its selections (gtopk: log2(P) + 1 of the whole unit) as the simulator does; the
-  trainer's cost file has no such rate, so it plans on link time alone (inf).
+  compressed candidate its selections (gtopk: log2(P) + 1 of the whole unit) as the simulator does; None: the
+  cost's (``cost.topk_elements_per_sec``: a preset's assumption or a calibration's measurement; inf where a
+  calibration file has none, and auto then plans on link time alone).
 
   Buckets are reduced one after the other on one stream, each once its gradients are ready (backward
   times as in ``plan_adaptive_fusion``). Every registered strategy the mesh allows is a candidate (exact,
@@ -241,6 +282,8 @@ def plan_auto(
   plans, for its log2(P) + 1 full-size selections. Without ``overlap`` (XLA on CPU runs collectives in line)
   every bucket waits for the whole backward pass.
   """
+  if topk_elements_per_sec is None:
+    topk_elements_per_sec = cost.topk_elements_per_sec
   leaves = jax.tree.leaves(profile.params)
   order, buckets = reducer.buckets(leaves)
   ready, elapsed = [], 0.0
@@ -305,12 +348,13 @@ def plan_reducer(
   device_flops: float,
   examples_per_device: float,
   overlap: bool = True,
-  topk_elements_per_sec: float = math.inf,
+  topk_elements_per_sec: float | None = None,
 ) -> tuple[Reducer, list[str]]:
   """``reducer`` planned as the config section ``comm`` asks, each part after what it depends on: MG-WFBP
   buckets first (``comm.fusion="adaptive"``), then on those buckets auto's strategy per bucket
   (``comm.strategy="auto"``) or the square-root k share (``comm.k_allocation="sqrt"``; the config refuses
-  it with auto). ``cost`` may be None where ``needs_cost(comm)`` is False. Returns
+  it with auto). ``cost`` may be None where ``needs_cost(comm)`` is False. ``topk_elements_per_sec``: auto's
+  top-k selection rate (``plan_auto``; None: the cost's). Returns
   the reducer and auto's reason per bucket ([] without auto). The trainer (``CompiledSteps``) and the
   simulator both plan with this function, so they plan alike."""
   if cost is None and needs_cost(comm):
