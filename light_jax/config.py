@@ -308,7 +308,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   # parses its flags, before it has set up JAX's devices; this module itself stays free of JAX.
   from light_jax import optim, schedules
   from light_jax.models import ARCHITECTURES
-  from light_jax.parallel import compression, cost_model, strategies
+  from light_jax.parallel import compression, cost_model, diloco, strategies
   from light_jax.parallel import mesh as mesh_lib
   from light_jax.parallel import sharded_update as sharded_lib
   from light_jax.parallel.reducer import (
@@ -539,6 +539,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   error = strategies.device_count_error(
     config.comm.strategy if config.comm.strategy in strategies.NAMES else "hierarchical", nodes, local
   )
+  if config.comm.strategy == DILOCO:
+    error = error or diloco.mesh_error(nodes, local)
   if error:
     raise ConfigError(error)
 

@@ -106,6 +106,20 @@ def test_config_builds_diloco_with_the_inner_optimizer_and_refuses_bad_values():
       config_lib.validate(bad, 8)
 
 
+def test_one_machine_is_refused_with_a_clear_message():
+  """nodes=1: the outer step has one machine's change to average. It would only scale that change (a Lookahead
+  step), and there is no inter-node link to spare: refused, not run silently."""
+  with pytest.raises(ValueError, match=r"the mesh 1 x 8 has one machine.*Use mesh.nodes >= 2"):
+    diloco.DiLoCo(1, 8, inner_tx=_sgd())
+  assert diloco.mesh_error(2, 4) is None and diloco.mesh_error(8, 1) is None
+  # The config says it first, in a config error (train.py: one line, the bad-input exit code).
+  config = config_lib.base_config()
+  config.comm.strategy = "diloco"
+  config.mesh.update(nodes=1, local=8)
+  with pytest.raises(config_lib.ConfigError, match="has one machine"):
+    config_lib.validate(config, 8)
+
+
 def test_a_run_that_max_steps_ends_between_syncs_syncs_at_its_end(tmp_path):
   """The final evaluation and checkpoint see one model: the machines sync at the run's last step too."""
   import orbax.checkpoint as ocp

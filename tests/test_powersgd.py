@@ -5,15 +5,21 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+from light_jax import checkpoint as checkpoint_lib
 from light_jax import config as config_lib
+from light_jax import optim
+from light_jax import train_step as step_lib
 from light_jax.models import create_model
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel import powersgd, strategies
 from light_jax.parallel import reducer as reducer_lib
 from tests.helpers import TinyCNN, init_variables
 from tests.test_collectives import _loss, reduce_on_mesh
+from tests.test_train_step import _batches as _train_batches
+from tests.test_train_step import _config, _max_diff
 
 MESH_SHAPES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 
@@ -87,14 +93,45 @@ def test_error_feedback_keeps_what_rank_one_did_not_send(shape):
     assert len(state) == 3  # both conv kernels and the dense one
     for key, memory in state.items():
       i = int(key.split("_")[1])
-      residuals = np.asarray(memory.residual)
-      total = 8 * np.asarray(leaves[i]).reshape(residuals.shape[2:]) + residuals.sum((0, 1))
-      expected = 8 * np.asarray(ref_leaves[i]).reshape(total.shape)
+      matrix = powersgd.matrix_shape(ref_leaves[i].shape)
+      sent = 8 * np.asarray(leaves[i]).reshape(matrix)
+      expected = 8 * np.asarray(ref_leaves[i]).reshape(matrix)
       if feedback:
+        total = sent + np.asarray(memory.residual).sum((0, 1))
         np.testing.assert_allclose(total, expected, atol=1e-5 * np.abs(expected).max() + 1e-7)
       else:
-        assert np.abs(residuals).max() == 0.0
-        assert np.abs(total - expected).max() > 1e-2 * np.abs(expected).max()  # rank 1 alone loses mass
+        assert memory.residual is None  # nothing kept (the next test)
+        assert np.abs(sent - expected).max() > 1e-2 * np.abs(expected).max()  # rank 1 alone loses mass
+
+
+def test_without_error_feedback_the_state_keeps_only_q(tmp_path):
+  """comm.error_feedback=False keeps no residual: per device and compressed tensor only its Q (m x r), no array
+  of the gradient's size. The state still passes the train step's shard_map and an orbax checkpoint."""
+  batches, info = _train_batches(2)
+  model, mesh = TinyCNN(), mesh_lib.make_mesh(2, 4)
+  params = init_variables(model, info.image_shape)["params"]
+  reducer = reducer_lib.make_gradient_reducer("powersgd", 2, 4, rank=1, error_feedback=False, min_compress_elements=1)
+  compressed = [x for x in jax.tree.leaves(params) if reducer.is_compressed(x.shape)]
+  q_elements = sum(powersgd.matrix_shape(x.shape)[1] * reducer.rank for x in compressed)
+  tx = optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))
+  state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
+  step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
+  sharding = mesh_lib.batch_sharding(mesh)
+
+  def keeps_only_q(comm_state):
+    no_residual = len(comm_state) == 3 and all(memory.residual is None for memory in comm_state.values())
+    return no_residual and sum(x.size for x in jax.tree.leaves(comm_state)) == 8 * q_elements
+
+  assert keeps_only_q(state.comm_state)
+  for images, labels in batches:
+    state, _ = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
+    assert keeps_only_q(state.comm_state)
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=1)
+  checkpointer.save(2, state, {"config": {}})
+  _, restored, _ = checkpointer.restore_latest(checkpoint_lib.abstract(state), {})
+  checkpointer.close()
+  assert jax.tree.structure(restored.comm_state) == jax.tree.structure(state.comm_state)
+  assert _max_diff(restored.comm_state, state.comm_state) == 0.0
 
 
 def test_bytes_are_two_packed_hierarchical_allreduces_and_resnet50_sends_20x_less():

@@ -11,6 +11,7 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from light_jax import optim, schedules
 from light_jax import train_step as step_lib
@@ -158,6 +159,40 @@ def test_train_py_with_the_sharded_update_matches_the_replicated_run(tmp_path):
   ratio = sharded["optimizer_state_bytes_per_device"] / replicated["optimizer_state_bytes_per_device"]
   assert 0.5 <= ratio < 0.501, ratio
   assert sharded["inter_node_bytes_per_step"] == replicated["inter_node_bytes_per_step"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_shard_holds_its_pieces_whatever_the_gradients_dtype(dtype):
+  """With a bfloat16 wire the collective pads a bucket to a multiple of local x nodes, as it pads the float32
+  vector that reduce packs, whatever the gradients' dtype: the layout must pad so too (a bucket of 170 or 1418
+  elements: to 176 or 1424, not 172 or 1420). Every device holds the same gradient of bfloat16 values, so every
+  partial sum is exact."""
+  nodes, local = shape = (2, 4)
+  params = init_variables(TinyCNN(), (12, 12, 1))["params"]
+  grads = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(dtype), params)
+  opt = _config("sgd").optimizer
+  base = reducer_lib.make_gradient_reducer("hierarchical", *shape, "fixed", 4096, wire_dtype="bfloat16")
+  sharded = sharded_update(base, grads, opt, optax.constant_schedule(0.1), opt.momentum)
+  elements = [sum(p.size for pieces in bucket.pieces for p in pieces) for bucket in sharded.buckets]
+  assert any(-(-n // local) < bucket.shard for n, bucket in zip(elements, sharded.buckets))  # padded for the wire
+  mesh = mesh_lib.make_mesh(*shape)
+  per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
+  reduce = jax.shard_map(
+    lambda g: jax.tree.map(lambda x: x[None, None], sharded.reduce(g, {})[0]),
+    mesh=mesh,
+    in_specs=P(),
+    out_specs=per_device,
+    check_vma=False,
+  )
+  shards = jax.device_get(jax.jit(reduce)(grads))
+  flat = [np.asarray(x, np.float32).reshape(-1) for x in jax.tree.leaves(grads)]
+  for b, bucket in enumerate(sharded.buckets):
+    for i, pieces in enumerate(bucket.pieces):
+      expected = np.zeros((bucket.shard,), np.float32)
+      for p in pieces:
+        expected[p.offset : p.offset + p.size] = flat[p.leaf][p.start : p.start + p.size]
+      for n in range(nodes):
+        np.testing.assert_array_equal(shards[f"bucket_{b:03d}"][n, i], expected)
 
 
 @pytest.mark.parametrize("sizes,local", [([5, 3, 8], 4), ([1, 30], 4), ([3], 8), ([7, 7, 7, 7], 2)], ids=str)

@@ -39,6 +39,18 @@ PyTree = Any
 NAME = "diloco"
 
 
+def mesh_error(nodes: int, local: int) -> str | None:
+  """Why DiLoCo cannot run on a ``nodes`` x ``local`` mesh, or None if it can."""
+  if nodes >= 2:
+    return None
+  return (
+    f"comm.strategy='diloco' averages the machines' changes across nodes; the mesh {nodes} x {local} has one "
+    "machine. There is nothing to average and no inter-node traffic to save: the outer step would only scale the "
+    "machine's own change (by outer_lr x (1 + outer_momentum) at first). Use mesh.nodes >= 2, or another "
+    "comm.strategy (hierarchical)."
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class DiLoCo:
   """Inner steps inside each machine, an outer step across machines every ``sync_every`` steps.
@@ -63,6 +75,11 @@ class DiLoCo:
   syncs_per_step: fractions.Fraction | None = None
   strategy: str = NAME
   updates_parameters = True  # the train step calls apply, not the optimizer
+
+  def __post_init__(self):
+    error = mesh_error(self.nodes, self.local)
+    if error:
+      raise ValueError(error)
 
   @property
   def compression(self) -> str:

@@ -45,7 +45,7 @@ NAME = "powersgd"
 class Memory(NamedTuple):
   """A device's PowerSGD state for one matrix: what it did not send yet, and the warm-start Q."""
 
-  residual: jax.Array  # (n, m)
+  residual: jax.Array | None  # (n, m); None without error feedback (an empty node: no memory, nothing saved)
   q: jax.Array  # (m, r)
 
 
@@ -98,15 +98,16 @@ class PowerSGDReducer:
 
   # --- state -------------------------------------------------------------------------------------
   def init_state(self, params: PyTree) -> dict[str, Memory]:
-    """Per compressed tensor: a zero residual and a random normal Q (the same on every device), each with
-    leading dims (nodes, local)."""
+    """Per compressed tensor: a zero residual (None without error feedback) and a random normal Q (the same on
+    every device), each with leading dims (nodes, local)."""
     leaves = jax.tree.leaves(params)
     state = {}
     for i in self._split(leaves)[0]:
       n, m = matrix_shape(tuple(leaves[i].shape))
       q = jax.random.normal(jax.random.fold_in(jax.random.key(0), i), (m, self.rank), jnp.float32)
       per_device = lambda x: jnp.broadcast_to(x, (self.nodes, self.local, *x.shape))  # noqa: E731
-      state[_key(i)] = Memory(per_device(jnp.zeros((n, m), jnp.float32)), per_device(q))
+      residual = per_device(jnp.zeros((n, m), jnp.float32)) if self.error_feedback else None
+      state[_key(i)] = Memory(residual, per_device(q))
     return state
 
   # --- the reduction (inside shard_map) ----------------------------------------------------------
@@ -137,8 +138,7 @@ class PowerSGDReducer:
       out[i] = (p_hats[i] @ qs[i].T).reshape(leaves[i].shape).astype(leaves[i].dtype)
       # This device's share of the approximation applied: from the summed Q as it arrived, not the local Q, so the
       # residuals also keep what a bfloat16 wire rounded off (their sum is exactly what was not applied).
-      sent = p_hats[i] @ (qs[i] / devices).T
-      residual = matrices[i] - sent if self.error_feedback else jnp.zeros_like(matrices[i])
+      residual = matrices[i] - p_hats[i] @ (qs[i] / devices).T if self.error_feedback else None
       # The next step starts from Q's span; an orthonormal basis of it keeps M Q well conditioned (Q' itself
       # has columns scaled by M's singular values, and float32 loses the small ones).
       next_q = jnp.linalg.qr(qs[i])[0]

@@ -160,6 +160,7 @@ class ShardedUpdate:
     wire = jnp.dtype(base.wire_dtype)
     shards, comm_state = {}, dict(comm_state)
     for b, bucket in enumerate(self.buckets):
+      # float32 whatever the gradients' dtype: sharded_update lays out the shards of a float32 vector.
       flat = fusion_lib.pack([leaves[m] for m in bucket.members]).astype(jnp.float32)
       if base.strategy_for_size(flat.size).compressed:
         memory = jax.tree.map(lambda x: x[0, 0], comm_state[_key(b)])
@@ -228,6 +229,8 @@ def sharded_update(
     raise ValueError(f"optimizer.sharded_update supports {OPTIMIZERS}, not {opt.name!r}")
   leaves = jax.tree.leaves(params)
   order, groups = base.buckets(leaves)
+  # float32, not the gradients' dtype: ShardedUpdate.reduce packs every bucket in float32 whatever the gradients'
+  # dtype, and the collective pads by the wire dtype against the vector it is given.
   narrow = jnp.dtype(base.wire_dtype) != jnp.float32
   buckets = []
   for group in groups:
