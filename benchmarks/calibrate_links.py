@@ -23,7 +23,8 @@ selections at (gtopk makes log2(P) + 1 per step): the reducer's selector (``comp
 jit-compiled) on one device of the first process, on float32 vectors of 2^20, 2^22 and 2^24 elements (up to
 --max_mib) at k = 0.1% and 1%, median of --repeats runs after a warm-up. The rate written is the slowest of
 these, in elements of input per second: the planner charges a selection its elements / rate, with no fixed
-part, so the slowest rate over bucket sizes charges none of them too little. On a CPU mesh the device is one
+part, so the slowest rate over the measured sizes charges none of them too little (smaller buckets, where a fixed
+cost per selection weighs more, may be charged too little). On a CPU mesh the device is one
 of the simulated devices, alone (in a train step all of them select at once on the same cores).
 
 The file holds {"intra": {"alpha", "beta"}, "inter": {...}, "topk_elements_per_sec": RATE}; the last line
@@ -213,9 +214,9 @@ def main():
   elif jax.config.jax_num_cpu_devices in (None, -1, 1):
     jax.config.update("jax_num_cpu_devices", args.nodes * args.local)
   cost, rows = measure(args.nodes, args.local, args.repeats, args.max_mib, args.rate_bits or None, args.max_seconds)
-  rate, topk_rows = measure_topk_rate(args.repeats, topk_sizes(args.max_mib * 2**20))
-  cost = dataclasses.replace(cost, topk_elements_per_sec=rate)
-  if jax.process_index() == 0:
+  if jax.process_index() == 0:  # the rate it writes; the other processes stay out of its way (on one host too)
+    rate, topk_rows = measure_topk_rate(args.repeats, topk_sizes(args.max_mib * 2**20))
+    cost = dataclasses.replace(cost, topk_elements_per_sec=rate)
     with open(args.out, "w") as f:
       f.write(cost.to_json())
     where = f"{jax.process_count()} processes" if jax.process_count() > 1 else "one process"

@@ -185,7 +185,7 @@ class CompiledSteps:
       )
     if reasons:
       rate = self.cost.topk_elements_per_sec
-      planned_with = f"top-k at {rate:.3g} elements/s" if math.isfinite(rate) else "link time alone, no top-k rate"
+      planned_with = f"top-k at {rate:.3g} elements/s" if self.cost.has_topk_rate else "link time alone, no top-k rate"
       logging.info(
         "comm.strategy=auto (%s, %s), per bucket:\n  %s", comm.cost_model, planned_with, "\n  ".join(reasons)
       )

@@ -77,7 +77,8 @@ DEVICES = {
     topk_elements_per_sec=cost_model.ASSUMED_TOPK_RATES["v100"],
     source="images/s: NVIDIA DeepLearningExamples, ResNet-50 v1.5 mixed-precision training on V100 16 GB, about "
     "1,200-1,400 images/s per GPU (middle taken); memory: V100 datasheet, 900 GB/s HBM2; top-k: an "
-    "assumption (1e9 elements/s), not measured; benchmarks/collectives.py measures it on a device",
+    f"assumption ({cost_model.ASSUMED_TOPK_RATES['v100']:.2g} elements/s), not measured; benchmarks/collectives.py "
+    "measures it on a device",
   ),
   "h200": DeviceProfile(
     "h200",
@@ -87,8 +88,9 @@ DEVICES = {
     memory_bytes_per_sec=4.8e12,
     topk_elements_per_sec=cost_model.ASSUMED_TOPK_RATES["h200"],
     source="images/s: NVIDIA's MLPerf Training v4.0 ResNet-50 submission (MXNet, DALI), about 7,950 images/s "
-    "per H200; memory: H200 datasheet, 4.8 TB/s HBM3e; top-k: an assumption (5.3e9 elements/s, the V100 "
-    "figure scaled by memory bandwidth), not measured",
+    "per H200; memory: H200 datasheet, 4.8 TB/s HBM3e; top-k: an assumption "
+    f"({cost_model.ASSUMED_TOPK_RATES['h200']:.2g} elements/s, the V100 figure scaled by memory bandwidth), "
+    "not measured",
   ),
 }
 
@@ -145,7 +147,7 @@ def with_link(cluster: Cluster, nodes: int | None = None, inter_gbps: float | No
   cost = cluster.cost
   if inter_gbps is not None:
     inter = cost_model.LinkCost(alpha=cost.inter.alpha, beta=1 / (TCP_GOODPUT * inter_gbps * 1e9 / 8))
-    cost = cost_model.ClusterCost(intra=cost.intra, inter=inter)
+    cost = dataclasses.replace(cost, inter=inter)
   return dataclasses.replace(cluster, nodes=nodes or cluster.nodes, cost=cost)
 
 

@@ -130,17 +130,23 @@ def test_eval_counts_every_example_exactly_once_with_padding():
   assert sorted(seen) == list(range(n))
 
 
-def test_eval_padding_and_the_batch_that_pads_least():
+def test_eval_padding_and_the_batch_that_pads_less():
   batches = EvalBatches(random_source(50_000), 16_384)
   assert (batches.num_batches, batches.padded_examples) == (4, 65_536)
   # The same 4 batches, each a multiple of 128 devices: 4 x 12,544 = 50,176 rows, 176 of them padding.
-  assert batches.least_padded_batch_size(128) == 12_544
-  assert EvalBatches(random_source(103), 40).least_padded_batch_size(2) == 36  # 3 batches: 108 rows, not 120
+  assert batches.better_batch_size(128) == 12_544
   assert batches.padding_advice(128) == (
     "evaluation pads 50,000 examples to 65,536 rows in batches of 16,384 (24% of its compute is padding): "
-    "--config.data.eval_batch_size=12544 takes as many batches with 176 padding rows"
+    "--config.data.eval_batch_size=12544 evaluates in 4 batches with 176 padding rows"
   )
-  assert EvalBatches(random_source(50_000), 12_544).padding_advice(128) is None
+  # On 1,024 devices 4 batches pad at least 3,248 rows (6.5%): 5 of 10,240 pad 1,200. Then nothing to say.
+  assert batches.better_batch_size(1024) == 10_240
+  assert EvalBatches(random_source(50_000), 10_240).padding_advice(1024) is None
+  assert EvalBatches(random_source(50_000), 7_168).padding_advice(1024) is None
+  # Where no batch pads within 5% (103 examples on 100 devices), the least padding, and never the same batch.
+  assert EvalBatches(random_source(103), 400).better_batch_size(100) == 200  # 1 batch of 200, not 400
+  assert EvalBatches(random_source(103), 200).padding_advice(100) is None
+  assert EvalBatches(random_source(103), 40).better_batch_size(2) == 36  # 3 batches: 108 rows, not 120
 
 
 def test_fashion_mnist_missing_gives_the_install_command(tmp_path):

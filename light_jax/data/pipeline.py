@@ -138,6 +138,9 @@ class TrainBatches:
     return _iterate(self.dataset[start_step:], read_threads, buffer, workers)
 
 
+MAX_EVAL_PADDING = 0.05  # padding rows, as a share of the split, above which the trainer suggests another batch
+
+
 class EvalBatches:
   """Every example of a split exactly once, in order, in padded global batches with a 0/1 ``mask``."""
 
@@ -164,22 +167,34 @@ class EvalBatches:
     """Examples evaluated, padding rows included: every batch is whole, so the last one is padded."""
     return self.num_batches * self.global_batch_size
 
-  def least_padded_batch_size(self, multiple: int) -> int:
-    """The global batch, a multiple of ``multiple`` (the device count), that covers the split in as many
-    batches as now with the fewest padding rows (never larger than the current batch)."""
-    return math.ceil(len(self.source) / self.num_batches / multiple) * multiple
+  def better_batch_size(self, multiple: int) -> int | None:
+    """A global batch, a multiple of ``multiple`` (the device count) and no larger than the current one, whose
+    padding is at most ``MAX_EVAL_PADDING`` of the split: the one with the fewest batches (the least padding where
+    none is that close); None where it would be the current batch."""
+    examples = len(self.source)
+    candidates = []
+    for count in range(self.num_batches, max(math.ceil(examples / multiple), self.num_batches) + 1):
+      batch = math.ceil(examples / count / multiple) * multiple
+      padded = math.ceil(examples / batch) * batch
+      if padded <= (1 + MAX_EVAL_PADDING) * examples:
+        candidates = [(padded, batch)]
+        break
+      candidates.append((padded, batch))
+    best = min(candidates, key=lambda c: (c[0], -c[1]))[1]
+    return None if best >= self.global_batch_size else best
 
   def padding_advice(self, multiple: int) -> str | None:
-    """Where padding is over 5% of the rows evaluated (computed at every evaluation, then thrown away): what it
-    costs and the batch, a multiple of ``multiple``, that pads least."""
+    """Where padding is over ``MAX_EVAL_PADDING`` of the split (computed at every evaluation, then thrown away):
+    what it costs, and a batch that pads less (``better_batch_size``)."""
     examples, padded = len(self.source), self.padded_examples
-    if padded <= 1.05 * examples:
+    better = self.better_batch_size(multiple) if padded > (1 + MAX_EVAL_PADDING) * examples else None
+    if better is None:
       return None
-    better = self.least_padded_batch_size(multiple)
+    rows = math.ceil(examples / better) * better
     return (
       f"evaluation pads {examples:,} examples to {padded:,} rows in batches of {self.global_batch_size:,} "
       f"({(padded - examples) / padded:.0%} of its compute is padding): --config.data.eval_batch_size={better} "
-      f"takes as many batches with {self.num_batches * better - examples:,} padding rows"
+      f"evaluates in {rows // better} batches with {rows - examples:,} padding rows"
     )
 
   def load(self, batch: int) -> dict[str, np.ndarray]:
