@@ -184,10 +184,10 @@ def test_rescaling_under_momentum_correction_leaves_the_velocities():
   assert float(velocities[0].min()) == 1.0  # the dense bucket's velocity
 
 
-def test_without_error_feedback_mass_is_lost_and_residual_stays_zero():
+def test_without_error_feedback_mass_is_lost_and_no_residual_is_kept():
   grads = np.asarray(np.random.default_rng(2).normal(size=(3, 8, 800)), np.float32)
   outputs, state, _ = _run_steps("hitopk", (2, 4), grads, density=0.05, error_feedback=False)
-  assert all(float(np.abs(r).max()) == 0 for r in state.values())
+  assert state and all(r is None for r in state.values())  # no device memory of the gradient's size
   assert np.abs(outputs.sum(axis=0) - grads.sum(axis=(0, 1)) / 8).max() > 0.01
 
 

@@ -219,7 +219,7 @@ def apply_error_feedback(
 ) -> tuple[jax.Array, jax.Array, jax.Array | Memory]:
   """Selects k entries of ``x + residual`` (see ``compensate``); returns (indices, values, new memory).
 
-  With error feedback off the residual is neither added nor updated (it stays zero). ``value_dtype``: the
+  With error feedback off there is no residual (None in the state): nothing is added or kept. ``value_dtype``: the
   values' dtype on the wire; when narrower, they come back rounded and the residual keeps what rounding dropped.
   """
   corrected, forget_sent = compensate(x, memory, error_feedback, correction)

@@ -235,10 +235,10 @@ class GradientReducer:
     return order, buckets, sizes
 
   # --- state -------------------------------------------------------------------------------------
-  def init_state(self, params: PyTree) -> dict[str, jax.Array | compression.Memory]:
+  def init_state(self, params: PyTree) -> dict[str, jax.Array | compression.Memory | None]:
     """Zero residuals, {"bucket_i": float32 (nodes, local, compressed size)}, for compressed buckets
     (a ``compression.Memory`` of two such arrays with momentum correction, a ``compression.Estimate`` of
-    three with EF21)."""
+    three with EF21; None without error feedback, which keeps nothing)."""
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
     state = {}
     for b, n in enumerate(sizes):
@@ -246,8 +246,10 @@ class GradientReducer:
         zeros = jnp.zeros((self.nodes, self.local, self.bucket_reducer(b).topk_unit(n)), jnp.float32)
         if self.feedback == "ef21":
           state[_key(b)] = compression.Estimate(zeros, zeros, zeros)
+        elif self.momentum_correction:
+          state[_key(b)] = compression.Memory(zeros, zeros)
         else:
-          state[_key(b)] = compression.Memory(zeros, zeros) if self.momentum_correction else zeros
+          state[_key(b)] = zeros if self.error_feedback else None
       elif self.momentum_correction:  # a dense bucket keeps its velocity too: the optimizer has no momentum
         state[_key(b)] = jnp.zeros((self.nodes, self.local, n), jnp.float32)
     return state
