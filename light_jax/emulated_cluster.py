@@ -14,8 +14,9 @@ Two traps of gloo in namespaces are handled here:
   connect to themselves: ``ip netns exec`` bind-mounts ``/etc/netns/NS/hosts`` over ``/etc/hosts``,
   and each node gets one that maps the hostname to its own address.
 
-Needs root and iproute2. Names carry a per-run id, so two clusters never collide, and ``close`` (also
-called on exit and on SIGTERM/SIGINT) removes every namespace, link, qdisc and hosts file it made.
+Needs root and iproute2. Names carry a per-run id that no namespace, link or hosts file uses yet, and
+``close`` (also called on exit and on SIGTERM/SIGINT/SIGHUP) removes every namespace, link, qdisc and hosts
+file this cluster made, and only those: a cluster that could not be made leaves another one's alone.
 Traffic only goes to the addresses of the namespaces made here.
 """
 
@@ -80,9 +81,10 @@ def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 class _Machines:
   """What both clusters share: one process per node started together as one multi-process job, and the
-  cleanup of what they started (and made) on ``close``, at exit and on SIGTERM/SIGINT."""
+  cleanup of what they started (and made) on ``close``, at exit and on SIGTERM/SIGINT/SIGHUP."""
 
   nodes: int
+  failure_grace = 5.0  # seconds the other nodes of a job get to end on their own once one has failed
 
   def __init__(self):
     self._processes: list[subprocess.Popen] = []
@@ -92,7 +94,7 @@ class _Machines:
     self._previous_handlers = {}
     atexit.register(self.close)
     if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
+      for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the ssh session or terminal closed
         if signal.getsignal(sig) is not signal.SIG_IGN:  # a signal ignored (nohup, a background job) stays so
           self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
 
@@ -102,7 +104,8 @@ class _Machines:
   def run_everywhere(self, argv: Sequence[str], timeout: float, **popen_kwargs) -> list[str]:
     """Runs ``argv`` + ``--process_id=NODE`` on every node at once, as one multi-process job, for at most
     ``timeout`` seconds in all; returns each node's output (stdout and stderr), or raises RuntimeError naming
-    the first node that failed (or the nodes still running at the deadline, which are then killed)."""
+    the first node that failed, with its output and the last lines of the others that failed or were stopped
+    (``failure_grace`` seconds after it), or the nodes still running at the deadline, which are then killed."""
     procs = [
       self.run(
         node,
@@ -128,19 +131,30 @@ class _Machines:
     for reader in readers:
       reader.start()
     deadline = time.monotonic() + timeout  # one for the job: waiting node by node would allow nodes x timeout
+    # All nodes are watched at once: the first to fail is the cause, and its peers then fail too ("peer failed"),
+    # some only after a timeout of their own. They get failure_grace seconds to say so, then are stopped.
+    first_failed, stopped = None, []
     try:
-      for proc in procs:
-        try:
-          proc.wait(timeout=max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-          running = [node for node, p in enumerate(procs) if p.poll() is None]
+      while True:
+        running = [node for node, p in enumerate(procs) if p.poll() is None]
+        if first_failed is None:
+          first_failed = next((node for node, p in enumerate(procs) if p.returncode), None)
+          if first_failed is not None:
+            deadline = min(deadline, time.monotonic() + self.failure_grace)
+        if not running:
+          break
+        if time.monotonic() >= deadline:
           for node in running:
             procs[node].kill()
             procs[node].wait()
+          if first_failed is not None:
+            stopped = running
+            break
           raise RuntimeError(
             f"`{' '.join(argv[:2])}` on node(s) {', '.join(map(str, running))} still ran after {timeout:g} s (the "
             "limit for the whole job); raise the timeout (e.g. --timeout) or run fewer steps"
           ) from None
+        time.sleep(0.02)
       # The pipes close when the processes end; a child left holding one is given up on after 5 s in all.
       readers_deadline = time.monotonic() + 5
       for reader in readers:
@@ -150,9 +164,16 @@ class _Machines:
         if not reader.is_alive():  # closing a pipe under a blocked read is not safe; a stuck one is left open
           proc.stdout.close()
     outputs = ["".join(out) for out in chunks]
-    for node, (proc, output) in enumerate(zip(procs, outputs)):
-      if proc.returncode:
-        raise RuntimeError(f"`{' '.join(argv[:2])}` on node {node} exited {proc.returncode}:\n{output[-3000:]}")
+    if first_failed is not None:
+      command = " ".join(argv[:2])
+      message = f"`{command}` on node {first_failed} exited {procs[first_failed].returncode}, the first node to fail:\n"
+      message += outputs[first_failed][-3000:]
+      for node, (proc, output) in enumerate(zip(procs, outputs)):
+        if node != first_failed and proc.returncode:
+          how = "was stopped" if node in stopped else f"exited {proc.returncode}"
+          last = "".join(f"\n  {line}" for line in output.splitlines()[-3:])
+          message += f"\nthen node {node} {how}; its last lines:{last}"
+      raise RuntimeError(message)
     return outputs
 
   def _cleanup(self) -> None:
@@ -163,8 +184,8 @@ class _Machines:
         proc.wait()
 
   def close(self) -> None:
-    """Kills the processes still running and removes everything this cluster made (idempotent). A SIGINT or
-    SIGTERM during it is acted on once it is done: cut short, it would leave namespaces and links behind."""
+    """Kills the processes still running and removes everything this cluster made (idempotent). A SIGINT,
+    SIGTERM or SIGHUP during it is acted on once it is done: cut short, it would leave namespaces and links behind."""
     with self._lock:
       if self._closing:
         return
@@ -242,7 +263,7 @@ class EmulatedCluster(_Machines):
     if nodes < 1 or nodes > 200:
       raise ClusterError(f"nodes={nodes}: use 1 to 200")
     self.nodes = nodes
-    self.id = f"{os.getpid() % 10000:04d}{random.randrange(100):02d}"  # names are at most 15 characters
+    self.id = _free_id()
     self.subnet = ipaddress.ip_network(f"10.{random.randrange(64, 128)}.{random.randrange(256)}.0/24")
     self.bridge = f"lj{self.id}b"
     self.namespaces = [f"lj{self.id}n{i}" for i in range(nodes)]
@@ -250,6 +271,7 @@ class EmulatedCluster(_Machines):
     self.node_links = [f"lj{self.id}c{i}" for i in range(nodes)]  # the node's end
     self.addresses = [str(self.subnet[i + 1]) for i in range(nodes)]
     self.bandwidth_bits = bandwidth_bits
+    self._made: set[str] = set()  # the namespaces, links and hosts directories made here: close removes these
     super().__init__()  # the cleanup handlers, before anything is made
     try:
       self._create()
@@ -259,11 +281,14 @@ class EmulatedCluster(_Machines):
 
   def _create(self) -> None:
     _sh("ip", "link", "add", self.bridge, "type", "bridge")
+    self._made.add(self.bridge)
     _sh("ip", "link", "set", self.bridge, "up")
     hostname = socket.gethostname()
     for ns, host_link, node_link, address in zip(self.namespaces, self.host_links, self.node_links, self.addresses):
       _sh("ip", "netns", "add", ns)
+      self._made.add(ns)
       _sh("ip", "link", "add", host_link, "type", "veth", "peer", "name", node_link)
+      self._made.add(host_link)
       _sh("ip", "link", "set", node_link, "netns", ns)
       _sh("ip", "link", "set", host_link, "master", self.bridge)
       _sh("ip", "link", "set", host_link, "up")
@@ -272,6 +297,7 @@ class EmulatedCluster(_Machines):
       _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
       try:
         os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+        self._made.add(f"/etc/netns/{ns}")
         with open(f"/etc/netns/{ns}/hosts", "w") as f:  # gloo advertises what the hostname resolves to
           f.write(f"127.0.0.1 localhost\n{address} {hostname}\n")
       except OSError as e:
@@ -287,7 +313,9 @@ class EmulatedCluster(_Machines):
     for ns, link in zip(self.namespaces, self.node_links):
       _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", link, "root", check=False)
       if bandwidth_bits:
-        # A burst of at least one MTU-sized packet and ~1 ms at the rate; queue up to 100 ms of traffic.
+        # The bucket (burst, in bytes) is 1 ms at the rate but at least 16 KiB (tbf needs one MTU-sized packet):
+        # below 131 Mbit/s it is 16 KiB, 13 ms of link time at 10 Mbit/s and 131 ms at 1 Mbit/s, which a link idle
+        # that long sends unshaped (README, Mesh lab). Up to 100 ms of traffic queues behind it.
         burst = max(bandwidth_bits // 8 // 1000, 16 * 1024)
         _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", link, "root", "tbf", "rate", f"{bandwidth_bits}bit",
             "burst", str(burst), "latency", "100ms")  # fmt: skip
@@ -322,10 +350,26 @@ class EmulatedCluster(_Machines):
   def _cleanup(self) -> None:
     super()._cleanup()
     for ns in self.namespaces:  # deleting a namespace deletes its end of the veth pair, hence the pair
-      _sh("ip", "netns", "del", ns, check=False)
-      shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+      if ns in self._made:
+        _sh("ip", "netns", "del", ns, check=False)
+      if f"/etc/netns/{ns}" in self._made:
+        shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
     for link in [*self.host_links, self.bridge]:
-      _sh("ip", "link", "del", link, check=False)
+      if link in self._made:
+        _sh("ip", "link", "del", link, check=False)
+
+
+def _free_id() -> str:
+  """An id for a cluster's names (this process's pid mod 10,000, then 2 random digits; names stay within 15
+  characters) that no namespace, link or /etc/netns directory uses yet. Checked, not reserved: a cluster made
+  with the same id meanwhile makes ``_create`` fail, and the failed one removes only what it made."""
+  taken = _sh("ip", "netns", "list", check=False).stdout + _sh("ip", "-o", "link", "show", check=False).stdout
+  taken += " ".join(os.listdir("/etc/netns")) if os.path.isdir("/etc/netns") else ""
+  for suffix in random.sample(range(100), 100):
+    cluster_id = f"{os.getpid() % 10000:04d}{suffix:02d}"
+    if f"lj{cluster_id}" not in taken:
+      return cluster_id
+  raise ClusterError(f"all 100 cluster ids of process {os.getpid()} are in use: close some clusters (`ip netns list`)")
 
 
 def free_port() -> int:

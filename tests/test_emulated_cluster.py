@@ -6,6 +6,7 @@ Needs root and iproute2, as on these machines and in CI; elsewhere these tests a
 import errno
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import time
 import pytest
 
 from light_jax import emulated_cluster
-from light_jax.emulated_cluster import EmulatedCluster, free_port, parse_rate
+from light_jax.emulated_cluster import EmulatedCluster, LoopbackCluster, free_port, parse_rate
 from light_jax.exit_codes import ExitCode
 from tests.helpers import ROOT
 
@@ -110,6 +111,48 @@ def test_a_second_signal_during_close_does_not_cut_the_cleanup_short(monkeypatch
   assert restored is signal.default_int_handler  # the handler from before the cluster, back in place
 
 
+def test_a_hangup_removes_the_cluster():
+  """An ssh session dropped during a lab run (SIGHUP): the namespaces go, then the handler from before runs."""
+
+  class HungUp(Exception):
+    pass
+
+  def hung_up(signum, frame):
+    raise HungUp
+
+  outside = signal.signal(signal.SIGHUP, hung_up)
+  cluster = EmulatedCluster(1)
+  try:
+    with pytest.raises(HungUp):
+      signal.raise_signal(signal.SIGHUP)
+    left = cluster.exists()
+  finally:
+    cluster.close()
+    restored = signal.signal(signal.SIGHUP, outside)
+  assert not left and restored is hung_up
+
+
+def test_a_cluster_never_takes_or_removes_another_ones_names(monkeypatch):
+  """The same draw of the random id twice (as two processes whose pids agree mod 10,000 can get): the second
+  cluster takes another id. And one that cannot be made, its id taken meanwhile (check, then create), removes
+  only what it made, not the other cluster's namespaces, links and hosts files."""
+  state = random.getstate()
+  first = EmulatedCluster(1)
+  try:
+    random.setstate(state)
+    with EmulatedCluster(1) as second:
+      assert second.id != first.id and first.exists() and second.exists()
+    assert first.exists() and not second.exists()
+    monkeypatch.setattr(emulated_cluster, "_free_id", lambda: first.id)
+    with pytest.raises(emulated_cluster.ClusterError, match="File exists"):
+      EmulatedCluster(1)
+    assert first.exists() and os.path.exists(f"/etc/netns/{first.namespaces[0]}/hosts")
+    assert first.id in subprocess.run(["ip", "link", "show", first.bridge], capture_output=True, text=True).stdout
+  finally:
+    first.close()
+  assert not first.exists()
+
+
 def test_an_unwritable_etc_is_a_cluster_error_and_leaves_nothing(monkeypatch):
   def read_only(path, *args, **kwargs):
     raise OSError(errno.EROFS, "Read-only file system", path)
@@ -121,6 +164,31 @@ def test_an_unwritable_etc_is_a_cluster_error_and_leaves_nothing(monkeypatch):
   listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
   listed += subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
   assert ours not in listed
+
+
+@pytest.mark.parametrize("peer", ["gives_up", "hangs"])
+def test_a_failing_job_names_the_first_node_to_fail_and_stops_the_rest(peer):
+  """Node 1 fails at once; node 0, its peer, then fails too (1 s later) or hangs. The error names node 1, with its
+  output, then node 0's last lines; it comes once node 0 has ended or its grace is over, not at the deadline."""
+  script = (
+    "import sys, time\n"
+    "if sys.argv[-1] == '--process_id=1':\n"
+    "  print('node 1: the cause'); sys.exit(3)\n"
+    "print('node 0: waiting on its peer', flush=True)\n"
+    f"time.sleep({1 if peer == 'gives_up' else 60}); print('node 0: peer failed'); sys.exit(4)\n"
+  )
+  with LoopbackCluster(2) as cluster:
+    cluster.failure_grace = 2
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError) as info:
+      cluster.run_everywhere([sys.executable, "-c", script], timeout=6)
+    assert time.perf_counter() - start < 4
+    assert all(p.poll() is not None for p in cluster._processes)
+  node_0 = "exited 4; its last lines:\n  node 0: waiting on its peer\n  node 0: peer failed"
+  assert str(info.value) == (
+    f"`{sys.executable} -c` on node 1 exited 3, the first node to fail:\nnode 1: the cause\n\nthen node 0 "
+    + (node_0 if peer == "gives_up" else "was stopped; its last lines:\n  node 0: waiting on its peer")
+  )
 
 
 def _mesh_lab(*extra):
