@@ -17,8 +17,14 @@ its step again, which replaces it.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
+import re
+import sys
+import tempfile
+import time
 from typing import Any
 
 import jax
@@ -69,7 +75,8 @@ class Checkpointer:
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
       try:
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        with _quiet_if_it_fails():
+          meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
       except Exception as e:  # a damaged checkpoint: any error orbax or the file system raises
         self._damaged(step, e)
         continue
@@ -90,9 +97,10 @@ class Checkpointer:
       for change in safe:
         logging.warning("config changed since the checkpoint (accepted): %s", change)
       try:
-        state = self.manager.restore(
-          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-        ).state
+        with _quiet_if_it_fails():
+          state = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+          ).state
       except Exception as e:
         self._damaged(step, e)
         continue
@@ -109,16 +117,54 @@ class Checkpointer:
     self.damaged_steps.add(step)
     self._errors[step] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
     logging.warning(
-      "checkpoint at step %d in %s cannot be restored (%s: %s); falling back to the previous one",
+      "checkpoint at step %d in %s cannot be restored (%s); falling back to the previous one",
       step,
       self.directory,
-      type(error).__name__,
-      str(error)[:300],
+      self._errors[step],
     )
 
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+# Lines of a log record (absl or Python logging): kept from a failed restore's output, the rest is dropped.
+_LOG_RECORD = re.compile(r"^[IWEF]\d{4} |^(INFO|WARNING|ERROR|CRITICAL):")
+
+
+@contextlib.contextmanager
+def _quiet_if_it_fails(settle_seconds: float = 0.5):
+  """Keeps a failed restore's noise off stderr: orbax stops at the first bad array while TensorStore reads of the
+  others are in flight, and their callbacks then print tracebacks ("Event loop is closed", coroutines never
+  awaited) from other threads, hundreds of lines that bury the one-line report. stderr (the file descriptor, as
+  those come from C++ threads too) goes to a temporary file while the restore runs; after a failure the reads
+  get ``settle_seconds`` to finish, and only log records pass on, with a count of what was left out. After a
+  success everything passes on unchanged."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  failed = False
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      yield
+    except BaseException:
+      failed = True
+      time.sleep(settle_seconds)
+      gc.collect()  # finalize the abandoned coroutines now, while their complaints are still captured
+      raise
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+      kept = [line for line in lines if not failed or _LOG_RECORD.match(line)]
+      if len(kept) < len(lines):
+        kept.append(
+          f"(the failed restore below printed {len(lines) - len(kept)} lines of orbax/TensorStore output, left out)\n"
+        )
+      sys.stderr.write("".join(kept))
+      sys.stderr.flush()
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:

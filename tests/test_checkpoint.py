@@ -194,6 +194,21 @@ def test_a_damaged_checkpoint_is_replaced_when_the_resumed_run_saves_at_its_step
   assert step == 2 and np.array_equal(restored["w"], np.arange(4.0) + 20)
 
 
+def test_a_failed_restore_keeps_its_log_records_and_drops_the_rest_of_its_output(capfd):
+  # What orbax's in-flight TensorStore reads print from other threads once a restore has failed: raw writes to
+  # the file descriptor, not through Python's sys.stderr.
+  noise = "Traceback (most recent call last):\n  File ...\nRuntimeError: Event loop is closed\n"
+  with pytest.raises(ValueError, match="DATA_LOSS"), checkpoint_lib._quiet_if_it_fails(settle_seconds=0.0):
+    os.write(2, (noise * 3 + "W1206 04:15:02.8 1 checkpoint.py:1] a log record\n").encode())
+    raise ValueError("DATA_LOSS: damaged")
+  err = capfd.readouterr().err
+  assert "Traceback" not in err and "a log record" in err
+  assert "the failed restore below printed 9 lines of orbax/TensorStore output, left out" in err
+  with checkpoint_lib._quiet_if_it_fails():  # a restore that works passes everything on
+    os.write(2, noise.encode())
+  assert capfd.readouterr().err == noise
+
+
 def test_a_checkpoint_from_another_mesh_is_refused_and_not_called_damaged(tmp_path):
   # mesh.nodes/local=-1 resolve from the processes and devices, so the same config can meet another mesh
   state = {"w": jax.numpy.arange(4.0)}
