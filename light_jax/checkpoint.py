@@ -136,35 +136,34 @@ _LOG_RECORD = re.compile(r"^[IWEF]\d{4} |^(INFO|WARNING|ERROR|CRITICAL):")
 def _quiet_if_it_fails(settle_seconds: float = 0.5):
   """Keeps a failed restore's noise off stderr: orbax stops at the first bad array while TensorStore reads of the
   others are in flight, and their callbacks then print tracebacks ("Event loop is closed", coroutines never
-  awaited) from other threads, hundreds of lines that bury the one-line report. stderr (the file descriptor, as
-  those come from C++ threads too) goes to a temporary file while the restore runs; after a failure the reads
-  get ``settle_seconds`` to finish, and only log records pass on, with a count of what was left out. After a
-  success everything passes on unchanged."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  failed = False
-  with tempfile.TemporaryFile() as captured:
-    os.dup2(captured.fileno(), 2)
-    try:
-      yield
-    except BaseException:
-      failed = True
-      time.sleep(settle_seconds)
-      gc.collect()  # finalize the abandoned coroutines now, while their complaints are still captured
-      raise
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
+  awaited) from other threads, hundreds of lines that bury the one-line report. After a failure, stderr (the
+  file descriptor: those come from C++ threads too) goes to a temporary file for ``settle_seconds`` while the
+  reads finish; then only log records pass on, with a count of what was left out. While the restore runs,
+  stderr stays as it is: a restore that hangs (a peer gone) must still be able to say so."""
+  try:
+    yield
+  except BaseException:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+      os.dup2(captured.fileno(), 2)
+      try:
+        time.sleep(settle_seconds)
+        gc.collect()  # finalize the abandoned coroutines now, while their complaints are still captured
+        sys.stderr.flush()
+      finally:
+        os.dup2(saved, 2)
+        os.close(saved)
       captured.seek(0)
       lines = captured.read().decode(errors="replace").splitlines(keepends=True)
-      kept = [line for line in lines if not failed or _LOG_RECORD.match(line)]
-      if len(kept) < len(lines):
-        kept.append(
-          f"(the failed restore below printed {len(lines) - len(kept)} lines of orbax/TensorStore output, left out)\n"
-        )
-      sys.stderr.write("".join(kept))
-      sys.stderr.flush()
+    kept = [line for line in lines if _LOG_RECORD.match(line)]
+    if len(kept) < len(lines):
+      kept.append(
+        f"(the failed restore printed {len(lines) - len(kept)} lines of orbax/TensorStore output, left out)\n"
+      )
+    sys.stderr.write("".join(kept))
+    sys.stderr.flush()
+    raise
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:

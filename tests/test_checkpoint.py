@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -198,12 +199,16 @@ def test_a_failed_restore_keeps_its_log_records_and_drops_the_rest_of_its_output
   # What orbax's in-flight TensorStore reads print from other threads once a restore has failed: raw writes to
   # the file descriptor, not through Python's sys.stderr.
   noise = "Traceback (most recent call last):\n  File ...\nRuntimeError: Event loop is closed\n"
-  with pytest.raises(ValueError, match="DATA_LOSS"), checkpoint_lib._quiet_if_it_fails(settle_seconds=0.0):
-    os.write(2, (noise * 3 + "W1206 04:15:02.8 1 checkpoint.py:1] a log record\n").encode())
+  late = threading.Timer(
+    0.1, os.write, (2, (noise * 3 + "W1206 04:15:02.8 1 checkpoint.py:1] a log record\n").encode())
+  )
+  with pytest.raises(ValueError, match="DATA_LOSS"), checkpoint_lib._quiet_if_it_fails(settle_seconds=0.5):
+    os.write(2, b"while it runs, stderr is untouched\n")
+    late.start()
     raise ValueError("DATA_LOSS: damaged")
   err = capfd.readouterr().err
-  assert "Traceback" not in err and "a log record" in err
-  assert "the failed restore below printed 9 lines of orbax/TensorStore output, left out" in err
+  assert "Traceback" not in err and "a log record" in err and "while it runs, stderr is untouched" in err
+  assert "the failed restore printed 9 lines of orbax/TensorStore output, left out" in err
   with checkpoint_lib._quiet_if_it_fails():  # a restore that works passes everything on
     os.write(2, noise.encode())
   assert capfd.readouterr().err == noise
