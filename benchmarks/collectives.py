@@ -1,15 +1,16 @@
 """Time and traffic of every gradient reduction strategy on a ResNet-50-sized gradient set.
 
-  python benchmarks/collectives.py [--nodes 2 --local 4 --repeats 3 --quick]
+  python benchmarks/collectives.py [--nodes 2 --local 4 --repeats 3 --only hierarchical,hitopk@0.01]
 
 The gradients are 25,557,032 float32 in ResNet-50's real layer shapes (161 tensors, in backward
-order), a different random
+order; --model names another model), a different random
 heavy-tailed set on each of the 8 simulated CPU devices (2 x 4 mesh). For each variant: median wall
 time of one reduction (compiled, inputs already on the devices) and the exact bytes one device sends
 per step inside its node and across nodes (from shapes). On simulated CPU devices every "link" is a
 memory copy, so the seconds measure compute and collective overhead (top-k selection, scatter-add,
 packing), not network time; the byte columns are what a real slow link would carry. The adaptive
-plans are MG-WFBP groups for the --cost_model preset with 32 images per device at 15 TFLOP/s.
+plans are MG-WFBP groups for --cost_model (a preset or a calibrated JSON file) with 32 images per device
+at 15 TFLOP/s. --local -1 takes every device here (on GPUs; CPU devices are simulated, nodes x local).
 """
 
 import argparse
@@ -20,6 +21,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from light_jax import cli  # noqa: E402
 
 VARIANTS = {
   # name: (strategy, fusion, density, selector); powersgd: (strategy, fusion, rank, None)
@@ -51,15 +54,25 @@ def main():
   parser.add_argument("--local", type=int, default=4)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
-  parser.add_argument("--cost_model", default="v100_nvlink_25gbe", help="preset for the adaptive plans")
+  parser.add_argument(
+    "--cost_model", default="v100_nvlink_25gbe", help="preset or calibrated JSON file for the adaptive plans"
+  )
   parser.add_argument("--device_tflops", type=float, default=15.0)
   parser.add_argument("--examples_per_device", type=int, default=32)
   parser.add_argument("--model", default="resnet50", help="whose gradient shapes (a smaller one for quick checks)")
   args = parser.parse_args()
+  if args.nodes < 1 or args.local == 0 or args.local < -1:
+    cli.fail(f"--nodes={args.nodes} --local={args.local}: each must be >= 1 (--local may be -1: every device here)")
+  only = args.only.split(",") if args.only else list(VARIANTS)
+  unknown = [n for n in only if n not in VARIANTS]
+  if unknown:
+    cli.fail(f"--only: no variant {', '.join(map(repr, unknown))}; the variants are {', '.join(VARIANTS)}")
+  names = [n for n in VARIANTS if n in only]
 
   import jax
 
-  jax.config.update("jax_num_cpu_devices", args.nodes * args.local)
+  if args.local > 0:  # -1: the devices there are (the CPU's default, one)
+    jax.config.update("jax_num_cpu_devices", args.nodes * args.local)
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
@@ -70,8 +83,18 @@ def main():
   from light_jax.parallel import mesh as mesh_lib
   from light_jax.parallel import reducer as reducer_lib
 
-  mesh = mesh_lib.make_mesh(args.nodes, args.local)
+  try:
+    cost = cost_model.load(args.cost_model)  # before any measurement: the adaptive variants use it
+  except ValueError as e:
+    cli.fail(f"--cost_model: {e}")
+  try:
+    mesh = mesh_lib.make_mesh(args.nodes, args.local)
+  except mesh_lib.MeshError:  # one process: nodes x local is not the device count
+    count = jax.device_count()
+    cli.fail(f"--nodes={args.nodes} --local={args.local}: a mesh of the {count} devices here needs nodes x local = "
+             f"{count} (--local -1 fills it)")  # fmt: skip
   devices = mesh.size
+  nodes, local = mesh.devices.shape  # --local -1 filled
   model = create_model(args.model, 1000)
   profile = fusion_lib.profile_parameters(model, (224, 224, 3))  # real backward order, FLOPs per tensor
   shapes = profile.params
@@ -93,12 +116,11 @@ def main():
 
   grads = jax.jit(make_grads, out_shardings=batch_sharding)(jax.random.key(0))
 
-  names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
   rows = {}
   for name in names:
     strategy, fusion, density, selector = VARIANTS[name]
     if strategy == reducer_lib.POWERSGD:  # P and Q of every tensor in one all-reduce each: no buckets
-      reducer = reducer_lib.make_gradient_reducer(strategy, args.nodes, args.local, rank=density)
+      reducer = reducer_lib.make_gradient_reducer(strategy, nodes, local, rank=density)
     else:
       reducer = reducer_lib.make_gradient_reducer(
         strategy,
@@ -112,7 +134,7 @@ def main():
       )
     if fusion == "adaptive":
       reducer = cost_model.plan_adaptive_fusion(
-        reducer, profile, cost_model.PRESETS[args.cost_model], args.device_tflops * 1e12, args.examples_per_device
+        reducer, profile, cost, args.device_tflops * 1e12, args.examples_per_device
       )
     state = jax.device_put(reducer.init_state(shapes), NamedSharding(mesh, per_device))
     reduce = jax.jit(
@@ -147,7 +169,7 @@ def main():
 
   base = rows.get("hierarchical")
   print(
-    f"\nResNet-50 gradients ({num_elements:,} float32), mesh {args.nodes} x {args.local} "
+    f"\n{args.model} gradients ({num_elements:,} float32), mesh {nodes} x {local} "
     f"({devices} {jax.devices()[0].platform} devices), median of {args.repeats}"
   )
   print(

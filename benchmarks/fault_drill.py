@@ -34,7 +34,15 @@ def main():
   parser.add_argument("--every_steps", type=int, default=8)
   parser.add_argument("--workdir", default="")
   args = parser.parse_args()
+  if args.workdir:  # train.py runs in ROOT: a relative workdir would be read here and written there.
+    run_drill(args, os.path.abspath(args.workdir))
+  else:  # two runs' checkpoints, removed at the end
+    with tempfile.TemporaryDirectory(prefix="fault_drill_", ignore_cleanup_errors=True) as root:
+      run_drill(args, root)
 
+
+def run_drill(args, root):
+  """The two runs under ``root`` (``uninterrupted`` and ``drill``), then the comparison and the report."""
   import jax
 
   jax.config.update("jax_num_cpu_devices", 8)  # the checkpoints hold arrays sharded over 8 devices
@@ -53,8 +61,6 @@ def main():
     "--config.log_every_steps=4",
   ]
   total_steps = 192
-  # train.py runs in ROOT: a relative workdir would be read here and written there.
-  root = os.path.abspath(args.workdir) if args.workdir else tempfile.mkdtemp(prefix="fault_drill_")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
 
   def start(workdir):
@@ -67,6 +73,15 @@ def main():
       text=True,
     )
 
+  def finish(proc, workdir):
+    """Waits for a run that was not killed; one that failed ends the drill with the tail of its output."""
+    out, _ = proc.communicate()
+    if proc.returncode:
+      print("\n".join(f"  | {line}" for line in out.splitlines()[-20:]), file=sys.stderr)
+      how = f"exited with {proc.returncode}" if proc.returncode > 0 else f"was killed by signal {-proc.returncode}"
+      print(f"error: train.py --workdir {workdir} {how}; the end of its output is above", file=sys.stderr)
+      sys.exit(proc.returncode if proc.returncode > 0 else 1)
+
   def progress(workdir):
     d = os.path.join(workdir, "checkpoints")
     return max((int(n) for n in os.listdir(d) if n.isdigit()), default=0) if os.path.isdir(d) else 0
@@ -74,7 +89,7 @@ def main():
   print("uninterrupted run ...", file=sys.stderr)
   clean = os.path.join(root, "uninterrupted")
   shutil.rmtree(clean, ignore_errors=True)
-  start(clean).communicate()
+  finish(start(clean), clean)
   summary = json.load(open(os.path.join(clean, "summary.json")))
 
   drill = os.path.join(root, "drill")
@@ -94,6 +109,7 @@ def main():
     # Land the kill anywhere in the next checkpoint period (about 0.1-0.2 s per step here).
     time.sleep(rng.uniform(0.0, args.every_steps * 0.15))
     if proc.poll() is not None:
+      finish(proc, drill)
       print(f"run finished before the kill at {target}", file=sys.stderr)
       break
     proc.kill()
@@ -108,7 +124,7 @@ def main():
     print(
       f"kill {kills}: resumed from {resumed_from}, killed after checkpoint {saved} (bar at {reached})", file=sys.stderr
     )
-  start(drill).communicate()
+  finish(start(drill), drill)
 
   def final_state(workdir):
     step = progress(workdir)

@@ -74,12 +74,18 @@ def main():
   parser.add_argument("--seconds", type=float, default=2.0, help="per path, size and round")
   parser.add_argument("--workdir", default="", help="where the cache files go (default: a temporary dir)")
   args = parser.parse_args()
-  workdir = args.workdir or tempfile.mkdtemp(prefix="input_bench_")
+  if not args.workdir:
+    with tempfile.TemporaryDirectory(prefix="input_bench_") as workdir:
+      return run(args, workdir)
   try:  # before the minutes of work that end in it
-    os.makedirs(workdir, exist_ok=True)
+    os.makedirs(args.workdir, exist_ok=True)
   except OSError as e:
     cli.fail(f"--workdir={args.workdir}: cannot create it ({e.strerror}); choose another directory")
+  run(args, args.workdir)
 
+
+def run(args, workdir: str):
+  """Builds the JPEGs and the caches (in ``workdir``), times every path, prints the table and the JSON line."""
   if not transforms.region_decoding_available():
     print("warning: the JPEG region decoder was not built (see setup.py): 'jpeg' decodes whole images", file=sys.stderr)
   rng = np.random.default_rng(0)

@@ -13,6 +13,12 @@ memory analysis: arguments + outputs + temporaries - donated aliases, per device
 --cpu_devices simulates devices (tests run it at toy sizes). --profile_dir traces --profile_steps steps
 with jax.profiler (TensorBoard's profile plugin or Perfetto open it).
 
+--config.FIELD sets what the step reads: model.*, optimizer.*, comm.* (--strategy sets comm.strategy and its
+density), micro_batches, seed. Flags own the rest, so these are refused: --config.model.name and .dtype (use
+--model, --dtype), --config.mesh.* (--nodes, --cpu_devices), --config.global_batch_size (--batch_per_device)
+and --config.data.* (the batches are synthetic: --image_size, --num_classes). The learning rate is a constant
+0.1, so the optimizer's schedule fields play no part, nor do epochs, checkpoints or logging.
+
 Last line: one JSON object with `images_per_sec` (per device), `images_per_sec_total`, `step_seconds`,
 `compile_seconds`, `peak_memory_bytes_per_device` and the settings.
 """
@@ -45,14 +51,22 @@ _MODEL = flags.DEFINE_string("model", "resnet50", "model.name")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "square image side, pixels")
 _BATCH = flags.DEFINE_integer("batch_per_device", 64, "images per device per step")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16", "float16"], "compute dtype (model.dtype)")
-_STEPS = flags.DEFINE_integer("steps", 20, "timed steps")
-_WARMUP = flags.DEFINE_integer("warmup", 3, "steps run before timing")
+_STEPS = flags.DEFINE_integer("steps", 20, "timed steps", lower_bound=1)
+_WARMUP = flags.DEFINE_integer("warmup", 3, "steps run before timing", lower_bound=0)
 _STRATEGY = flags.DEFINE_string("strategy", None, "comm strategy NAME[@DENSITY] (default: the config's)")
-_NODES = flags.DEFINE_integer("nodes", 1, "mesh nodes (the rest of the devices are local)")
+_NODES = flags.DEFINE_integer("nodes", 1, "mesh nodes (the rest of the devices are local)", lower_bound=1)
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 1, "devices to simulate when running on CPU")
 _CLASSES = flags.DEFINE_integer("num_classes", 1000, "classifier outputs")
 _PROFILE_DIR = flags.DEFINE_string("profile_dir", None, "write a jax.profiler trace of a few steps here")
-_PROFILE_STEPS = flags.DEFINE_integer("profile_steps", 3, "steps to trace with --profile_dir")
+_PROFILE_STEPS = flags.DEFINE_integer("profile_steps", 3, "steps to trace with --profile_dir", lower_bound=1)
+# Config fields the flags own: a --config.FIELD for one of them (or under it) would have no effect.
+FLAG_FIELDS = {
+  "model.name": "--model",
+  "model.dtype": "--dtype",
+  "mesh": "--nodes and --cpu_devices",
+  "global_batch_size": "--batch_per_device",
+  "data": "--image_size and --num_classes (the batches are synthetic)",
+}
 
 
 def peak_memory_bytes(compiled) -> int | None:
@@ -70,6 +84,10 @@ def peak_memory_bytes(compiled) -> int | None:
 
 def main(argv):
   del argv
+  for field in cli.overridden_fields(sys.argv):
+    owner = next((f for f in FLAG_FIELDS if field == f or field.startswith(f + ".")), None)
+    if owner:
+      cli.fail(f"--config.{field} has no effect in this benchmark; set {FLAG_FIELDS[owner]} instead")
   import jax
 
   if _CPU_DEVICES.value > 1:
@@ -91,7 +109,12 @@ def main(argv):
       config.comm.update(config_lib.strategy_fields(_STRATEGY.value))
     except config_lib.ConfigError as e:
       cli.fail(str(e))
-  mesh = mesh_lib.make_mesh(_NODES.value, -1)
+  try:
+    mesh = mesh_lib.make_mesh(_NODES.value, -1)
+  except mesh_lib.MeshError:  # one process: --nodes does not divide the devices
+    count = jax.device_count()
+    cli.fail(f"--nodes={_NODES.value} does not divide the {count} devices here; give a divisor of {count} "
+             "(on CPU, --cpu_devices sets how many)")  # fmt: skip
   size, per_device = _IMAGE_SIZE.value, _BATCH.value
   global_batch = per_device * mesh.size
   info = DatasetInfo(_CLASSES.value, (size, size, 3), IMAGENET_MEAN, IMAGENET_STD)
@@ -118,7 +141,7 @@ def main(argv):
   ]
   for i in range(_WARMUP.value):
     state, loss = step_fn(state, *batches[i % 2])
-  jax.block_until_ready(loss)
+  jax.block_until_ready(state)
   seconds = []
   for i in range(_STEPS.value):
     begin = time.perf_counter()

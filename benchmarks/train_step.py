@@ -25,6 +25,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from light_jax import cli  # noqa: E402
+
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,6 +40,8 @@ def main():
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--micro_batches", type=int, default=1, help="> 1: add gradient-accumulation rows")
   args = parser.parse_args()
+  if args.nodes < 1 or args.local < 1:
+    cli.fail(f"--nodes={args.nodes} --local={args.local}: each must be >= 1")
 
   import jax
 
@@ -54,7 +58,12 @@ def main():
   from light_jax.parallel import mesh as mesh_lib
   from light_jax.parallel import reducer as reducer_lib
 
-  mesh = mesh_lib.make_mesh(args.nodes, args.local)
+  try:
+    mesh = mesh_lib.make_mesh(args.nodes, args.local)
+  except mesh_lib.MeshError:  # on GPUs: one process, nodes x local is not the device count
+    count = jax.device_count()
+    cli.fail(f"--nodes={args.nodes} --local={args.local}: a mesh of the {count} devices here needs nodes x local = "
+             f"{count}")  # fmt: skip
   devices = mesh.size
   info = DatasetInfo(num_classes=10, image_shape=(args.image, args.image, args.channels), mean=(127.5,), std=(64.0,))
   model = create_model(args.model, info.num_classes)

@@ -32,6 +32,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from light_jax import cli  # noqa: E402
+
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,6 +43,8 @@ def main():
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--local", type=int, default=2, help="devices of the sharded-vs-replicated rows")
   args = parser.parse_args()
+  if args.local < 1:
+    cli.fail(f"--local={args.local}: must be >= 1")
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.local))  # simulated CPU devices; no effect on GPUs
 
   import jax
@@ -50,6 +54,9 @@ def main():
   from configs import imagenet_resnet50
   from light_jax import optim
   from light_jax.models import create_model
+
+  if args.local > len(jax.devices()) > 1:  # a 1 x local mesh of more devices than there are (one skips its rows)
+    cli.fail(f"--local={args.local}: there are {len(jax.devices())} devices here; give at most that many")
 
   model = create_model(args.model, 1000)
   images = jnp.zeros((args.batch_per_device, args.image, args.image, 3))

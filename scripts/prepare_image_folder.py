@@ -15,6 +15,7 @@ train with
 
 import argparse
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,14 +33,21 @@ def main():
   parser.add_argument("--splits", default="train,val")
   args = parser.parse_args()
   logging.set_verbosity(logging.INFO)
+  folder, splits = os.path.expanduser(args.folder), tuple(args.splits.split(","))
+  for split in splits:  # before --out is made: a mistyped folder leaves nothing behind
+    if not os.path.isdir(os.path.join(folder, split)):
+      cli.fail(f"--folder={args.folder}: it has no {split}/ folder; it must hold {'/'.join(splits)}/CLASS_NAME/*.jpg")
   out = os.path.expanduser(args.out)
+  new = not os.path.exists(out)
   try:
     os.makedirs(out, exist_ok=True)
   except OSError as e:  # a file in its place or above it, no permission
     cli.fail(f"--out={args.out}: cannot create it ({e.strerror}); choose another directory")
   try:
-    info = records.convert_image_folder(os.path.expanduser(args.folder), out, tuple(args.splits.split(",")))
+    info = records.convert_image_folder(folder, out, splits)
   except DataError as e:
+    if new:  # what this run wrote before the folder's fault showed, and nothing else
+      shutil.rmtree(out, ignore_errors=True)
     cli.fail(str(e))
   print(f"{len(info['classes'])} classes -> {args.out}")
   for split, counts in info["splits"].items():

@@ -4,6 +4,7 @@ on bad input); and relative work directories given from outside the repository."
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,11 +15,12 @@ from tests.helpers import ROOT
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
-def _fails(script, *args, cwd=ROOT):
+def _fails(script, *args, cwd=ROOT, **env):
+  """The one `error:` line of ``python ROOT/script ARGS`` (an absolute ``script`` as it is), which must exit 2."""
   result = subprocess.run(
     [sys.executable, os.path.join(ROOT, script), *args],
     cwd=cwd,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    env=dict(os.environ, JAX_PLATFORMS="cpu", **env),
     capture_output=True,
     text=True,
     timeout=120,
@@ -63,8 +65,94 @@ def test_input_pipeline_creates_its_workdir_or_says_why_it_cannot(tmp_path):
 
 def test_prepare_image_folder_refuses_an_out_under_a_file(tmp_path):
   (tmp_path / "file").write_text("")
-  error = _fails("scripts/prepare_image_folder.py", f"--folder={tmp_path}", f"--out={tmp_path / 'file' / 'out'}")
+  for split in ("train", "val"):
+    (tmp_path / "folder" / split).mkdir(parents=True)
+  folder = f"--folder={tmp_path / 'folder'}"
+  error = _fails("scripts/prepare_image_folder.py", folder, f"--out={tmp_path / 'file' / 'out'}")
   assert "--out=" in error and "cannot create it (Not a directory)" in error
+
+
+def test_input_pipeline_removes_its_temporary_workdir(tmp_path):
+  tiny = ["--images=2", "--rounds=1", "--seconds=0.01"]
+  command = [sys.executable, os.path.join(ROOT, "benchmarks", "input_pipeline.py"), *tiny]
+  env = dict(os.environ, TMPDIR=str(tmp_path))
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert not list(tmp_path.glob("input_bench_*"))
+
+
+STAND_IN_FAILING_TRAIN_PY = """
+import os, sys
+workdir = sys.argv[sys.argv.index("--workdir") + 1]
+os.makedirs(os.path.join(workdir, "checkpoints", "8"))
+print("error: data.data_dir=/nowhere holds no Fashion-MNIST")
+sys.exit(2)
+"""
+
+
+def test_fault_drill_stops_at_a_failing_train_py_with_its_output_and_removes_its_temporary_root(tmp_path):
+  """A copy of the drill in a repository root of its own, whose train.py fails as one without its data does."""
+  (tmp_path / "root" / "benchmarks").mkdir(parents=True)
+  shutil.copy(os.path.join(ROOT, "benchmarks", "fault_drill.py"), tmp_path / "root" / "benchmarks")
+  (tmp_path / "root" / "train.py").write_text(STAND_IN_FAILING_TRAIN_PY)
+  (tmp_path / "tmp").mkdir()
+  script = str(tmp_path / "root" / "benchmarks" / "fault_drill.py")
+  result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))  # fmt: skip
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert "  | error: data.data_dir=/nowhere holds no Fashion-MNIST" in result.stderr  # train.py's own words
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "uninterrupted exited with 2" in errors[0], result.stderr[-3000:]
+  assert os.listdir(tmp_path / "tmp") == []  # the runs' root, checkpoints and all
+
+
+# Toy settings: without the checks these would run to the end in seconds, not minutes.
+TOY_THROUGHPUT = ["--model=resnet8_small", "--image_size=8", "--batch_per_device=1", "--num_classes=2",
+                  "--dtype=float32", "--steps=1", "--warmup=0"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "flag, message",
+  [
+    ("--steps=0", "flag --steps=0: 0 is not a positive integer"),
+    ("--warmup=-1", "flag --warmup=-1: -1 is not a non-negative integer"),
+    ("--config.model.name=resnet18", "--config.model.name has no effect in this benchmark; set --model instead"),
+    ("--config.mesh.nodes=2", "--config.mesh.nodes has no effect in this benchmark; set --nodes and --cpu_devices"),
+    ("--config.global_batch_size=64", "--config.global_batch_size has no effect"),
+    ("--config.data.image_size=32", "--config.data.image_size has no effect"),
+    ("--nodes=2", "--nodes=2 does not divide the 1 devices here; give a divisor of 1"),
+  ],
+)
+def test_throughput_refuses_what_it_would_ignore_or_fail_on(flag, message):
+  assert message in _fails("benchmarks/throughput.py", *TOY_THROUGHPUT, flag)
+
+
+def test_collectives_checks_its_variants_and_cost_model_before_measuring(tmp_path):
+  toy = ["--nodes=1", "--local=2", "--repeats=1", "--model=resnet8_small"]
+  error = _fails("benchmarks/collectives.py", *toy, "--only=dense,hierarchcal")
+  assert error.startswith("error: --only: no variant 'hierarchcal'; the variants are dense, hierarchical,")
+  error = _fails("benchmarks/collectives.py", *toy, "--only=dense,hierarchical/adaptive", "--cost_model=v100")
+  assert error.startswith("error: --cost_model: comm.cost_model='v100' is neither a preset")
+
+
+def test_benchmarks_refuse_a_mesh_that_does_not_fit():
+  assert "--nodes=0 --local=4: each must be >= 1" in _fails("benchmarks/train_step.py", "--nodes=0")
+  error = _fails("benchmarks/collectives.py", "--nodes=0", "--model=resnet8_small")
+  assert "--nodes=0 --local=4: each must be >= 1" in error
+  toy = ["--model=resnet8_small", "--image=8", "--batch_per_device=1", "--rounds=1", "--local=4"]
+  error = _fails("benchmarks/update_step.py", *toy, JAX_NUM_CPU_DEVICES="2")
+  assert "--local=4: there are 2 devices here" in error
+
+
+def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path):
+  error = _fails("scripts/prepare_image_folder.py", f"--folder={tmp_path / 'typo'}", f"--out={tmp_path / 'out'}")
+  assert not (tmp_path / "out").exists()
+  assert "typo: it has no train/ folder" in error
+  for split in ("train", "val"):  # no class folders: the conversion's own check, after --out was made
+    (tmp_path / "folder" / split).mkdir(parents=True)
+  error = _fails("scripts/prepare_image_folder.py", f"--folder={tmp_path / 'folder'}", f"--out={tmp_path / 'out'}")
+  assert not (tmp_path / "out").exists()
+  assert "has no class sub-folders" in error
 
 
 def test_prepare_imagenet_exits_2_on_a_missing_manual_dir(tmp_path):
