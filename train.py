@@ -109,10 +109,12 @@ def _exit(code: int, process_count: int):
 
 
 class _QuietLibraries(pylogging.Filter):
-  """Drops the INFO chatter of orbax (several lines per checkpoint); its warnings still show."""
+  """Drops the INFO chatter of orbax (several lines per checkpoint) and of JAX's backend search (no TPU library
+  on a GPU or CPU machine); their warnings still show."""
 
   def filter(self, record):
-    return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
+    noisy = "/orbax/" in record.pathname or record.pathname.endswith("xla_bridge.py")
+    return record.levelno >= pylogging.WARNING or not noisy
 
 
 def _check_workdir(workdir: str) -> None:
@@ -183,6 +185,13 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
   except config_lib.ConfigError as e:
     print(f"error: invalid config: {e}", file=sys.stderr)
     return ExitCode.BAD_INPUT, f"invalid config: {e}"
+  try:  # the config is valid: now the workdir may be made (/sys or /proc pass _check_workdir's access test)
+    os.makedirs(_WORKDIR.value, exist_ok=True)
+  except OSError as e:
+    print(
+      f"error: --workdir={_WORKDIR.value}: cannot create it ({e.strerror}); choose another directory.", file=sys.stderr
+    )
+    return ExitCode.BAD_INPUT, f"cannot create the workdir: {e.strerror}"
   logging.info(
     "JAX %s, process %d of %d, %d devices (%d local)",
     jax.__version__,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import os
 import sys
 from typing import NoReturn
 
@@ -39,7 +40,13 @@ def flags_parser(*config_file_flags):
     try:
       return _parse(flags.FLAGS, argv, [flag.name for flag in config_file_flags])
     except CommandLineError as e:
-      fail(f"{e} (--help lists the flags)")
+      # --help lists the flags, not the config's fields: base_config does, with their defaults and meaning.
+      where = (
+        "base_config() in light_jax/config.py lists the fields"
+        if "config field" in str(e)
+        else "--help lists the flags"
+      )
+      fail(f"{e} ({where})")
 
   return parse
 
@@ -56,6 +63,16 @@ def resolve_config(config_file: str, overrides: list[str]) -> ml_collections.Con
   config_flags.DEFINE_config_file("config", flag_values=values, lock_config=True, sys_argv=argv)
   _parse(values, argv, ["config"])
   return values.config
+
+
+def output_path(path: str, flag: str) -> str:
+  """``path``, a file the program will write at its end, with its folder made now: a folder it cannot make is
+  ``fail``'s one line before any work, not a traceback after it."""
+  try:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  except OSError as e:
+    fail(f"{flag}={path}: cannot make its folder ({e.strerror}); give a path in a writable folder")
+  return path
 
 
 def overridden_fields(argv: list[str]) -> list[str]:

@@ -139,6 +139,10 @@ def main(argv):
 
   if _CONFIG.value is None:
     cli.fail("--config is required, e.g. --config configs/imagenet_resnet50.py:light")
+  if _PLOT.value:
+    if not _SWEEP.value:
+      cli.fail("--plot draws a sweep: add --sweep bandwidth or --sweep devices")
+    cli.output_path(_PLOT.value, "--plot")
   cluster = make_cluster()
   labels = _STRATEGIES.value or [_CONFIG.value.comm.strategy]
   try:

@@ -180,7 +180,8 @@ def _override_values(overrides: list[str]) -> dict[str, str]:
 def check_resume(study: optuna.Study, args, space: dict[str, tuple]) -> None:
   """Before any trial of a study run before: its trials' parameters fit the search space, and it runs the same
   config and overrides (which best_config.py joins to the best trial, and a retried trial resumes under). A
-  study without them stored (new, or from before they were) stores them.
+  study without them stored (new, or from before they were) stores them, and so does one where no trial ran
+  under them to an end or can be retried (every trial failed, e.g. train.py refused the overrides).
 
   Raises:
     ValueError: with a message that says what differs and what to do.
@@ -201,8 +202,11 @@ def check_resume(study: optuna.Study, args, space: dict[str, tuple]) -> None:
         ) from None
   current = {"config": _config_key(args.config), "overrides": _override_values(args.overrides)}
   stored = study.user_attrs
+  states = {t.state for t in study.get_trials(deepcopy=False)}
+  # A running (killed) or waiting (interrupted) trial is retried from its workdir, under the stored overrides.
+  nothing_ran = not states & {TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING}
   for key, value in current.items():
-    if key not in stored:  # a new study, or one from before these were stored
+    if key not in stored or nothing_ran:  # new, from before these were stored, or only failed trials so far
       study.set_user_attr(key, value)
       stored[key] = value
   if stored["config"] != current["config"]:

@@ -184,6 +184,7 @@ def test_cli_reports_a_bad_config_without_traceback(tmp_path):
       ["--config.global_batch_siz=64"],
       '--config.global_batch_siz: no such config field; Did you mean "global_batch_size"',
     ),
+    (["--config.optimizer.lr=0.1"], "no such config field (base_config() in light_jax/config.py lists the fields)"),
     (["--config.global_batch_size=abc"], "flag --config.global_batch_size=abc: invalid literal for int()"),
     # "./": not a path that tests/test_docs.py expects to exist
     (["--config=./configs/fashion_mnst.py"], "--config: cannot load the config file: [Errno 2] No such file"),
@@ -197,6 +198,7 @@ def test_cli_reports_a_bad_config_without_traceback(tmp_path):
   ],
   ids=[
     "misspelled-field",
+    "no-such-field",
     "wrong-type",
     "missing-config-file",
     "unknown-variant",
@@ -229,6 +231,15 @@ def test_cli_workdir_that_is_a_file(tmp_path):
   assert result.returncode == 2 and "Traceback" not in result.stderr
   assert f"error: --workdir={tmp_path / 'run'}: {tmp_path / 'run'} is a file, not a directory" in result.stderr
   assert (tmp_path / "run").read_text() == "not a directory"
+
+
+def test_cli_workdir_that_passes_the_access_test_but_cannot_be_made():
+  # /proc is writable by root as far as os.access can tell, but nothing can be made in it.
+  result = train_py("--config", "configs/fashion_mnist.py", "--workdir", "/proc/light_jax_nope/run")
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert (
+    result.stderr.strip().splitlines()[-1].startswith("error: --workdir=/proc/light_jax_nope/run: cannot create it")
+  )
 
 
 def test_cli_workdir_on_a_read_only_file_system(tmp_path):

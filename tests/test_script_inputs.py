@@ -39,6 +39,9 @@ def test_compare_runs_names_a_bad_run_argument(tmp_path):
   (tmp_path / "empty").mkdir()
   (tmp_path / "empty" / "metrics.jsonl").write_text("")
   assert "holds no evaluation yet" in _fails("scripts/compare_runs.py", "--out", out, f"dense={tmp_path / 'empty'}")
+  # A folder for --out that cannot be made: said first, not as a traceback once the runs are read and drawn.
+  error = _fails("scripts/compare_runs.py", "--out", "/proc/nope/runs.png", f"dense={tmp_path / 'empty'}")
+  assert error.startswith("error: --out=/proc/nope/runs.png: cannot make its folder")
 
 
 def test_kernel_norms_compares_the_resolved_meshes(tmp_path):

@@ -172,6 +172,8 @@ def test_simulate_cli_prints_the_table_and_the_json_line():
     (["--config.num_epochs=0"], "error: num_epochs=0 must be > 0."),
     (["--nodes", "4", "--devices_per_node", "6"], "error: global_batch_size=32768 does not divide over 24 devices"),
     (["--nodes", "3", "--strategies", "gtopk@0.01"], "error: comm.strategy='gtopk' pairs devices by the bits"),
+    (["--plot", "p.png"], "error: --plot draws a sweep: add --sweep"),  # it was ignored
+    (["--sweep", "devices", "--plot", "/proc/nope/p.png"], "error: --plot=/proc/nope/p.png: cannot make its folder"),
   ],
 )
 def test_simulate_cli_bad_arguments_get_one_error_line_and_exit_code_2(args, message):

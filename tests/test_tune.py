@@ -279,3 +279,20 @@ def test_a_study_from_before_the_stored_config_resumes_and_stores_it(tmp_path, m
   )
   attrs = optuna.load_study(study_name="light_jax", storage=storage).user_attrs
   assert attrs == {"config": "configs/fashion_mnist.py:large_batch_lars", "overrides": {"num_epochs": "3"}}
+
+
+def test_a_study_whose_trials_all_failed_takes_the_new_overrides(tmp_path, monkeypatch, capsys):
+  """train.py refused the only trial's overrides: run again with them fixed, the study goes on instead of holding
+  to the overrides that failed."""
+  tune = _tune_module()
+  study_dir = tmp_path / "study"
+  os.makedirs(study_dir / "trials")
+  storage = f"sqlite:///{study_dir}/study.db"
+  failed = optuna.create_study(study_name="light_jax", storage=storage, direction="maximize")
+  failed.set_user_attr("config", "configs/fashion_mnist.py:large_batch_lars")
+  failed.set_user_attr("overrides", {"mesh.nodes": "3"})
+  failed.tell(failed.ask(), state=optuna.trial.TrialState.FAIL)
+  result = _run_fake_study(tune, monkeypatch, capsys, f"--study_dir={study_dir}", "--trials=1", "--config.num_epochs=3")
+  assert result["completed"] == 1
+  attrs = optuna.load_study(study_name="light_jax", storage=storage).user_attrs
+  assert attrs["overrides"] == {"num_epochs": "3"}

@@ -191,10 +191,11 @@ class EvalBatches:
     if better is None:
       return None
     rows = math.ceil(examples / better) * better
+    batches = f"{rows // better} batch{'es' if rows // better > 1 else ''}"
     return (
       f"evaluation pads {examples:,} examples to {padded:,} rows in batches of {self.global_batch_size:,} "
       f"({(padded - examples) / padded:.0%} of its compute is padding): --config.data.eval_batch_size={better} "
-      f"evaluates in {rows // better} batches with {rows - examples:,} padding rows"
+      f"evaluates in {batches} with {rows - examples:,} padding rows"
     )
 
   def load(self, batch: int) -> dict[str, np.ndarray]:
