@@ -88,6 +88,8 @@ def main() -> None:
   if args.plot and results:
     plot(results, args.plot)
   print(train_runs.figures(results))
+  if args.failed:  # each named above in its own line
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ compute time with --nodes x --local devices.
 Strategies: NAME or NAME@DENSITY (powersgd@RANK, diloco@STEPS_BETWEEN_SYNCS), with "/bfloat16" for the
 bfloat16 wire dtype ("hierarchical/bfloat16") and "/compact" for compact pairs ("hitopk@0.01/compact");
 "auto" (or auto@DENSITY) chooses per bucket from the links calibrated at that bandwidth.
+A cell whose run fails (or a bandwidth whose calibration fails, with its cells) is named in one line and
+the others go on; the table and the JSON line then hold the cells that finished, and the lab exits 1.
 --plot FILE draws predicted against measured step seconds for every cell. The last line is one JSON
 object keyed "<strategy>@<bandwidth>" (e.g. "hitopk@0.001@50mbit"); each cell also holds `inter_link`,
 the calibrated alpha (seconds) and beta (seconds per byte) of a machine's link at that bandwidth.
@@ -84,6 +86,14 @@ def train_on_cluster(
           *overrides, f"--coordinator={cluster.coordinator}:{free_port()}", f"--num_processes={cluster.nodes}",
           f"--peer_timeout={peer_timeout}"]  # fmt: skip
   cluster.run_everywhere(argv, timeout, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def report_failure(what: str, error: RuntimeError) -> None:
+  """A failed job (EmulatedCluster.run_everywhere's RuntimeError): its nodes' output, then one line naming it."""
+  first, _, output = str(error).partition("\n")
+  if output.strip():
+    print(output.rstrip(), file=sys.stderr)
+  print(f"error: {what} failed: {first.rstrip(':')}", file=sys.stderr, flush=True)
 
 
 def run_cell(
@@ -142,10 +152,10 @@ def predict_step(
 
 def run_mesh(
   args, rates: dict[str, int | None], requested: list[tuple[str, list[str]]]
-) -> tuple[dict[str, dict], dict[str, dict]]:
-  """Every (bandwidth, strategy) cell on one emulated cluster of args.nodes x args.local; returns the cells
-  and the link calibration per bandwidth."""
-  results, calibration, links = {}, {}, {}
+) -> tuple[dict[str, dict], dict[str, dict], list[str]]:
+  """Every (bandwidth, strategy) cell on one emulated cluster of args.nodes x args.local; returns the cells that
+  finished, the link calibration per bandwidth, and the names of the cells and calibrations that failed."""
+  results, calibration, links, failed = {}, {}, {}, []
   order = sorted(rates.items(), key=lambda item: item[1] is not None)  # unshaped first
   cluster = LoopbackCluster(args.nodes) if args.loopback else EmulatedCluster(args.nodes)
   with cluster, tempfile.TemporaryDirectory(prefix="mesh_lab_") as tmp:
@@ -153,15 +163,26 @@ def run_mesh(
       cluster.shape(rate)
       print(f"calibrating the links at {text} ...", file=sys.stderr, flush=True)
       links[text] = os.path.join(tmp, f"links_{text}.json")
-      calibration[text], _ = calibrate_on_cluster(cluster, args.local, links[text])
+      try:
+        calibration[text], _ = calibrate_on_cluster(cluster, args.local, links[text])
+      except RuntimeError as e:  # a failed job: this bandwidth's cells are left out (no cost model for them)
+        report_failure(f"the calibration at {text}", e)
+        failed.append(f"calibration@{text}")
     # Strategy by strategy, its unshaped cell right before its shaped ones: the unshaped step is the
     # compute part of their prediction, and this shared machine's speed drifts over minutes.
     for label, strategy_overrides in requested:
       for text, rate in order:
+        if text not in calibration:
+          continue
         cluster.shape(rate)
         print(f"running {label} at {text} on {args.nodes} x {args.local} ...", file=sys.stderr, flush=True)
         workdir = os.path.join(tmp, f"{label}@{text}".replace("/", "_"))
-        cell = run_cell(cluster, args, strategy_overrides, workdir, links[text])
+        try:
+          cell = run_cell(cluster, args, strategy_overrides, workdir, links[text])
+        except RuntimeError as e:  # a failed or timed-out run: the other cells do not depend on it
+          report_failure(f"{label}@{text}", e)
+          failed.append(f"{label}@{text}")
+          continue
         unshaped = results.get(f"{label}@unshaped")
         cell["link_seconds"] = cell["step_seconds"] - unshaped["step_seconds"] if unshaped else None
         cell["predicted_step_seconds"] = (
@@ -173,7 +194,7 @@ def run_mesh(
         results[f"{label}@{text}"] = cell
   for cell in results.values():
     del cell["comm_buckets"], cell["wire_itemsize"], cell["compact_pairs"], cell["strategy"]
-  return results, calibration
+  return results, calibration, failed
 
 
 def plot_predictions(results: dict[str, dict], path: str) -> None:
@@ -233,9 +254,16 @@ def parse_bandwidths(text: str) -> dict[str, int | None]:
   return {label.strip().lower(): parse_rate(label) for label in text.split(",")}
 
 
-def check_args(args) -> tuple[dict[str, int | None], list[tuple[str, list[str]]]]:
+def check_args(args, meshes: list[tuple[int, int]]) -> tuple[dict[str, int | None], list[tuple[str, list[str]]]]:
   """The rates per bandwidth label and the strategies (parse_strategy) ``args`` asks for; raises ValueError for
   what would otherwise fail only after runs."""
+  for nodes, local in meshes:
+    if nodes < 1 or local < 1:
+      raise ValueError(f"a mesh of {nodes} x {local} (nodes x devices): each must be at least 1")
+  if args.steps < 1:  # no step to take the median of, after a calibration and a whole run
+    raise ValueError(f"--steps {args.steps} must be at least 1 (the measured steps per cell)")
+  if args.warmup < 0:  # a negative slice would keep the wrong records
+    raise ValueError(f"--warmup {args.warmup} must be at least 0 (the steps dropped before measuring)")
   rates = parse_bandwidths(args.bandwidth)
   shaped = [label for label, rate in rates.items() if rate is not None]
   if args.loopback and shaped:
@@ -272,19 +300,24 @@ def main() -> None:
   except (OSError, ValueError) as e:
     parser.error(f"--experiment {args.experiment}: {e}")
   try:
-    rates, requested = check_args(args)
+    rates, requested = check_args(args, meshes)
   except ValueError as e:
     parser.error(str(e))
 
-  results, calibrations = {}, {}
+  results, calibrations, failed = {}, {}, []
   for nodes, local in meshes:
     mesh_args = copy.copy(args)
     mesh_args.nodes, mesh_args.local = nodes, local
     try:
-      cells, calibration = run_mesh(mesh_args, rates, requested)
+      cells, calibration, mesh_failed = run_mesh(mesh_args, rates, requested)
     except ClusterError as e:
-      sys.exit(f"error: {e}")
+      if not results:  # nothing ran (no root, no iproute2): the one line
+        sys.exit(f"error: {e}")
+      print(f"error: the {nodes} x {local} mesh failed: {e}", file=sys.stderr)  # the earlier meshes' cells stay
+      failed.append(f"{nodes}x{local}")
+      continue
     prefix = f"{nodes}x{local}:" if len(meshes) > 1 else ""  # keys stay "<strategy>@<bandwidth>" for one mesh
+    failed += [prefix + name for name in mesh_failed]
     results.update({prefix + key: cell for key, cell in cells.items()})
     calibrations.update({prefix + key: fit for key, fit in calibration.items()})
 
@@ -306,6 +339,8 @@ def main() -> None:
   if args.plot:
     plot_predictions(results, args.plot)
   print(json.dumps(results))
+  if failed:
+    sys.exit(f"error: {', '.join(failed)} failed (see above); the table holds the cells that finished")
 
 
 if __name__ == "__main__":

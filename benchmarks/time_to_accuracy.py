@@ -14,12 +14,14 @@ left out. Reported per strategy: the training seconds and epochs until the first
 Runs are the same config but for comm.strategy and comm.density, one after the other on this machine's
 shared cores.
 
---report_only reads the runs already in --workdir (a run cut short is shown as far as it got).
-Each run's workdir (metrics.jsonl, summary.json, checkpoints) is kept under --workdir/<strategy>, and
-the table's figures in --workdir/results.json; an existing run's workdir is started afresh, since a
-resumed run's clock would restart. The last line is one JSON
-object keyed by strategy, each with `seconds_to_target`, `epochs_to_target`, `final_top1`,
-`train_seconds` and `step_seconds`.
+--report_only reads the runs already in --workdir (a run cut short is shown as far as it got; one with no
+evaluation yet says so). Each run's workdir (metrics.jsonl, summary.json, checkpoints) is kept under
+--workdir/<strategy>, and the table's figures in --workdir/results.json. Running the same command again
+reuses a finished run and resumes one cut short from its last checkpoint, its clock going on from the
+checkpoint's (benchmarks/train_runs.py prepare_workdir); a run of another command, or any with --rerun, starts
+over. A run that fails is named in one line and the others go on; the script then exits 1 after the table.
+The last line is one JSON object keyed by strategy (those with an evaluation), each with
+`seconds_to_target`, `epochs_to_target`, `final_top1`, `train_seconds` and `step_seconds`.
 """
 
 from __future__ import annotations
@@ -27,16 +29,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import shlex
 import sys
 
-from mesh_lab import parse_strategy, train_on_cluster  # noqa: E402  (benchmarks/, this script's directory)
+import train_runs  # benchmarks/, this script's directory
+from mesh_lab import parse_strategy, report_failure, train_on_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from light_jax import metrics  # noqa: E402
 from light_jax.emulated_cluster import ClusterError, EmulatedCluster, parse_rate  # noqa: E402
+from light_jax.metrics import MetricsError  # noqa: E402
 
 
 def time_to_target(records: list[dict], target: float) -> tuple[float | None, float | None]:
@@ -72,7 +75,8 @@ def plot_curves(runs: dict[str, list[dict]], target: float, title: str, path: st
   print(f"wrote {path}", file=sys.stderr)
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[str]]]]:
+  """(the flags, the link rate, the strategies with their overrides); a bad flag ends here, before any run."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--nodes", type=int, default=2)
   parser.add_argument("--local", type=int, default=4)
@@ -85,62 +89,99 @@ def main() -> None:
   parser.add_argument("--plot", metavar="FILE.png")
   parser.add_argument("--peer_timeout", type=float, default=120.0)
   parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per run")
+  parser.add_argument("--rerun", action="store_true", help="start every run over, even a finished one")
   parser.add_argument("--report_only", action="store_true",
                       help="train nothing: report the runs already in --workdir (finished or not)")  # fmt: skip
   args = parser.parse_args()
+  if args.nodes < 1 or args.local < 1:
+    parser.error(f"--nodes {args.nodes} --local {args.local}: each must be at least 1")
+  if not 0 < args.target <= 1:  # a fraction: 92 would never be reached, after hours of runs
+    parser.error(f"--target {args.target:g} must be a top-1 fraction in (0, 1], e.g. 0.92")
   try:
     rate = parse_rate(args.bandwidth)
-  except ValueError as e:
-    parser.error(str(e))
-
-  try:
     labels = [parse_strategy(text) for text in args.strategies.split(",")]
   except ValueError as e:
     parser.error(str(e))
+  return args, rate, labels
 
-  runs, results = {}, {}
+
+def train_all(args, rate: int | None, labels: list[tuple[str, list[str]]], workdirs: dict[str, str]) -> list[str]:
+  """Trains each strategy in turn on one emulated cluster, reusing or resuming its workdir when it holds a run
+  of the same command; returns the strategies whose run failed (the later ones still run)."""
+  failed = []
+  try:
+    with EmulatedCluster(args.nodes, rate) as cluster:
+      for label, strategy_overrides in labels:
+        overrides = [*strategy_overrides, *(f"--config.{s}" for s in args.set)]
+        # The mesh and the link are part of the run: a clock resumed at another bandwidth would mix two.
+        command = shlex.join(["train.py", f"--config={args.config}", *overrides])
+        command += f"  # on {args.nodes} x {args.local} at {args.bandwidth.strip().lower()}"
+        if not train_runs.prepare_workdir(label, workdirs[label], command, args.rerun):
+          continue
+        print(f"training with {label} on {args.nodes} x {args.local} at {args.bandwidth} ...", file=sys.stderr,
+              flush=True)  # fmt: skip
+        try:
+          train_on_cluster(cluster, args.local, args.config, overrides, workdirs[label], args.peer_timeout,
+                           args.timeout)  # fmt: skip
+        except RuntimeError as e:  # a failed or timed-out run: the next strategy's does not depend on it
+          report_failure(label, e)
+          failed.append(label)
+  except ClusterError as e:
+    sys.exit(f"error: {e}")
+  return failed
+
+
+def summarize(records: list[dict], target: float) -> dict:
+  """A run's row of the table and the JSON line, from its evaluations so far (at least one)."""
+  seconds, epoch = time_to_target(records, target)
+  last = records[-1]
+  return {
+    "seconds_to_target": seconds,
+    "epochs_to_target": epoch,
+    "final_top1": last["eval_top1"],
+    "train_seconds": last["train_seconds"],
+    "step_seconds": last["train_seconds"] / last["step"],
+    "inter_node_bytes_per_step": last["inter_node_bytes_per_step"],
+    "finished": bool(last["final"]),
+  }
+
+
+def main() -> None:
+  args, rate, labels = parse_args()
   workdirs = {label: os.path.abspath(os.path.join(args.workdir, label.replace("/", "_"))) for label, _ in labels}
-  if not args.report_only:
-    try:
-      with EmulatedCluster(args.nodes, rate) as cluster:
-        for label, overrides in labels:
-          shutil.rmtree(workdirs[label], ignore_errors=True)
-          print(f"training with {label} on {args.nodes} x {args.local} at {args.bandwidth} ...", file=sys.stderr,
-                flush=True)  # fmt: skip
-          train_on_cluster(cluster, args.local, args.config, [*overrides, *(f"--config.{s}" for s in args.set)],
-                           workdirs[label], args.peer_timeout, args.timeout)  # fmt: skip
-    except ClusterError as e:
-      sys.exit(f"error: {e}")
+  failed = [] if args.report_only else train_all(args, rate, labels, workdirs)
+
+  runs = {}
   for label, _ in labels:
-    records = metrics.read_metrics(workdirs[label])
-    seconds, epoch = time_to_target(records, args.target)
-    runs[label] = records
-    last = records[-1]
-    results[label] = {
-      "seconds_to_target": seconds,
-      "epochs_to_target": epoch,
-      "final_top1": last["eval_top1"],
-      "train_seconds": last["train_seconds"],
-      "step_seconds": last["train_seconds"] / last["step"],
-      "inter_node_bytes_per_step": last["inter_node_bytes_per_step"],
-      "finished": bool(last["final"]),
-    }
+    try:
+      runs[label] = train_runs.read_records(workdirs[label])
+    except MetricsError as e:  # a damaged metrics.jsonl: the other runs are still reported
+      print(f"error: {label}: {e}", file=sys.stderr)
+      failed.append(label)
+  results = {label: summarize(records, args.target) for label, records in runs.items() if records}
 
   title = f"{args.nodes} x {args.local} emulated machines at {args.bandwidth}: test top-1 against training time"
   print(f"\n{title} (target {100 * args.target:g}%)")
   print(f"{'strategy':<22}{'to target s':>13}{'epochs':>8}{'last top-1':>12}{'epochs run':>12}{'train s':>10}"
         f"{'s/step':>9}{'inter-node B/dev':>18}")  # fmt: skip
-  for label, r in results.items():
+  for label, records in runs.items():
+    if label not in results:  # no workdir yet, or cut short before its first evaluation
+      print(f"{label:<22}{'no evaluation yet':>20}")
+      continue
+    r = results[label]
     reached = f"{r['seconds_to_target']:.0f}" if r["seconds_to_target"] is not None else "not reached"
     epochs = f"{r['epochs_to_target']:g}" if r["epochs_to_target"] is not None else "-"
-    run = f"{runs[label][-1]['epoch']:g}" + ("" if r["finished"] else " (cut)")
+    run = f"{records[-1]['epoch']:g}" + ("" if r["finished"] else " (cut)")
     print(f"{label:<22}{reached:>13}{epochs:>8}{100 * r['final_top1']:>11.2f}%{run:>12}{r['train_seconds']:>10.0f}"
           f"{r['step_seconds']:>9.3f}{r['inter_node_bytes_per_step']:>18,}")  # fmt: skip
-  if args.plot:
-    plot_curves(runs, args.target, title, args.plot)
+  if args.plot and results:
+    plot_curves({label: runs[label] for label in results}, args.target, title, args.plot)
+  os.makedirs(args.workdir, exist_ok=True)
   with open(os.path.join(args.workdir, "results.json"), "w") as f:
     json.dump({"bandwidth": args.bandwidth, "mesh": [args.nodes, args.local], "target": args.target, **results}, f)
   print(json.dumps(results))
+  if failed:
+    sys.exit(f"error: {', '.join(failed)} failed (see above); the other strategies are reported")
 
 
 if __name__ == "__main__":

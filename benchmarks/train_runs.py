@@ -3,7 +3,9 @@
 ``run`` starts one run and waits for it, resumes it from its checkpoint when it stopped before its end,
 or reuses its workdir when that already holds the summary of the same command; ``read`` returns what a
 run left: its figures when it finished, its per-epoch records when it was stopped before the end.
-``study`` is both studies' command line: parse it, run the chosen runs, read them all.
+``study`` is both studies' command line: parse it, run the chosen runs, read them all; a run that fails is
+named in one line and the others go on. ``prepare_workdir`` is the reuse-resume-or-start-over rule of ``run``,
+also used by benchmarks/time_to_accuracy.py.
 """
 
 from __future__ import annotations
@@ -33,22 +35,10 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
   a non-finite loss), which would stop again. ``rerun`` starts over."""
   workdir = os.path.abspath(workdir)  # train.py runs in ROOT: a relative one would be read here and written there
   command = [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
-  stamp = os.path.join(workdir, "command.txt")
   # A stamp from before workdirs were absolute names it relative to ROOT (the studies ran from there).
   relative = [*command[1:3], f"--workdir={os.path.relpath(workdir, ROOT)}", *command[4:]]
-  same_command = _read(stamp) in (shlex.join(command[1:]), shlex.join(relative))
-  if not rerun and same_command and os.path.exists(os.path.join(workdir, "summary.json")):
-    print(f"{label}: reusing {workdir}", file=sys.stderr)
+  if not prepare_workdir(label, workdir, shlex.join(command[1:]), rerun, also=(shlex.join(relative),)):
     return
-  if not rerun and same_command and has_checkpoint(workdir):
-    print(f"{label}: resuming {workdir} from its last checkpoint", file=sys.stderr, flush=True)
-  else:
-    if os.path.exists(workdir):
-      shutil.rmtree(workdir)
-    os.makedirs(workdir)
-    with open(stamp, "w") as f:
-      f.write(shlex.join(command[1:]))
-    print(f"{label}: {shlex.join(command[1:])}", file=sys.stderr, flush=True)
   log_path = os.path.join(workdir, "train.log")
   for attempt in range(retries + 1):
     with open(log_path, "a") as log:  # a resumed run's output follows the stopped one's
@@ -57,8 +47,6 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
       return
     died = returncode < 0 or returncode in (ExitCode.ERROR, ExitCode.PEER_FAILURE)
     if attempt == retries or not died or not has_checkpoint(workdir):
-      if returncode == ExitCode.BAD_INPUT:
-        print(f"{label}: train.py refused its input (see {log_path}); --rerun starts the run over", file=sys.stderr)
       raise subprocess.CalledProcessError(returncode, command)
     print(
       f"{label}: train.py exited with {returncode} (see {log_path}); resuming from its last checkpoint "
@@ -66,6 +54,42 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
       file=sys.stderr,
       flush=True,
     )
+
+
+def prepare_workdir(label: str, workdir: str, command: str, rerun: bool = False, also: tuple[str, ...] = ()) -> bool:
+  """Readies ``workdir`` for the run of ``command`` (its text, stamped in WORKDIR/command.txt; ``also``: older
+  stamps of the same run). False when the workdir already holds that run's summary.json: nothing to run. Else
+  True, and a checkpoint of the same command is kept, for the run to resume from; any other workdir (or any,
+  with ``rerun``) is emptied and stamped."""
+  stamp = os.path.join(workdir, "command.txt")
+  same_command = _read(stamp) in (command, *also)
+  if not rerun and same_command and os.path.exists(os.path.join(workdir, "summary.json")):
+    print(f"{label}: reusing {workdir}", file=sys.stderr)
+    return False
+  if not rerun and same_command and has_checkpoint(workdir):
+    print(f"{label}: resuming {workdir} from its last checkpoint", file=sys.stderr, flush=True)
+    return True
+  if os.path.exists(workdir):
+    shutil.rmtree(workdir)
+  os.makedirs(workdir)
+  with open(stamp, "w") as f:
+    f.write(command)
+  print(f"{label}: {command}", file=sys.stderr, flush=True)
+  return True
+
+
+def failure_line(label: str, returncode: int, workdir: str) -> str:
+  """The one line that names a failed run, why, and what the next try should be."""
+  how = f"exited {returncode}" if returncode > 0 else f"was killed by signal {-returncode}"
+  if returncode == ExitCode.BAD_INPUT:  # the same command would be refused again
+    hint = "train.py refused its input: fix the config or flag its log names (an unusable checkpoint: --rerun)"
+  elif returncode == ExitCode.NONFINITE_STOP:
+    hint = "a non-finite loss stopped it (train.on_nonfinite=stop)"
+  elif has_checkpoint(workdir):
+    hint = "the same command resumes it from its last checkpoint"
+  else:
+    hint = "the same command starts it again"
+  return f"error: {label} failed: train.py {how}; {hint}; see {os.path.join(workdir, 'train.log')}"
 
 
 def has_checkpoint(workdir: str) -> bool:
@@ -88,9 +112,14 @@ def elapsed(records: list[dict]) -> list[float]:
   return seconds
 
 
+def read_records(workdir: str) -> list[dict]:
+  """A run's per-evaluation records so far; [] when it has none (no workdir, or stopped before its first)."""
+  return metrics.read_metrics(workdir) if os.path.exists(os.path.join(workdir, "metrics.jsonl")) else []
+
+
 def read(workdir: str) -> tuple[dict | None, list[dict]]:
   """(the run's figures, or None if it did not finish; its per-evaluation records, [] if none)."""
-  records = metrics.read_metrics(workdir) if os.path.exists(os.path.join(workdir, "metrics.jsonl")) else []
+  records = read_records(workdir)
   if not os.path.exists(os.path.join(workdir, "summary.json")):
     return None, records
   with open(os.path.join(workdir, "summary.json")) as f:
@@ -111,8 +140,9 @@ def read(workdir: str) -> tuple[dict | None, list[dict]]:
 
 def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str):
   """The command line of a study of ``runs`` (label -> (config, overrides, what it shows)): --workdir,
-  --only, --rerun, --report_only, --plot. Runs the chosen ones (unless --report_only); returns (args,
-  finished runs' figures with their "records", the records of runs stopped before the end)."""
+  --only, --rerun, --report_only, --plot. Runs the chosen ones (unless --report_only); one that fails is named
+  in one line and the next still runs. Returns (args, finished runs' figures with their "records", the records
+  of runs stopped before the end); ``args.failed`` lists the runs that failed, for the caller's exit status."""
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--workdir", default=workdir)
   parser.add_argument("--only", default="", help="comma-separated labels (default: all): " + ",".join(runs))
@@ -124,10 +154,16 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
   unknown = [label for label in labels if label not in runs]
   if unknown:
     parser.error(f"unknown runs {unknown}; known: {', '.join(runs)}")
+  args.failed = []
   if not args.report_only:
     for label in labels:
       config, overrides, _ = runs[label]
-      run(label, config, overrides, os.path.join(args.workdir, label), args.rerun)
+      workdir = os.path.abspath(os.path.join(args.workdir, label))
+      try:
+        run(label, config, overrides, workdir, args.rerun)
+      except subprocess.CalledProcessError as e:  # its log says why; the other runs do not depend on it
+        print(failure_line(label, e.returncode, workdir), file=sys.stderr, flush=True)
+        args.failed.append(label)
   results, stopped = {}, {}
   for label in labels:
     result, records = read(os.path.join(args.workdir, label))

@@ -57,12 +57,13 @@ def test_a_calibration_file_loads_and_a_missing_one_is_named(tmp_path):
 
 
 def _lab_args(**changes):
-  args = dict(bandwidth="50mbit,unshaped", strategies="hierarchical,hitopk@0.001", loopback=False, plot=None)
+  args = dict(bandwidth="50mbit,unshaped", strategies="hierarchical,hitopk@0.001", loopback=False, plot=None, steps=30,
+              warmup=5)  # fmt: skip
   return argparse.Namespace(**{**args, **changes})
 
 
 def test_mesh_lab_bandwidth_labels_are_normalised_once():
-  rates, requested = mesh_lab.check_args(_lab_args(bandwidth="50MBit, Unshaped"))
+  rates, requested = mesh_lab.check_args(_lab_args(bandwidth="50MBit, Unshaped"), [(2, 4)])
   assert rates == {"50mbit": 50_000_000, "unshaped": None}  # the cells' keys and the unshaped lookups agree
   assert [label for label, _ in requested] == ["hierarchical", "hitopk@0.001"]
 
@@ -77,15 +78,23 @@ def test_mesh_lab_bandwidth_labels_are_normalised_once():
     ({"strategies": "hierarchical/float16"}, "neither a wire dtype"),
     ({"bandwidth": "unshaped", "plot": "lab.png"}, "needs an unshaped and a shaped"),
     ({"bandwidth": "0.1bit,unshaped"}, "at least 1bit"),
+    ({"steps": 0}, "--steps 0 must be at least 1"),  # no step to take the median of, after a whole run
+    ({"warmup": -1}, "--warmup -1 must be at least 0"),  # would keep the wrong records
   ],
 )
 def test_mesh_lab_refuses_bad_arguments_before_any_run(changes, message):
   with pytest.raises(ValueError, match=message):
-    mesh_lab.check_args(_lab_args(**changes))
+    mesh_lab.check_args(_lab_args(**changes), [(2, 4)])
+
+
+@pytest.mark.parametrize("mesh", [(2, 0), (0, 4)])
+def test_mesh_lab_refuses_an_empty_mesh_before_any_run(mesh):
+  with pytest.raises(ValueError, match=f"a mesh of {mesh[0]} x {mesh[1]} .*each must be at least 1"):
+    mesh_lab.check_args(_lab_args(), [(2, 4), mesh])
 
 
 def test_mesh_lab_accepts_every_strategy_the_config_does():
-  _, requested = mesh_lab.check_args(_lab_args(strategies="auto@0.01,powersgd@2,diloco@4,gtopk@0.01/compact"))
+  _, requested = mesh_lab.check_args(_lab_args(strategies="auto@0.01,powersgd@2,diloco@4,gtopk@0.01/compact"), [(2, 4)])
   assert len(requested) == 4
 
 
@@ -96,6 +105,8 @@ def test_mesh_lab_accepts_every_strategy_the_config_does():
     ("mesh_lab.py", ["--strategies", "hitopkk"], "'hitopkk' is unknown"),
     ("mesh_lab.py", ["--experiment", "configs/mesh_experiments.py:nope"], "unknown variant 'nope'"),
     ("time_to_accuracy.py", ["--report_only", "--strategies", "hitopk@abc"], "is not a valid comm.density"),
+    ("time_to_accuracy.py", ["--report_only", "--local", "0"], "--local 0: each must be at least 1"),
+    ("time_to_accuracy.py", ["--report_only", "--target", "92"], "--target 92 must be a top-1 fraction"),
   ],
 )
 def test_the_lab_scripts_exit_with_a_usage_error(script, argv, message):

@@ -1,0 +1,180 @@
+"""The benchmarks that chain long runs (time_to_accuracy.py, mesh_lab.py, the studies' train_runs.py): a run
+that fails is named in one line, the others go on, what finished is reported and the exit status says so;
+finished runs are reused and cut ones resumed. Stand-ins for the cluster and train.py: no namespaces, no
+training."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from light_jax.emulated_cluster import LoopbackCluster
+from tests.helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import mesh_lab  # noqa: E402
+import time_to_accuracy  # noqa: E402
+import train_runs  # noqa: E402
+
+NODE_FAILED = "`python train.py` on node 1 exited 1, the first node to fail:\nValueError: boom"
+
+
+def _record(step, top1, final=False):
+  return {"step": step, "epoch": step / 100, "eval_top1": top1, "train_seconds": step / 10,
+          "inter_node_bytes_per_step": 624, "final": final}  # fmt: skip
+
+
+class _Cluster:
+  """Stands in for EmulatedCluster: nothing to make."""
+
+  def __init__(self, nodes, rate):
+    pass
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    pass
+
+
+@pytest.fixture
+def lab(tmp_path, monkeypatch):
+  """time_to_accuracy.main on a stand-in cluster whose train.py writes two evaluations, a checkpoint and a
+  summary; a run of gtopk fails, and one of a strategy in ``cut`` stops after its first epoch."""
+  calls, cut = [], set()
+
+  def train_on_cluster(cluster, local, config, overrides, workdir, peer_timeout, timeout):
+    label = overrides[0].split("=", 1)[1]  # --config.comm.strategy=NAME
+    os.makedirs(workdir, exist_ok=True)  # as train.py does
+    calls.append((label, sorted(os.listdir(workdir))))
+    if label == "gtopk":
+      raise RuntimeError(NODE_FAILED)
+    os.makedirs(os.path.join(workdir, "checkpoints", "100"), exist_ok=True)
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+      f.write(json.dumps(_record(100, 0.90)) + "\n")
+      if label in cut:
+        raise RuntimeError("`python train.py` on node(s) 0, 1 still ran after 7200 s (the limit for the whole job)")
+      f.write(json.dumps(_record(200, 0.93, final=True)) + "\n")
+    open(os.path.join(workdir, "summary.json"), "w").write("{}")
+
+  monkeypatch.setattr(time_to_accuracy, "EmulatedCluster", _Cluster)
+  monkeypatch.setattr(time_to_accuracy, "train_on_cluster", train_on_cluster)
+
+  def main(*argv):
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", ["time_to_accuracy.py", f"--workdir={tmp_path}", *argv])
+    try:
+      time_to_accuracy.main()
+    except SystemExit as e:
+      return e.code
+    return 0
+
+  main.calls, main.cut = calls, cut
+  return main
+
+
+def test_a_failed_run_is_one_line_and_the_later_strategies_still_run(lab, capsys):
+  code = lab("--strategies", "hierarchical,gtopk@0.01,hitopk@0.01")
+  out, err = capsys.readouterr()
+  assert [label for label, _ in lab.calls] == ["hierarchical", "gtopk", "hitopk"]
+  assert f"error: gtopk@0.01 failed: {NODE_FAILED.splitlines()[0].rstrip(':')}\n" in err and "Traceback" not in err
+  assert code not in (0, None) and "gtopk@0.01 failed" in str(code)  # after the table: exit status 1
+  assert "gtopk@0.01" in out and "no evaluation yet" in out
+  assert list(json.loads(out.strip().splitlines()[-1])) == ["hierarchical", "hitopk@0.01"]
+
+
+def test_the_same_command_reuses_finished_runs_and_resumes_a_cut_one(lab, capsys):
+  lab.cut.add("hitopk")
+  assert lab("--strategies", "hierarchical,hitopk@0.01") not in (0, None)  # hitopk timed out after an epoch
+  lab.cut.clear()
+  assert lab("--strategies", "hierarchical,hitopk@0.01") == 0
+  # hierarchical finished: reused, not run; hitopk resumed in its workdir (its checkpoint and record kept).
+  assert lab.calls == [("hitopk", ["checkpoints", "command.txt", "metrics.jsonl"])]
+  assert "hierarchical: reusing" in capsys.readouterr().err
+  assert lab("--strategies", "hierarchical", "--set", "seed=1") == 0  # another command: started over
+  assert lab.calls == [("hierarchical", ["command.txt"])]
+  assert lab("--strategies", "hierarchical", "--set", "seed=1", "--rerun") == 0
+  assert lab.calls == [("hierarchical", ["command.txt"])]
+
+
+def test_report_only_shows_a_run_without_an_evaluation(lab, tmp_path, capsys):
+  """One run has two evaluations, one was cut before its first (an empty metrics.jsonl), one has no workdir."""
+  lab("--strategies", "hierarchical")
+  (tmp_path / "hitopk@0.01").mkdir()
+  (tmp_path / "hitopk@0.01" / "metrics.jsonl").write_text("")
+  capsys.readouterr()
+  assert lab("--strategies", "hierarchical,hitopk@0.01,gtopk@0.01", "--report_only") == 0
+  out, err = capsys.readouterr()
+  rows = {line.split()[0]: line for line in out.splitlines() if line.split() and "@" in line.split()[0]}
+  assert "no evaluation yet" in rows["hitopk@0.01"] and "no evaluation yet" in rows["gtopk@0.01"]
+  assert list(json.loads(out.strip().splitlines()[-1])) == ["hierarchical"] and "Traceback" not in err
+
+
+FIT = {"intra": {"alpha": 1e-5, "beta": 1e-10}, "inter": {"alpha": 1e-4, "beta": 1e-9}}
+
+
+def _mesh_lab(monkeypatch, run_cell, calibrate=lambda cluster, local, out: (FIT, "")):
+  """mesh_lab.main in the 127.0.0.1 mode, with stand-ins for the calibration and the cells' runs."""
+  monkeypatch.setattr(mesh_lab, "calibrate_on_cluster", calibrate)
+  monkeypatch.setattr(mesh_lab, "run_cell", run_cell)
+  monkeypatch.setattr(mesh_lab, "LoopbackCluster", lambda nodes: LoopbackCluster(nodes))
+  monkeypatch.setattr(sys, "argv", ["mesh_lab.py", "--loopback", "--bandwidth", "unshaped", "--strategies",
+                                    "hitopk@0.01,hierarchical"])  # fmt: skip
+  with pytest.raises(SystemExit) as info:
+    mesh_lab.main()
+  return info.value.code
+
+
+def test_a_failed_mesh_lab_cell_is_one_line_and_the_table_keeps_the_others(monkeypatch, capsys):
+  def run_cell(cluster, args, strategy_overrides, workdir, links):
+    if "--config.comm.strategy=hitopk" in strategy_overrides:
+      raise RuntimeError(NODE_FAILED)
+    return {"step_seconds": 0.2, "inter_node_bytes_per_step": 1000, "wire_bytes_per_step": None, "comm_buckets": [],
+            "wire_itemsize": 4, "compact_pairs": False, "strategy": "hierarchical"}  # fmt: skip
+
+  code = _mesh_lab(monkeypatch, run_cell)
+  out, err = capsys.readouterr()
+  assert "error: hitopk@0.01@unshaped failed: `python train.py` on node 1 exited 1" in err and "Traceback" not in err
+  assert code not in (0, None) and "hitopk@0.01@unshaped" in str(code)
+  assert "hierarchical@unshaped" in out and list(json.loads(out.strip().splitlines()[-1])) == ["hierarchical@unshaped"]
+
+
+def test_a_failed_calibration_leaves_out_its_cells_and_still_prints_the_table(monkeypatch, capsys):
+  def calibrate(cluster, local, out):
+    raise RuntimeError(NODE_FAILED.replace("train.py", "calibrate_links.py"))
+
+  def run_cell(*args):
+    raise AssertionError("a cell ran without its calibration")
+
+  code = _mesh_lab(monkeypatch, run_cell, calibrate)
+  out, err = capsys.readouterr()
+  assert "error: the calibration at unshaped failed: `python calibrate_links.py` on node 1" in err
+  assert code not in (0, None) and out.strip().splitlines()[-1] == "{}"
+
+
+STUDY_TRAIN_PY = """
+import json, os, sys
+workdir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--workdir="))
+if "--bad" in sys.argv:
+  sys.exit(2)  # train.py refused its input
+with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+  f.write(json.dumps({"step": 10, "train_seconds": 1.0, "inter_node_bytes_per_step": 8}) + "\\n")
+summary = {"config": {"global_batch_size": 256, "num_epochs": 1}, "final_eval_top1": 0.9, "final_eval_top5": 0.99,
+           "images_per_sec_mean": 100.0, "inter_node_bytes_per_step": 8, "intra_node_bytes_per_step": 8,
+           "nonfinite_steps": 0}
+open(os.path.join(workdir, "summary.json"), "w").write(json.dumps(summary))
+"""
+
+
+def test_a_study_run_that_fails_is_one_line_and_the_later_runs_still_run(tmp_path, monkeypatch, capsys):
+  (tmp_path / "train.py").write_text(STUDY_TRAIN_PY)
+  monkeypatch.setattr(train_runs, "ROOT", str(tmp_path))
+  runs = {"bad": ("c.py", ["--bad"], ""), "good": ("c.py", [], "")}
+  monkeypatch.setattr(sys, "argv", ["large_batch.py", f"--workdir={tmp_path / 'runs'}"])
+  args, results, stopped = train_runs.study("a study", runs, "runs", "")
+  err = capsys.readouterr().err
+  assert list(results) == ["good"] and not stopped and args.failed == ["bad"]
+  line = next(line for line in err.splitlines() if line.startswith("error:"))
+  assert line.startswith("error: bad failed: train.py exited 2; train.py refused its input: fix the config or flag")
+  assert "--rerun starts the run over" not in err and "Traceback" not in err
