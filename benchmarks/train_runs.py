@@ -166,7 +166,12 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
         args.failed.append(label)
   results, stopped = {}, {}
   for label in labels:
-    result, records = read(os.path.join(args.workdir, label))
+    try:
+      result, records = read(os.path.join(args.workdir, label))
+    except metrics.MetricsError as e:  # a damaged metrics.jsonl: the other runs are still reported
+      print(f"error: {label}: {e}", file=sys.stderr, flush=True)
+      args.failed.append(label)
+      continue
     if result:
       results[label] = result | {"records": records}
     elif records:  # stopped early: curves only

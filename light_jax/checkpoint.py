@@ -139,31 +139,42 @@ def _quiet_if_it_fails(settle_seconds: float = 0.5):
   awaited) from other threads, hundreds of lines that bury the one-line report. After a failure, stderr (the
   file descriptor: those come from C++ threads too) goes to a temporary file for ``settle_seconds`` while the
   reads finish; then only log records pass on, with a count of what was left out. While the restore runs,
-  stderr stays as it is: a restore that hangs (a peer gone) must still be able to say so."""
+  stderr stays as it is: a restore that hangs (a peer gone) must still be able to say so. The error raised is
+  always the restore's own (Ctrl-C included: it is not captured)."""
   try:
     yield
-  except BaseException:
-    sys.stderr.flush()
+  except Exception:
+    _settle_quietly(settle_seconds)
+    raise
+
+
+def _settle_quietly(seconds: float) -> None:
+  """``seconds`` with stderr's file descriptor in a temporary file, then its log records written on. Best effort:
+  where no file can be made, the noise shows."""
+  sys.stderr.flush()
+  try:
+    captured = tempfile.TemporaryFile()
+  except OSError:
+    return
+  with captured:
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-      os.dup2(captured.fileno(), 2)
-      try:
-        time.sleep(settle_seconds)
-        gc.collect()  # finalize the abandoned coroutines now, while their complaints are still captured
-        sys.stderr.flush()
-      finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    os.dup2(captured.fileno(), 2)
+    try:
+      time.sleep(seconds)
+      gc.collect()  # finalize the abandoned coroutines now, while their complaints are still captured
+    finally:  # also on a Ctrl-C in the wait: what was captured is not lost
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
       captured.seek(0)
       lines = captured.read().decode(errors="replace").splitlines(keepends=True)
-    kept = [line for line in lines if _LOG_RECORD.match(line)]
-    if len(kept) < len(lines):
-      kept.append(
-        f"(the failed restore printed {len(lines) - len(kept)} lines of orbax/TensorStore output, left out)\n"
-      )
-    sys.stderr.write("".join(kept))
-    sys.stderr.flush()
-    raise
+      kept = [line for line in lines if _LOG_RECORD.match(line)]
+      if len(kept) < len(lines):
+        kept.append(
+          f"(the failed restore printed {len(lines) - len(kept)} lines of orbax/TensorStore output, left out)\n"
+        )
+      sys.stderr.write("".join(kept))
+      sys.stderr.flush()
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:

@@ -35,6 +35,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from light_jax.exit_codes import ExitCode
+
 
 class ClusterError(RuntimeError):
   """The emulated cluster cannot be made here; the message says why and what to do instead."""
@@ -84,7 +86,7 @@ class _Machines:
   cleanup of what they started (and made) on ``close``, at exit and on SIGTERM/SIGINT/SIGHUP."""
 
   nodes: int
-  failure_grace = 5.0  # seconds the other nodes of a job get to end on their own once one has failed
+  failure_grace = 10.0  # seconds the other nodes get to end once one has failed (process 0 lingers ~5 s to tell)
 
   def __init__(self):
     self._processes: list[subprocess.Popen] = []
@@ -131,48 +133,53 @@ class _Machines:
     for reader in readers:
       reader.start()
     deadline = time.monotonic() + timeout  # one for the job: waiting node by node would allow nodes x timeout
-    # All nodes are watched at once: the first to fail is the cause, and its peers then fail too ("peer failed"),
-    # some only after a timeout of their own. They get failure_grace seconds to say so, then are stopped.
-    first_failed, stopped = None, []
+    # All nodes are watched at once. Once one fails its peers fail too ("peer failed", exit PEER_FAILURE), some
+    # only after a timeout of their own, and process 0 lingers a few seconds after its own failure so that they
+    # can read why: they get failure_grace seconds to end, then are stopped.
+    exited, stopped, timed_out = [], [], False  # exited: nodes in the order they ended
     try:
       while True:
-        running = [node for node, p in enumerate(procs) if p.poll() is None]
-        if first_failed is None:
-          first_failed = next((node for node, p in enumerate(procs) if p.returncode), None)
-          if first_failed is not None:
-            deadline = min(deadline, time.monotonic() + self.failure_grace)
+        exited += [node for node, p in enumerate(procs) if p.poll() is not None and node not in exited]
+        running = [node for node, p in enumerate(procs) if p.returncode is None]
+        if any(procs[node].returncode for node in exited) and not stopped:
+          deadline = min(deadline, time.monotonic() + self.failure_grace)
+          stopped = [None]  # the grace is set once
         if not running:
           break
         if time.monotonic() >= deadline:
           for node in running:
             procs[node].kill()
             procs[node].wait()
-          if first_failed is not None:
-            stopped = running
-            break
-          raise RuntimeError(
-            f"`{' '.join(argv[:2])}` on node(s) {', '.join(map(str, running))} still ran after {timeout:g} s (the "
-            "limit for the whole job); raise the timeout (e.g. --timeout) or run fewer steps"
-          ) from None
+          timed_out = not any(procs[node].returncode for node in exited)
+          stopped = running
+          break
         time.sleep(0.02)
+    finally:
       # The pipes close when the processes end; a child left holding one is given up on after 5 s in all.
       readers_deadline = time.monotonic() + 5
       for reader in readers:
         reader.join(timeout=max(readers_deadline - time.monotonic(), 0))
-    finally:
       for proc, reader in zip(procs, readers):
         if not reader.is_alive():  # closing a pipe under a blocked read is not safe; a stuck one is left open
           proc.stdout.close()
     outputs = ["".join(out) for out in chunks]
-    if first_failed is not None:
-      command = " ".join(argv[:2])
-      message = f"`{command}` on node {first_failed} exited {procs[first_failed].returncode}, the first node to fail:\n"
-      message += outputs[first_failed][-3000:]
-      for node, (proc, output) in enumerate(zip(procs, outputs)):
-        if node != first_failed and proc.returncode:
-          how = "was stopped" if node in stopped else f"exited {proc.returncode}"
-          last = "".join(f"\n  {line}" for line in output.splitlines()[-3:])
-          message += f"\nthen node {node} {how}; its last lines:{last}"
+    command = " ".join(argv[:2])
+    if timed_out:
+      last = "".join(f"\nnode {node}'s last lines:" + _last_lines(outputs[node]) for node in stopped)
+      raise RuntimeError(
+        f"`{command}` on node(s) {', '.join(map(str, stopped))} still ran after {timeout:g} s (the limit for the "
+        f"whole job); raise the timeout (e.g. --timeout) or run fewer steps{last}"
+      )
+    failed = [node for node in exited if procs[node].returncode]
+    if failed:
+      # The cause: the first to end with its own error; one that only reports a peer's failure is an effect.
+      first = next((node for node in failed if procs[node].returncode != ExitCode.PEER_FAILURE), failed[0])
+      message = f"`{command}` on node {first} exited {procs[first].returncode}, the first node to fail:\n"
+      message += outputs[first][-3000:]
+      for node in [*failed, *(n for n in stopped if n is not None)]:
+        if node != first:
+          how = "was stopped" if node in stopped else f"exited {procs[node].returncode}"
+          message += f"\nthen node {node} {how}; its last lines:" + _last_lines(outputs[node])
       raise RuntimeError(message)
     return outputs
 
@@ -370,6 +377,10 @@ def _free_id() -> str:
     if f"lj{cluster_id}" not in taken:
       return cluster_id
   raise ClusterError(f"all 100 cluster ids of process {os.getpid()} are in use: close some clusters (`ip netns list`)")
+
+
+def _last_lines(output: str, count: int = 3) -> str:
+  return "".join(f"\n  {line}" for line in output.splitlines()[-count:])
 
 
 def free_port() -> int:

@@ -214,6 +214,16 @@ def test_a_failed_restore_keeps_its_log_records_and_drops_the_rest_of_its_output
   assert capfd.readouterr().err == noise
 
 
+def test_a_failed_restore_raises_its_own_error_whatever_the_capture_meets(monkeypatch):
+  start = time.perf_counter()
+  with pytest.raises(KeyboardInterrupt), checkpoint_lib._quiet_if_it_fails(settle_seconds=5):
+    raise KeyboardInterrupt  # Ctrl-C is not captured, nor waited on
+  assert time.perf_counter() - start < 1
+  monkeypatch.setattr(checkpoint_lib.tempfile, "tempdir", "/proc/light_jax_nope")  # no file for the capture
+  with pytest.raises(ValueError, match="DATA_LOSS"), checkpoint_lib._quiet_if_it_fails(settle_seconds=0.0):
+    raise ValueError("DATA_LOSS: damaged")
+
+
 def test_a_checkpoint_from_another_mesh_is_refused_and_not_called_damaged(tmp_path):
   # mesh.nodes/local=-1 resolve from the processes and devices, so the same config can meet another mesh
   state = {"w": jax.numpy.arange(4.0)}

@@ -191,6 +191,25 @@ def test_a_failing_job_names_the_first_node_to_fail_and_stops_the_rest(peer):
   )
 
 
+def test_a_process_0_that_fails_and_lingers_is_named_not_the_peer_that_read_its_failure():
+  """Process 0 keeps the coordination service up a few seconds after its own failure (liveness.PeerWatchdog.close),
+  so its peer, told of it, exits PEER_FAILURE first: the cause is still process 0."""
+  script = (
+    "import sys, time\n"
+    "if sys.argv[-1] == '--process_id=1':\n"
+    "  time.sleep(0.3); print('node 1: peer 0 failed'); sys.exit(4)\n"
+    "print('node 0: the cause', flush=True); time.sleep(1.5); sys.exit(2)\n"
+  )
+  with LoopbackCluster(2) as cluster:
+    cluster.failure_grace = 3
+    with pytest.raises(RuntimeError) as info:
+      cluster.run_everywhere([sys.executable, "-c", script], timeout=10)
+  assert str(info.value).startswith(
+    f"`{sys.executable} -c` on node 0 exited 2, the first node to fail:\nnode 0: the cause"
+  )
+  assert str(info.value).endswith("then node 1 exited 4; its last lines:\n  node 1: peer 0 failed")
+
+
 def _mesh_lab(*extra):
   return subprocess.run(
     [sys.executable, "benchmarks/mesh_lab.py", "--nodes", "2", "--local", "2", "--bandwidth", "unshaped",

@@ -178,3 +178,8 @@ def test_a_study_run_that_fails_is_one_line_and_the_later_runs_still_run(tmp_pat
   line = next(line for line in err.splitlines() if line.startswith("error:"))
   assert line.startswith("error: bad failed: train.py exited 2; train.py refused its input: fix the config or flag")
   assert "--rerun starts the run over" not in err and "Traceback" not in err
+  # A damaged metrics.jsonl of one run: named in one line, the others still reported.
+  (tmp_path / "runs" / "good" / "metrics.jsonl").write_text('{"step": 4, "ep\n{"step": 8}\n')
+  monkeypatch.setattr(sys, "argv", ["large_batch.py", f"--workdir={tmp_path / 'runs'}", "--report_only"])
+  args, results, _ = train_runs.study("a study", runs, "runs", "")
+  assert args.failed == ["good"] and "error: good: " in capsys.readouterr().err
