@@ -59,6 +59,20 @@ def level_sizes(group_bytes_per_buffer_byte: float, max_bytes: int, link_bytes_b
   return sizes or [4 * 2**10]
 
 
+def median_seconds(run, repeats: int) -> float:
+  """The median of ``repeats`` timed calls of ``run`` (a jitted call: timed to its result on the device), after one
+  untimed call that compiles and warms up."""
+  import jax
+
+  jax.block_until_ready(run())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(run())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
 TOPK_SIZES = (2**20, 2**22, 2**24)  # elements of a selection: buckets of 4 MiB to 64 MiB of float32
 TOPK_DENSITIES = (0.001, 0.01)
 
@@ -88,13 +102,7 @@ def measure_topk_rate(
     x = jax.device_put(np.random.default_rng(0).standard_normal(size, dtype=np.float32), device)
     for density in densities:
       k = compression.num_selected(size, density)
-      jax.block_until_ready(select(x, k))  # compile and warm up
-      times = []
-      for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(select(x, k))
-        times.append(time.perf_counter() - start)
-      rows.append((size, density, k, statistics.median(times)))
+      rows.append((size, density, k, median_seconds(lambda: select(x, k), repeats)))
   return min(size / seconds for size, _, _, seconds in rows), rows
 
 
@@ -131,14 +139,8 @@ def measure(nodes: int, local: int, repeats: int, max_mib: int, rate_bits: int |
       x = jax.make_array_from_callback(
         shape, sharding, lambda index: np.ones([len(range(*s.indices(d))) for s, d in zip(index, shape)], np.float32)
       )
-      jax.block_until_ready(psum(x))  # compile and warm up
-      times = []
-      for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(psum(x))
-        times.append(time.perf_counter() - start)
       sent.append(sharing * strategies.ring_allreduce_bytes(size, group))
-      seconds.append(statistics.median(times))
+      seconds.append(median_seconds(lambda: psum(x), repeats))
       rows.append((level, size, sent[-1], seconds[-1]))
     fits[level] = cost_model.fit_link(sent, seconds)
   return cost_model.ClusterCost(intra=fits["intra"], inter=fits["inter"]), rows

@@ -136,21 +136,20 @@ class _Machines:
     # All nodes are watched at once. Once one fails its peers fail too ("peer failed", exit PEER_FAILURE), some
     # only after a timeout of their own, and process 0 lingers a few seconds after its own failure so that they
     # can read why: they get failure_grace seconds to end, then are stopped.
-    exited, stopped, timed_out = [], [], False  # exited: nodes in the order they ended
+    exited, stopped = [], []  # the nodes in the order they ended; those killed at the deadline
+    graced = False  # whether the deadline has been brought to failure_grace after the first failure
     try:
       while True:
         exited += [node for node, p in enumerate(procs) if p.poll() is not None and node not in exited]
+        if not graced and any(procs[node].returncode for node in exited):
+          deadline, graced = min(deadline, time.monotonic() + self.failure_grace), True
         running = [node for node, p in enumerate(procs) if p.returncode is None]
-        if any(procs[node].returncode for node in exited) and not stopped:
-          deadline = min(deadline, time.monotonic() + self.failure_grace)
-          stopped = [None]  # the grace is set once
         if not running:
           break
         if time.monotonic() >= deadline:
           for node in running:
             procs[node].kill()
             procs[node].wait()
-          timed_out = not any(procs[node].returncode for node in exited)
           stopped = running
           break
         time.sleep(0.02)
@@ -164,19 +163,19 @@ class _Machines:
           proc.stdout.close()
     outputs = ["".join(out) for out in chunks]
     command = " ".join(argv[:2])
-    if timed_out:
+    failed = [node for node in exited if procs[node].returncode]
+    if stopped and not failed:
       last = "".join(f"\nnode {node}'s last lines:" + _last_lines(outputs[node]) for node in stopped)
       raise RuntimeError(
         f"`{command}` on node(s) {', '.join(map(str, stopped))} still ran after {timeout:g} s (the limit for the "
         f"whole job); raise the timeout (e.g. --timeout) or run fewer steps{last}"
       )
-    failed = [node for node in exited if procs[node].returncode]
     if failed:
       # The cause: the first to end with its own error; one that only reports a peer's failure is an effect.
       first = next((node for node in failed if procs[node].returncode != ExitCode.PEER_FAILURE), failed[0])
       message = f"`{command}` on node {first} exited {procs[first].returncode}, the first node to fail:\n"
       message += outputs[first][-3000:]
-      for node in [*failed, *(n for n in stopped if n is not None)]:
+      for node in [*failed, *stopped]:
         if node != first:
           how = "was stopped" if node in stopped else f"exited {procs[node].returncode}"
           message += f"\nthen node {node} {how}; its last lines:" + _last_lines(outputs[node])
