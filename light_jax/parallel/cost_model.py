@@ -65,6 +65,11 @@ TOPK_RATE = "topk_elements_per_sec"  # ClusterCost's field, a calibration file's
 ASSUMED_TOPK_RATES = {"v100": 1e9, "h100": 3.7e9, "h200": 5.3e9}
 
 
+def _is_number(value) -> bool:
+  """An int or float as JSON gives them (true and false are not numbers here)."""
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterCost:
   intra: LinkCost
@@ -75,7 +80,7 @@ class ClusterCost:
 
   def __post_init__(self):
     rate = self.topk_elements_per_sec
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+    if not _is_number(rate) or not rate > 0:
       raise ValueError(f"topk_elements_per_sec={rate!r} must be a number > 0 (elements/s; inf: unknown)")
 
   @property
@@ -194,13 +199,13 @@ def load(name_or_path: str) -> ClusterCost:
         f"{link!r}; a calibration holds both levels, as benchmarks/calibrate_links.py writes them"
       )
     for field, value in link.items():
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+      if not _is_number(value) or not np.isfinite(value) or value < 0:
         raise ValueError(
           f"comm.cost_model={name_or_path!r}: {level}.{field}={value!r} must be a finite number >= 0 (seconds"
           f"{' per byte' if field == 'beta' else ''})"
         )
   rate = data.get(TOPK_RATE, math.inf)
-  if TOPK_RATE in data and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf):
+  if TOPK_RATE in data and not (_is_number(rate) and 0 < rate < math.inf):
     raise ValueError(
       f"comm.cost_model={name_or_path!r}: {TOPK_RATE}={rate!r} must be a finite number > 0 (elements of input per "
       "second that the device's exact top-k selects, as benchmarks/calibrate_links.py measures it); leave the field "
