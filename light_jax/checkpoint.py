@@ -29,8 +29,23 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.metadata import array_metadata_store
+from orbax.checkpoint._src.serialization import type_handler_registry
 
 from light_jax.config import SAFE_TO_CHANGE, base_config
+
+# Each process writes the shards it holds whole, as orbax does by default on GPU. On CPU orbax splits every
+# replicated array across its replicas ("replica-parallel" saving), which compiles a slicing program per
+# array shape at the first save: a stall of the train loop of seconds for a 2 MiB state on 8 CPU devices
+# (docs/measurements.md, "The first checkpoint"). The handler is otherwise orbax's default, its array
+# metadata store included. Registered through orbax's registry itself: its public register_type_handler
+# would log a warning about the override at every start.
+type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
+  jax.Array,
+  ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()),
+  override=True,
+  ignore_warnings=True,
+)
 
 
 class CheckpointError(RuntimeError):

@@ -120,7 +120,9 @@ def train_and_evaluate(
       hooks = Hooks()
       for hook, every in extra_hooks:
         hooks.add(hook, every=every)
-      hooks.add(ProgressBar(bar, schedule, config.log_every_steps), every=1)
+      # The logs' learning rate: one compiled program, not one dispatch (and one compile) per jnp op.
+      host_schedule = jax.jit(schedule)
+      hooks.add(ProgressBar(bar, host_schedule, config.log_every_steps), every=1)
       nonfinite = NonFiniteCheck(config.train.on_nonfinite, seen=skipped_steps(state))
 
       # Also wherever a checkpoint may be saved: a resumed run counts the checkpoint's skipped steps as seen, so one
@@ -136,7 +138,9 @@ def train_and_evaluate(
       # With several processes the check is a collective, so not every step.
       hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
       clock = TrainClock(seconds_before)  # training seconds, evaluations left out
-      evaluations = EpochEvaluation(evaluate, writer, plan, schedule, prefetcher, bar, start_step, total_steps, clock)
+      evaluations = EpochEvaluation(
+        evaluate, writer, plan, host_schedule, prefetcher, bar, start_step, total_steps, clock
+      )
       hooks.add(evaluations, when=ends_record)
       saver = CheckpointSaver(checkpointer, meta, clock)
       hooks.add(saver, every=config.checkpoint.every_steps)

@@ -195,6 +195,33 @@ def test_a_damaged_checkpoint_is_replaced_when_the_resumed_run_saves_at_its_step
   assert step == 2 and np.array_equal(restored["w"], np.arange(4.0) + 20)
 
 
+def test_saving_replicated_arrays_compiles_nothing_and_restores_them(tmp_path):
+  """Each array is written whole by one replica: orbax's replica-parallel saving (its CPU default) would trace
+  and compile a slicing program per shape here (shapes new to this process, so no cache hides one)."""
+  mesh = jax.make_mesh((2, 4), ("node", "local"))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state = {f"w{i}": jax.device_put(np.full((24 + i, 13), float(i), np.float32), replicated) for i in range(3)}
+  traced = []
+
+  def listen(event, seconds, **kwargs):
+    if event == "/jax/core/compile/jaxpr_trace_duration":
+      traced.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=1)
+    checkpointer.save(1, state, {"config": {}})
+    checkpointer.close()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert traced == []
+  step, restored, _ = checkpoint_lib.Checkpointer(str(tmp_path), keep=1).restore_latest(
+    checkpoint_lib.abstract(state), {}
+  )
+  assert step == 1 and all(np.array_equal(restored[k], state[k]) for k in state)
+  assert restored["w2"].sharding.is_fully_replicated
+
+
 def test_a_failed_restore_keeps_its_log_records_and_drops_the_rest_of_its_output(capfd):
   # What orbax's in-flight TensorStore reads print from other threads once a restore has failed: raw writes to
   # the file descriptor, not through Python's sys.stderr.
