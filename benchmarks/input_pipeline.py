@@ -74,6 +74,8 @@ def main():
   parser.add_argument("--seconds", type=float, default=2.0, help="per path, size and round")
   parser.add_argument("--workdir", default="", help="where the cache files go (default: a temporary dir)")
   args = parser.parse_args()
+  if args.images < 1 or args.rounds < 1 or not args.seconds > 0:
+    cli.fail(f"--images={args.images} --rounds={args.rounds} --seconds={args.seconds:g}: each must be > 0")
   if not args.workdir:
     with tempfile.TemporaryDirectory(prefix="input_bench_") as workdir:
       return run(args, workdir)
