@@ -144,6 +144,16 @@ class Checkpointer:
 
 
 # Lines of a log record (absl or Python logging): kept from a failed restore's output, the rest is dropped.
+_stderr_while_captured: int | None = None  # a duplicate of fd 2 from before a capture, while one lasts
+
+
+def stderr_fd() -> int:
+  """The file descriptor of this process's real stderr, also during a failed restore's capture: a process
+  that must say why it stops and then ends at once (``liveness``) writes there, or its words would be lost with
+  the capture."""
+  return 2 if _stderr_while_captured is None else _stderr_while_captured
+
+
 _LOG_RECORD = re.compile(r"^[IWEF]\d{4} |^(INFO|WARNING|ERROR|CRITICAL):")
 
 
@@ -171,8 +181,10 @@ def _settle_quietly(seconds: float) -> None:
     captured = tempfile.TemporaryFile()
   except OSError:
     return
+  global _stderr_while_captured
   with captured:
     saved = os.dup(2)
+    _stderr_while_captured = saved
     os.dup2(captured.fileno(), 2)
     try:
       time.sleep(seconds)
@@ -180,6 +192,7 @@ def _settle_quietly(seconds: float) -> None:
     finally:  # also on a Ctrl-C in the wait: what was captured is not lost
       sys.stderr.flush()
       os.dup2(saved, 2)
+      _stderr_while_captured = None
       os.close(saved)
       captured.seek(0)
       lines = captured.read().decode(errors="replace").splitlines(keepends=True)

@@ -28,6 +28,7 @@ import time
 
 from absl import logging
 
+from light_jax import checkpoint
 from light_jax.exit_codes import ExitCode
 
 _PREFIX = "light_jax/liveness/"
@@ -164,4 +165,6 @@ def report_stop(process_index: int, process_count: int, reason: str, workdir: st
     f"{workdir}/checkpoints are intact: rerun the same command on every machine to resume from the newest."
   )
   logging.error("%s", message)
-  print(f"\n{message}", file=sys.stderr, flush=True)
+  sys.stderr.flush()
+  # Past a failed restore's capture of stderr too: this process may end at once (os._exit), the capture unread.
+  os.write(checkpoint.stderr_fd(), f"\n{message}\n".encode())

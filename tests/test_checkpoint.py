@@ -4,6 +4,7 @@ Runs are in-process (``train_and_evaluate``) except where a real process is the 
 the exit codes of ``train.py``. A resumed run must end bitwise equal to an uninterrupted one.
 """
 
+import io
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import pytest
 
 from configs import fashion_mnist
 from light_jax import checkpoint as checkpoint_lib
-from light_jax import train_lib
+from light_jax import liveness, train_lib
 from light_jax.checkpoint import CheckpointError
 from light_jax.config import base_config
 from light_jax.exit_codes import ExitCode
@@ -243,6 +244,21 @@ def test_a_failed_restore_keeps_its_log_records_and_drops_the_rest_of_its_output
   with checkpoint_lib._quiet_if_it_fails():  # a restore that works passes everything on
     os.write(2, noise.encode())
   assert capfd.readouterr().err == noise
+
+
+def test_a_stop_reported_during_a_failed_restores_capture_reaches_stderr(capfd, monkeypatch):
+  """The watchdog ends its process with os._exit right after its report: the capture would never be read."""
+  # sys.stderr writing to file descriptor 2, as in a process of its own (pytest's writes past it)
+  monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True))
+  report = threading.Timer(0.1, liveness.report_stop, (1, 2, "process 0 has given no sign of life", "/w"))
+  with pytest.raises(ValueError, match="DATA_LOSS"), checkpoint_lib._quiet_if_it_fails(settle_seconds=0.5):
+    report.start()
+    raise ValueError("DATA_LOSS: damaged")
+  report.join()
+  lines = capfd.readouterr().err.splitlines()
+  stop = "error: stopping process 1 of 2: process 0 has given no sign of life. Committed checkpoints in /w/"
+  assert any(line.startswith(stop) for line in lines)
+  assert checkpoint_lib.stderr_fd() == 2  # the capture is over
 
 
 def test_a_failed_restore_raises_its_own_error_whatever_the_capture_meets(monkeypatch):
