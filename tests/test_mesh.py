@@ -27,8 +27,8 @@ def test_resolve_both_fill_makes_a_process_a_node():
   "nodes,local,message",
   [
     (3, 4, "12 devices, but 8 are available"),
-    (-1, 3, "mesh.local=3 does not divide the 8 devices"),
-    (3, -1, "mesh.nodes=3 does not divide the 8 devices"),
+    (-1, 3, "mesh.local=3 does not divide the 8 devices; set mesh.local to one of 1, 2, 4, 8."),
+    (3, -1, "mesh.nodes=3 does not divide the 8 devices; set mesh.nodes to one of 1, 2, 4, 8."),
     (0, 8, "positive int or -1"),
   ],
 )

@@ -41,14 +41,15 @@ def resolve_mesh_shape(nodes: int, local: int, num_devices: int, num_processes: 
   if nodes == -1:
     if num_devices % local:
       raise MeshError(
-        f"mesh.local={local} does not divide the {num_devices} devices; set mesh.local to a divisor of "
-        f"{num_devices} or give mesh.nodes explicitly."
+        f"mesh.local={local} does not divide the {num_devices} devices; set mesh.local to one of "
+        f"{_divisors(num_devices)}."
       )
     nodes = num_devices // local
   if local == -1:
     if num_devices % nodes:
       raise MeshError(
-        f"mesh.nodes={nodes} does not divide the {num_devices} devices; set mesh.nodes to a divisor of {num_devices}."
+        f"mesh.nodes={nodes} does not divide the {num_devices} devices; set mesh.nodes to one of "
+        f"{_divisors(num_devices)}."
       )
     local = num_devices // nodes
   if nodes * local != num_devices:
@@ -58,6 +59,10 @@ def resolve_mesh_shape(nodes: int, local: int, num_devices: int, num_processes: 
       f"for one of them)."
     )
   return nodes, local
+
+
+def _divisors(n: int) -> str:
+  return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def make_mesh(nodes: int = -1, local: int = -1, devices=None) -> Mesh:
