@@ -33,6 +33,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from light_jax import cli  # noqa: E402
+from light_jax import config as config_lib  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file[:variant]")
 _CLUSTER = flags.DEFINE_string("cluster", "v100x128_25gbe", "a preset of light_jax/simulation.py CLUSTERS")
@@ -149,6 +150,11 @@ def main(argv):
     configs = {label: with_strategy(_CONFIG.value, label) for label in labels}
     for config in configs.values():  # what the trainer would refuse on this cluster: before any output
       simulation.check(config, cluster)
+  except config_lib.ConfigError as e:  # its mesh is the cluster's: say which flags change that
+    cli.fail(
+      f"{e} (The mesh is the cluster's: --nodes={cluster.nodes} machines x --devices_per_node="
+      f"{cluster.devices_per_node} devices, the preset's unless given.)"
+    )
   except ValueError as e:
     cli.fail(str(e))
   overlap = not _NO_OVERLAP.value

@@ -171,7 +171,12 @@ def test_simulate_cli_prints_the_table_and_the_json_line():
     # What the trainer refuses, refused alike (config.validate on the cluster's mesh).
     (["--config.num_epochs=0"], "error: num_epochs=0 must be > 0."),
     (["--nodes", "4", "--devices_per_node", "6"], "error: global_batch_size=32768 does not divide over 24 devices"),
-    (["--nodes", "3", "--strategies", "gtopk@0.01"], "error: comm.strategy='gtopk' pairs devices by the bits"),
+    (
+      ["--nodes", "3", "--strategies", "gtopk@0.01"],
+      "error: comm.strategy='gtopk' pairs devices by the bits of their index and needs a power-of-two device count, "
+      "not 3 x 8 = 24; use 'hitopk' or 'topk', or a mesh of 16 devices. (The mesh is the cluster's: --nodes=3 "
+      "machines x --devices_per_node=8 devices, the preset's unless given.)",
+    ),
     (["--plot", "p.png"], "error: --plot draws a sweep: add --sweep"),  # it was ignored
     (["--sweep", "devices", "--plot", "/proc/nope/p.png"], "error: --plot=/proc/nope/p.png: cannot make its folder"),
   ],
