@@ -15,7 +15,7 @@ Runs are the same config but for comm.strategy and comm.density, one after the o
 shared cores.
 
 --report_only reads the runs already in --workdir (a run cut short is shown as far as it got; one with no
-evaluation yet says so). Each run's workdir (metrics.jsonl, summary.json, checkpoints) is kept under
+evaluation yet says so; one made by another command, another bandwidth say, is left out and named). Each run's workdir (metrics.jsonl, summary.json, checkpoints) is kept under
 --workdir/<strategy>, and the table's figures in --workdir/results.json. Running the same command again
 reuses a finished run and resumes one cut short from its last checkpoint, its clock going on from the
 checkpoint's (benchmarks/train_runs.py prepare_workdir); a run of another command, or any with --rerun, starts
@@ -105,6 +105,13 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
   return args, rate, labels
 
 
+def run_command(args, overrides: list[str]) -> str:
+  """The text stamped in a run's workdir. The mesh and the link are part of the run: a clock resumed at another
+  bandwidth would mix two, and a report must not show a run made at another under this command's title."""
+  command = shlex.join(["train.py", f"--config={args.config}", *overrides])
+  return command + f"  # on {args.nodes} x {args.local} at {args.bandwidth.strip().lower()}"
+
+
 def train_all(args, rate: int | None, labels: list[tuple[str, list[str]]], workdirs: dict[str, str]) -> list[str]:
   """Trains each strategy in turn on one emulated cluster, reusing or resuming its workdir when it holds a run
   of the same command; returns the strategies whose run failed (the later ones still run)."""
@@ -113,10 +120,7 @@ def train_all(args, rate: int | None, labels: list[tuple[str, list[str]]], workd
     with EmulatedCluster(args.nodes, rate) as cluster:
       for label, strategy_overrides in labels:
         overrides = [*strategy_overrides, *(f"--config.{s}" for s in args.set)]
-        # The mesh and the link are part of the run: a clock resumed at another bandwidth would mix two.
-        command = shlex.join(["train.py", f"--config={args.config}", *overrides])
-        command += f"  # on {args.nodes} x {args.local} at {args.bandwidth.strip().lower()}"
-        if not train_runs.prepare_workdir(label, workdirs[label], command, args.rerun):
+        if not train_runs.prepare_workdir(label, workdirs[label], run_command(args, overrides), args.rerun):
           continue
         print(f"training with {label} on {args.nodes} x {args.local} at {args.bandwidth} ...", file=sys.stderr,
               flush=True)  # fmt: skip
@@ -152,7 +156,12 @@ def main() -> None:
   failed = [] if args.report_only else train_all(args, rate, labels, workdirs)
 
   runs = {}
-  for label, _ in labels:
+  for label, strategy_overrides in labels:
+    stamped = train_runs.stamped_command(workdirs[label])
+    command = run_command(args, [*strategy_overrides, *(f"--config.{s}" for s in args.set)])
+    if stamped is not None and stamped != command:  # only --report_only reads a workdir it did not just stamp
+      print(f"{label}: left out: {workdirs[label]} holds a run of another command: {stamped}", file=sys.stderr)
+      continue
     try:
       runs[label] = train_runs.read_records(workdirs[label])
     except MetricsError as e:  # a damaged metrics.jsonl: the other runs are still reported

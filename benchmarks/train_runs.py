@@ -62,7 +62,7 @@ def prepare_workdir(label: str, workdir: str, command: str, rerun: bool = False,
   True, and a checkpoint of the same command is kept, for the run to resume from; any other workdir (or any,
   with ``rerun``) is emptied and stamped."""
   stamp = os.path.join(workdir, "command.txt")
-  same_command = _read(stamp) in (command, *also)
+  same_command = stamped_command(workdir) in (command, *also)
   if not rerun and same_command and os.path.exists(os.path.join(workdir, "summary.json")):
     print(f"{label}: reusing {workdir}", file=sys.stderr)
     return False
@@ -194,9 +194,11 @@ def figures(results: dict[str, dict]) -> str:
   return json.dumps({label: {k: v for k, v in r.items() if k != "records"} for label, r in results.items()})
 
 
-def _read(path: str) -> str | None:
+def stamped_command(workdir: str) -> str | None:
+  """The command ``prepare_workdir`` stamped in ``workdir``; None where there is none (no run, or one from before
+  the stamps)."""
   try:
-    with open(path) as f:
+    with open(os.path.join(workdir, "command.txt")) as f:
       return f.read()
   except FileNotFoundError:
     return None
