@@ -6,8 +6,9 @@ The folder holds `train/` and `val/`, each with one sub-folder per class (the sa
 both). Labels are the sorted class names. Records are written in a fixed random order, so the first
 N (`data.train_subset`, `data.eval_subset`) sample every class. Every file is checked with a
 reduced-size decode: files that cannot be decoded are skipped and listed (log and OUT/info.json); CMYK,
-greyscale and PNG-named-.jpg files are kept (the pipeline converts them). No TensorFlow needed. Then
-train with
+greyscale and PNG-named-.jpg files are kept (the pipeline converts them). No TensorFlow needed. The
+files are written beside OUT's and moved over them at the end: a conversion that fails changes nothing in
+OUT. Then train with
 
   python train.py --config configs/imagenet_resnet50.py --config.data.dataset=image_folder \\
       --config.data.data_dir=OUT ...
@@ -46,7 +47,7 @@ def main():
   try:
     info = records.convert_image_folder(folder, out, splits)
   except DataError as e:
-    if new:  # what this run wrote before the folder's fault showed, and nothing else
+    if new:  # the folder this run made (a failed conversion leaves an existing one as it was)
       shutil.rmtree(out, ignore_errors=True)
     cli.fail(str(e))
   print(f"{len(info['classes'])} classes -> {args.out}")

@@ -34,6 +34,21 @@ def test_image_folder_conversion_keeps_labels_and_reports_bad_files(folder):
     assert sorted((source[i][2], source[i][1]) for i in range(len(source))) == sorted(good)  # never a wrong label
 
 
+def test_a_conversion_that_fails_leaves_the_earlier_one_as_it_was(tmp_path):
+  raw, converted = tmp_path / "raw", tmp_path / "converted"
+  for split in ("train", "val"):
+    os.makedirs(raw / split / "cat")
+    (raw / split / "cat" / "0.jpg").write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(0), 32, 32)))
+  records.convert_image_folder(str(raw), str(converted))
+  before = {name: (converted / name).read_bytes() for name in os.listdir(converted)}
+  (raw / "train" / "cat" / "1.jpg").write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(1), 32, 32)))
+  os.makedirs(raw / "val" / "dog")  # found once train is written: a class that train lacks
+  with pytest.raises(DataError, match="class folders that .* lacks: \\['dog'\\]"):
+    records.convert_image_folder(str(raw), str(converted))
+  assert {name: (converted / name).read_bytes() for name in os.listdir(converted)} == before
+  assert sorted(before) == ["info.json", "train.array_record", "val.array_record"]
+
+
 def _folder_config(data_dir, cache_dir, **overrides):
   from configs import imagenet_resnet50
 

@@ -28,7 +28,9 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import struct
+import tempfile
 import time
 import uuid
 
@@ -195,6 +197,21 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   if not classes:
     raise DataError(f"{first} has no class sub-folders (expected {first}/CLASS_NAME/*.jpg)")
   os.makedirs(out_dir, exist_ok=True)
+  # Written beside the files it replaces and moved over them at the end: a conversion that fails (a split's
+  # fault found late, a full disk, Ctrl-C) leaves ``out_dir`` as it found it, a good earlier one included.
+  staging = tempfile.mkdtemp(prefix=".converting_", dir=out_dir)
+  try:
+    info = _convert_splits(folder, staging, splits, classes, first)
+    # info.json first: its new conversion_id makes a decoded cache built from here on a new one.
+    for name in ("info.json", *(f"{split}.array_record" for split in splits)):
+      os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+  return info
+
+
+def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes: list[str], first: str) -> dict:
+  """``convert_image_folder``'s files, written in ``out_dir``; returns info.json's dict."""
   # New on every conversion: FolderRecords.fingerprint changes with it, so no decoded cache outlives it.
   info = {"classes": classes, "conversion_id": uuid.uuid4().hex, "splits": {}}
   for split in splits:
