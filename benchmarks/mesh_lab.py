@@ -55,8 +55,8 @@ sys.path.insert(0, ROOT)
 
 from calibrate_links import calibrate_on_cluster  # noqa: E402  (benchmarks/, this script's directory)
 
+from light_jax import cli, simulation  # noqa: E402
 from light_jax import config as config_lib  # noqa: E402
-from light_jax import simulation  # noqa: E402
 from light_jax.emulated_cluster import ClusterError, EmulatedCluster, LoopbackCluster, free_port, parse_rate  # noqa: E402
 from light_jax.parallel import cost_model  # noqa: E402
 from light_jax.parallel.reducer import DILOCO  # noqa: E402
@@ -295,6 +295,8 @@ def main() -> None:
   parser.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
   parser.add_argument("--plot", metavar="FILE.png", help="draw predicted against measured step seconds")
   args = parser.parse_args()
+  if args.plot:  # its folder now, not a traceback after the cells
+    cli.output_path(args.plot, "--plot")
   try:
     meshes = load_experiment(args.experiment, args) if args.experiment else [(args.nodes, args.local)]
   except (OSError, ValueError) as e:

@@ -39,6 +39,7 @@ from mesh_lab import parse_strategy, report_failure, train_on_cluster
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from light_jax import cli  # noqa: E402
 from light_jax.emulated_cluster import ClusterError, EmulatedCluster, parse_rate  # noqa: E402
 from light_jax.metrics import MetricsError  # noqa: E402
 
@@ -103,6 +104,8 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
     labels = [parse_strategy(text) for text in args.strategies.split(",")]
   except ValueError as e:
     parser.error(str(e))
+  if args.plot:  # its folder now, not a traceback after hours of runs
+    cli.output_path(args.plot, "--plot")
   return args, rate, labels
 
 

@@ -21,7 +21,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from light_jax import metrics  # noqa: E402
+from light_jax import cli, metrics  # noqa: E402
 from light_jax.exit_codes import ExitCode  # noqa: E402
 
 
@@ -154,6 +154,8 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
   unknown = [label for label in labels if label not in runs]
   if unknown:
     parser.error(f"unknown runs {unknown}; known: {', '.join(runs)}")
+  if args.plot:  # its folder now, not a traceback after the runs
+    cli.output_path(args.plot, "--plot")
   args.failed = []
   if not args.report_only:
     for label in labels:

@@ -124,6 +124,19 @@ def test_report_only_leaves_out_a_run_of_another_command(lab, capsys):
   assert list(json.loads(capsys.readouterr()[0].strip().splitlines()[-1])) == ["hierarchical"]
 
 
+def test_a_plot_whose_folder_cannot_be_made_is_refused_before_any_run(lab, tmp_path, monkeypatch, capsys):
+  assert lab("--strategies", "hierarchical", "--plot", "/proc/nope/curves.png") == 2 and lab.calls == []
+  assert capsys.readouterr().err.startswith("error: --plot=/proc/nope/curves.png: cannot make its folder")
+  monkeypatch.setattr(sys, "argv", ["large_batch.py", f"--workdir={tmp_path / 'runs'}", "--plot=/proc/nope/p.png"])
+  with pytest.raises(SystemExit) as info:  # a study: before its first run
+    train_runs.study("a study", {"good": ("c.py", [], "")}, "runs", "")
+  assert info.value.code == 2 and not (tmp_path / "runs").exists()
+  monkeypatch.setattr(sys, "argv", ["mesh_lab.py", "--loopback", "--plot=/proc/nope/p.png"])
+  with pytest.raises(SystemExit) as info:
+    mesh_lab.main()
+  assert info.value.code == 2 and capsys.readouterr().err.startswith("error: --plot=/proc/nope/p.png: cannot make")
+
+
 FIT = {"intra": {"alpha": 1e-5, "beta": 1e-10}, "inter": {"alpha": 1e-4, "beta": 1e-9}}
 
 
