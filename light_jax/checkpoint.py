@@ -32,20 +32,24 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.metadata import array_metadata_store
 from orbax.checkpoint._src.serialization import type_handler_registry
 
+from light_jax import stderr_redirect
 from light_jax.config import SAFE_TO_CHANGE, base_config
 
-# Each process writes the shards it holds whole, as orbax does by default on GPU. On CPU orbax splits every
-# replicated array across its replicas ("replica-parallel" saving), which compiles a slicing program per
-# array shape at the first save: a stall of the train loop of seconds for a 2 MiB state on 8 CPU devices
-# (docs/measurements.md, "The first checkpoint"). The handler is otherwise orbax's default, its array
-# metadata store included. Registered through orbax's registry itself: its public register_type_handler
-# would log a warning about the override at every start.
-type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
-  jax.Array,
-  ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()),
-  override=True,
-  ignore_warnings=True,
-)
+
+def _save_each_shard_whole() -> None:
+  """Makes orbax write each distinct shard of an array whole, once, from the device that holds its replica 0:
+  orbax's default where JAX_PLATFORMS names a GPU. Otherwise orbax splits each replicated array across its
+  replicas ("replica-parallel" saving), and on CPU that compiled a slicing program per array shape at the first
+  save: seconds of a stalled train loop for a 2 MiB state on 8 CPU devices (docs/measurements.md, "The first
+  checkpoint"). The handler is otherwise orbax's default, its array metadata store included. It is registered
+  in orbax's own registry, for every orbax save in the process (a handler registered for jax.Array before is
+  replaced): orbax's public register_type_handler would log a warning about the override at every start."""
+  type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
+    jax.Array,
+    ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()),
+    override=True,
+    ignore_warnings=True,
+  )
 
 
 class CheckpointError(RuntimeError):
@@ -56,6 +60,7 @@ class Checkpointer:
   """Saves when told (the trainer's hooks decide when), keeps the newest ``keep``."""
 
   def __init__(self, workdir: str, keep: int):
+    _save_each_shard_whole()
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self.manager = ocp.CheckpointManager(
       self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
@@ -144,16 +149,6 @@ class Checkpointer:
 
 
 # Lines of a log record (absl or Python logging): kept from a failed restore's output, the rest is dropped.
-_stderr_while_captured: int | None = None  # a duplicate of fd 2 from before a capture, while one lasts
-
-
-def stderr_fd() -> int:
-  """The file descriptor of this process's real stderr, also during a failed restore's capture: a process
-  that must say why it stops and then ends at once (``liveness``) writes there, or its words would be lost with
-  the capture."""
-  return 2 if _stderr_while_captured is None else _stderr_while_captured
-
-
 _LOG_RECORD = re.compile(r"^[IWEF]\d{4} |^(INFO|WARNING|ERROR|CRITICAL):")
 
 
@@ -176,24 +171,16 @@ def _quiet_if_it_fails(settle_seconds: float = 0.5):
 def _settle_quietly(seconds: float) -> None:
   """``seconds`` with stderr's file descriptor in a temporary file, then its log records written on. Best effort:
   where no file can be made, the noise shows."""
-  sys.stderr.flush()
   try:
     captured = tempfile.TemporaryFile()
   except OSError:
     return
-  global _stderr_while_captured
   with captured:
-    saved = os.dup(2)
-    _stderr_while_captured = saved
-    os.dup2(captured.fileno(), 2)
     try:
-      time.sleep(seconds)
-      gc.collect()  # finalize the abandoned coroutines now, while their complaints are still captured
+      with stderr_redirect.redirected_to(captured):
+        time.sleep(seconds)
+        gc.collect()  # finalize the abandoned coroutines now, while their complaints are still captured
     finally:  # also on a Ctrl-C in the wait: what was captured is not lost
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      _stderr_while_captured = None
-      os.close(saved)
       captured.seek(0)
       lines = captured.read().decode(errors="replace").splitlines(keepends=True)
       kept = [line for line in lines if _LOG_RECORD.match(line)]

@@ -22,13 +22,12 @@ JAX's own heartbeat stays on as the backstop (train.py sets it to twice ``peer_t
 """
 
 import os
-import sys
 import threading
 import time
 
 from absl import logging
 
-from light_jax import checkpoint
+from light_jax import stderr_redirect
 from light_jax.exit_codes import ExitCode
 
 _PREFIX = "light_jax/liveness/"
@@ -136,8 +135,10 @@ class PeerWatchdog:
           return
 
   def _fail(self, reason: str) -> None:
-    report_stop(self.process_index, self.process_count, reason, self.workdir)
-    os._exit(ExitCode.PEER_FAILURE)
+    try:
+      report_stop(self.process_index, self.process_count, reason, self.workdir)
+    finally:  # a report that fails must not keep a stuck process alive
+      os._exit(ExitCode.PEER_FAILURE)
 
 
 _CONNECTION_MARKERS = (
@@ -165,6 +166,5 @@ def report_stop(process_index: int, process_count: int, reason: str, workdir: st
     f"{workdir}/checkpoints are intact: rerun the same command on every machine to resume from the newest."
   )
   logging.error("%s", message)
-  sys.stderr.flush()
   # Past a failed restore's capture of stderr too: this process may end at once (os._exit), the capture unread.
-  os.write(checkpoint.stderr_fd(), f"\n{message}\n".encode())
+  stderr_redirect.write(f"\n{message}\n")
