@@ -7,8 +7,8 @@ both). Labels are the sorted class names. Records are written in a fixed random 
 N (`data.train_subset`, `data.eval_subset`) sample every class. Every file is checked with a
 reduced-size decode: files that cannot be decoded are skipped and listed (log and OUT/info.json); CMYK,
 greyscale and PNG-named-.jpg files are kept (the pipeline converts them). No TensorFlow needed. The
-files are written beside OUT's and moved over them at the end: a conversion that fails changes nothing in
-OUT. Then train with
+files are written in a hidden folder inside OUT (so OUT's disk needs room for a second copy) and moved over
+OUT's at the end: a conversion that fails changes nothing in OUT. Then train with
 
   python train.py --config configs/imagenet_resnet50.py --config.data.dataset=image_folder \\
       --config.data.data_dir=OUT ...

@@ -43,6 +43,7 @@ def test_a_conversion_that_fails_leaves_the_earlier_one_as_it_was(tmp_path):
   before = {name: (converted / name).read_bytes() for name in os.listdir(converted)}
   (raw / "train" / "cat" / "1.jpg").write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(1), 32, 32)))
   os.makedirs(raw / "val" / "dog")  # found once train is written: a class that train lacks
+  os.makedirs(converted / ".converting_killed")  # what a conversion killed with SIGKILL leaves
   with pytest.raises(DataError, match="class folders that .* lacks: \\['dog'\\]"):
     records.convert_image_folder(str(raw), str(converted))
   assert {name: (converted / name).read_bytes() for name in os.listdir(converted)} == before

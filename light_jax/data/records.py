@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import glob
 import hashlib
 import json
 import multiprocessing
@@ -181,6 +182,9 @@ class ListRecords:
     return self.items[index]
 
 
+_STAGING = ".converting_"
+
+
 def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("train", "val")) -> dict:
   """Writes ``out_dir/{split}.array_record`` and ``out_dir/info.json`` from ``folder/{split}/class/*``.
 
@@ -197,13 +201,17 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   if not classes:
     raise DataError(f"{first} has no class sub-folders (expected {first}/CLASS_NAME/*.jpg)")
   os.makedirs(out_dir, exist_ok=True)
-  # Written beside the files it replaces and moved over them at the end: a conversion that fails (a split's
-  # fault found late, a full disk, Ctrl-C) leaves ``out_dir`` as it found it, a good earlier one included.
-  staging = tempfile.mkdtemp(prefix=".converting_", dir=out_dir)
+  for stale in glob.glob(os.path.join(out_dir, _STAGING + "*")):  # left by a conversion that was killed
+    shutil.rmtree(stale, ignore_errors=True)
+  # Written in a folder inside ``out_dir`` (room for a second copy is needed) and moved over the files there at
+  # the end: a conversion that fails (a split's fault found late, a full disk, Ctrl-C before the moves) leaves
+  # ``out_dir`` as it found it, a good earlier conversion included.
+  staging = tempfile.mkdtemp(prefix=_STAGING, dir=out_dir)
   try:
     info = _convert_splits(folder, staging, splits, classes, first)
-    # info.json first: its new conversion_id makes a decoded cache built from here on a new one.
-    for name in ("info.json", *(f"{split}.array_record" for split in splits)):
+    # info.json last: until it is moved, the records' fingerprint (its conversion_id) is the old one's, so no
+    # decoded cache built from a mix of old and new files can pass for the new conversion's.
+    for name in (*(f"{split}.array_record" for split in splits), "info.json"):
       os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
   finally:
     shutil.rmtree(staging, ignore_errors=True)
