@@ -150,9 +150,9 @@ def main(argv):
     configs = {label: with_strategy(_CONFIG.value, label) for label in labels}
     for config in configs.values():  # what the trainer would refuse on this cluster: before any output
       simulation.check(config, cluster)
-  except config_lib.ConfigError as e:  # its mesh is the cluster's: say which flags change that
+  except config_lib.ConfigError as e:  # checked on the cluster's mesh: say which flags set it
     cli.fail(
-      f"{e} (The mesh is the cluster's: --nodes={cluster.nodes} machines x --devices_per_node="
+      f"{e} (Checked on the cluster's mesh: --nodes={cluster.nodes} machines x --devices_per_node="
       f"{cluster.devices_per_node} devices, the preset's unless given.)"
     )
   except ValueError as e:

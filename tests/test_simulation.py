@@ -174,7 +174,7 @@ def test_simulate_cli_prints_the_table_and_the_json_line():
     (
       ["--nodes", "3", "--strategies", "gtopk@0.01"],
       "error: comm.strategy='gtopk' pairs devices by the bits of their index and needs a power-of-two device count, "
-      "not 3 x 8 = 24; use 'hitopk' or 'topk', or a mesh of 16 devices. (The mesh is the cluster's: --nodes=3 "
+      "not 3 x 8 = 24; use 'hitopk' or 'topk', or a mesh of 16 devices. (Checked on the cluster's mesh: --nodes=3 "
       "machines x --devices_per_node=8 devices, the preset's unless given.)",
     ),
     (["--plot", "p.png"], "error: --plot draws a sweep: add --sweep"),  # it was ignored
