@@ -159,12 +159,13 @@ def main() -> None:
   workdirs = {label: os.path.abspath(os.path.join(args.workdir, label.replace("/", "_"))) for label, _ in labels}
   failed = [] if args.report_only else train_all(args, rate, labels, workdirs)
 
-  runs = {}
+  runs, left_out = {}, []
   for label, strategy_overrides in labels:
     stamped = train_runs.stamped_command(workdirs[label])
     command = run_command(args, [*strategy_overrides, *(f"--config.{s}" for s in args.set)])
     if stamped is not None and stamped != command:  # only --report_only reads a workdir it did not just stamp
       print(f"{label}: left out: {workdirs[label]} holds a run of another command: {stamped}", file=sys.stderr)
+      left_out.append(label)
       continue
     try:
       runs[label] = train_runs.read_records(workdirs[label])
@@ -189,9 +190,10 @@ def main() -> None:
           f"{r['step_seconds']:>9.3f}{r['inter_node_bytes_per_step']:>18,}")  # fmt: skip
   if args.plot and results:
     plot_curves({label: runs[label] for label in results}, args.target, title, args.plot)
-  os.makedirs(args.workdir, exist_ok=True)
-  with open(os.path.join(args.workdir, "results.json"), "w") as f:
-    json.dump({"bandwidth": args.bandwidth, "mesh": [args.nodes, args.local], "target": args.target, **results}, f)
+  if not left_out:  # else results.json keeps the figures of the command that made the runs
+    os.makedirs(args.workdir, exist_ok=True)
+    with open(os.path.join(args.workdir, "results.json"), "w") as f:
+      json.dump({"bandwidth": args.bandwidth, "mesh": [args.nodes, args.local], "target": args.target, **results}, f)
   print(json.dumps(results))
   if failed:
     sys.exit(f"error: {', '.join(failed)} failed (see above); the other strategies are reported")

@@ -111,15 +111,17 @@ def test_report_only_shows_a_run_without_an_evaluation(lab, tmp_path, capsys):
   assert list(json.loads(out.strip().splitlines()[-1])) == ["hierarchical"] and "Traceback" not in err
 
 
-def test_report_only_leaves_out_a_run_of_another_command(lab, capsys):
+def test_report_only_leaves_out_a_run_of_another_command(lab, tmp_path, capsys):
   """A run made at 50 Mbit/s is not reported under the title of a report at 10 Mbit/s."""
   lab("--strategies", "hierarchical,hitopk@0.01")
   capsys.readouterr()
+  results = (tmp_path / "results.json").read_text()
   assert lab("--strategies", "hierarchical,hitopk@0.01", "--bandwidth", "10mbit", "--report_only") == 0
   out, err = capsys.readouterr()
   assert "hierarchical: left out: " in err and "holds a run of another command: train.py" in err
   assert err.count("left out") == 2 and err.rstrip().endswith("# on 2 x 4 at 50mbit")
   assert json.loads(out.strip().splitlines()[-1]) == {}
+  assert (tmp_path / "results.json").read_text() == results  # the 50 Mbit/s figures, not overwritten
   assert lab("--strategies", "hierarchical", "--report_only") == 0  # the command that made it: reported
   assert list(json.loads(capsys.readouterr()[0].strip().splitlines()[-1])) == ["hierarchical"]
 
