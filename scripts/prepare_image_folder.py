@@ -31,7 +31,11 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--folder", required=True, help="folder with train/CLASS/*.jpg and val/CLASS/*.jpg")
   parser.add_argument("--out", required=True, help="output folder for train.array_record, val.array_record, info.json")
-  parser.add_argument("--splits", default="train,val")
+  parser.add_argument(
+    "--splits",
+    default="train,val",
+    help="the splits to convert; others already in --out are kept if their classes are the same (else refused)",
+  )
   args = parser.parse_args()
   logging.set_verbosity(logging.INFO)
   folder, splits = os.path.expanduser(args.folder), tuple(args.splits.split(","))

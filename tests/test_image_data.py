@@ -50,6 +50,27 @@ def test_a_conversion_that_fails_leaves_the_earlier_one_as_it_was(tmp_path):
   assert sorted(before) == ["info.json", "train.array_record", "val.array_record"]
 
 
+def test_converting_one_split_keeps_the_others_only_if_their_classes_are_the_same(tmp_path):
+  raw, converted = tmp_path / "raw", tmp_path / "converted"
+  for split in ("train", "val"):
+    os.makedirs(raw / split / "cat")
+    (raw / split / "cat" / "0.jpg").write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(0), 32, 32)))
+  records.convert_image_folder(str(raw), str(converted))
+  val = (converted / "val.array_record").read_bytes()
+  os.makedirs(raw / "train" / "bird")  # sorts first: every label of val would be one too low
+  with pytest.raises(
+    DataError, match=r"holds val converted with other classes than train/ has now .* \(--splits train,val\)"
+  ):
+    records.convert_image_folder(str(raw), str(converted), ("train",))
+  assert json.loads((converted / "info.json").read_text())["classes"] == ["cat"]  # nothing changed
+  os.rmdir(raw / "train" / "bird")
+  (raw / "train" / "cat" / "1.jpg").write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(1), 32, 32)))
+  info = records.convert_image_folder(str(raw), str(converted), ("train",))
+  assert info["splits"]["train"]["examples"] == 2 and info["splits"]["val"]["examples"] == 1
+  assert json.loads((converted / "info.json").read_text()) == info
+  assert (converted / "val.array_record").read_bytes() == val and len(records.FolderRecords(str(converted), "val")) == 1
+
+
 def _folder_config(data_dir, cache_dir, **overrides):
   from configs import imagenet_resnet50
 

@@ -192,7 +192,9 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   Pillow cannot decode are skipped, counted and named in the log and in info.json; an empty class
   folder keeps its label (so labels follow the folder names) and is reported. Records are written in
   a fixed random order (as TFDS writes ImageNet), not class by class, so the first N records
-  (``data.train_subset``, ``data.eval_subset``) sample every class. No TensorFlow needed.
+  (``data.train_subset``, ``data.eval_subset``) sample every class. No TensorFlow needed. Splits already in
+  ``out_dir`` and not in ``splits`` are kept, and listed in the new info.json, where their classes are the same
+  (else DataError, before any work).
   """
   first = os.path.join(folder, splits[0])
   if not os.path.isdir(first):
@@ -200,6 +202,7 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   classes = sorted(d for d in os.listdir(first) if os.path.isdir(os.path.join(first, d)))
   if not classes:
     raise DataError(f"{first} has no class sub-folders (expected {first}/CLASS_NAME/*.jpg)")
+  kept = _splits_kept(out_dir, splits, classes)
   os.makedirs(out_dir, exist_ok=True)
   for stale in glob.glob(os.path.join(out_dir, _STAGING + "*")):  # left by a conversion that was killed
     shutil.rmtree(stale, ignore_errors=True)
@@ -209,6 +212,9 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   staging = tempfile.mkdtemp(prefix=_STAGING, dir=out_dir)
   try:
     info = _convert_splits(folder, staging, splits, classes, first)
+    info["splits"].update(kept)
+    with open(os.path.join(staging, "info.json"), "w") as f:
+      json.dump(info, f, indent=1)
     # info.json last: until it is moved, the records' fingerprint (its conversion_id) is the old one's, so no
     # decoded cache built from a mix of old and new files can pass for the new conversion's.
     for name in (*(f"{split}.array_record" for split in splits), "info.json"):
@@ -262,9 +268,34 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
     logging.info(
       "image folder %s: %d images written, %d skipped, %d empty classes", split, written, len(skipped), len(empty)
     )
-  with open(os.path.join(out_dir, "info.json"), "w") as f:
-    json.dump(info, f, indent=1)
   return info
+
+
+def _splits_kept(out_dir: str, splits: tuple[str, ...], classes: list[str]) -> dict:
+  """info.json's entries of the splits already in ``out_dir`` that this conversion leaves as they are (``splits``
+  is a subset): their labels index the earlier conversion's classes, so those must be ``classes``. Raises
+  DataError before any work where they are not, or where info.json cannot say."""
+  others = sorted(
+    name.removesuffix(".array_record")
+    for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else [])
+    if name.endswith(".array_record") and name.removesuffix(".array_record") not in splits
+  )
+  if not others:
+    return {}
+  try:
+    with open(os.path.join(out_dir, "info.json")) as f:
+      earlier = json.load(f)
+    same = earlier["classes"] == classes
+    entries = {split: earlier["splits"][split] for split in others}
+  except (OSError, ValueError, KeyError, TypeError):
+    same = False
+  if not same:
+    raise DataError(
+      f"{out_dir} holds {', '.join(others)} converted with other classes than {splits[0]}/ has now (or no "
+      f"info.json that says): their labels would be wrong; convert every split together (--splits "
+      f"{','.join([*splits, *others])}) or choose another --out"
+    )
+  return entries
 
 
 # --- Decoded caches ----------------------------------------------------------------------------------
