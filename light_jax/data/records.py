@@ -272,30 +272,25 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
 
 
 def _splits_kept(out_dir: str, splits: tuple[str, ...], classes: list[str]) -> dict:
-  """info.json's entries of the splits already in ``out_dir`` that this conversion leaves as they are (``splits``
-  is a subset): their labels index the earlier conversion's classes, so those must be ``classes``. Raises
-  DataError before any work where they are not, or where info.json cannot say."""
-  others = sorted(
-    name.removesuffix(".array_record")
-    for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else [])
-    if name.endswith(".array_record") and name.removesuffix(".array_record") not in splits
-  )
-  if not others:
-    return {}
+  """info.json's entries of the splits an earlier conversion wrote in ``out_dir`` that this one leaves as they
+  are (``splits`` is a subset): their labels index the earlier conversion's classes, so those must be
+  ``classes``. Raises DataError, before any work, where they are not."""
   try:
     with open(os.path.join(out_dir, "info.json")) as f:
       earlier = json.load(f)
-    same = earlier["classes"] == classes
-    entries = {split: earlier["splits"][split] for split in others}
-  except (OSError, ValueError, KeyError, TypeError):
-    same = False
-  if not same:
+    listed, earlier_classes = dict(earlier["splits"]), earlier["classes"]
+  except (OSError, ValueError, KeyError, TypeError):  # no earlier conversion that says what it wrote
+    return {}
+  others = sorted(
+    split for split in listed if split not in splits and os.path.exists(os.path.join(out_dir, f"{split}.array_record"))
+  )
+  if others and earlier_classes != classes:
     raise DataError(
-      f"{out_dir} holds {', '.join(others)} converted with other classes than {splits[0]}/ has now (or no "
-      f"info.json that says): their labels would be wrong; convert every split together (--splits "
-      f"{','.join([*splits, *others])}) or choose another --out"
+      f"{out_dir} holds {', '.join(others)} converted with other classes than {splits[0]}/ has now: their labels "
+      f"would be wrong; convert every split together (--splits {','.join([*splits, *others])}) or choose another "
+      f"--out"
     )
-  return entries
+  return {split: listed[split] for split in others}
 
 
 # --- Decoded caches ----------------------------------------------------------------------------------
