@@ -34,14 +34,24 @@ def test_image_folder_conversion_keeps_labels_and_reports_bad_files(folder):
     assert sorted((source[i][2], source[i][1]) for i in range(len(source))) == sorted(good)  # never a wrong label
 
 
-def test_a_conversion_that_fails_leaves_the_earlier_one_as_it_was(tmp_path):
+def _one_cat_converted(tmp_path):
+  """(raw, converted): a folder whose train/ and val/ hold one image of one class "cat", converted."""
   raw, converted = tmp_path / "raw", tmp_path / "converted"
   for split in ("train", "val"):
     os.makedirs(raw / split / "cat")
-    (raw / split / "cat" / "0.jpg").write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(0), 32, 32)))
+    _add_cat(raw / split, 0)
   records.convert_image_folder(str(raw), str(converted))
+  return raw, converted
+
+
+def _add_cat(split_dir, seed):
+  (split_dir / "cat" / f"{seed}.jpg").write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(seed), 32, 32)))
+
+
+def test_a_conversion_that_fails_leaves_the_earlier_one_as_it_was(tmp_path):
+  raw, converted = _one_cat_converted(tmp_path)
   before = {name: (converted / name).read_bytes() for name in os.listdir(converted)}
-  (raw / "train" / "cat" / "1.jpg").write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(1), 32, 32)))
+  _add_cat(raw / "train", 1)
   os.makedirs(raw / "val" / "dog")  # found once train is written: a class that train lacks
   os.makedirs(converted / ".converting_killed")  # what a conversion killed with SIGKILL leaves
   with pytest.raises(DataError, match="class folders that .* lacks: \\['dog'\\]"):
@@ -51,11 +61,7 @@ def test_a_conversion_that_fails_leaves_the_earlier_one_as_it_was(tmp_path):
 
 
 def test_converting_one_split_keeps_the_others_only_if_their_classes_are_the_same(tmp_path):
-  raw, converted = tmp_path / "raw", tmp_path / "converted"
-  for split in ("train", "val"):
-    os.makedirs(raw / split / "cat")
-    (raw / split / "cat" / "0.jpg").write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(0), 32, 32)))
-  records.convert_image_folder(str(raw), str(converted))
+  raw, converted = _one_cat_converted(tmp_path)
   val = (converted / "val.array_record").read_bytes()
   os.makedirs(raw / "train" / "bird")  # sorts first: every label of val would be one too low
   with pytest.raises(
@@ -65,7 +71,7 @@ def test_converting_one_split_keeps_the_others_only_if_their_classes_are_the_sam
   assert json.loads((converted / "info.json").read_text())["classes"] == ["cat"]  # nothing changed
   os.rmdir(raw / "train" / "bird")
   (converted / "decoded_32px_0123.array_record").write_bytes(b"")  # a decoded cache kept here: not a split
-  (raw / "train" / "cat" / "1.jpg").write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(1), 32, 32)))
+  _add_cat(raw / "train", 1)
   info = records.convert_image_folder(str(raw), str(converted), ("train",))
   assert info["splits"]["train"]["examples"] == 2 and info["splits"]["val"]["examples"] == 1
   assert json.loads((converted / "info.json").read_text()) == info
