@@ -72,10 +72,14 @@ def test_converting_one_split_keeps_the_others_only_if_their_classes_are_the_sam
   os.rmdir(raw / "train" / "bird")
   (converted / "decoded_32px_0123.array_record").write_bytes(b"")  # a decoded cache kept here: not a split
   _add_cat(raw / "train", 1)
-  info = records.convert_image_folder(str(raw), str(converted), ("train",))
+  info = records.convert_image_folder(str(raw), str(converted), ("train", "train"))  # a split named twice: once
   assert info["splits"]["train"]["examples"] == 2 and info["splits"]["val"]["examples"] == 1
   assert json.loads((converted / "info.json").read_text()) == info
   assert (converted / "val.array_record").read_bytes() == val and len(records.FolderRecords(str(converted), "val")) == 1
+  (converted / "info.json").write_text("{")  # damaged: which classes val's labels index is unknown
+  with pytest.raises(DataError, match=r"info.json is damaged and .* holds train.array_record, val.array_record"):
+    records.convert_image_folder(str(raw), str(converted), ("train",))
+  records.convert_image_folder(str(raw), str(converted))  # every split: nothing to keep
 
 
 def _folder_config(data_dir, cache_dir, **overrides):

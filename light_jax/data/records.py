@@ -194,8 +194,9 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   a fixed random order (as TFDS writes ImageNet), not class by class, so the first N records
   (``data.train_subset``, ``data.eval_subset``) sample every class. No TensorFlow needed. Splits already in
   ``out_dir`` and not in ``splits`` are kept, and listed in the new info.json, where their classes are the same
-  (else DataError, before any work).
+  (else DataError, before any work); their decoded caches are built again (the conversion id changes).
   """
+  splits = tuple(dict.fromkeys(splits))  # each once: a split named twice would be moved twice
   first = os.path.join(folder, splits[0])
   if not os.path.isdir(first):
     raise DataError(f"{first} does not exist: the folder must hold {'/'.join(splits)}/CLASS_NAME/*.jpg")
@@ -275,11 +276,22 @@ def _splits_kept(out_dir: str, splits: tuple[str, ...], classes: list[str]) -> d
   """info.json's entries of the splits an earlier conversion wrote in ``out_dir`` that this one leaves as they
   are (``splits`` is a subset): their labels index the earlier conversion's classes, so those must be
   ``classes``. Raises DataError, before any work, where they are not."""
+  info_path = os.path.join(out_dir, "info.json")
+  if not os.path.exists(info_path):
+    return {}  # no earlier conversion here
   try:
-    with open(os.path.join(out_dir, "info.json")) as f:
+    with open(info_path) as f:
       earlier = json.load(f)
     listed, earlier_classes = dict(earlier["splits"]), earlier["classes"]
-  except (OSError, ValueError, KeyError, TypeError):  # no earlier conversion that says what it wrote
+  except (OSError, ValueError, KeyError, TypeError):  # damaged: what it wrote and with which classes is unknown
+    records = [  # a decoded cache kept here (data.cache_dir) is no split
+      name for name in os.listdir(out_dir) if name.endswith(".array_record") and not name.startswith("decoded_")
+    ]
+    if not {f"{split}.array_record" for split in splits} >= set(records):
+      raise DataError(
+        f"{info_path} is damaged and {out_dir} holds {', '.join(sorted(records))}: convert every split together "
+        f"or choose another --out"
+      ) from None
     return {}
   others = sorted(
     split for split in listed if split not in splits and os.path.exists(os.path.join(out_dir, f"{split}.array_record"))
