@@ -109,6 +109,11 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
   return args, rate, labels
 
 
+def run_overrides(args, strategy_overrides: list[str]) -> list[str]:
+  """A strategy's train.py overrides, then the --set ones."""
+  return [*strategy_overrides, *(f"--config.{s}" for s in args.set)]
+
+
 def run_command(args, overrides: list[str]) -> str:
   """The text stamped in a run's workdir. The mesh and the link are part of the run: a clock resumed at another
   bandwidth would mix two, and a report must not show a run made at another under this command's title."""
@@ -123,7 +128,7 @@ def train_all(args, rate: int | None, labels: list[tuple[str, list[str]]], workd
   try:
     with EmulatedCluster(args.nodes, rate) as cluster:
       for label, strategy_overrides in labels:
-        overrides = [*strategy_overrides, *(f"--config.{s}" for s in args.set)]
+        overrides = run_overrides(args, strategy_overrides)
         if not train_runs.prepare_workdir(label, workdirs[label], run_command(args, overrides), args.rerun):
           continue
         print(f"training with {label} on {args.nodes} x {args.local} at {args.bandwidth} ...", file=sys.stderr,
@@ -162,7 +167,7 @@ def main() -> None:
   runs, left_out = {}, []
   for label, strategy_overrides in labels:
     stamped = train_runs.stamped_command(workdirs[label])
-    command = run_command(args, [*strategy_overrides, *(f"--config.{s}" for s in args.set)])
+    command = run_command(args, run_overrides(args, strategy_overrides))
     if stamped is not None and stamped != command:  # only --report_only reads a workdir it did not just stamp
       print(f"{label}: left out: {workdirs[label]} holds a run of another command: {stamped}", file=sys.stderr)
       left_out.append(label)

@@ -61,7 +61,6 @@ def prepare_workdir(label: str, workdir: str, command: str, rerun: bool = False,
   stamps of the same run). False when the workdir already holds that run's summary.json: nothing to run. Else
   True, and a checkpoint of the same command is kept, for the run to resume from; any other workdir (or any,
   with ``rerun``) is emptied and stamped."""
-  stamp = os.path.join(workdir, "command.txt")
   same_command = stamped_command(workdir) in (command, *also)
   if not rerun and same_command and os.path.exists(os.path.join(workdir, "summary.json")):
     print(f"{label}: reusing {workdir}", file=sys.stderr)
@@ -72,7 +71,7 @@ def prepare_workdir(label: str, workdir: str, command: str, rerun: bool = False,
   if os.path.exists(workdir):
     shutil.rmtree(workdir)
   os.makedirs(workdir)
-  with open(stamp, "w") as f:
+  with open(_stamp_path(workdir), "w") as f:
     f.write(command)
   print(f"{label}: {command}", file=sys.stderr, flush=True)
   return True
@@ -200,7 +199,11 @@ def stamped_command(workdir: str) -> str | None:
   """The command ``prepare_workdir`` stamped in ``workdir``; None where there is none (no run, or one from before
   the stamps)."""
   try:
-    with open(os.path.join(workdir, "command.txt")) as f:
+    with open(_stamp_path(workdir)) as f:
       return f.read()
   except FileNotFoundError:
     return None
+
+
+def _stamp_path(workdir: str) -> str:
+  return os.path.join(workdir, "command.txt")

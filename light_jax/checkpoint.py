@@ -18,6 +18,7 @@ its step again, which replaces it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -36,6 +37,7 @@ from light_jax import stderr_redirect
 from light_jax.config import SAFE_TO_CHANGE, base_config
 
 
+@functools.cache  # once per process: the registry keeps it
 def _save_each_shard_whole() -> None:
   """Makes orbax write each distinct shard of an array whole, once, from the device that holds its replica 0:
   orbax's default where JAX_PLATFORMS names a GPU. Otherwise orbax splits each replicated array across its

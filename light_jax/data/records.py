@@ -212,7 +212,7 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   # ``out_dir`` as it found it, a good earlier conversion included.
   staging = tempfile.mkdtemp(prefix=_STAGING, dir=out_dir)
   try:
-    info = _convert_splits(folder, staging, splits, classes, first)
+    info = _convert_splits(folder, staging, splits, classes)
     info["splits"].update(kept)
     with open(os.path.join(staging, "info.json"), "w") as f:
       json.dump(info, f, indent=1)
@@ -225,8 +225,9 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   return info
 
 
-def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes: list[str], first: str) -> dict:
+def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes: list[str]) -> dict:
   """``convert_image_folder``'s files, written in ``out_dir``; returns info.json's dict."""
+  first = os.path.join(folder, splits[0])
   # New on every conversion: FolderRecords.fingerprint changes with it, so no decoded cache outlives it.
   info = {"classes": classes, "conversion_id": uuid.uuid4().hex, "splits": {}}
   for split in splits:
