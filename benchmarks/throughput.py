@@ -43,10 +43,10 @@ from light_jax.config import base_config  # noqa: E402
 try:  # a config dict flag applies its --config.FIELD overrides here, at definition
   _CONFIG = config_flags.DEFINE_config_dict("config", base_config(), "config fields (the defaults of base_config)")
 except cli.FLAG_ERRORS as e:
-  message = cli.describe_flag_error(e, sys.argv)
-  if message is None:  # not the command line's: a bug, with its traceback
+  error = cli.describe_flag_error(e, sys.argv)
+  if error is None:  # not the command line's: a bug, with its traceback
     raise
-  cli.fail(message)
+  cli.fail(error.line())
 _MODEL = flags.DEFINE_string("model", "resnet50", "model.name")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "square image side, pixels")
 _BATCH = flags.DEFINE_integer("batch_per_device", 64, "images per device per step")

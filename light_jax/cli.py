@@ -20,8 +20,21 @@ FLAG_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSE
 _NOT_LOADED = "Configuration is not available because of an earlier failure to load: "
 
 
+# Where to look next, after an error's one line.
+FIELDS_HINT = "base_config() in light_jax/config.py lists the fields"
+FLAGS_HINT = "--help lists the flags"
+
+
 class CommandLineError(ValueError):
-  """A flag the program cannot take; the message is one line that says which and why."""
+  """A flag the program cannot take; the message is one line that says which and why, ``hint`` (or None)
+  where to look next."""
+
+  def __init__(self, message: str, hint: str | None = None):
+    super().__init__(message)
+    self.hint = hint
+
+  def line(self) -> str:
+    return f"{self} ({self.hint})" if self.hint else str(self)
 
 
 def fail(message: str) -> NoReturn:
@@ -40,13 +53,7 @@ def flags_parser(*config_file_flags):
     try:
       return _parse(flags.FLAGS, argv, [flag.name for flag in config_file_flags])
     except CommandLineError as e:
-      # --help lists the flags, not the config's fields: base_config does, with their defaults and meaning.
-      where = (
-        "base_config() in light_jax/config.py lists the fields"
-        if "config field" in str(e)
-        else "--help lists the flags"
-      )
-      fail(f"{e} ({where})")
+      fail(e.line())
 
   return parse
 
@@ -89,34 +96,41 @@ def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: li
       if flag_values[name].value is not None:
         flag_values[name].value.keys()  # a config file that failed to load raises here
   except FLAG_ERRORS as e:
-    message = describe_flag_error(e, argv)
-    if message is None:
+    error = describe_flag_error(e, argv)
+    if error is None:
       raise
-    raise CommandLineError(message) from None
+    raise error from None
   return parsed
 
 
-def describe_flag_error(e: Exception, argv: list[str]) -> str | None:
-  """One line from what absl and ml_collections raise (which may hold a whole traceback), or None where the
-  error is not the command line's: a bug inside the config file, whose traceback says where."""
+def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | None:
+  """One line from what absl and ml_collections raise (which may hold a whole traceback), with where to look
+  next, or None where the error is not the command line's: a bug inside the config file, whose traceback says
+  where."""
   text = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
   if text[:1] in "'\"":  # ml_collections quotes its KeyError's message, newlines escaped
     with contextlib.suppress(ValueError, SyntaxError):
       text = str(ast.literal_eval(text))
   lines = [line.strip() for line in text.splitlines() if line.strip()]
   if not lines:
-    return type(e).__name__
+    return CommandLineError(type(e).__name__, FLAGS_HINT)
+  # The config file's own messages say what to give instead: no hint.
   if "Traceback (most recent call last)" in text:  # raised inside the config file's get_config
     if not lines[-1].startswith("ValueError:"):  # config files raise ValueError for a bad variant
       return None
     head = text.split("Error whilst parsing config file")[0].rstrip(": \n")
-    return f"{head}: {lines[-1]}"
+    return CommandLineError(f"{head}: {lines[-1]}")
   if _NOT_LOADED in text:  # the config file did not load: why is on the last line
-    return f"--config: cannot load the config file: {lines[-1].replace(_NOT_LOADED, '')}"
+    return CommandLineError(f"--config: cannot load the config file: {lines[-1].replace(_NOT_LOADED, '')}")
   if isinstance(e, (AttributeError, KeyError)):  # a --config.FIELD=VALUE naming no field, or a config file's bug
     name = lines[0].strip("'\"")  # the missing key, or a message that names the path looked up
     path = next((p for p in overridden_fields(argv) if p in text or name in p.split(".")), None)
     if path is None:
       return None
-    return f"--config.{path}: no such config field" + "".join(f"; {line}" for line in lines[1:])
-  return " ".join(lines)
+    return CommandLineError(
+      f"--config.{path}: no such config field" + "".join(f"; {line}" for line in lines[1:]), FIELDS_HINT
+    )
+  message = " ".join(lines)
+  # absl names the flag whose value it could not take: a config field's (--help does not list those) or a flag's.
+  field_value = any(message.startswith(f"flag --config.{path}=") for path in overridden_fields(argv))
+  return CommandLineError(message, FIELDS_HINT if field_value else FLAGS_HINT)

@@ -177,24 +177,31 @@ def test_cli_reports_a_bad_config_without_traceback(tmp_path):
   assert not os.listdir(tmp_path)  # nothing written before validation
 
 
+FIELDS = "base_config() in light_jax/config.py lists the fields"
+FLAGS = "--help lists the flags"
+
+
 @pytest.mark.parametrize(
-  "args,message",
+  "args,message,hint",
   [
     (
       ["--config.global_batch_siz=64"],
       '--config.global_batch_siz: no such config field; Did you mean "global_batch_size"',
+      FIELDS,
     ),
-    (["--config.optimizer.lr=0.1"], "no such config field (base_config() in light_jax/config.py lists the fields)"),
-    (["--config.global_batch_size=abc"], "flag --config.global_batch_size=abc: invalid literal for int()"),
+    (["--config.optimizer.lr=0.1"], "--config.optimizer.lr: no such config field", FIELDS),
+    (["--config.global_batch_size=abc"], "flag --config.global_batch_size=abc: invalid literal for int()", FIELDS),
     # "./": not a path that tests/test_docs.py expects to exist
-    (["--config=./configs/fashion_mnst.py"], "--config: cannot load the config file: [Errno 2] No such file"),
+    (["--config=./configs/fashion_mnst.py"], "--config: cannot load the config file: [Errno 2] No such file", None),
     (
       ["--config=configs/fashion_mnist.py:nope"],
       "ValueError: unknown variant 'nope' of fashion_mnist.py; known: lars,",
+      None,
     ),
-    (["--nope=1"], "Unknown command line flag 'nope'"),
-    (["--config.mesh.cpu_devices=-2"], "invalid config: mesh.cpu_devices=-2 must be >= 0"),
-    (["--peer_timeout=0"], "--peer_timeout must be > 0 seconds"),
+    (["--nope=1"], "Unknown command line flag 'nope'", FLAGS),
+    (["--peer_timeout=abc"], "flag --peer_timeout=abc: could not convert string to float", FLAGS),
+    (["--config.mesh.cpu_devices=-2"], "invalid config: mesh.cpu_devices=-2 must be >= 0", None),
+    (["--peer_timeout=0"], "--peer_timeout must be > 0 seconds", FLAGS),
   ],
   ids=[
     "misspelled-field",
@@ -203,15 +210,18 @@ def test_cli_reports_a_bad_config_without_traceback(tmp_path):
     "missing-config-file",
     "unknown-variant",
     "unknown-flag",
+    "flag-wrong-type",
     "cpu-devices",
     "peer-timeout",
   ],  # fmt: skip
 )
-def test_cli_bad_flags_get_one_error_line_and_exit_code_2(tmp_path, args, message):
+def test_cli_bad_flags_get_one_error_line_and_exit_code_2(tmp_path, args, message, hint):
+  """One line that says what is wrong, then where to look: the config's fields are not among --help's flags."""
   result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "run"), *args)
   assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+  assert errors[0].endswith(f" ({hint})") if hint else not errors[0].endswith(("fields)", "flags)")), errors[0]
   assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
 
 
