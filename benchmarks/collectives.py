@@ -81,24 +81,32 @@ def main():
   from light_jax.parallel import cost_model
   from light_jax.parallel import fusion as fusion_lib
   from light_jax.parallel import mesh as mesh_lib
-  from light_jax.parallel import reducer as reducer_lib
 
   try:
     cost = cost_model.load(args.cost_model)  # before any measurement: the adaptive variants use it
   except ValueError as e:
     cli.fail(f"--cost_model: {e}")
   try:
-    mesh = mesh_lib.make_mesh(args.nodes, args.local)
-  except mesh_lib.MeshError:  # one process: nodes x local is not the device count
-    count = jax.device_count()
-    cli.fail(f"--nodes={args.nodes} --local={args.local}: a mesh of the {count} devices here needs nodes x local = "
-             f"{count} (--local -1 fills it)")  # fmt: skip
+    mesh = mesh_lib.make_mesh(args.nodes, args.local, names=("--nodes", "--local"))
+  except mesh_lib.MeshError as e:  # one process: nodes x local is not the device count
+    cli.fail(str(e))
   devices = mesh.size
   nodes, local = mesh.devices.shape  # --local -1 filled
   model = create_model(args.model, 1000)
   profile = fusion_lib.profile_parameters(model, (224, 224, 3))  # real backward order, FLOPs per tensor
   shapes = profile.params
   num_elements = sum(s.size for s in jax.tree.leaves(shapes))
+  # Every reducer before any measurement: a variant this mesh cannot run (gtopk on a device count that is no
+  # power of two) is refused at once where --only names it, and left out, with its reason, from the full set.
+  reducers = {}
+  for name in names:
+    try:
+      reducers[name] = make_reducer(name, nodes, local, profile, cost, args)
+    except ValueError as e:
+      if args.only:
+        cli.fail(f"--only={name}: {e}")
+      print(f"  left out {name}: {e}", file=sys.stderr)
+
   per_device = P(mesh_lib.NODE, mesh_lib.LOCAL)
   batch_sharding = mesh_lib.batch_sharding(mesh)
 
@@ -117,25 +125,7 @@ def main():
   grads = jax.jit(make_grads, out_shardings=batch_sharding)(jax.random.key(0))
 
   rows = {}
-  for name in names:
-    strategy, fusion, density, selector = VARIANTS[name]
-    if strategy == reducer_lib.POWERSGD:  # P and Q of every tensor in one all-reduce each: no buckets
-      reducer = reducer_lib.make_gradient_reducer(strategy, nodes, local, rank=density)
-    else:
-      reducer = reducer_lib.make_gradient_reducer(
-        strategy,
-        args.nodes,
-        args.local,
-        "fixed" if fusion == "adaptive" else fusion,
-        density=density,
-        selector=selector,
-        order=profile.order,
-        compact_pairs=name.endswith("/compact"),
-      )
-    if fusion == "adaptive":
-      reducer = cost_model.plan_adaptive_fusion(
-        reducer, profile, cost, args.device_tflops * 1e12, args.examples_per_device
-      )
+  for name, reducer in reducers.items():
     state = jax.device_put(reducer.init_state(shapes), NamedSharding(mesh, per_device))
     reduce = jax.jit(
       jax.shard_map(
@@ -185,6 +175,31 @@ def main():
   print(
     json.dumps({n: {k: r[k] for k in ("seconds", "inter_node_bytes", "intra_node_bytes")} for n, r in rows.items()})
   )
+
+
+def make_reducer(name, nodes, local, profile, cost, args):
+  """The reducer of variant ``name`` on a ``nodes`` x ``local`` mesh (ValueError if it cannot run there)."""
+  from light_jax.parallel import cost_model
+  from light_jax.parallel import reducer as reducer_lib
+
+  strategy, fusion, density, selector = VARIANTS[name]
+  if strategy == reducer_lib.POWERSGD:  # P and Q of every tensor in one all-reduce each: no buckets
+    return reducer_lib.make_gradient_reducer(strategy, nodes, local, rank=density)
+  reducer = reducer_lib.make_gradient_reducer(
+    strategy,
+    nodes,
+    local,
+    "fixed" if fusion == "adaptive" else fusion,
+    density=density,
+    selector=selector,
+    order=profile.order,
+    compact_pairs=name.endswith("/compact"),
+  )
+  if fusion == "adaptive":
+    reducer = cost_model.plan_adaptive_fusion(
+      reducer, profile, cost, args.device_tflops * 1e12, args.examples_per_device
+    )
+  return reducer
 
 
 if __name__ == "__main__":

@@ -110,11 +110,9 @@ def main(argv):
     except config_lib.ConfigError as e:
       cli.fail(str(e))
   try:
-    mesh = mesh_lib.make_mesh(_NODES.value, -1)
-  except mesh_lib.MeshError:  # one process: --nodes does not divide the devices
-    count = jax.device_count()
-    cli.fail(f"--nodes={_NODES.value} does not divide the {count} devices here; give a divisor of {count} "
-             "(on CPU, --cpu_devices sets how many)")  # fmt: skip
+    mesh = mesh_lib.make_mesh(_NODES.value, -1, names=("--nodes", "--local"))
+  except mesh_lib.MeshError as e:  # one process: --nodes does not divide the devices
+    cli.fail(f"{e} (On CPU, --cpu_devices sets how many devices there are.)")
   size, per_device = _IMAGE_SIZE.value, _BATCH.value
   global_batch = per_device * mesh.size
   info = DatasetInfo(_CLASSES.value, (size, size, 3), IMAGENET_MEAN, IMAGENET_STD)

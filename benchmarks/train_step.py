@@ -42,6 +42,14 @@ def main():
   args = parser.parse_args()
   if args.nodes < 1 or args.local < 1:
     cli.fail(f"--nodes={args.nodes} --local={args.local}: each must be >= 1")
+  devices = args.nodes * args.local
+  if args.batch < devices or args.batch % devices:
+    lower = max(args.batch // devices, 1) * devices
+    cli.fail(f"--batch={args.batch} does not divide over the {devices} devices of --nodes x --local; use a multiple "
+             f"of {devices} (e.g. {lower} or {lower + devices})")  # fmt: skip
+  if args.micro_batches < 1 or (args.batch // devices) % args.micro_batches:
+    cli.fail(f"--micro_batches={args.micro_batches} must be >= 1 and divide the {args.batch // devices} examples "
+             "per device (--batch / (--nodes x --local))")  # fmt: skip
 
   import jax
 
@@ -59,11 +67,9 @@ def main():
   from light_jax.parallel import reducer as reducer_lib
 
   try:
-    mesh = mesh_lib.make_mesh(args.nodes, args.local)
-  except mesh_lib.MeshError:  # on GPUs: one process, nodes x local is not the device count
-    count = jax.device_count()
-    cli.fail(f"--nodes={args.nodes} --local={args.local}: a mesh of the {count} devices here needs nodes x local = "
-             f"{count}")  # fmt: skip
+    mesh = mesh_lib.make_mesh(args.nodes, args.local, names=("--nodes", "--local"))
+  except mesh_lib.MeshError as e:  # on GPUs: one process, nodes x local is not the device count
+    cli.fail(str(e))
   devices = mesh.size
   info = DatasetInfo(num_classes=10, image_shape=(args.image, args.image, args.channels), mean=(127.5,), std=(64.0,))
   model = create_model(args.model, info.num_classes)

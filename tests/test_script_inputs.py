@@ -125,7 +125,7 @@ TOY_THROUGHPUT = ["--model=resnet8_small", "--image_size=8", "--batch_per_device
     ("--config.mesh.nodes=2", "--config.mesh.nodes has no effect in this benchmark; set --nodes and --cpu_devices"),
     ("--config.global_batch_size=64", "--config.global_batch_size has no effect"),
     ("--config.data.image_size=32", "--config.data.image_size has no effect"),
-    ("--nodes=2", "--nodes=2 does not divide the 1 devices here; give a divisor of 1"),
+    ("--nodes=2", "--nodes=2 does not divide the 1 devices; set --nodes to one of 1. (On CPU, --cpu_devices sets"),
   ],
 )
 def test_throughput_refuses_what_it_would_ignore_or_fail_on(flag, message):
@@ -147,6 +147,27 @@ def test_benchmarks_refuse_a_mesh_that_does_not_fit():
   toy = ["--model=resnet8_small", "--image=8", "--batch_per_device=1", "--rounds=1", "--local=4"]
   error = _fails("benchmarks/update_step.py", *toy, JAX_NUM_CPU_DEVICES="2")
   assert "--local=4: there are 2 devices here" in error
+
+
+def test_benchmarks_check_what_their_mesh_can_run_before_measuring():
+  # A batch that does not split over 3 x 2 devices was a sharding traceback after the model was built.
+  error = _fails("benchmarks/train_step.py", "--nodes=3", "--local=2")
+  assert error.startswith("error: --batch=256 does not divide over the 6 devices of --nodes x --local; use a multiple")
+  assert "divide the 32 examples per device" in _fails("benchmarks/train_step.py", "--micro_batches=3")
+  # gtopk needs a power-of-two device count: named in --only, refused (it was a traceback mid-benchmark).
+  error = _fails("benchmarks/collectives.py", "--nodes=3", "--local=2", "--model=resnet8_small", "--only=gtopk@0.01")
+  assert error.startswith("error: --only=gtopk@0.01: comm.strategy='gtopk' pairs devices by the bits")
+
+
+def test_collectives_counts_the_bytes_of_the_filled_mesh():
+  args = ["--model=resnet8_small", "--repeats=1", "--only=hierarchical,hitopk@0.01"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "benchmarks/collectives.py", "--nodes=1", "--local=-1", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = json.loads(result.stdout.strip().splitlines()[-1])
+  # One device (--local -1 filled to 1): nothing is sent; the accounting had taken local = -1.
+  assert all(r["intra_node_bytes"] == 0 and r["inter_node_bytes"] == 0 for r in rows.values()), rows
 
 
 def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path):

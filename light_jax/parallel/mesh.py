@@ -19,44 +19,48 @@ AXES = (NODE, LOCAL)
 BATCH_SPEC = P(AXES)
 
 
+# How a MeshError names the two counts: the config's fields, or a benchmark's own flags ("--nodes", "--local").
+CONFIG_NAMES = ("mesh.nodes", "mesh.local")
+
+
 class MeshError(ValueError):
   """The requested mesh does not fit the devices; the message says what to change."""
 
 
-def resolve_mesh_shape(nodes: int, local: int, num_devices: int, num_processes: int = 1) -> tuple[int, int]:
+def resolve_mesh_shape(
+  nodes: int, local: int, num_devices: int, num_processes: int = 1, names: tuple[str, str] = CONFIG_NAMES
+) -> tuple[int, int]:
   """Fills -1 entries of (nodes, local) from the device count and checks the product.
 
-  With both -1 a process is a node: (num_processes, num_devices // num_processes).
+  With both -1 a process is a node: (num_processes, num_devices // num_processes). ``names``: what the
+  errors call the two counts, the settings the user changes.
   """
+  n, l = names  # noqa: E741
   if nodes == 0 or local == 0 or nodes < -1 or local < -1:
-    raise MeshError(f"mesh.nodes={nodes}, mesh.local={local}: each must be a positive int or -1 (fill).")
+    raise MeshError(f"{n}={nodes}, {l}={local}: each must be a positive int or -1 (fill).")
   if nodes == -1 and local == -1:
     if num_devices % num_processes:  # say where the node count came from: the user set neither
       raise MeshError(
-        f"mesh.nodes=-1 and mesh.local=-1 make each of the {num_processes} processes a node, but "
-        f"{num_processes} does not divide the {num_devices} devices; set mesh.nodes and mesh.local so that "
-        f"their product is {num_devices}."
+        f"{n}=-1 and {l}=-1 make each of the {num_processes} processes a node, but {num_processes} does not "
+        f"divide the {num_devices} devices; set {n} and {l} so that their product is {num_devices}."
       )
     nodes = num_processes
   if nodes == -1:
     if num_devices % local:
       raise MeshError(
-        f"mesh.local={local} does not divide the {num_devices} devices; set mesh.local to one of "
-        f"{_divisors(num_devices)}."
+        f"{l}={local} does not divide the {num_devices} devices; set {l} to one of {_divisors(num_devices)}."
       )
     nodes = num_devices // local
   if local == -1:
     if num_devices % nodes:
       raise MeshError(
-        f"mesh.nodes={nodes} does not divide the {num_devices} devices; set mesh.nodes to one of "
-        f"{_divisors(num_devices)}."
+        f"{n}={nodes} does not divide the {num_devices} devices; set {n} to one of {_divisors(num_devices)}."
       )
     local = num_devices // nodes
   if nodes * local != num_devices:
     raise MeshError(
-      f"mesh {nodes} x {local} = {nodes * local} devices, but {num_devices} are available; set "
-      f"--config.mesh.nodes and --config.mesh.local so that their product is {num_devices} (or use -1 "
-      f"for one of them)."
+      f"mesh {nodes} x {local} = {nodes * local} devices, but {num_devices} are available; set {n} and {l} "
+      f"so that their product is {num_devices} (or use -1 for one of them)."
     )
   return nodes, local
 
@@ -65,18 +69,19 @@ def _divisors(n: int) -> str:
   return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def make_mesh(nodes: int = -1, local: int = -1, devices=None) -> Mesh:
+def make_mesh(nodes: int = -1, local: int = -1, devices=None, names: tuple[str, str] = CONFIG_NAMES) -> Mesh:
   """Builds the (node, local) mesh over ``devices`` (default: all devices of all processes).
 
   In a multi-process run where each process is one machine (the usual case) the mesh comes from
   ``create_hybrid_device_mesh`` so that ``local`` follows each machine's fast interconnect and ``node``
   crosses machines. Any other split that keeps a node's devices inside one process is allowed too
-  (e.g. 2 processes x 4 devices as a 4 x 2 mesh); in a single process the split is free.
+  (e.g. 2 processes x 4 devices as a 4 x 2 mesh); in a single process the split is free. ``names``: as
+  ``resolve_mesh_shape``'s.
   """
   devices = list(jax.devices() if devices is None else devices)
   processes = sorted({d.process_index for d in devices})
   per_process = len(devices) // len(processes)
-  nodes, local = resolve_mesh_shape(nodes, local, len(devices), len(processes))
+  nodes, local = resolve_mesh_shape(nodes, local, len(devices), len(processes), names)
   if len(processes) > 1 and (nodes, local) == (len(processes), per_process):
     grid = mesh_utils.create_hybrid_device_mesh(
       (1, per_process), (len(processes), 1), devices=devices, process_is_granule=True
@@ -84,8 +89,8 @@ def make_mesh(nodes: int = -1, local: int = -1, devices=None) -> Mesh:
   else:
     if len(processes) > 1 and per_process % local:
       raise MeshError(
-        f"mesh.local={local} would put one node's devices in two processes ({per_process} devices "
-        f"per process); choose mesh.local dividing {per_process}."
+        f"{names[1]}={local} would put one node's devices in two processes ({per_process} devices "
+        f"per process); choose {names[1]} dividing {per_process}."
       )
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     grid = np.array(ordered, dtype=object).reshape(nodes, local)
