@@ -44,6 +44,7 @@ import ml_collections
 
 from light_jax import config as config_lib
 from light_jax import schedules
+from light_jax.data import pipeline
 from light_jax.parallel import cost_model, strategies
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel.reducer import DILOCO, POWERSGD, reducer_from_config
@@ -327,8 +328,8 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
   # The subsets a run trains and evaluates on, as the input pipeline takes them (0: the whole split).
   num_train = min(num_train, config.data.train_subset or num_train)
   num_eval = min(num_eval, config.data.eval_subset or num_eval)
-  # Evaluation runs whole batches (data.EvalBatches pads the last one): the padding rows cost as much as the rest.
-  padded_eval = math.ceil(num_eval / config.data.eval_batch_size) * config.data.eval_batch_size
+  # Evaluation runs whole batches: the padding rows cost as much as the rest.
+  padded_eval = pipeline.padded_eval_examples(num_eval, config.data.eval_batch_size)
   eval_size = config.data.image_size or 28
   model = create_model(config.model.name, num_classes, config.model.dtype, config.model.width)
   profile = fusion_lib.profile_parameters(model, (eval_size, eval_size, channels))

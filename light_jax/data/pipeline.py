@@ -141,6 +141,11 @@ class TrainBatches:
 MAX_EVAL_PADDING = 0.05  # padding rows, as a share of the split, above which the trainer suggests another batch
 
 
+def padded_eval_examples(examples: int, global_batch_size: int) -> int:
+  """Examples an evaluation runs, padding rows included: every batch is whole, so the last one is padded."""
+  return math.ceil(examples / global_batch_size) * global_batch_size
+
+
 class EvalBatches:
   """Every example of a split exactly once, in order, in padded global batches with a 0/1 ``mask``."""
 
@@ -164,8 +169,7 @@ class EvalBatches:
 
   @property
   def padded_examples(self) -> int:
-    """Examples evaluated, padding rows included: every batch is whole, so the last one is padded."""
-    return self.num_batches * self.global_batch_size
+    return padded_eval_examples(len(self.source), self.global_batch_size)
 
   def better_batch_size(self, multiple: int) -> int | None:
     """A global batch, a multiple of ``multiple`` (the device count) and no larger than the current one, whose
