@@ -238,16 +238,16 @@ def _missing(config: ml_collections.ConfigDict, dotted: str) -> bool:
 
 
 def suggest(trial: optuna.Trial, space: dict[str, tuple]) -> dict:
+  """The trial's values of the (checked) search space's fields, each sampled from its field's distribution."""
   params = {}
   for name, (kind, *args) in space.items():
-    if kind in ("log", "float"):
-      params[name] = trial.suggest_float(name, *args, log=kind == "log")
-    elif kind == "int":
-      params[name] = trial.suggest_int(name, *args)
-    elif kind == "choice":
-      params[name] = trial.suggest_categorical(name, args[0])
+    distribution = KINDS[kind](*args)
+    if isinstance(distribution, optuna.distributions.CategoricalDistribution):
+      params[name] = trial.suggest_categorical(name, distribution.choices)
+    elif isinstance(distribution, optuna.distributions.IntDistribution):
+      params[name] = trial.suggest_int(name, distribution.low, distribution.high)
     else:
-      raise ValueError(f"search space field {name}: unknown kind {kind!r}; use log, float, int or choice")
+      params[name] = trial.suggest_float(name, distribution.low, distribution.high, log=distribution.log)
   return params
 
 
