@@ -110,30 +110,34 @@ def main():
   g_labels = jax.device_put(labels.reshape(devices, -1), grouped)
 
   def plain_step(state, images, labels):
+    # Each device's own BatchNorm running statistics, as in our step (TrainState.batch_stats).
+    own_stats = jax.tree.map(lambda s: s.reshape(devices, *s.shape[2:]), state.batch_stats)
+
     def loss_fn(params):
-      def per_device(x, y):
+      def per_device(x, y, stats):
         logits, upd = model.apply(
-          {"params": params, "batch_stats": state.batch_stats},
+          {"params": params, "batch_stats": stats},
           step_lib.normalize(x, info.mean, info.std),
           train=True,
           mutable=["batch_stats"],
         )
         return optim.cross_entropy(logits, y, info.num_classes, 0.1), upd["batch_stats"]
 
-      losses, stats = jax.vmap(per_device)(images, labels)
-      return losses.mean(), jax.tree.map(lambda s: s.mean(axis=0), stats)
+      losses, stats = jax.vmap(per_device)(images, labels, own_stats)
+      return losses.mean(), stats
 
     (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     return state.replace(
       step=state.step + 1,
       params=optax.apply_updates(state.params, updates),
-      batch_stats=batch_stats,
+      batch_stats=jax.tree.map(lambda s, old: s.reshape(old.shape), batch_stats, state.batch_stats),
       opt_state=opt_state,
     ), loss
 
   replicated = mesh_lib.replicated(mesh)
-  plain = jax.jit(plain_step, donate_argnums=0, out_shardings=(jax.tree.map(lambda _: replicated, state), replicated))
+  state_shardings = jax.tree.map(lambda x: x.sharding, state)
+  plain = jax.jit(plain_step, donate_argnums=0, out_shardings=(state_shardings, replicated))
   variants["plain_jit"] = [plain, state, lambda step, state: step(state, g_images, g_labels)]
   variants.update(micro)
 

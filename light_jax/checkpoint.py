@@ -1,10 +1,10 @@
 """Checkpoints with orbax: save the train state asynchronously, resume from the newest good one.
 
-What a checkpoint holds: the whole ``TrainState`` (step, params, BatchNorm statistics, optimizer state,
+What a checkpoint holds: the whole ``TrainState`` (step, params, optimizer state, the BatchNorm statistics and
 error-feedback residuals sharded per device, the non-finite step counter) and a JSON ``meta`` item with
-the resolved config. The data pipeline needs no state of its own: the global batch of step s is a pure
-function of (seed, s) (data/pipeline.py), so resuming at step s *is* restoring the iterator. There is no
-other randomness in a step.
+the resolved config, the mesh and the state's layout (``train_step.STATE_LAYOUT``). The data pipeline needs no
+state of its own: the global batch of step s is a pure function of (seed, s) (data/pipeline.py), so resuming at
+step s *is* restoring the iterator. There is no other randomness in a step.
 
 Saving is asynchronous: ``save`` returns once orbax has copied the arrays off the devices, and the
 files are written in the background; the train step may then donate (overwrite) the device buffers
@@ -26,6 +26,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -85,7 +86,11 @@ class Checkpointer:
     return True
 
   def restore_latest(
-    self, abstract_state, config: dict[str, Any], mesh_shape: list[int] | None = None
+    self,
+    abstract_state,
+    config: dict[str, Any],
+    mesh_shape: list[int] | None = None,
+    restore_target: Callable[[Any, int], tuple[Any, Callable[[Any], Any]]] | None = None,
   ) -> tuple[int, Any, dict[str, Any]] | None:
     """(step, state, meta) of the newest checkpoint that restores; None when there is none.
 
@@ -93,6 +98,9 @@ class Checkpointer:
     is compared with ``config`` first: a breaking change raises CheckpointError, a safe one is logged. So is
     the saved mesh with ``mesh_shape`` ([nodes, local]): the per-device state (residuals, loss sums) has the
     mesh's shape, so a checkpoint from another mesh cannot restore, though nothing in it is damaged.
+    ``restore_target(abstract_state, layout)``: for the state layout a checkpoint's meta records
+    (``state_layout``, 1 where it records none), what to restore and how to make ``abstract_state``'s layout
+    from it (``train_step.restore_target``).
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
@@ -118,15 +126,16 @@ class Checkpointer:
         )
       for change in safe:
         logging.warning("config changed since the checkpoint (accepted): %s", change)
+      target, convert = (
+        restore_target(abstract_state, meta.get("state_layout", 1)) if restore_target else (abstract_state, None)
+      )
       try:
         with _quiet_if_it_fails():
-          state = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-          ).state
+          state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
       except Exception as e:
         self._damaged(step, e)
         continue
-      return step, state, meta
+      return step, convert(state) if convert else state, meta
     if steps:
       raise CheckpointError(
         f"none of the checkpoints in {self.directory} (steps {steps}) can be restored: damaged, or written by a "

@@ -92,7 +92,11 @@ def train_and_evaluate(
     # checkpointer last, waiting for its saves in flight.
     with contextlib.ExitStack() as opened:
       checkpointer = opened.enter_context(closing(checkpoint_lib.Checkpointer(workdir, config.checkpoint.keep)))
-      meta = {"config": json.loads(config.to_json_best_effort()), "mesh": list(mesh.devices.shape)}
+      meta = {
+        "config": json.loads(config.to_json_best_effort()),
+        "mesh": list(mesh.devices.shape),
+        "state_layout": step_lib.STATE_LAYOUT,
+      }
       start_step, state, seconds_before = restore(checkpointer, state, meta, plan)
       finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
       if not finished:
@@ -259,7 +263,9 @@ def restore(
   """(step, state, training seconds before it) of the newest checkpoint that restores, or (0, ``state``, 0)
   when there is none (checkpoints written before the seconds were saved: 0). ``meta``: this run's config and
   mesh, which the checkpoint's must match (``Checkpointer.restore_latest``)."""
-  restored = checkpointer.restore_latest(checkpoint_lib.abstract(state), meta["config"], meta["mesh"])
+  restored = checkpointer.restore_latest(
+    checkpoint_lib.abstract(state), meta["config"], meta["mesh"], step_lib.restore_target
+  )
   if restored is None:
     return 0, state, 0.0
   step, state, meta = restored

@@ -15,7 +15,9 @@ One step, on every device at once, inside ``jax.jit`` + ``jax.shard_map``:
   5. the optimizer applies it, identically on every device, so parameters stay replicated (with
      ``optimizer.sharded_update`` each device updates its shard and the parameters are gathered;
      with DiLoCo each machine steps on its own copy, and every H steps they agree again);
-  6. BatchNorm running statistics (computed per device) are averaged over the mesh;
+  6. BatchNorm running statistics stay per device, each device's running average of its own batches'
+     statistics: no collective per step. Evaluation averages them over the mesh (``running_statistics``), which
+     gives exactly the running average of the devices' averaged statistics, the running average being linear;
   7. the new state is kept only if no device saw a non-finite loss, gradient or reducer state (a minimum over
      the mesh, so every device decides alike); otherwise the step is skipped and the old state kept.
 
@@ -54,9 +56,9 @@ PyTree = Any
 class TrainState:
   """Everything that changes from step to step.
 
-  All fields are replicated over the mesh except ``comm_state`` (per-device state of the gradient
-  reducer, e.g. error-feedback residuals), whose leaves have leading dims (nodes, local), and the per-device
-  ``loss_sum`` and ``loss_count``.
+  All fields are replicated over the mesh except ``batch_stats`` (each device's BatchNorm running statistics)
+  and ``comm_state`` (per-device state of the gradient reducer, e.g. error-feedback residuals), whose leaves
+  have leading dims (nodes, local), and the per-device ``loss_sum`` and ``loss_count``.
   ``nonfinite_steps`` counts the steps whose update was skipped for a non-finite loss or gradient.
   ``loss_sum`` / ``loss_count`` (per device, (nodes, local)) accumulate the training loss of the current
   epoch, so the epoch's mean loss survives a resume from a mid-epoch checkpoint.
@@ -74,11 +76,15 @@ class TrainState:
   loss_scale: dict[str, jax.Array]
 
 
+# The train state's layout, which each checkpoint records (``restore_target`` reads older ones):
+# 1: one replicated copy of the BatchNorm statistics; 2: the statistics per device.
+STATE_LAYOUT = 2
+
 # Partition specs of TrainState, as a pytree prefix usable by shard_map and NamedSharding.
 STATE_SPECS = TrainState(
   step=P(),
   params=P(),
-  batch_stats=P(),
+  batch_stats=P(NODE, LOCAL),
   opt_state=P(),
   comm_state=P(NODE, LOCAL),
   nonfinite_steps=P(),
@@ -97,8 +103,8 @@ def create_train_state(
   seed: int,
   initial_loss_scale: float = 0.0,
 ) -> TrainState:
-  """Initialises the state directly on the mesh: parameters and optimizer state replicated, the reducer's
-  state per device.
+  """Initialises the state directly on the mesh: parameters and optimizer state replicated, the BatchNorm
+  statistics and the reducer's state per device.
 
   ``initial_loss_scale`` > 0 turns dynamic loss scaling on, starting from that scale.
   """
@@ -109,7 +115,9 @@ def create_train_state(
     return TrainState(
       step=jnp.zeros((), jnp.int32),
       params=params,
-      batch_stats=variables.get("batch_stats", {}),
+      batch_stats=jax.tree.map(
+        lambda x: jnp.broadcast_to(x, (*mesh.devices.shape, *x.shape)), variables.get("batch_stats", {})
+      ),
       # A reducer that updates the parameters itself keeps its optimizer state per device, in comm_state
       # (DiLoCo's opt_state is its outer optimizer's; the sharded update's is empty).
       opt_state=reducer.init_optimizer_state(params) if reducer.updates_parameters else tx.init(params),
@@ -124,6 +132,27 @@ def create_train_state(
 
   shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS, is_leaf=lambda x: isinstance(x, P))
   return jax.jit(init, out_shardings=shardings)()
+
+
+def restore_target(abstract_state: TrainState, layout: int) -> tuple[TrainState, Callable[[TrainState], TrainState]]:
+  """What a checkpoint of ``layout`` restores as (shapes, dtypes and shardings), and how that becomes a state of
+  ``abstract_state``'s layout: a run resumes from a checkpoint that an earlier light_jax wrote."""
+  if layout >= STATE_LAYOUT:
+    return abstract_state, lambda state: state
+  per_device = abstract_state.batch_stats  # layout 1 kept one replicated copy: each device starts from it
+  mesh = jax.tree.leaves(per_device)[0].sharding.mesh if jax.tree.leaves(per_device) else None
+  one_copy = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype, sharding=NamedSharding(mesh, P())), per_device
+  )
+  spread = jax.jit(
+    lambda stats: jax.tree.map(lambda x, target: jnp.broadcast_to(x, target.shape), stats, per_device),
+    out_shardings=jax.tree.map(lambda x: x.sharding, per_device),
+  )
+
+  def upgrade(state: TrainState) -> TrainState:
+    return state.replace(batch_stats=spread(state.batch_stats))
+
+  return abstract_state.replace(batch_stats=one_copy), upgrade
 
 
 def normalize(images: jax.Array, mean: tuple[float, ...], std: tuple[float, ...]) -> jax.Array:
@@ -190,11 +219,12 @@ def make_train_step(
     params = reducer.machine_params(state.params, state.comm_state) if reducer.updates_parameters else state.params
     # check_vma=False below: grad of replicated params is the *local* gradient, not JAX's implicit
     # psum of it, so the reducer is the only reduction (no silent double sum; tested).
+    own_stats = jax.tree.map(lambda x: x[0, 0], state.batch_stats)  # this device's running statistics
     if micro_batches == 1:
-      local_grads, (loss, batch_stats) = grad_fn(params, state.batch_stats, images, labels)
+      local_grads, (loss, batch_stats) = grad_fn(params, own_stats, images, labels)
     else:
       local_grads, loss, batch_stats = accumulate_gradients(
-        grad_fn, params, state.batch_stats, images, labels, micro_batches, unroll_micro_batches
+        grad_fn, params, own_stats, images, labels, micro_batches, unroll_micro_batches
       )
     # Unscaled before the reduction: error-feedback residuals outlive a change of scale.
     local_grads = scaling.unscale(local_grads)
@@ -222,7 +252,7 @@ def make_train_step(
     if state.loss_scale:  # lower the scale after an overflow, raise it after `loss_scale_period` good steps
       adjusted = scaling.adjust(finite)
       loss_scale = {"scale": adjusted.loss_scale, "counter": adjusted.counter}
-    updated = (new_params, mean_over_devices(batch_stats), opt_state, comm_state)
+    updated = (new_params, jax.tree.map(lambda x: x[None, None], batch_stats), opt_state, comm_state)
     kept = (state.params, state.batch_stats, state.opt_state, state.comm_state)
     params, batch_stats, opt_state, comm_state = jax.tree.map(
       lambda new, old: jnp.where(finite, new, old), updated, kept
@@ -278,9 +308,17 @@ def accumulate_gradients(
 
 
 def mean_over_devices(tree: PyTree) -> PyTree:
-  """Mean of every leaf over all devices, as one flat buffer: one collective for all BatchNorm statistics
-  instead of one per tensor (across machines, gloo sends each as its own rounds of small messages)."""
+  """Inside shard_map: the mean of every leaf over all devices, as one flat buffer (one collective for all the
+  BatchNorm statistics instead of one per tensor; across machines, gloo sends each as its own rounds of small
+  messages)."""
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
     return tree
   return jax.tree.unflatten(treedef, fusion_lib.unpack(lax.pmean(fusion_lib.pack(leaves), AXES), leaves))
+
+
+@jax.jit
+def running_statistics(batch_stats: PyTree) -> PyTree:
+  """The BatchNorm running statistics of the whole mesh: the mean over devices (the leading (nodes, local)) of
+  ``TrainState.batch_stats``, the statistics evaluation uses."""
+  return jax.tree.map(lambda x: jnp.mean(x, axis=(0, 1)), batch_stats)

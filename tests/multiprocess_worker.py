@@ -79,14 +79,15 @@ def main():
   step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
   for batch in data_lib.DevicePrefetcher(batches.iterator(), mesh_lib.batch_sharding(mesh)):
     state, loss = step(state, batch["images"], batch["labels"])
-  leaves = jax.tree_util.tree_leaves_with_path({"params": state.params, "batch_stats": state.batch_stats})
   # Replicated arrays: every process holds a full copy on its own devices.
-  arrays = {jax.tree_util.keystr(k): np.asarray(v.addressable_data(0)) for k, v in leaves}
-  # Residuals are per device: gather them all (node-major) to compare with the one-process run.
-  for path, residual in jax.tree_util.tree_leaves_with_path(state.comm_state):
-    arrays[f"residual/{jax.tree_util.keystr(path)}"] = np.asarray(
-      jax.jit(lambda r: r, out_shardings=mesh_lib.replicated(mesh))(residual).addressable_data(0)
-    )
+  params = jax.tree_util.tree_leaves_with_path(state.params)
+  arrays = {f"params/{jax.tree_util.keystr(k)}": np.asarray(v.addressable_data(0)) for k, v in params}
+  # Residuals and BatchNorm statistics are per device: gather them all (node-major) to compare with the
+  # one-process run.
+  gather = jax.jit(lambda r: r, out_shardings=mesh_lib.replicated(mesh))
+  for prefix, tree in (("residual", state.comm_state), ("batch_stats", state.batch_stats)):
+    for path, per_device in jax.tree_util.tree_leaves_with_path(tree):
+      arrays[f"{prefix}/{jax.tree_util.keystr(path)}"] = np.asarray(gather(per_device).addressable_data(0))
   arrays["__loss"] = np.asarray(jax.device_get(loss.addressable_data(0)))
   if jax.process_index() == 0:
     np.savez(args.out, **arrays)

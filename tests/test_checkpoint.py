@@ -358,3 +358,27 @@ def test_nan_stop_policy_saves_and_stops_with_exit_code_3(tmp_path):
   assert int(state["nonfinite_steps"]) == 1
   assert all(np.isfinite(v).all() for v in _flatten(state["params"]).values())
   assert not (tmp_path / "summary.json").exists()  # a stopped run has no summary
+
+
+def test_a_checkpoint_with_one_copy_of_the_batchnorm_statistics_resumes_with_a_copy_per_device(tmp_path):
+  """Layout 1 (before the statistics were kept per device) replicated them: each device resumes from that copy."""
+  from light_jax import optim
+  from light_jax import train_step as step_lib
+  from light_jax.models import create_model
+  from light_jax.parallel import mesh as mesh_lib
+  from light_jax.parallel import reducer as reducer_lib
+
+  mesh = mesh_lib.make_mesh(2, 4)
+  tx = optim.build_optimizer(base_config().optimizer, lambda step: 0.1)
+  reducer = reducer_lib.make_gradient_reducer("hierarchical", 2, 4)
+  state = step_lib.create_train_state(create_model("resnet8_small", 10, width=4), tx, reducer, (8, 8, 1), mesh, seed=0)
+  one_copy = jax.tree.map(lambda x: x[0, 0] + 0.5, state.batch_stats)  # as layout 1 saved them: replicated
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  checkpointer.save(3, state.replace(batch_stats=one_copy), {"config": {}, "mesh": [2, 4]})  # no state_layout
+  checkpointer.close()
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  step, restored, _ = checkpointer.restore_latest(checkpoint_lib.abstract(state), {}, [2, 4], step_lib.restore_target)
+  assert step == 3 and checkpointer.damaged_steps == set()
+  for saved, per_device, fresh in zip(*map(jax.tree.leaves, (one_copy, restored.batch_stats, state.batch_stats))):
+    assert per_device.shape == (2, 4, *saved.shape) and per_device.sharding == fresh.sharding
+    np.testing.assert_array_equal(np.asarray(per_device), np.broadcast_to(np.asarray(saved), per_device.shape))

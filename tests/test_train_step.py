@@ -126,10 +126,13 @@ def test_resnet_step_with_per_device_batchnorm_matches_one_device():
   ours = _run_sharded(model, tx, info, batches, (2, 4), "hierarchical")
   ref_params, ref_stats = _run_reference(model, tx, info, batches, num_shards=8)
   assert _max_diff(ours.params, ref_params) < 1e-5
-  assert _max_diff(ours.batch_stats, ref_stats) < 1e-5
+  # Each device keeps the running statistics of its own batches; their mean is those of the mean statistics.
+  own = jax.tree.leaves(ours.batch_stats)
+  assert all(x.shape[:2] == (2, 4) for x in own) and max(float(np.ptp(x, axis=(0, 1)).max()) for x in own) > 1e-3
+  assert _max_diff(step_lib.running_statistics(ours.batch_stats), ref_stats) < 1e-5
   # Per-device statistics differ from whole-batch (synchronised) ones: the comparison is meaningful.
   _, sync_stats = _run_reference(model, tx, info, batches, num_shards=1)
-  assert _max_diff(ours.batch_stats, sync_stats) > 1e-4
+  assert _max_diff(step_lib.running_statistics(ours.batch_stats), sync_stats) > 1e-4
 
 
 @pytest.mark.parametrize("decay_in_velocity", [True, False], ids=["decay_in_velocity", "decay_after"])
