@@ -5,6 +5,7 @@ replicated parameters plus our own): the result would be off by the device count
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +172,31 @@ def test_fusion_cuts_padding_and_counts_bytes_per_bucket():
   # none: pads 5 -> 8 and 9 -> 12 (shards of 2 and 3); fixed: 14 -> 16 (shard of 4).
   assert none.intra_node == 2 * 3 * (2 + 3) * 4 and fixed.intra_node == 2 * 3 * 4 * 4
   assert none.inter_node == (2 + 3) * 4 and fixed.inter_node == 4 * 4
+
+
+@pytest.mark.parametrize(
+  "strategy,options",
+  [
+    ("hierarchical", {"wire_dtype": "bfloat16"}),
+    ("hitopk", {"density": 0.01, "compact_pairs": True, "wire_dtype": "bfloat16"}),
+    ("gtopk", {"density": 0.01, "compact_pairs": True}),
+  ],
+  ids=["hierarchical", "hitopk", "gtopk"],
+)
+def test_sixteen_bit_values_cross_the_wire_in_sixteen_bits(strategy, options):
+  """XLA's CPU backend widens bfloat16 collectives to float32 (twice the bytes the accounting counts on the
+  emulated links); the collectives that only move data move the bits instead."""
+  mesh = mesh_lib.make_mesh(2, 4)
+  params = {"w": jnp.zeros((100_001,))}
+  reducer = reducer_lib.make_gradient_reducer(strategy, 2, 4, fusion="none", **options)
+  spec = P(mesh_lib.NODE, mesh_lib.LOCAL)
+  reduce = jax.shard_map(reducer.reduce, mesh=mesh, in_specs=(P(), spec), out_specs=(P(), spec), check_vma=False)
+  compiled = jax.jit(reduce).lower(params, reducer.init_state(params)).compile().as_text()
+  # The shapes each data-moving collective outputs, e.g. "u16[2,251]{1,0}" or a tuple of them.
+  moved = re.findall(r"= (.*?) (?:all-gather|all-to-all|collective-permute)\(", compiled)
+  assert moved and any("u16[" in shapes for shapes in moved), moved
+  # Only the 16-bit words, int32 indices and block counts move: no float32 copy of the bfloat16 values.
+  assert not [shapes for shapes in moved if "f32[" in shapes], moved
 
 
 @pytest.mark.parametrize("strategy", ["hierarchical", "hitopk", "dense"])

@@ -38,12 +38,24 @@ and their papers: docs/techniques.md sections 1 and 4.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from light_jax.parallel import compression
 from light_jax.parallel.mesh import AXES, LOCAL, NODE
+
+
+def _moved_as_bits(collective: Callable[..., jax.Array], x: jax.Array, *args, **kwargs) -> jax.Array:
+  """``collective(x, ...)`` for a collective that only moves data (all-gather, all-to-all, ppermute), with a
+  16-bit float ``x`` moved as its bits (uint16; exact). XLA's CPU backend widens 16-bit float collectives to
+  float32, so the emulated links carried twice the bytes of bfloat16 hops and values; NCCL moves uint16 as
+  16-bit words (docs/techniques.md section 1)."""
+  if jnp.dtype(x.dtype).itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+    return collective(x, *args, **kwargs)
+  return lax.bitcast_convert_type(collective(lax.bitcast_convert_type(x, jnp.uint16), *args, **kwargs), x.dtype)
 
 
 def dense_allreduce(x: jax.Array, wire_dtype=jnp.float32) -> jax.Array:
@@ -60,12 +72,12 @@ def _reduce_scatter(x: jax.Array, axis: str, wire_dtype) -> jax.Array:
   if jnp.dtype(wire_dtype) == x.dtype:
     return lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
   chunks = x.astype(wire_dtype).reshape(lax.axis_size(axis), -1)
-  received = lax.all_to_all(chunks, axis, split_axis=0, concat_axis=0)  # chunk i from every peer
+  received = _moved_as_bits(lax.all_to_all, chunks, axis, split_axis=0, concat_axis=0)  # chunk i from every peer
   return received.astype(x.dtype).sum(axis=0)
 
 
 def _all_gather(shard: jax.Array, axis: str, wire_dtype) -> jax.Array:
-  return lax.all_gather(shard.astype(wire_dtype), axis, axis=0, tiled=True).astype(shard.dtype)
+  return _moved_as_bits(lax.all_gather, shard.astype(wire_dtype), axis, axis=0, tiled=True).astype(shard.dtype)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -186,7 +198,7 @@ def _sum_pairs(zeros: jax.Array, indices: jax.Array, values: jax.Array, axis, co
   if counts is not None:
     all_counts = lax.all_gather(counts, axis).reshape(-1, counts.size)
     all_indices = jax.vmap(compression.indices_from_blocks)(all_indices, all_counts)
-  all_values = lax.all_gather(values, axis).reshape(all_indices.shape).astype(zeros.dtype)
+  all_values = _moved_as_bits(lax.all_gather, values, axis).reshape(all_indices.shape).astype(zeros.dtype)
   # One scatter-add per sender, in sender order: a single one over every sender's pairs runs on GPU with
   # atomics, so the order of the addends at a shared index (and the sum's last bits) would differ between
   # devices and the replicas drift apart. A sender's own indices are distinct (its top-k), except mstopk's
@@ -250,7 +262,7 @@ def gtopk_allreduce(
     values = values.astype(value_dtype).astype(x.dtype)  # what the partner receives, merged alike on both sides
     sent_indices, sent_values, counts = _pack_pairs(indices, values, x.size, compact_pairs)
     their_indices = lax.ppermute(sent_indices, AXES, partner)
-    their_values = lax.ppermute(sent_values, AXES, partner).astype(x.dtype)
+    their_values = _moved_as_bits(lax.ppermute, sent_values, AXES, partner).astype(x.dtype)
     if counts is not None:
       their_indices = compression.indices_from_blocks(their_indices, lax.ppermute(counts, AXES, partner))
     # Each index holds at most two addends, and a + b == b + a exactly: partners get the same set.
