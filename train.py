@@ -15,7 +15,8 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from light_jax import cli  # these two import nothing of JAX: devices are set up in main
+from light_jax import cli  # these three import nothing of JAX: devices are set up in main
+from light_jax import config as config_lib
 from light_jax.exit_codes import ExitCode
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally with :VARIANT.", lock_config=True)
@@ -136,6 +137,10 @@ def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietLibraries())
   config = _CONFIG.value
+  try:  # before the devices start, which read the config's mesh fields
+    config_lib.check_fields(config)
+  except config_lib.ConfigError as e:
+    cli.fail(f"invalid config: {e}")
   _check_workdir(_WORKDIR.value)
   jax = _start_jax(config)
 
@@ -176,7 +181,6 @@ def main(argv):
 def _run(jax, config, watchdog) -> tuple[int, str | None]:
   """Validates and trains. Returns (exit code, reason to give the other processes or None)."""
   from light_jax import checkpoint as checkpoint_lib
-  from light_jax import config as config_lib
   from light_jax import data as data_lib
   from light_jax import metrics, schedules, train_lib
 

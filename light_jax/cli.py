@@ -115,13 +115,24 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
   if not lines:
     return CommandLineError(type(e).__name__, FLAGS_HINT)
   # The config file's own messages say what to give instead: no hint.
-  if "Traceback (most recent call last)" in text:  # raised inside the config file's get_config
-    if not lines[-1].startswith("ValueError:"):  # config files raise ValueError for a bad variant
-      return None
+  if "Traceback (most recent call last)" in text:  # raised inside the config file's get_config, or calling it
     head = text.split("Error whilst parsing config file")[0].rstrip(": \n")
-    return CommandLineError(f"{head}: {lines[-1]}")
+    if lines[-1].startswith("ValueError:"):  # config files raise ValueError for a bad variant
+      return CommandLineError(f"{head}: {lines[-1]}")
+    if "get_config" in lines[-1] and lines[-1].startswith(("AttributeError: module", "TypeError: get_config()")):
+      # No get_config, or one that takes no variant: not a training config file, or not one with variants.
+      return CommandLineError(
+        f"{head}: {lines[-1]}; a training config file defines get_config(variant=None) returning base_config() "
+        "with its changes (configs/fashion_mnist.py)"
+      )
+    return None
   if _NOT_LOADED in text:  # the config file did not load: why is on the last line
     return CommandLineError(f"--config: cannot load the config file: {lines[-1].replace(_NOT_LOADED, '')}")
+  if isinstance(e, AttributeError) and "has no attribute 'get_config'" in text:  # another kind of Python file
+    return CommandLineError(
+      "--config: the file has no get_config(); a training config file defines get_config(variant=None) returning "
+      "base_config() with its changes (configs/fashion_mnist.py)"
+    )
   if isinstance(e, (AttributeError, KeyError)):  # a --config.FIELD=VALUE naming no field, or a config file's bug
     name = lines[0].strip("'\"")  # the missing key, or a message that names the path looked up
     path = next((p for p in overridden_fields(argv) if p in text or name in p.split(".")), None)

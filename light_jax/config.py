@@ -259,6 +259,44 @@ class ConfigError(ValueError):
   """The config cannot run; the message says which field to change and how."""
 
 
+def check_fields(config: ml_collections.ConfigDict) -> None:
+  """The config has ``base_config()``'s fields, no fewer and no others: a config file that misspells a field
+  (``c.global_batch_sizee = 3``) would otherwise run with the default, and one built without base_config, or
+  another kind of file's (a mesh experiment, a search space), would fail deep inside the run."""
+  import difflib
+
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(
+      f"the config file's get_config() returned a {type(config).__name__}, not a training config; a training "
+      "config file returns base_config() from light_jax/config.py with its changes (configs/fashion_mnist.py)."
+    )
+
+  def paths(tree, prefix=""):
+    for key, value in tree.items():
+      path = f"{prefix}{key}"
+      yield path
+      if isinstance(value, ml_collections.ConfigDict):
+        yield from paths(value, f"{path}.")
+
+  known, given = set(paths(base_config())), set(paths(config))
+  unknown, missing = sorted(given - known), sorted(known - given)
+  listed = lambda names: ", ".join(names[:5]) + (" ..." if names[5:] else "")  # noqa: E731
+  if missing:  # not built from base_config: another kind of config file, most likely
+    raise ConfigError(
+      f"the config has no field {listed(missing)}"
+      + (f", and fields a training config does not have ({listed(unknown)})" if unknown else "")
+      + ": a training config file starts from base_config() in light_jax/config.py and changes what differs "
+      "(configs/fashion_mnist.py)."
+    )
+  if unknown:
+    close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+    hint = f'; did you mean "{close[0]}"?' if close else "."
+    raise ConfigError(
+      f"{unknown[0]} is not a config field{hint} base_config() in light_jax/config.py lists the fields"
+      + (f" (also not fields: {', '.join(unknown[1:])})." if unknown[1:] else ".")
+    )
+
+
 def _choice(name: str, value, allowed) -> None:
   if value not in allowed:
     raise ConfigError(f"{name}={value!r} is unknown; use one of {list(allowed)}.")
@@ -323,6 +361,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     takes_compact_pairs,
   )
 
+  check_fields(config)
   _choice("comm.strategy", config.comm.strategy, STRATEGIES)
   _choice("comm.fusion", config.comm.fusion, FUSIONS)
   if config.comm.fusion == "adaptive" or config.comm.strategy == AUTO:

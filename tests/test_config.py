@@ -225,6 +225,44 @@ def test_cli_bad_flags_get_one_error_line_and_exit_code_2(tmp_path, args, messag
   assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
 
 
+TYPO_CONFIG = """
+from light_jax.config import base_config
+
+
+def get_config():
+  c = base_config()
+  c.global_batch_sizee = 64  # misspelled: the run would take the default batch
+  return c
+"""
+
+
+@pytest.mark.parametrize(
+  "config,message",
+  [
+    ("typo.py", 'global_batch_sizee is not a config field; did you mean "global_batch_size"?'),
+    ("typo.py:large", "TypeError: get_config() takes 0 positional arguments but 1 was given; a training config file"),
+    ("configs/mesh_experiments.py:strategies", "the config has no field checkpoint, checkpoint.every_steps,"),
+    ("configs/search_spaces.py", "--config: the file has no get_config(); a training config file defines get_config("),
+  ],
+  ids=["misspelled-in-the-file", "variant-of-a-file-without-variants", "mesh-experiment", "search-space"],
+)
+def test_a_config_file_that_is_not_a_training_config_gets_one_error_line(tmp_path, config, message):
+  (tmp_path / "typo.py").write_text(TYPO_CONFIG)
+  path = str(tmp_path / config) if config.startswith("typo") else config
+  result = train_py("--config", path, "--workdir", str(tmp_path / "run"))
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+  assert not (tmp_path / "run").exists()
+
+
+def test_validate_refuses_a_field_base_config_does_not_have():
+  config = config_lib.base_config()
+  config.optimizer.nesterovv = False
+  with pytest.raises(config_lib.ConfigError, match='optimizer.nesterovv is not a config field; did you mean "optim'):
+    config_lib.validate(config, num_devices=8)
+
+
 def test_throughput_benchmark_names_a_misspelled_config_field():
   """benchmarks/throughput.py's config flag applies its overrides as the script loads, before flag parsing."""
   result = subprocess.run(
