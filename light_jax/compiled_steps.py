@@ -159,6 +159,22 @@ class CompiledSteps:
     """Bytes per device of ``step``'s reduction, without compiling."""
     return self.reducer_at(step).bytes_per_step(params)
 
+  def mean_comm_bytes(self, steps: int, params) -> CommBytes:
+    """Bytes per device per step over steps 0 .. ``steps`` - 1, each phase (density, batch shape) counted once:
+    a density warm-up sends more in its first epochs than the last step does."""
+    first_step_and_count: dict[tuple, list[int]] = {}
+    for step in range(steps):
+      key = (self.density_at(step), self.batch_shape_at(step))
+      first_step_and_count.setdefault(key, [step, 0])[1] += 1
+    totals = [0, 0]
+    for first, count in first_step_and_count.values():
+      phase = self.comm_bytes_at(first, params)
+      totals[0] += count * phase.intra_node
+      totals[1] += count * phase.inter_node
+    return (
+      CommBytes(intra_node=round(totals[0] / steps), inter_node=round(totals[1] / steps)) if steps else CommBytes(0, 0)
+    )
+
   def _planned(self, reducer: Reducer, batch_shape: tuple[int, ...]) -> Reducer:
     """``reducer`` planned for this batch shape (``cost_model.plan_reducer``: adaptive fusion, auto, the
     square-root k share, as configured; the profile is at the eval image size). Auto charges the top-k

@@ -166,9 +166,14 @@ def train_and_evaluate(
     # A finished run resumed ran no step: evaluate what it restored (every process alike) to report again.
     final = evaluations.last_record or final_metrics(evaluate, loop, compiled)
     buckets = compiled.reducer_at(loop.step - 1).bucket_plan(loop.state.params)
+    mean_bytes = compiled.mean_comm_bytes(loop.step, loop.state.params)  # the run's, density warm-up included
     summary = run_summary(
       config, final, writer.records, plan, mesh, loop, start_step, nonfinite.seen, saver.blocking_seconds, wall_start
-    ) | {"comm_buckets": buckets}
+    ) | {
+      "comm_buckets": buckets,
+      "inter_node_bytes_per_step_mean": mean_bytes.inter_node,
+      "intra_node_bytes_per_step_mean": mean_bytes.intra_node,
+    }
     writer.write_summary(summary)
     return summary
 

@@ -48,6 +48,7 @@ def test_max_steps_stops_mid_epoch_evaluates_and_writes_the_summary(tmp_path):
     summary["inter_node_bytes_per_step"]
     == summary["intra_node_bytes_per_step"]
     == 2 * 7 * 4 * summary["num_params"] // 8
+    == summary["inter_node_bytes_per_step_mean"]
   )
   assert sorted(int(s) for s in os.listdir(tmp_path / "checkpoints")) == [5]  # saved at the end
 
@@ -64,7 +65,7 @@ def test_hitopk_with_adaptive_fusion_mstopk_and_density_warmup(tmp_path, caplog)
   )
   assert reducer_lib.reducer_from_config(config.comm, 2, 4).selector == "mstopk"
   with caplog.at_level(logging.INFO):
-    train_lib.train_and_evaluate(config, str(tmp_path))
+    summary = train_lib.train_and_evaluate(config, str(tmp_path))
   plan = re.search(r"adaptive fusion \(MG-WFBP, v100_nvlink_25gbe\) .*: (\d+) buckets for (\d+) tensors", caplog.text)
   assert plan and int(plan[1]) < int(plan[2])  # tensors merged (here all: 29 small ones on latency-bound links)
   assert caplog.text.count("train step compiled") == 5  # 4 warm-up densities + the target
@@ -74,6 +75,9 @@ def test_hitopk_with_adaptive_fusion_mstopk_and_density_warmup(tmp_path, caplog)
   # Hierarchical dense would send 1/6 of its intra-node bytes across nodes; hitopk at 1% far less.
   assert last["inter_node_bytes_per_step"] < 0.02 * last["intra_node_bytes_per_step"]
   assert last["eval_top1"] > 0.3  # learns (chance: 0.1) in 32 steps at 1% density
+  # The summary's mean counts the warm-up's denser steps; its per-step bytes are the last step's.
+  assert summary["inter_node_bytes_per_step"] == last["inter_node_bytes_per_step"]
+  assert summary["inter_node_bytes_per_step_mean"] > 2 * summary["inter_node_bytes_per_step"]
 
 
 def test_a_density_warmup_compiles_one_step_for_a_strategy_without_a_density(tmp_path, caplog):
