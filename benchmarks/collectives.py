@@ -52,7 +52,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--nodes", type=int, default=2)
   parser.add_argument("--local", type=int, default=4)
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=cli.int_at_least(1), default=3)
   parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
   parser.add_argument(
     "--cost_model", default="v100_nvlink_25gbe", help="preset or calibrated JSON file for the adaptive plans"
@@ -61,6 +61,7 @@ def main():
   parser.add_argument("--examples_per_device", type=int, default=32)
   parser.add_argument("--model", default="resnet50", help="whose gradient shapes (a smaller one for quick checks)")
   args = parser.parse_args()
+  cli.check_model(args.model)
   if args.nodes < 1 or args.local == 0 or args.local < -1:
     cli.fail(f"--nodes={args.nodes} --local={args.local}: each must be >= 1 (--local may be -1: every device here)")
   only = args.only.split(",") if args.only else list(VARIANTS)

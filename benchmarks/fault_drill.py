@@ -25,13 +25,14 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from light_jax import cli  # noqa: E402
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--kills", type=int, default=10)
+  parser.add_argument("--kills", type=cli.int_at_least(1), default=10)
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--every_steps", type=int, default=8)
+  parser.add_argument("--every_steps", type=cli.int_at_least(1), default=8)
   parser.add_argument("--workdir", default="")
   args = parser.parse_args()
   if args.workdir:  # train.py runs in ROOT: a relative workdir would be read here and written there.

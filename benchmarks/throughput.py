@@ -84,6 +84,7 @@ def peak_memory_bytes(compiled) -> int | None:
 
 def main(argv):
   del argv
+  cli.check_model(_MODEL.value)
   for field in cli.overridden_fields(sys.argv):
     owner = next((f for f in FLAG_FIELDS if field == f or field.startswith(f + ".")), None)
     if owner:

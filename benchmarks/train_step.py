@@ -36,10 +36,11 @@ def main():
   parser.add_argument("--channels", type=int, default=1)
   parser.add_argument("--nodes", type=int, default=2)
   parser.add_argument("--local", type=int, default=4)
-  parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
-  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--steps", type=cli.int_at_least(1), default=20, help="steps per timed round")
+  parser.add_argument("--rounds", type=cli.int_at_least(1), default=5)
   parser.add_argument("--micro_batches", type=int, default=1, help="> 1: add gradient-accumulation rows")
   args = parser.parse_args()
+  cli.check_model(args.model)
   if args.nodes < 1 or args.local < 1:
     cli.fail(f"--nodes={args.nodes} --local={args.local}: each must be >= 1")
   devices = args.nodes * args.local

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import os
@@ -70,6 +71,29 @@ def resolve_config(config_file: str, overrides: list[str]) -> ml_collections.Con
   config_flags.DEFINE_config_file("config", flag_values=values, lock_config=True, sys_argv=argv)
   _parse(values, argv, ["config"])
   return values.config
+
+
+def int_at_least(minimum: int):
+  """An argparse ``type``: an int >= ``minimum``, else argparse's one-line error naming the flag."""
+
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+      raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+    return value
+
+  return parse
+
+
+def check_model(name: str, flag: str = "--model") -> None:
+  """A model name the benchmarks take, checked before any work (create_model's own error is a traceback)."""
+  from light_jax.models import ARCHITECTURES  # flax: imported only where a model is named
+
+  if name not in ARCHITECTURES:
+    fail(f"{flag}={name}: no such model; use one of {', '.join(ARCHITECTURES)}")
 
 
 def output_path(path: str, flag: str) -> str:

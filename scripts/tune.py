@@ -484,6 +484,9 @@ def main() -> None:
   args.overrides = unknown
   if args.trials < 1:
     parser.error("--trials must be >= 1")
+  for flag in ("startup_trials", "pruner_warmup_epochs", "seed"):  # Optuna's and numpy's own checks are tracebacks
+    if getattr(args, flag) < 0:
+      parser.error(f"--{flag} must be >= 0")
   # The trials' train.py runs in ROOT: a relative directory would be read here and written there.
   args.study_dir = os.path.abspath(args.study_dir)
   if args.storage:
@@ -511,7 +514,12 @@ def main() -> None:
   optuna.logging.set_verbosity(optuna.logging.ERROR)
   logging.getLogger("optuna").setLevel(logging.ERROR)
   warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # the heartbeat's, in Optuna 5
-  storage = open_storage(args.storage or f"sqlite:///{os.path.abspath(os.path.join(args.study_dir, 'study.db'))}")
+  url = args.storage or f"sqlite:///{os.path.abspath(os.path.join(args.study_dir, 'study.db'))}"
+  try:
+    storage = open_storage(url)
+  except (sqlalchemy.exc.SQLAlchemyError, ImportError) as e:  # no driver for the URL, a database it cannot open
+    reason = str(e).splitlines()[0][:300]
+    cli.fail(f"--storage={url}: cannot open the study's database ({type(e).__name__}: {reason})")
   study = optuna.create_study(
     study_name=args.study_name,
     storage=storage,

@@ -159,6 +159,19 @@ def test_benchmarks_check_what_their_mesh_can_run_before_measuring():
   assert error.startswith("error: --only=gtopk@0.01: comm.strategy='gtopk' pairs devices by the bits")
 
 
+@pytest.mark.parametrize("script", ["collectives", "train_step", "update_step", "throughput"])
+def test_benchmarks_check_the_model_name_first(script):
+  assert _fails(f"benchmarks/{script}.py", "--model=nope").startswith("error: --model=nope: no such model; use one of")
+
+
+def test_benchmark_counts_must_be_positive():
+  for script, flag in (("update_step", "--rounds=0"), ("train_step", "--steps=0"), ("fault_drill", "--kills=-1")):
+    result = subprocess.run([sys.executable, f"benchmarks/{script}.py", flag], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"argument {flag.split('=')[0]}: {flag.split('=')[1]} must be >= " in result.stderr
+
+
 def test_collectives_counts_the_bytes_of_the_filled_mesh():
   args = ["--model=resnet8_small", "--repeats=1", "--only=hierarchical,hitopk@0.01"]
   env = dict(os.environ, JAX_PLATFORMS="cpu")

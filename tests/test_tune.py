@@ -106,6 +106,19 @@ def test_a_study_that_cannot_run_stops_before_its_first_trial(tmp_path):
   assert not study_dir.exists()  # no study, no trial
 
 
+def test_bad_study_flags_and_storage_get_one_line_before_any_trial(tmp_path):
+  for flag in ("--seed=-1", "--startup_trials=-1", "--pruner_warmup_epochs=-5"):  # Optuna's or numpy's tracebacks
+    command = [sys.executable, "scripts/tune.py", "--config=configs/fashion_mnist.py", f"--study_dir={tmp_path}/s",
+               "--trials=1", flag]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"error: --{flag[2:].split('=')[0]} must be >= 0" in result.stderr
+  error = _tune_fails(tmp_path / "study", "--storage=foo://bar")
+  assert error.startswith("error: --storage=foo://bar: cannot open the study's database (NoSuchModuleError")
+  error = _tune_fails(tmp_path / "study", "--storage=sqlite:////proc/light_jax_nope/study.db")
+  assert "cannot open the study's database (OperationalError" in error
+
+
 def test_a_trial_that_train_py_refuses_stops_the_study_with_its_error(tmp_path):
   error = _tune_fails(tmp_path / "study", "--config.optimizer.decay=cosin")
   assert error.startswith("error: trial 0: train.py rejected it: invalid config: optimizer.decay='cosin'")
