@@ -82,10 +82,21 @@ def train_on_cluster(
   """Runs `train.py --config config` on every node of ``cluster`` (one process each, ``local`` simulated
   devices) with ``overrides``, as a multi-machine run over jax.distributed; raises if a process fails."""
   argv = [sys.executable, os.path.join(ROOT, "train.py"), "--config", config, "--workdir", workdir,
-          f"--config.mesh.cpu_devices={cluster.nodes * local}", "--config.mesh.nodes=-1", "--config.mesh.local=-1",
-          *overrides, f"--coordinator={cluster.coordinator}:{free_port()}", f"--num_processes={cluster.nodes}",
-          f"--peer_timeout={peer_timeout}"]  # fmt: skip
+          *cluster_mesh(cluster.nodes, local), *overrides, f"--coordinator={cluster.coordinator}:{free_port()}",
+          f"--num_processes={cluster.nodes}", f"--peer_timeout={peer_timeout}"]  # fmt: skip
   cluster.run_everywhere(argv, timeout, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def cluster_mesh(nodes: int, local: int) -> list[str]:
+  """train.py's mesh on the emulated cluster: a process per machine, ``local`` devices each."""
+  return [f"--config.mesh.cpu_devices={nodes * local}", "--config.mesh.nodes=-1", "--config.mesh.local=-1"]
+
+
+def check_run(config: str, overrides: list[str], nodes: int, local: int) -> None:
+  """Raises ValueError with train.py's own reason where it would refuse ``overrides`` on the emulated cluster (an
+  override naming no field, a strategy its mesh cannot run): before any calibration or run, not in every cell."""
+  resolved = cli.resolve_config(os.path.join(ROOT, config), [*cluster_mesh(nodes, local), *overrides])
+  config_lib.validate(resolved, num_devices=nodes * local, num_processes=nodes)
 
 
 def report_failure(what: str, error: RuntimeError) -> None:
@@ -273,7 +284,16 @@ def check_args(args, meshes: list[tuple[int, int]]) -> tuple[dict[str, int | Non
     # A prediction moves the unshaped step's collectives to a shaped link: it needs one of each.
     raise ValueError("--plot draws predicted against measured step seconds, which needs an unshaped and a shaped "
                      "bandwidth, e.g. --bandwidth 50mbit,unshaped")  # fmt: skip
-  return rates, [parse_strategy(s) for s in args.strategies.split(",")]
+  requested = [parse_strategy(s) for s in args.strategies.split(",")]
+  for nodes, local in meshes:
+    for label, strategy_overrides in requested:
+      try:
+        check_run(args.config, [*strategy_overrides, *(f"--config.{s}" for s in args.set)], nodes, local)
+      except ValueError as e:
+        raise ValueError(
+          f"{label} on {nodes} x {local}: {e.line() if isinstance(e, cli.CommandLineError) else e}"
+        ) from None
+  return rates, requested
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import shlex
 import sys
 
 import train_runs  # benchmarks/, this script's directory
-from mesh_lab import parse_strategy, report_failure, train_on_cluster
+from mesh_lab import check_run, parse_strategy, report_failure, train_on_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -104,6 +104,11 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
     labels = [parse_strategy(text) for text in args.strategies.split(",")]
   except ValueError as e:
     parser.error(str(e))
+  for label, strategy_overrides in labels:  # what train.py would refuse, before hours of runs
+    try:
+      check_run(args.config, run_overrides(args, strategy_overrides), args.nodes, args.local)
+    except ValueError as e:
+      parser.error(f"{label}: {e.line() if isinstance(e, cli.CommandLineError) else e}")
   if args.plot:  # its folder now, not a traceback after hours of runs
     cli.output_path(args.plot, "--plot")
   return args, rate, labels

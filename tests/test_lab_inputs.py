@@ -58,7 +58,7 @@ def test_a_calibration_file_loads_and_a_missing_one_is_named(tmp_path):
 
 def _lab_args(**changes):
   args = dict(bandwidth="50mbit,unshaped", strategies="hierarchical,hitopk@0.001", loopback=False, plot=None, steps=30,
-              warmup=5)  # fmt: skip
+              warmup=5, config="configs/fashion_mnist.py", set=[])  # fmt: skip
   return argparse.Namespace(**{**args, **changes})
 
 
@@ -80,6 +80,9 @@ def test_mesh_lab_bandwidth_labels_are_normalised_once():
     ({"bandwidth": "0.1bit,unshaped"}, "at least 1bit"),
     ({"steps": 0}, "--steps 0 must be at least 1"),  # no step to take the median of, after a whole run
     ({"warmup": -1}, "--warmup -1 must be at least 0"),  # would keep the wrong records
+    # What train.py would refuse in every cell, after the calibrations:
+    ({"set": ["optimizer.bse_lr=0.1"]}, "hierarchical on 2 x 4: --config.optimizer.bse_lr: no such config field; Did"),
+    ({"set": ["comm.compact_pairs=true"]}, "hierarchical on 2 x 4: .*compact"),
   ],
 )
 def test_mesh_lab_refuses_bad_arguments_before_any_run(changes, message):
@@ -91,6 +94,22 @@ def test_mesh_lab_refuses_bad_arguments_before_any_run(changes, message):
 def test_mesh_lab_refuses_an_empty_mesh_before_any_run(mesh):
   with pytest.raises(ValueError, match=f"a mesh of {mesh[0]} x {mesh[1]} .*each must be at least 1"):
     mesh_lab.check_args(_lab_args(), [(2, 4), mesh])
+
+
+def test_mesh_lab_refuses_a_run_one_of_its_meshes_cannot_take():
+  args = _lab_args(strategies="hitopk@0.01,gtopk@0.01")
+  with pytest.raises(ValueError, match="hitopk@0.01 on 3 x 2: global_batch_size=256 does not divide over 6 devices"):
+    mesh_lab.check_args(args, [(2, 4), (3, 2)])
+  args.set = ["global_batch_size=192", "data.eval_batch_size=600"]
+  with pytest.raises(ValueError, match="gtopk@0.01 on 3 x 2: comm.strategy='gtopk' pairs devices by the bits"):
+    mesh_lab.check_args(args, [(2, 4), (3, 2)])
+
+
+@pytest.mark.parametrize("variant", ["gtopk_4x2", "shapes", "auto", "strategies"])
+def test_the_mesh_experiments_pass_the_checks(variant):
+  args = _lab_args()
+  meshes = mesh_lab.load_experiment(f"configs/mesh_experiments.py:{variant}", args)
+  mesh_lab.check_args(args, meshes)
 
 
 def test_mesh_lab_accepts_every_strategy_the_config_does():
