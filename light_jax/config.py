@@ -484,12 +484,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _choice("optimizer.decay", config.optimizer.decay, DECAYS)
   _choice("optimizer.lars_trust", config.optimizer.lars_trust, optim.LARS_TRUST)
   if config.optimizer.sharded_update:
-    if config.comm.strategy not in sharded_lib.STRATEGIES or config.comm.fusion == "adaptive":
-      raise ConfigError(
-        f"optimizer.sharded_update updates the shards that the reduce-scatter over `local` leaves; it needs "
-        f"comm.strategy in {sharded_lib.STRATEGIES} (not {config.comm.strategy!r}) and comm.fusion 'fixed' "
-        f"or 'none' (not {config.comm.fusion!r})."
-      )
+    why = "optimizer.sharded_update updates the shards that the reduce-scatter over `local` leaves; it needs"
+    if config.comm.strategy not in sharded_lib.STRATEGIES:
+      raise ConfigError(f"{why} comm.strategy in {sharded_lib.STRATEGIES}, not {config.comm.strategy!r}.")
+    if config.comm.fusion == "adaptive":  # its buckets would change with the cost model, and the shards with them
+      raise ConfigError(f"{why} comm.fusion 'fixed' or 'none', not 'adaptive'.")
     if config.optimizer.name not in sharded_lib.OPTIMIZERS:
       raise ConfigError(f"optimizer.sharded_update supports {sharded_lib.OPTIMIZERS}, not {config.optimizer.name!r}.")
   if config.optimizer.fused_norms and config.optimizer.name != "lars":

@@ -113,6 +113,14 @@ def test_default_configs_validate():
       {"comm__strategy": "hitopk", "comm__momentum_correction": True, "comm__error_feedback": False},
       r"set comm.error_feedback=True",
     ),
+    (
+      {"comm__strategy": "dense", "optimizer__sharded_update": True},
+      r"it needs comm.strategy in \('hierarchical', 'hitopk'\), not 'dense'\.$",  # not a word on the fusion
+    ),
+    (
+      {"comm__fusion": "adaptive", "optimizer__sharded_update": True},
+      r"it needs comm.fusion 'fixed' or 'none', not 'adaptive'",
+    ),
     ({"micro_batches": 3}, r"global_batch_size=256 gives 32 examples per device, which do not split into"),
     ({"micro_batches": 0}, r"micro_batches=0 must be an integer >= 1"),
     ({"data__dataset": "cifar10"}, r"data.dataset='cifar10' is unknown"),
