@@ -46,6 +46,7 @@ from collections.abc import Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from light_jax import cli  # noqa: E402
 from light_jax.emulated_cluster import ClusterError, EmulatedCluster, free_port, parse_rate  # noqa: E402
 
 
@@ -184,10 +185,11 @@ def calibrate_on_cluster(
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--nodes", type=int, default=2)
-  parser.add_argument("--local", type=int, default=4)
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--max_mib", type=int, default=64, help="largest buffer per device (psums, top-k vectors)")
+  parser.add_argument("--nodes", type=cli.int_at_least(1), default=2)
+  parser.add_argument("--local", type=cli.int_at_least(1), default=4)
+  parser.add_argument("--repeats", type=cli.int_at_least(1), default=5)
+  parser.add_argument("--max_mib", type=cli.int_at_least(1), default=64,
+                      help="largest buffer per device (psums, top-k vectors)")  # fmt: skip
   parser.add_argument("--max_seconds", type=float, default=1.0, help="longest inter-node measurement at the rate")
   parser.add_argument("--emulate", metavar="RATE", help="calibrate on an emulated cluster with links shaped to RATE")
   parser.add_argument("--coordinator", help="HOST:PORT of process 0 (one process per node)")
@@ -196,12 +198,14 @@ def main():
   parser.add_argument("--rate_bits", type=int, default=0, help="the inter-node rate, bits/s, to size the tests")
   parser.add_argument("--out", default="runs/links.json")
   args = parser.parse_args()
-  args.out = os.path.abspath(args.out)
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  args.out = os.path.abspath(cli.output_path(args.out, "--out"))
 
   if args.emulate:
     try:
       rate = parse_rate(args.emulate)
+    except ValueError as e:
+      cli.fail(f"--emulate={args.emulate}: {e}")
+    try:
       with EmulatedCluster(args.nodes, rate) as cluster:
         cost, output = calibrate_on_cluster(cluster, args.local, args.out, args.repeats, args.max_seconds, args.max_mib)
     except (ClusterError, ValueError) as e:

@@ -111,6 +111,7 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
       parser.error(f"{label}: {e.line() if isinstance(e, cli.CommandLineError) else e}")
   if args.plot:  # its folder now, not a traceback after hours of runs
     cli.output_path(args.plot, "--plot")
+  train_runs.check_workdir(parser, args.workdir)
   return args, rate, labels
 
 

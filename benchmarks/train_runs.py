@@ -137,6 +137,12 @@ def read(workdir: str) -> tuple[dict | None, list[dict]]:
   }, records
 
 
+def check_workdir(parser: argparse.ArgumentParser, workdir: str) -> None:
+  """The study's --workdir, which holds a folder per run, must be a folder (or not exist yet)."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    parser.error(f"--workdir={workdir} is a file; give a folder (each run gets a folder in it)")
+
+
 def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str):
   """The command line of a study of ``runs`` (label -> (config, overrides, what it shows)): --workdir,
   --only, --rerun, --report_only, --plot. Runs the chosen ones (unless --report_only); one that fails is named
@@ -155,6 +161,7 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
     parser.error(f"unknown runs {unknown}; known: {', '.join(runs)}")
   if args.plot:  # its folder now, not a traceback after the runs
     cli.output_path(args.plot, "--plot")
+  check_workdir(parser, args.workdir)
   args.failed = []
   if not args.report_only:
     for label in labels:
