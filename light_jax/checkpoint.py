@@ -91,6 +91,7 @@ class Checkpointer:
     config: dict[str, Any],
     mesh_shape: list[int] | None = None,
     restore_target: Callable[[Any, int], tuple[Any, Callable[[Any], Any]]] | None = None,
+    comm_state_shapes: dict[str, list[int]] | None = None,
   ) -> tuple[int, Any, dict[str, Any]] | None:
     """(step, state, meta) of the newest checkpoint that restores; None when there is none.
 
@@ -100,7 +101,9 @@ class Checkpointer:
     mesh's shape, so a checkpoint from another mesh cannot restore, though nothing in it is damaged.
     ``restore_target(abstract_state, layout)``: for the state layout a checkpoint's meta records
     (``state_layout``, 1 where it records none), what to restore and how to make ``abstract_state``'s layout
-    from it (``train_step.restore_target``).
+    from it (``train_step.restore_target``). ``comm_state_shapes`` (``shapes`` of the reducer's state): compared
+    with the saved ones, which follow the reducer's buckets: with ``comm.strategy=auto`` or ``comm.fusion=adaptive``
+    a changed calibration file can plan others, and that checkpoint is not damaged either.
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
@@ -123,6 +126,18 @@ class Checkpointer:
           f"{' x '.join(map(str, saved_mesh))}; this run's mesh is {' x '.join(map(str, mesh_shape))}. Its per-device "
           f"state has the old mesh's shape: run with --config.mesh.nodes={saved_mesh[0]} "
           f"--config.mesh.local={saved_mesh[1]} on as many devices, or use a new --workdir."
+        )
+      saved_shapes = meta.get("comm_state_shapes")
+      if comm_state_shapes is not None and saved_shapes is not None and saved_shapes != comm_state_shapes:
+        differ = sorted(
+          k for k in saved_shapes.keys() | comm_state_shapes.keys() if saved_shapes.get(k) != comm_state_shapes.get(k)
+        )
+        raise CheckpointError(
+          f"the checkpoint at step {step} in {self.directory} was written with other communication buckets: the "
+          f"reducer's state differs in {', '.join(differ[:4])}{' ...' if differ[4:] else ''} (saved "
+          f"{saved_shapes.get(differ[0])}, now {comm_state_shapes.get(differ[0])}). comm.strategy=auto and "
+          "comm.fusion=adaptive plan the buckets from comm.cost_model: a calibration file that changed since, or "
+          "another platform, plans others. Restore that file, or use a new --workdir."
         )
       for change in safe:
         logging.warning("config changed since the checkpoint (accepted): %s", change)
@@ -236,6 +251,11 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list
       is_safe = added_at_default or any(key == s or key.startswith(s + ".") for s in SAFE_TO_CHANGE)
       (safe if is_safe else breaking).append(change)
   return breaking, safe
+
+
+def shapes(tree) -> dict[str, list[int]]:
+  """The shape of each leaf of ``tree`` by its path, as JSON keeps it (a checkpoint's meta)."""
+  return {jax.tree_util.keystr(path): list(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def abstract(tree):

@@ -96,6 +96,8 @@ def train_and_evaluate(
         "config": json.loads(config.to_json_best_effort()),
         "mesh": list(mesh.devices.shape),
         "state_layout": step_lib.STATE_LAYOUT,
+        # The reducer's per-device state follows its buckets, which auto and adaptive fusion plan from comm.cost_model.
+        "comm_state_shapes": checkpoint_lib.shapes(state.comm_state),
       }
       start_step, state, seconds_before = restore(checkpointer, state, meta, plan)
       finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
@@ -269,7 +271,7 @@ def restore(
   when there is none (checkpoints written before the seconds were saved: 0). ``meta``: this run's config and
   mesh, which the checkpoint's must match (``Checkpointer.restore_latest``)."""
   restored = checkpointer.restore_latest(
-    checkpoint_lib.abstract(state), meta["config"], meta["mesh"], step_lib.restore_target
+    checkpoint_lib.abstract(state), meta["config"], meta["mesh"], step_lib.restore_target, meta["comm_state_shapes"]
   )
   if restored is None:
     return 0, state, 0.0

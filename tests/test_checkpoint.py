@@ -294,6 +294,23 @@ def test_a_checkpoint_from_another_mesh_is_refused_and_not_called_damaged(tmp_pa
   assert checkpointer.restore_latest(checkpoint_lib.abstract(state), {}, [2, 4])[0] == 3
 
 
+def test_a_checkpoint_with_other_communication_buckets_is_refused_and_not_called_damaged(tmp_path):
+  # auto and adaptive fusion plan the buckets, and so the reducer state's shapes, from the cost model's file
+  state = {"w": jax.numpy.arange(4.0)}
+  saved = {"['bucket_0']": [2, 4, 1000], "['bucket_1']": [2, 4, 24]}
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  checkpointer.save(3, state, {"config": {}, "mesh": [2, 4], "comm_state_shapes": saved})
+  checkpointer.close()
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  now = {"['bucket_0']": [2, 4, 1024]}
+  with pytest.raises(
+    CheckpointError, match=r"other communication buckets: the reducer's state differs in \['bucket_0'"
+  ):
+    checkpointer.restore_latest(checkpoint_lib.abstract(state), {}, [2, 4], comm_state_shapes=now)
+  assert checkpointer.damaged_steps == set()
+  assert checkpointer.restore_latest(checkpoint_lib.abstract(state), {}, [2, 4], comm_state_shapes=saved)[0] == 3
+
+
 def test_incompatible_config_is_refused_with_exit_code_2(tmp_path):
   train_lib.train_and_evaluate(_config(max_steps=4), str(tmp_path))
   with pytest.raises(CheckpointError, match=r"the checkpoint at step 4 .* model.width: 0 -> 16"):
