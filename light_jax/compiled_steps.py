@@ -69,6 +69,13 @@ class CompiledSteps:
         comm.cost_model,
         cost_model.TOPK_RATE,
       )
+    if nodes == 1 and comm.strategy == "hitopk":  # valid, and useful to test with; but no gain, only loss
+      logging.warning(
+        "comm.strategy=hitopk on one node (mesh %d x %d): its top-k only thins what crosses machines, and nothing "
+        "does here; it loses what it does not send for no saving. Use hierarchical, or mesh.nodes >= 2.",
+        nodes,
+        local,
+      )
     # A dense strategy's adaptive buckets are planned again for each phase (reducer_at); the others' once.
     self.replans_buckets_per_phase = cost_model.replans_buckets_per_phase(comm)
     if not self.replans_buckets_per_phase:

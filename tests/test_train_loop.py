@@ -228,3 +228,9 @@ def test_metrics_jsonl_with_a_last_line_cut_short_resumes_and_a_damaged_one_is_n
   path.write_text('{"step": 4, "epoch": 1.0}\n{"step": 8, "ep\n{"step": 12, "epoch": 3.0}\n')
   with pytest.raises(MetricsError, match=r"metrics.jsonl, line 2: not a JSON record .* Move it away"):
     MetricsWriter(str(tmp_path), resume_step=8)
+
+
+def test_hitopk_on_one_node_trains_and_says_it_saves_nothing(tmp_path, caplog):
+  with caplog.at_level(logging.WARNING):
+    train_lib.train_and_evaluate(small_config("hitopk", max_steps=1, mesh__nodes=1, mesh__local=8), str(tmp_path))
+  assert "comm.strategy=hitopk on one node (mesh 1 x 8)" in caplog.text
