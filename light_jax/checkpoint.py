@@ -26,6 +26,7 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -161,7 +162,9 @@ class Checkpointer:
 
   def _damaged(self, step: int, error: Exception) -> None:
     self.damaged_steps.add(step)
-    self._errors[step] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+    # orbax's read errors go on with a whole TensorStore spec ("See full TensorStore details: ..."): cut there.
+    reason = str(error).split(" See full TensorStore details")[0].splitlines()[0][:200] if str(error) else ""
+    self._errors[step] = f"{type(error).__name__}: {reason}"
     logging.warning(
       "checkpoint at step %d in %s cannot be restored (%s); falling back to the previous one",
       step,
@@ -187,11 +190,47 @@ def _quiet_if_it_fails(settle_seconds: float = 0.5):
   reads finish; then only log records pass on, with a count of what was left out. While the restore runs,
   stderr stays as it is: a restore that hangs (a peer gone) must still be able to say so. The error raised is
   always the restore's own (Ctrl-C included: it is not captured)."""
+  _ignore_abandoned_reads()  # before the restore: a failing one's reads complain before orbax raises
   try:
     yield
   except Exception:
     _settle_quietly(settle_seconds)
     raise
+
+
+# The coroutine of one array's read in orbax, which a failed restore abandons.
+_ORBAX_READ = "_read_array_index_and_device_put"
+
+
+def _ignore_abandoned_reads() -> None:
+  """From the first restore on, for the rest of the process: a failed restore's abandoned reads, finalized at the
+  interpreter's exit complain then, as coroutines ("Exception ignored in: <coroutine object
+  _read_array_index_and_device_put>") or as asyncio tasks and futures ("exception was never retrieved"), with a
+  traceback and a TensorStore spec each: thousands of lines after the run's last line, its one-line error
+  buried. Those are dropped (nothing else raises them: a restore that fails raises its own error, which is
+  reported); any other unraisable exception or asyncio record passes as before. (TensorStore's threads also print
+  "Event loop is closed" tracebacks straight to stderr while a failing restore runs: ``_settle_quietly`` takes
+  those that come after it.)"""
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_abandoned_reads", False):
+    return
+
+  def hook(unraisable):
+    if getattr(unraisable.object, "__qualname__", None) != _ORBAX_READ:
+      previous(unraisable)
+
+  hook.drops_abandoned_reads = True
+  sys.unraisablehook = hook
+
+  # The reads' tasks and TensorStore's futures under them: asyncio logs "Task (or Future) exception was never
+  # retrieved" for each, the exception a read error ("Error reading ...", "error while reading ...").
+  def keep(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return "exception was never retrieved" not in message or ("reading" not in message and _ORBAX_READ not in message)
+
+  logging.getLogger("asyncio").addFilter(keep)
+  # And the reads that never started: "coroutine '_read_array_index_and_device_put' was never awaited".
+  warnings.filterwarnings("ignore", message=f"coroutine '{_ORBAX_READ}' was never awaited", category=RuntimeWarning)
 
 
 def _settle_quietly(seconds: float) -> None:
