@@ -6,6 +6,7 @@ import argparse
 import ast
 import contextlib
 import os
+import re
 import sys
 from typing import NoReturn
 
@@ -166,6 +167,10 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
       f"--config.{path}: no such config field" + "".join(f"; {line}" for line in lines[1:]), FIELDS_HINT
     )
   message = " ".join(lines)
+  # absl's bool parser raises ValueError('Non-boolean argument to boolean flag', value), shown as a tuple
+  message = re.sub(
+    r"\('Non-boolean argument to boolean flag', (.*)\)$", r"\1 is not a boolean; use true or false", message
+  )
   # absl names the flag whose value it could not take: a config field's (--help does not list those) or a flag's.
   field_value = any(message.startswith(f"flag --config.{path}=") for path in overridden_fields(argv))
   return CommandLineError(message, FIELDS_HINT if field_value else FLAGS_HINT)

@@ -41,7 +41,10 @@ def main():
   folder, splits = os.path.expanduser(args.folder), tuple(args.splits.split(","))
   for split in splits:  # before --out is made: a mistyped folder leaves nothing behind
     if not os.path.isdir(os.path.join(folder, split)):
-      cli.fail(f"--folder={args.folder}: it has no {split}/ folder; it must hold {'/'.join(splits)}/CLASS_NAME/*.jpg")
+      cli.fail(
+        f"--folder={args.folder}: it has no {split}/ folder; it must hold "
+        + " and ".join(f"{s}/CLASS_NAME/*.jpg" for s in splits)
+      )
   out = os.path.expanduser(args.out)
   new = not os.path.exists(out)
   try:

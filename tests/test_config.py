@@ -208,6 +208,7 @@ FLAGS = "--help lists the flags"
     ),
     (["--nope=1"], "Unknown command line flag 'nope'", FLAGS),
     (["--peer_timeout=abc"], "flag --peer_timeout=abc: could not convert string to float", FLAGS),
+    (["--config.comm.compact_pairs=maybe"], "compact_pairs=maybe: 'maybe' is not a boolean; use true or false", FIELDS),
     (["--config.mesh.cpu_devices=-2"], "invalid config: mesh.cpu_devices=-2 must be >= 0", None),
     (["--peer_timeout=0"], "--peer_timeout must be > 0 seconds", FLAGS),
   ],
@@ -219,6 +220,7 @@ FLAGS = "--help lists the flags"
     "unknown-variant",
     "unknown-flag",
     "flag-wrong-type",
+    "not-a-boolean",
     "cpu-devices",
     "peer-timeout",
   ],  # fmt: skip
@@ -342,7 +344,11 @@ def test_cli_imagenet_without_prepared_data_says_how_to_prepare_it(tmp_path):
     f"--config.data.data_dir={tmp_path / 'nothing'}",
   )
   assert result.returncode == 2, result.stderr[-2000:]
-  assert "error: TFDS dataset 'imagenet2012' (train) not found in" in result.stderr
+  # TFDS's own error, where nothing is prepared, names the TFRecord format: misleading
+  assert f"error: TFDS dataset 'imagenet2012' not found: {tmp_path / 'nothing'}/imagenet2012 does not exist" in (
+    result.stderr
+  )
+  assert "TFRECORD" not in result.stderr
   assert "python scripts/prepare_imagenet.py --manual_dir" in result.stderr
   assert "Traceback" not in result.stderr
 

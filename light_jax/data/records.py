@@ -94,6 +94,13 @@ class TfdsRecords:
   def __init__(self, name: str, split: str, data_dir: str):
     import tensorflow_datasets as tfds
 
+    prepare = (
+      f"Prepare it once from the ILSVRC tar files with `python scripts/prepare_imagenet.py --manual_dir "
+      f"DIR_WITH_TARS --data_dir {data_dir}` (needs `pip install -e '.[prepare]'`), or point --config.data.data_dir "
+      "at it."
+    )
+    if not os.path.isdir(os.path.join(os.path.expanduser(data_dir), name)):  # TFDS's own error names a file format
+      raise DataError(f"TFDS dataset {name!r} not found: {os.path.join(data_dir, name)} does not exist. {prepare}")
     try:
       self._source = tfds.data_source(
         name, split=split, data_dir=data_dir, decoders={"image": tfds.decode.SkipDecoding()}, download=False
@@ -101,9 +108,7 @@ class TfdsRecords:
     except Exception as e:  # AssertionError / DatasetNotFoundError / FileNotFoundError
       raise DataError(
         f"TFDS dataset {name!r} ({split}) not found in {data_dir} as ArrayRecord ({type(e).__name__}: "
-        f"{str(e).splitlines()[0][:200]}). Prepare it once from the ILSVRC tar files with "
-        f"`python scripts/prepare_imagenet.py --manual_dir DIR_WITH_TARS --data_dir {data_dir}` "
-        f"(needs `pip install -e '.[prepare]'`), or point --config.data.data_dir at it."
+        f"{str(e).splitlines()[0][:200]}). {prepare}"
       ) from None
     self.num_classes = self._source.dataset_info.features["label"].num_classes
     self.identity = f"tfds:{name}:{split}:{data_dir}"
@@ -199,7 +204,9 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   splits = tuple(dict.fromkeys(splits))  # each once: a split named twice would be moved twice
   first = os.path.join(folder, splits[0])
   if not os.path.isdir(first):
-    raise DataError(f"{first} does not exist: the folder must hold {'/'.join(splits)}/CLASS_NAME/*.jpg")
+    raise DataError(
+      f"{first} does not exist: the folder must hold " + " and ".join(f"{s}/CLASS_NAME/*.jpg" for s in splits)
+    )
   classes = sorted(d for d in os.listdir(first) if os.path.isdir(os.path.join(first, d)))
   if not classes:
     raise DataError(f"{first} has no class sub-folders (expected {first}/CLASS_NAME/*.jpg)")
