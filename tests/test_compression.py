@@ -1,5 +1,6 @@
 """Top-k selectors, error feedback and the compressed strategies' traffic."""
 
+import dataclasses
 import re
 
 import jax
@@ -468,6 +469,56 @@ def test_momentum_correction_matches_dgc_in_numpy(strategy, shape, nesterov, mas
   if compact:  # the rounding is real: float32 pairs send other values (by up to 2^-9 of each)
     float32, _, _ = _run_steps(strategy, shape, grads, density, **options)
     assert 0 < np.abs(float32 - outputs).max() < 2**-7 * np.abs(float32).max()
+
+
+@pytest.mark.parametrize(
+  "strategy,shape,density,compact",
+  [
+    ("hitopk", (4, 2), 0.3, False),  # pairs cost more than the shard above 1/4 of it on 4 nodes
+    ("hitopk", (4, 2), 0.6, True),  # compact pairs above 2/4
+    ("topk", (2, 4), 0.2, False),  # over all 8 devices: above 1/8
+  ],
+)
+def test_a_density_whose_pairs_cost_more_than_the_vector_sums_it_densely_with_the_same_result(
+  strategy, shape, density, compact
+):
+  """A density warm-up's first phases on many machines: the pairs' all-gather would send more than an all-reduce
+  of the whole vector, so the vector goes, with each device's selected values in place. Same sums (DGC in numpy),
+  fewer bytes, and the bytes counted are the all-reduce's."""
+  steps, d, momentum = 4, 800, 0.9
+  nodes, local = shape
+  grads = np.asarray(np.random.default_rng(7).normal(size=(steps, 8, d)), np.float32)
+  options = dict(momentum_correction=momentum, compact_pairs=compact)
+  outputs, _, reducer = _run_steps(strategy, shape, grads, density, **options)
+  wire = _to_bfloat16 if compact else lambda x: x
+  if strategy == "topk":
+    expected = _dgc_reference(grads.astype(np.float64), compression.num_selected(d, density), momentum, wire=wire)
+    expected = expected.sum(axis=1) / 8
+    unit, senders = d, 8
+  else:
+    shards = grads.reshape(steps, nodes, local, d).sum(axis=2).reshape(steps, nodes * local, d // local)
+    sent = _dgc_reference(shards, compression.num_selected(d // local, density), momentum, wire=wire)
+    expected = sent.reshape(steps, nodes, d).sum(axis=1) / 8
+    unit, senders = d // local, nodes
+  np.testing.assert_allclose(outputs, expected, rtol=1e-4, atol=1e-5)
+  k = compression.num_selected(unit, density)
+  pairs = (senders - 1) * compression.pair_bytes(k, unit, compact)
+  dense = 2 * (senders - 1) * unit * 4 // senders
+  assert dense < pairs and reducer.bytes_per_step({"w": jnp.zeros(d)}).inter_node == dense
+  # Below the crossing, pairs as before.
+  low = dataclasses.replace(reducer, density=0.01)
+  assert low.bytes_per_step({"w": jnp.zeros(d)}).inter_node == (senders - 1) * compression.pair_bytes(
+    compression.num_selected(unit, 0.01), unit, compact
+  )
+
+
+def test_above_the_crossing_no_pairs_are_gathered():
+  def gathered(density):  # the results of the all-gathers of hitopk's reduction on 2 x 4 devices
+    reducer = reducer_lib.make_gradient_reducer("hitopk", 2, 4, density=density, min_compress_elements=1)
+    return re.findall(r"all_gather.*-> (tensor<[^>]*>)", _lowered_reduction(reducer, 4000))
+
+  assert "tensor<2x300xi32>" in gathered(0.3)  # 300 indices from each of the 2 nodes
+  assert gathered(0.6) == ["tensor<4000xf32>"]  # only the shards' gather inside the node: the pairs went dense
 
 
 @pytest.mark.parametrize("strategy", ["hitopk", "topk"])

@@ -38,6 +38,7 @@ and their papers: docs/techniques.md sections 1 and 4.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -192,7 +193,12 @@ def _pack_pairs(
 
 def _sum_pairs(zeros: jax.Array, indices: jax.Array, values: jax.Array, axis, compact: bool) -> jax.Array:
   """All-gathers every device's (index, value) pairs over ``axis`` and adds them into ``zeros`` in its dtype
-  (``_pack_pairs`` says how they travel)."""
+  (``_pack_pairs`` says how they travel); or, where pairs would cost more bytes than the whole vector
+  (``compression.sparse_sum_bytes``), all-reduces the vector with each device's values in place."""
+  senders = math.prod(lax.axis_size(a) for a in (axis if isinstance(axis, tuple) else (axis,)))
+  _, dense = compression.sparse_sum_bytes(indices.size, zeros.size, compact, senders, zeros.dtype.itemsize)
+  if dense:  # values rounded as their pairs would be (the residual kept the rounding), summed in zeros' dtype
+    return lax.psum(zeros.at[indices].add(values.astype(zeros.dtype)), axis)
   indices, values, counts = _pack_pairs(indices, values, zeros.size, compact)
   all_indices = lax.all_gather(indices, axis).reshape(-1, indices.size)  # a row per sender
   if counts is not None:

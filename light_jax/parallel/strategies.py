@@ -91,13 +91,17 @@ def hierarchical_bytes(b: Buffer) -> CommBytes:
 
 
 def hitopk_bytes(b: Buffer) -> CommBytes:
-  # All-gather over `node` of k (value, index) pairs: (N-1) x k x 8 bytes per device (4 compact, + block counts).
+  # All-gather over `node` of k (value, index) pairs: (N-1) x k x 8 bytes per device (4 compact, + block counts),
+  # or an all-reduce of the shard where that costs less (compression.sparse_sum_bytes).
   shard, intra = b.local_scatter_gather(collectives.round_up(b.elements, b.local))
-  return CommBytes(intra_node=intra, inter_node=(b.nodes - 1) * b.pair_bytes(shard))
+  inter, _ = compression.sparse_sum_bytes(b.k, shard, b.compact_pairs, b.nodes, b.itemsize)
+  return CommBytes(intra_node=intra, inter_node=inter)
 
 
 def topk_bytes(b: Buffer) -> CommBytes:
-  return _on_both_levels(b, (b.nodes * b.local - 1) * b.pair_bytes(b.elements))
+  return _on_both_levels(
+    b, compression.sparse_sum_bytes(b.k, b.elements, b.compact_pairs, b.nodes * b.local, b.itemsize)[0]
+  )
 
 
 def gtopk_bytes(b: Buffer) -> CommBytes:
