@@ -42,6 +42,7 @@ the calibrated alpha (seconds) and beta (seconds per byte) of a machine's link a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
 import json
@@ -94,9 +95,11 @@ def cluster_mesh(nodes: int, local: int) -> list[str]:
 
 def check_run(config: str, overrides: list[str], nodes: int, local: int) -> None:
   """Raises ValueError with train.py's own reason where it would refuse ``overrides`` on the emulated cluster (an
-  override naming no field, a strategy its mesh cannot run): before any calibration or run, not in every cell."""
-  resolved = cli.resolve_config(os.path.join(ROOT, config), [*cluster_mesh(nodes, local), *overrides])
-  config_lib.validate(resolved, num_devices=nodes * local, num_processes=nodes)
+  override naming no field, a strategy its mesh cannot run): before any calibration or run, not in every cell.
+  Checked in ROOT, where the runs' train.py reads the config's relative paths (a calibration file)."""
+  with contextlib.chdir(ROOT):
+    resolved = cli.resolve_config(config, [*cluster_mesh(nodes, local), *overrides])
+    config_lib.validate(resolved, num_devices=nodes * local, num_processes=nodes)
 
 
 def report_failure(what: str, error: RuntimeError) -> None:
@@ -288,7 +291,9 @@ def check_args(args, meshes: list[tuple[int, int]]) -> tuple[dict[str, int | Non
   for nodes, local in meshes:
     for label, strategy_overrides in requested:
       try:
-        check_run(args.config, [*strategy_overrides, *(f"--config.{s}" for s in args.set)], nodes, local)
+        # As run_cell overrides: the cells plan with the calibration file that the lab writes (a preset here)
+        cell = ["--config.comm.cost_model=v100_nvlink_25gbe", *strategy_overrides, *(f"--config.{s}" for s in args.set)]
+        check_run(args.config, cell, nodes, local)
       except ValueError as e:
         raise ValueError(
           f"{label} on {nodes} x {local}: {e.line() if isinstance(e, cli.CommandLineError) else e}"

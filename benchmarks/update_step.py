@@ -43,10 +43,10 @@ def main():
   parser.add_argument("--rounds", type=cli.int_at_least(1), default=5)
   parser.add_argument("--local", type=int, default=2, help="devices of the sharded-vs-replicated rows")
   args = parser.parse_args()
-  cli.check_model(args.model)
   if args.local < 1:
     cli.fail(f"--local={args.local}: must be >= 1")
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.local))  # simulated CPU devices; no effect on GPUs
+  cli.check_model(args.model)  # after: it imports JAX, which reads JAX_NUM_CPU_DEVICES once, at import
 
   import jax
   import jax.numpy as jnp

@@ -144,8 +144,9 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
     head = text.split("Error whilst parsing config file")[0].rstrip(": \n")
     if lines[-1].startswith("ValueError:"):  # config files raise ValueError for a bad variant
       return CommandLineError(f"{head}: {lines[-1]}")
-    if "get_config" in lines[-1] and lines[-1].startswith(("AttributeError: module", "TypeError: get_config()")):
-      # No get_config, or one that takes no variant: not a training config file, or not one with variants.
+    called_with_variant = any("config_module.get_config(" in line for line in lines[-4:])  # the call itself failed
+    if called_with_variant and re.match(r"TypeError: get_config\(\) takes 0 positional arguments", lines[-1]):
+      # A get_config that takes no variant (a bug inside the file keeps its traceback).
       return CommandLineError(
         f"{head}: {lines[-1]}; a training config file defines get_config(variant=None) returning base_config() "
         "with its changes (configs/fashion_mnist.py)"

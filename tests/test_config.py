@@ -266,6 +266,16 @@ def test_a_config_file_that_is_not_a_training_config_gets_one_error_line(tmp_pat
   assert not (tmp_path / "run").exists()
 
 
+def test_a_bug_inside_a_config_file_keeps_its_traceback(tmp_path):
+  (tmp_path / "bug.py").write_text(
+    "from configs import fashion_mnist\n\n\ndef get_config(variant=None):\n"
+    "  return fashion_mnist.get_config(variant, 'extra')\n"
+  )
+  result = train_py("--config", f"{tmp_path / 'bug.py'}:large_batch", "--workdir", str(tmp_path / "run"))
+  assert result.returncode == 1 and "Traceback" in result.stderr and "bug.py" in result.stderr, result.stderr[-2000:]
+  assert "a training config file defines" not in result.stderr  # not taken for a file without variants
+
+
 def test_validate_refuses_a_field_base_config_does_not_have():
   config = config_lib.base_config()
   config.optimizer.nesterovv = False

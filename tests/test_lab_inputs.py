@@ -112,6 +112,16 @@ def test_the_mesh_experiments_pass_the_checks(variant):
   mesh_lab.check_args(args, meshes)
 
 
+def test_mesh_lab_checks_the_runs_with_the_cost_model_its_cells_use():
+  # The cells plan auto with the calibration the lab writes: a config naming a file not written yet still runs.
+  args = _lab_args(strategies="auto@0.01", set=["comm.cost_model=runs/not_calibrated_yet.json"])
+  with pytest.raises(ValueError, match="neither a preset"):  # a --set comes after the lab's own, as in the cells
+    mesh_lab.check_args(args, [(2, 4)])
+  args.set = []
+  args.config = "configs/fashion_mnist.py:hitopk"
+  mesh_lab.check_args(args, [(2, 4)])
+
+
 def test_mesh_lab_accepts_every_strategy_the_config_does():
   _, requested = mesh_lab.check_args(_lab_args(strategies="auto@0.01,powersgd@2,diloco@4,gtopk@0.01/compact"), [(2, 4)])
   assert len(requested) == 4

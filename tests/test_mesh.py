@@ -37,6 +37,15 @@ def test_resolve_errors_say_what_to_change(nodes, local, message):
     mesh_lib.resolve_mesh_shape(nodes, local, 8)
 
 
+def test_a_benchmark_s_mesh_error_names_its_flags_and_no_fill_it_refuses():
+  with pytest.raises(mesh_lib.MeshError) as error:
+    mesh_lib.resolve_mesh_shape(2, 4, 1, names=("--nodes", "--local"))
+  assert (
+    str(error.value)
+    == "mesh 2 x 4 = 8 devices, but 1 are available; set --nodes and --local so that their product is 1."
+  )
+
+
 def test_resolve_both_fill_names_the_process_count_when_it_does_not_divide():
   # The user set neither count: the message says the 3 came from the processes, not from mesh.nodes.
   with pytest.raises(mesh_lib.MeshError, match="make each of the 3 processes a node, but 3 does not divide the 8"):

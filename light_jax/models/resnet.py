@@ -9,8 +9,8 @@ Conventions (those of the large-batch ImageNet recipes, MLPerf and flax/examples
 - **BatchNorm statistics are per device.** The train step runs the model inside ``jax.shard_map`` on the
   device's shard of the batch, so mean and variance are those of the local batch (as in the ImageNet
   recipes that train at 32k-64k global batch, where cross-device BN would cost a collective per layer).
-  The running averages are then averaged over all devices once per step (see ``train_step.py``), so every
-  device holds the same evaluation statistics.
+  Each device keeps the running averages of its own batches; evaluation averages them over the devices
+  (``train_step.py``), which gives the running averages of the devices' averaged statistics.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def resolve_mesh_shape(
   if nodes * local != num_devices:
     raise MeshError(
       f"mesh {nodes} x {local} = {nodes * local} devices, but {num_devices} are available; set {n} and {l} "
-      f"so that their product is {num_devices} (or use -1 for one of them)."
+      f"so that their product is {num_devices}" + (" (or use -1 for one of them)." if names == CONFIG_NAMES else ".")
     )
   return nodes, local
 
