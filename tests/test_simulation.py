@@ -200,3 +200,17 @@ def test_a_sweep_leaves_out_the_points_the_trainer_would_refuse():
   assert "sweep: hierarchical at 16 devices left out: data.eval_batch_size=1000 does not divide" in result.stderr
   header, row = (line.split() for line in result.stdout.splitlines()[-3:-1])  # the table: 8 devices only
   assert header == ["strategy", "8"] and row[0] == "hierarchical" and len(row) == 2
+
+
+def test_a_flat_ring_across_machines_is_paced_by_its_slower_level():
+  """dense is one ring over every device: it runs at the pace of the slower link, which a fast network with a slow
+  intra-node link (or a calibration whose inter-node fit is all zero, as on one machine) makes the intra-node one."""
+  slow_inside = cost_model.ClusterCost(
+    intra=cost_model.LinkCost(alpha=1e-5, beta=1e-9), inter=cost_model.LinkCost(alpha=0.0, beta=0.0)
+  )
+  intra, inter = slow_inside.level_seconds("dense", 25_000_000, 16, 8)
+  assert inter == 0.0 and intra > 0.05
+  assert slow_inside.reduction_seconds("dense", 25_000_000, 16, 8) == intra  # not the free inter-node link's 0 s
+  usual = cost_model.PRESETS["v100_nvlink_25gbe"]
+  intra, inter = usual.level_seconds("dense", 25_000_000, 16, 8)
+  assert inter > intra and usual.reduction_seconds("dense", 25_000_000, 16, 8) == inter

@@ -126,7 +126,7 @@ class ClusterCost:
     """Modelled time of reducing one flat buffer: each level's bytes at that level's cost, in sequence."""
     intra, inter = self.level_seconds(strategy, num_elements, nodes, local, k, itemsize, wire_itemsize, compact_pairs)
     if strategies.get(strategy).flat and nodes > 1:
-      return inter  # a flat ring runs at the pace of its slowest link
+      return max(intra, inter)  # a flat ring runs at the pace of its slowest link, whichever level that is
     return intra + inter
 
   def step_seconds(
