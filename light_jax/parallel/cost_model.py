@@ -287,6 +287,32 @@ def plan_auto(
   plans, for its log2(P) + 1 full-size selections. Without ``overlap`` (XLA on CPU runs collectives in line)
   every bucket waits for the whole backward pass.
   """
+  planned, reasons, _ = _plan_auto(
+    reducer, profile, cost, device_flops, examples_per_device, overlap, compact_pairs, topk_elements_per_sec
+  )
+  return planned, reasons
+
+
+def _candidates(reducer: GradientReducer) -> list[str]:
+  """The registered strategies the mesh allows (gtopk needs a power-of-two device count)."""
+  devices = reducer.nodes * reducer.local
+  return [
+    s.name for s in strategies.REGISTRY.values() if not (s.needs_power_of_two_devices and devices & (devices - 1))
+  ]
+
+
+def _plan_auto(
+  reducer: GradientReducer,
+  profile: fusion_lib.ParameterProfile,
+  cost: ClusterCost,
+  device_flops: float,
+  examples_per_device: int,
+  overlap: bool,
+  compact_pairs: bool,
+  topk_elements_per_sec: float | None,
+) -> tuple[GradientReducer, list[str], float]:
+  """``plan_auto``'s plan and reasons, and when the step's communication ends with it (seconds after the
+  backward pass starts)."""
   if topk_elements_per_sec is None:
     topk_elements_per_sec = cost.topk_elements_per_sec
   leaves = jax.tree.leaves(profile.params)
@@ -297,10 +323,7 @@ def plan_auto(
     ready.append(elapsed)
   if not overlap:
     ready = [elapsed] * len(ready)
-  devices = reducer.nodes * reducer.local
-  candidates = [
-    s.name for s in strategies.REGISTRY.values() if not (s.needs_power_of_two_devices and devices & (devices - 1))
-  ]
+  candidates = _candidates(reducer)
   exact_names = [n for n in candidates if not strategies.get(n).compressed]
   sizes = [sum(int(np.prod(leaves[order[i]].shape)) for i in positions) for positions in buckets]
   singles = {name: reducer.with_strategy(name, compact_pairs) for name in candidates}
@@ -330,7 +353,7 @@ def plan_auto(
     reasons[b] = f"{sizes[b]:,} elements: {choices[b]}, {why}"
     latest -= d[choices[b]]
   planned = dataclasses.replace(reducer, strategy="auto", choices=tuple(choices), compact_pairs=compact_pairs)
-  return planned, reasons
+  return planned, reasons, earliest[-1]
 
 
 def needs_cost(comm: ml_collections.ConfigDict) -> bool:
@@ -365,12 +388,30 @@ def plan_reducer(
   if cost is None and needs_cost(comm):
     raise ValueError("plan_reducer: adaptive fusion and comm.strategy=auto time buckets; pass the cluster's cost")
   reasons = []
-  if comm.fusion == "adaptive":
-    reducer = plan_adaptive_fusion(reducer, profile, cost, device_flops, examples_per_device)
   if comm.strategy == AUTO:
-    reducer, reasons = plan_auto(
-      reducer, profile, cost, device_flops, examples_per_device, overlap, comm.compact_pairs, topk_elements_per_sec
-    )
+    # MG-WFBP merges buckets for one strategy's link costs, and auto's buckets then take several strategies: with
+    # adaptive fusion, the buckets MG-WFBP plans for each candidate, and auto's plan on those where its step ends
+    # first (planned for the dense strategy alone, auto ended later than hitopk alone).
+    layouts = [reducer]
+    if comm.fusion == "adaptive":
+      layouts = [
+        dataclasses.replace(
+          plan_adaptive_fusion(reducer.with_strategy(name, comm.compact_pairs), profile, cost, device_flops,
+                               examples_per_device),
+          strategy=reducer.strategy,
+          compact_pairs=reducer.compact_pairs,
+        )
+        for name in [reducer.strategy, *(n for n in _candidates(reducer) if n != reducer.strategy)]
+      ]  # fmt: skip
+    plans = [
+      _plan_auto(
+        layout, profile, cost, device_flops, examples_per_device, overlap, comm.compact_pairs, topk_elements_per_sec
+      )
+      for layout in layouts
+    ]
+    reducer, reasons, _ = min(plans, key=lambda plan: plan[2])  # of equal ends, the first: hierarchical's layout
+  elif comm.fusion == "adaptive":
+    reducer = plan_adaptive_fusion(reducer, profile, cost, device_flops, examples_per_device)
   if comm.k_allocation == "sqrt":
     reducer = reducer.with_sqrt_allocation(profile.params)
   return reducer, reasons
