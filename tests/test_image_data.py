@@ -142,6 +142,9 @@ def test_a_folder_converted_again_gets_a_new_decoded_cache(tmp_path):
   legacy = records.cache_path(str(tmp_path / "cache"), fingerprint, config.cache_size)
   os.rename(tmp_path / "cache" / name, legacy)
   assert load_dataset(config)[0].records.path == legacy and os.listdir(tmp_path / "cache") == [os.path.basename(legacy)]
+  # A budget below the cache that is there: the JPEGs, as where there is no cache yet (not the cache's pixels).
+  config.cache_budget_gb = 1e-9
+  assert isinstance(load_dataset(config)[0].records, records.FolderRecords)
 
 
 def test_missing_converted_folder_says_how_to_make_it(tmp_path):
@@ -318,7 +321,11 @@ def test_bad_records_are_replaced_by_the_next_good_one_with_its_own_label():
   labels = [source.train_example(i, np.random.default_rng(i), 16)[1] for i in range(5)]
   assert labels == [0, 3, 3, 3, 4]  # 1 and 2 are bad: record 3 stands in, with label 3
   assert source.bad_records == {"truncated.JPEG", "corrupt.JPEG"}
-  assert source.eval_example(2, 16)[1] == 3
+  assert source.eval_example(2, 16)[1:] == (3, False)  # a stand-in: evaluation does not count it
+  assert source.eval_example(3, 16)[1:] == (3, True)
+  # Evaluation: records 1 and 2 are bad, so record 3 counts once, with its label, and the split has 3 to count.
+  batch = EvalBatches(source, 8, image_size=16).load(0)
+  assert batch["labels"][:5].tolist() == [0, 3, 3, 3, 4] and batch["mask"].tolist() == [1, 0, 0, 1, 1, 0, 0, 0]
   all_bad = ImageSource(records.ListRecords([(bad["corrupt"], 0, "x")] * 3), 1, "test")
   with pytest.raises(DataError, match="cannot be decoded"):
     all_bad.eval_example(0, 16)
@@ -432,8 +439,8 @@ def test_eval_batches_cover_the_split_once(folder):
       images.extend(batch["images"][valid])
       labels.extend(batch["labels"][valid].tolist())
   expected = [source.eval_example(i, 20) for i in range(len(source))]
-  assert labels == [label for _, label in expected]
-  for image, (expected_image, _) in zip(images, expected, strict=True):
+  assert labels == [label for _, label, _ in expected]
+  for image, (expected_image, _, _) in zip(images, expected, strict=True):
     np.testing.assert_array_equal(image, expected_image)
   written = {name: label for name, label, _ in folder["written"]["val"]}
   assert labels == [written[source.records[i][2]] for i in range(len(source))]
@@ -471,3 +478,27 @@ def test_train_py_on_an_image_folder_with_a_disk_cache(folder, tmp_path):
   assert [(m["epoch"], m["step"]) for m in metrics] == [(1.0, 51 // 16), (2.0, 51 // 16 + 51 // 8)]
   assert metrics[-1]["eval_examples"] == 4 * 4 + 3  # val: 4 classes x 4 + the 3 decodable bad kinds
   assert 0 <= metrics[-1]["input_wait_fraction"] < 1
+
+
+def test_a_16_bit_greyscale_png_keeps_its_range():
+  """Pillow converts a 16-bit greyscale image to RGB by clipping at 255: a mid-grey X-ray came out white."""
+  import io
+
+  from PIL import Image
+
+  for value, expected in ((30_000, 30_000 // 257), (65_535, 255), (0, 0)):
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((20, 30), value, np.uint16)).save(buffer, format="PNG")
+    out = transforms.decode_crop_resize(buffer.getvalue(), 8)
+    assert out.shape == (8, 8, 3) and out.dtype == np.uint8 and np.all(out == expected), (value, out.mean())
+
+
+def test_an_image_too_long_for_the_cache_is_a_bad_record_not_a_failed_build():
+  """The cache stores sides as uint16: a 70,000 px strip raised struct.error and ended the whole build."""
+  import io
+
+  from PIL import Image
+
+  buffer = io.BytesIO()
+  Image.fromarray(np.zeros((10, 70_000, 3), np.uint8)).save(buffer, format="PNG")
+  assert records._parse_cache_record(records._decode_for_cache((buffer.getvalue(), 3, "strip.png"), 16)) == (None, 3)

@@ -116,7 +116,22 @@ def _decoded_cache(source, data_config):
     path, built_from = legacy, source.fingerprint
   else:
     built_from = records.DecodedCache(path).source_fingerprint if os.path.exists(path) else None
-  if built_from != source.fingerprint:
+  fresh = built_from == source.fingerprint
+  # The budget holds for a cache already there too: the same config must not train on the cache's pixels in one
+  # place and on the JPEGs in another, nor load any size of file into memory.
+  size = os.path.getsize(path) if fresh else records.estimate_cache_bytes(source, data_config.cache_size)
+  if size > data_config.cache_budget_gb * 1e9:
+    logging.warning(
+      "decoded cache: %d images at %d px %s %.1f GB, over data.cache_budget_gb=%g; reading the JPEGs instead "
+      "(raise the budget or lower data.cache_size)",
+      len(source),
+      data_config.cache_size,
+      "take" if fresh else "would take",
+      size / 1e9,
+      data_config.cache_budget_gb,
+    )
+    return source
+  if not fresh:
     if os.path.exists(path):  # e.g. the image folder was converted again: its labels may have changed
       logging.warning(
         "decoded cache %s was built from other records than %s holds now (converted or prepared again since); "
@@ -124,19 +139,8 @@ def _decoded_cache(source, data_config):
         path,
         source.identity,
       )
-    expected = records.estimate_cache_bytes(source, data_config.cache_size)
-    if expected > data_config.cache_budget_gb * 1e9:
-      logging.warning(
-        "decoded cache: %d images at %d px would take %.1f GB, over data.cache_budget_gb=%g; "
-        "reading the JPEGs instead (raise the budget or lower data.cache_size)",
-        len(source),
-        data_config.cache_size,
-        expected / 1e9,
-        data_config.cache_budget_gb,
-      )
-      return source
     os.makedirs(cache_dir, exist_ok=True)
-    logging.info("decoded cache: building %s (%d images, about %.2f GB), once", path, len(source), expected / 1e9)
+    logging.info("decoded cache: building %s (%d images, about %.2f GB), once", path, len(source), size / 1e9)
     records.build_disk_cache(source, path, data_config.cache_size)
   cache = records.DecodedCache(path, in_memory=data_config.cache == "memory")
   if len(cache) != len(source):

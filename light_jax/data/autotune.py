@@ -24,7 +24,7 @@ from absl import logging
 
 def candidate_counts(cpus: int | None = None) -> list[int]:
   """0 (in-process threads), then 1, 2, 4, ... up to the CPU count."""
-  cpus = cpus or os.cpu_count() or 1
+  cpus = cpus or len(os.sched_getaffinity(0))  # the cores this process may use, not the machine's
   counts, w = [0], 1
   while w <= cpus:
     counts.append(w)

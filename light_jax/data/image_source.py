@@ -60,7 +60,8 @@ class ImageSource:
     return self._first_good(index, make)
 
   def eval_example(self, index: int, size: int):
-    """uint8 (size, size, 3) centre crop of example ``index``, and its label."""
+    """uint8 (size, size, 3) centre crop of example ``index``, its label, and whether it is that example's own
+    (False: the image was bad and the next good record stands in, which evaluation must not count twice)."""
 
     def make(payload):
       if isinstance(payload, bytes):
@@ -68,14 +69,15 @@ class ImageSource:
       image = _cached_image(payload)
       return transforms.crop_resize(image, transforms.center_crop_box(*image.size), size)
 
-    return self._first_good(index, make)
+    image, label, offset = self._first_good(index, make, with_offset=True)
+    return image, label, offset == 0
 
-  def _first_good(self, index: int, make):
+  def _first_good(self, index: int, make, with_offset: bool = False):
     n = len(self.records)
     for offset in range(MAX_CONSECUTIVE_BAD):
       payload, label, file_name = self.records[(index + offset) % n]
       try:
-        return make(payload), label
+        return (make(payload), label, offset) if with_offset else (make(payload), label)
       except transforms.BadImage as e:
         if file_name not in self.bad_records:
           self.bad_records.add(file_name)

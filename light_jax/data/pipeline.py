@@ -208,8 +208,10 @@ class EvalBatches:
     valid = positions < len(self.source)
     indices = np.where(valid, positions, 0)  # padding rows repeat example 0 and are masked out
     if isinstance(self.source, ImageSource):
-      batch = _stack([self.source.eval_example(int(i), self.image_size) for i in indices])
-      return {**batch, "mask": valid.astype(np.float32)}
+      examples = [self.source.eval_example(int(i), self.image_size) for i in indices]
+      # A bad image's stand-in (the next good record) would count that record twice: it counts for nothing.
+      own = np.array([is_own for _, _, is_own in examples])
+      return {**_stack([example[:2] for example in examples]), "mask": (valid & own).astype(np.float32)}
     return {
       "images": self.source.images[indices],
       "labels": self.source.labels[indices],

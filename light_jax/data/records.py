@@ -323,6 +323,10 @@ def _decode_for_cache(item: tuple[bytes, int, str], shorter: int) -> bytes:
   except transforms.BadImage:
     return _CACHE_HEADER.pack(label, 0, 0)
   pixels = np.asarray(image, dtype=np.uint8)
+  if max(pixels.shape[:2]) > 65535:  # the header's uint16 sides: such a strip is a bad image, as its stand-in says
+    logging.warning("decoded cache: %s is %d x %d px as cached, over the cache's 65,535 px a side; a stand-in will "
+                    "replace it", item[2], pixels.shape[1], pixels.shape[0])  # fmt: skip
+    return _CACHE_HEADER.pack(label, 0, 0)
   return _CACHE_HEADER.pack(label, pixels.shape[0], pixels.shape[1]) + pixels.tobytes()
 
 
@@ -359,7 +363,7 @@ def estimate_cache_bytes(records, shorter: int, sample: int = 32) -> int:
 def build_disk_cache(records, path: str, shorter: int, workers: int | None = None) -> None:
   """Decodes every record once (``workers`` processes) and writes the cache atomically, the records'
   fingerprint last."""
-  workers = workers or os.cpu_count() or 1
+  workers = workers or len(os.sched_getaffinity(0))  # the cores this process may use (taskset, cgroups' cpusets)
   start, n = time.time(), len(records)
   chunk = 256
   # spawn, not fork: the caller is multithreaded (JAX), and forking it can deadlock.

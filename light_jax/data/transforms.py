@@ -97,9 +97,18 @@ def open_image(data: bytes) -> Image.Image:
 def _to_rgb(image: Image.Image) -> Image.Image:
   try:
     image.load()
+    if image.mode.startswith("I;16") or image.mode == "I":  # 16-bit greyscale (medical, scientific images)
+      image = _eight_bits(image)
     return image if image.mode == "RGB" else image.convert("RGB")
   except Exception as e:  # OSError("image file is truncated ..."), decoder errors
     raise BadImage(f"cannot decode ({type(e).__name__}: {e})") from None
+
+
+def _eight_bits(image: Image.Image) -> Image.Image:
+  """A 16-bit greyscale image ("I;16*", or "I", which Pillow gives 16-bit PNGs) as 8-bit ("L"), its full range
+  scaled down: Pillow's own conversion clips everything above 255 to white."""
+  pixels = np.asarray(image, dtype=np.int64)
+  return Image.fromarray((np.clip(pixels, 0, 65535) // 257).astype(np.uint8), mode="L")
 
 
 def as_image(pixels: np.ndarray) -> Image.Image:
