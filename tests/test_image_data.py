@@ -4,13 +4,15 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from light_jax.data import DataError, EvalBatches, ImageSource, TrainBatches, load_dataset, records, transforms
-from tests.helpers import train_py
+from tests.helpers import ROOT, train_py
 from tests.image_folder_fixture import DECODABLE, bad_files, class_image, jpeg_bytes, make_image_folder
 
 
@@ -502,3 +504,50 @@ def test_an_image_too_long_for_the_cache_is_a_bad_record_not_a_failed_build():
   buffer = io.BytesIO()
   Image.fromarray(np.zeros((10, 70_000, 3), np.uint8)).save(buffer, format="PNG")
   assert records._parse_cache_record(records._decode_for_cache((buffer.getvalue(), 3, "strip.png"), 16)) == (None, 3)
+
+
+ORPHANS = """
+import concurrent.futures, multiprocessing, os, sys, time
+from light_jax.data import records
+
+def pid_and_sleep(_):
+  time.sleep(1)
+  return os.getpid()
+
+if __name__ == "__main__":
+  pool = concurrent.futures.ProcessPoolExecutor(
+    2, mp_context=multiprocessing.get_context("spawn"), initializer=records.die_with_parent
+  )
+  print(" ".join(str(pid) for pid in set(pool.map(pid_and_sleep, range(4)))), flush=True)
+  pool.submit(time.sleep, 60)
+  time.sleep(60)
+"""
+
+
+def test_the_cache_builders_workers_end_with_the_build_and_its_leftovers_go(tmp_path):
+  """A build killed with SIGKILL left its spawned workers decoding on, and its partial file on disk."""
+  import signal
+  import time
+
+  script = tmp_path / "orphans.py"
+  script.write_text(ORPHANS)
+  build = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+  workers = [int(pid) for pid in build.stdout.readline().split()]
+  assert len(workers) == 2
+  build.send_signal(signal.SIGKILL)
+  build.wait()
+  deadline = time.time() + 10
+  while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in workers):
+    time.sleep(0.1)
+  alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+  for pid in alive:
+    os.kill(pid, signal.SIGKILL)
+  assert not alive
+  # The partial files of killed builds: removed once nothing has written to them for an hour.
+  path = tmp_path / "decoded_160px_x.array_record"
+  old, live = tmp_path / (path.name + ".tmp-old"), tmp_path / (path.name + ".tmp-live")
+  for leftover in (old, live):
+    leftover.write_bytes(b"partial")
+  os.utime(old, (time.time() - 2 * records.STALE_PARTIAL_SECONDS,) * 2)
+  records._remove_stale_partial_files(str(path))
+  assert not old.exists() and live.exists()

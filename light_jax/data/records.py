@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import glob
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
+import signal
 import struct
 import tempfile
 import time
@@ -360,6 +362,34 @@ def estimate_cache_bytes(records, shorter: int, sample: int = 32) -> int:
   return int(np.mean(per_image) * n) if per_image else 0
 
 
+def die_with_parent() -> None:
+  """In a worker process: the kernel ends it when the process that started it ends. A build killed with
+  SIGKILL (out of memory, a second signal, a peer's failure ending the run with os._exit) left its workers
+  running, orphans decoding on, one set per retry. Linux only (prctl); elsewhere nothing changes."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    return
+  if os.getppid() == 1:  # the parent ended before the prctl took effect
+    os._exit(1)
+
+
+# A partial cache file that no build has written to for this long is a killed build's: removed at the next build.
+STALE_PARTIAL_SECONDS = 3600
+
+
+def _remove_stale_partial_files(path: str) -> None:
+  """Removes ``path``'s partial files (``_writer``'s ``.tmp-*``) left by builds that were killed: those not
+  written to for ``STALE_PARTIAL_SECONDS`` (a live build, another process's too, writes every chunk)."""
+  folder, name = os.path.split(path)
+  for leftover in glob.glob(os.path.join(glob.escape(folder), glob.escape(name) + ".tmp-*")):
+    with contextlib.suppress(OSError):  # another process removed it first
+      if time.time() - os.path.getmtime(leftover) > STALE_PARTIAL_SECONDS:
+        os.remove(leftover)
+        logging.warning("decoded cache: removed %s, left by a build that was killed", leftover)
+
+
 def build_disk_cache(records, path: str, shorter: int, workers: int | None = None) -> None:
   """Decodes every record once (``workers`` processes) and writes the cache atomically, the records'
   fingerprint last."""
@@ -370,7 +400,12 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
   context = multiprocessing.get_context("spawn")
   # The workers take a Ctrl-C as this process does (no ignore_signals): a build can take hours, and the
   # PreemptionGuard, already on, would only note the signal; the interrupted build leaves no partial file.
-  pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) if workers > 1 else None
+  pool = (
+    concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=die_with_parent)
+    if workers > 1
+    else None
+  )
+  _remove_stale_partial_files(path)
   try:
     with pool or contextlib.nullcontext(), _writer(path) as writer:
       for first in range(0, n, chunk):
