@@ -36,6 +36,22 @@ def test_image_folder_conversion_keeps_labels_and_reports_bad_files(folder):
     assert sorted((source[i][2], source[i][1]) for i in range(len(source))) == sorted(good)  # never a wrong label
 
 
+def test_image_folder_conversion_names_what_it_does_not_read(tmp_path, caplog):
+  """A sub-folder of a class, a .tif: not read, and said so (they were dropped in silence)."""
+  raw = tmp_path / "raw"
+  for split in ("train", "val"):
+    os.makedirs(raw / split / "cat" / "nested")
+    _add_cat(raw / split, 0)
+    (raw / split / "cat" / "nested" / "deep.jpg").write_bytes(b"x")
+    (raw / split / "cat" / "scan.tif").write_bytes(b"x")
+  with caplog.at_level("WARNING"):
+    info = records.convert_image_folder(str(raw), str(tmp_path / "converted"))
+  assert (
+    info["splits"]["train"]["ignored"] == ["cat/nested", "cat/scan.tif"] and info["splits"]["train"]["examples"] == 1
+  )
+  assert "2 entries are not" in caplog.text
+
+
 def _one_cat_converted(tmp_path):
   """(raw, converted): a folder whose train/ and val/ hold one image of one class "cat", converted."""
   raw, converted = tmp_path / "raw", tmp_path / "converted"

@@ -242,18 +242,21 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
   for split in splits:
     root = os.path.join(folder, split)
     if not os.path.isdir(root):
-      raise DataError(f"{root} does not exist: the folder must hold {'/'.join(splits)}/CLASS_NAME/*.jpg")
+      raise DataError(
+        f"{root} does not exist: the folder must hold " + " and ".join(f"{s}/CLASS_NAME/*.jpg" for s in splits)
+      )
     unknown = sorted(set(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))) - set(classes))
     if unknown:
       raise DataError(f"{root} has class folders that {first} lacks: {unknown[:5]}; every split needs the same classes")
-    files, skipped, empty = [], [], []
+    files, skipped, empty, ignored = [], [], [], []
     for label, name in enumerate(classes):
       class_dir = os.path.join(root, name)
-      names = (
-        sorted(f for f in os.listdir(class_dir) if f.lower().endswith(IMAGE_EXTENSIONS))
-        if os.path.isdir(class_dir)
-        else []
-      )
+      entries = sorted(os.listdir(class_dir)) if os.path.isdir(class_dir) else []
+      names = [
+        f for f in entries if f.lower().endswith(IMAGE_EXTENSIONS) and os.path.isfile(os.path.join(class_dir, f))
+      ]
+      # Sub-folders and files of other kinds are not read: said, not dropped in silence.
+      ignored += [f"{name}/{f}" for f in entries if f not in names and not f.startswith(".")]
       if not names:
         empty.append(name)
         logging.warning("image folder: class %r has no images in %s", name, root)
@@ -275,7 +278,20 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
         rel = os.fsencode(f"{name}/{file_name}")  # the name's own bytes, UTF-8 or not
         writer.write(_FOLDER_HEADER.pack(label, len(rel)) + rel + data)
         written += 1
-    info["splits"][split] = {"examples": written, "skipped": sorted(skipped), "empty_classes": empty}
+    if ignored:
+      logging.warning(
+        "image folder %s: %d entries are not %s image files and were not read (sub-folders are not searched): %s",
+        split,
+        len(ignored),
+        "/".join(IMAGE_EXTENSIONS),
+        ", ".join(ignored[:5]) + (" ..." if ignored[5:] else ""),
+      )
+    info["splits"][split] = {
+      "examples": written,
+      "skipped": sorted(skipped),
+      "empty_classes": empty,
+      "ignored": ignored,
+    }
     logging.info(
       "image folder %s: %d images written, %d skipped, %d empty classes", split, written, len(skipped), len(empty)
     )
