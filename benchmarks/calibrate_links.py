@@ -52,12 +52,13 @@ from light_jax.emulated_cluster import ClusterError, EmulatedCluster, free_port,
 
 def level_sizes(group_bytes_per_buffer_byte: float, max_bytes: int, link_bytes_budget: float | None) -> list[int]:
   """Buffer sizes 4 KiB, 8 KiB, ... up to ``max_bytes``, and while the bytes crossing the link (buffer size
-  x ``group_bytes_per_buffer_byte``) stay within ``link_bytes_budget`` (None: no budget)."""
+  x ``group_bytes_per_buffer_byte``) stay within ``link_bytes_budget`` (None: no budget); at least the first two,
+  since a line needs two sizes (one gave polyfit an arbitrary split of the time between alpha and beta)."""
   sizes, size = [], 4 * 2**10
   while size <= max_bytes and (link_bytes_budget is None or size * group_bytes_per_buffer_byte <= link_bytes_budget):
     sizes.append(size)
     size *= 2
-  return sizes or [4 * 2**10]
+  return sizes if len(sizes) >= 2 else [4 * 2**10, 8 * 2**10]
 
 
 def median_seconds(run, repeats: int) -> float:

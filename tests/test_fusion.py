@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import os
+import sys
 
 import jax
 import numpy as np
@@ -105,6 +107,17 @@ def test_fit_link_recovers_alpha_and_beta():
   sizes = np.array([1e3, 1e5, 1e6, 1e7])
   link = cost_model.fit_link(sizes, 2e-5 + sizes / 3e9)
   assert link.alpha == pytest.approx(2e-5, rel=1e-6) and link.beta == pytest.approx(1 / 3e9, rel=1e-6)
+
+
+def test_fit_link_needs_two_sizes_and_the_calibration_measures_two():
+  """One size gave polyfit an arbitrary split: (16 KiB, 1 s) came out as alpha 0.5 s and beta 3e-5 s/B."""
+  with pytest.raises(ValueError, match="two buffer sizes or more"):
+    cost_model.fit_link([16384, 16384], [1.0, 1.1])
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import calibrate_links
+
+  assert calibrate_links.level_sizes(2.0, 2**20, link_bytes_budget=1.0) == [4096, 8192]  # a budget for none
+  assert calibrate_links.level_sizes(1.0, 2**14, None) == [4096, 8192, 16384]
 
 
 def test_cost_model_json_round_trip_and_errors(tmp_path):

@@ -169,6 +169,8 @@ def fit_link(num_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost:
   """Alpha and beta from measured (bytes, seconds) pairs, by least squares on *relative* error (weights
   1/seconds), so the small sizes that fix alpha count as much as the large ones that fix beta; both
   clipped at 0."""
+  if len(set(num_bytes)) < 2:
+    raise ValueError(f"fit_link needs two buffer sizes or more to fit a line, got {sorted(set(num_bytes))}")
   seconds = np.asarray(seconds, np.float64)
   beta, alpha = np.polyfit(np.asarray(num_bytes, np.float64), seconds, 1, w=1.0 / seconds)
   return LinkCost(alpha=max(float(alpha), 0.0), beta=max(float(beta), 0.0))
