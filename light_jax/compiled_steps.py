@@ -9,7 +9,7 @@ compilation.
 The gradient reducer is built here too: with ``comm.fusion="adaptive"`` its MG-WFBP buckets depend on
 the batch shape (backward time scales with the examples per device and the pixels per example), so
 they are planned per phase, except for compressed strategies and ``auto`` (which may compress), whose
-per-bucket residuals in the train state fix the buckets of the first phase.
+per-bucket residuals in the train state fix the buckets once: those of the phase with the least compute per step.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ class CompiledSteps:
       )
     # A dense strategy's adaptive buckets are planned again for each phase (reducer_at); the others' once.
     self.replans_buckets_per_phase = cost_model.replans_buckets_per_phase(comm)
-    if not self.replans_buckets_per_phase:
-      reducer = self._planned(reducer, self.batch_shape_at(0))
+    if not self.replans_buckets_per_phase:  # planned where the step has the least compute to hide it behind
+      reducer = self._planned(reducer, self.batch_shape_at(plan.leanest_step(info.image_shape)))
     if config.optimizer.sharded_update:  # the optimizer moves into the reducer, on each device's shards
       reducer = sharded_update(
         reducer, self.profile.params, opt, optimizer.schedule, optimizer.momentum, optimizer.decay

@@ -113,6 +113,14 @@ class EpochPlan:
     height, width, channels = image_shape
     return (self.batch_size_at(step), *((size, size) if size else (height, width)), channels)
 
+  def leanest_step(self, image_shape: tuple[int, int, int], end_step: int | None = None) -> int:
+    """The first step of the run's phase with the least compute per step (batch x pixels; the first of equals),
+    among the steps before ``end_step`` (None: all): where the step has the least backward pass to hide its
+    communication behind, so a plan of buckets made there holds in the other phases too."""
+    end = self.num_steps if end_step is None else min(end_step, self.num_steps)
+    firsts = [s for s in self.first_steps if s < end] or [0]
+    return min(firsts, key=lambda s: (math.prod(self.batch_shape_at(s, image_shape)[:3]), s))
+
   def epochs_done(self, step: int) -> float:
     """Epochs completed after ``step`` steps, fractional: 2.5 is halfway through the third epoch."""
     epoch, batch = self.batch_in_epoch(step)

@@ -344,17 +344,24 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
   device_flops = 1.5 * total_backward_flops * device.images_per_sec * (device.image_size / eval_size) ** 2
   update = num_params * UPDATE_BYTES_PER_PARAMETER / device.memory_bytes_per_sec
 
-  reports, reducer = [], None
-  for first, epochs, size, batch, steps in phases_of(config, num_train):
+  def planned(size: int, batch: int):
+    examples = batch / cluster.num_devices * (size / eval_size) ** 2
+    return cost_model.plan_reducer(
+      base, config.comm, profile, cluster.cost, device_flops, examples, overlap, device.topk_elements_per_sec
+    )[0]
+
+  phases = phases_of(config, num_train)
+  # As CompiledSteps plans them: once, on the phase with the least compute per step (EpochPlan.leanest_step), or
+  # for each phase where cost_model.replans_buckets_per_phase says so.
+  _, _, lean_size, lean_batch, _ = min(phases, key=lambda phase: (phase[3] * phase[2] ** 2, phase[0]))
+  reducer = None if cost_model.replans_buckets_per_phase(config.comm) else planned(lean_size, lean_batch)
+  reports = []
+  for first, epochs, size, batch, steps in phases:
     per_device = batch / cluster.num_devices
     compute = per_device * device.train_seconds_per_image(size)
     backward = [2 / 3 * compute * f / total_backward_flops for f in backward_flops]
-    # As CompiledSteps plans them: once, or for each phase where cost_model.replans_buckets_per_phase says so.
-    if reducer is None or cost_model.replans_buckets_per_phase(config.comm):
-      examples = per_device * (size / eval_size) ** 2
-      reducer, _ = cost_model.plan_reducer(
-        base, config.comm, profile, cluster.cost, device_flops, examples, overlap, device.topk_elements_per_sec
-      )
+    if cost_model.replans_buckets_per_phase(config.comm):
+      reducer = planned(size, batch)
     buckets = bucket_comms(reducer, profile.params)
     step = simulate_step(
       cluster.cost,

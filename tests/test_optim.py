@@ -53,6 +53,11 @@ def test_schedule_with_a_batch_per_phase_keeps_its_shape_in_epochs_and_scales_th
   assert plan.batch_shape_at(399, (256, 256, 3)) == (1024, 128, 128, 3)
   assert plan.batch_shape_at(400, (256, 256, 3)) == (512, 224, 224, 3)
   assert EpochPlan(102_400, 10, (), 1024).batch_shape_at(0, (28, 28, 1)) == (1024, 28, 28, 1)  # the data's own size
+  # Where auto plans its buckets: the phase with the least compute per step (1024 x 128^2 < 512 x 224^2), and
+  # a later one where the first has more (288 px at 16,384, then 96 px at 32,768: the second).
+  assert plan.leanest_step((256, 256, 3)) == 0
+  later = EpochPlan(102_400, 10, (Phase(0, 288, 512), Phase(1, 96, 1024)), 1024)
+  assert later.leanest_step((256, 256, 3)) == later.first_steps[1] == 200
   config = _config(decay="poly")  # warm-up 2 epochs, peak 0.5 * batch / 256
   schedule = schedules.learning_rate_schedule(config.optimizer, plan)
   assert float(schedule(100)) == pytest.approx(2.0 / 2)  # 1 epoch into the warm-up at batch 1024

@@ -366,7 +366,8 @@ def needs_cost(comm: ml_collections.ConfigDict) -> bool:
 def replans_buckets_per_phase(comm: ml_collections.ConfigDict) -> bool:
   """Whether ``comm.fusion="adaptive"`` plans its buckets again for each phase of a run (a new batch or image
   size changes the backward times). Only a dense strategy's: a compressed strategy's buckets (or auto's, which
-  may compress) carry residuals of their own shapes, so they stay the first phase's."""
+  may compress) carry residuals of their own shapes, so they are planned once, on the phase with the least compute
+  per step (``EpochPlan.leanest_step``)."""
   return comm.fusion == "adaptive" and not may_select_top_k(comm.strategy)
 
 
