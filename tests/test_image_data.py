@@ -567,3 +567,22 @@ def test_the_cache_builders_workers_end_with_the_build_and_its_leftovers_go(tmp_
   os.utime(old, (time.time() - 2 * records.STALE_PARTIAL_SECONDS,) * 2)
   records._remove_stale_partial_files(str(path))
   assert not old.exists() and live.exists()
+
+
+def test_a_jpeg_damaged_mid_file_is_a_bad_image_on_the_whole_image_path():
+  """Damaged entropy-coded data: the region decoder refused it, but the whole-image path fell back to Pillow, which
+  decoded the damage into the pixels, so the conversion kept the file and crops differed by path."""
+  import io
+
+  from PIL import Image
+
+  rng = np.random.default_rng(0)
+  buffer = io.BytesIO()
+  Image.fromarray((rng.random((256, 256, 3)) * 255).astype(np.uint8)).save(buffer, format="JPEG", quality=90)
+  for fraction in (0.3, 0.5, 0.7):  # some of these Pillow decoded without a word
+    damaged = bytearray(buffer.getvalue())
+    at = int(len(damaged) * fraction)
+    damaged[at : at + 50] = rng.integers(0, 256, 50, dtype=np.uint8).tobytes()
+    with pytest.raises(transforms.BadImage):
+      transforms.decode_crop_resize(bytes(damaged), 8, region_decode=False)
+  assert transforms.decode_crop_resize(buffer.getvalue(), 8, region_decode=False).shape == (8, 8, 3)

@@ -143,7 +143,12 @@ def _turbo_decode(data: bytes, size: tuple[int, int], min_width: int = 0, min_he
       min_width=-(-size[0] // denominator),
       min_height=-(-size[1] // denominator),
     )
-  except ValueError:
+  except ValueError as e:
+    # Damaged entropy-coded data: libjpeg warns and goes on, and Pillow would decode the damage into the pixels
+    # (as the region decoder, which takes the warning for an error, would not). Anything else (a JPEG kind
+    # simplejpeg cannot read): Pillow decides.
+    if str(e).startswith(("Corrupt JPEG data", "Premature end of JPEG")):
+      raise BadImage(f"damaged JPEG data ({e})") from None
     return None
 
 
