@@ -12,7 +12,9 @@ study lives in STUDY_DIR/study.db (SQLite): --trials is the number of finished (
 trials the study should hold, so the same command continues a killed study, and a larger --trials
 extends a finished one. Several machines can share a study through the same storage (--storage, e.g. a
 PostgreSQL URL). The study stores its --config and overrides: a later run with others, or with a search-space
-field of another kind, is refused before its first trial. A trial killed with its study is marked failed once
+field of another kind, is refused before its first trial; a study directory holds one study (its name in
+study_name.txt). A continued study's sampler is seeded with --seed plus its trial count, so it samples new values.
+A trial whose sampled values train.py refuses fails, and the study goes on. A trial killed with its study is marked failed once
 its heartbeat stops and is retried once with the same parameters, resuming from its checkpoint; a trial
 stopped by Ctrl-C is retried the same way when the same command runs again.
 
@@ -55,6 +57,7 @@ from light_jax import cli  # noqa: E402  (the repository's, whichever directory 
 from light_jax.exit_codes import ExitCode  # noqa: E402
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+DEFAULT_STUDY_NAME = "light_jax"
 HEARTBEAT_SECONDS = 20  # a trial whose study process is gone is marked failed after GRACE_SECONDS
 GRACE_SECONDS = 60
 
@@ -186,7 +189,7 @@ def check_resume(study: optuna.Study, args, space: dict[str, tuple]) -> None:
   Raises:
     ValueError: with a message that says what differs and what to do.
   """
-  new_study = "start a new study (a new --study_dir, or --study_name)"
+  new_study = "start a new study in a new --study_dir"
   checked = set()
   for trial in study.get_trials(deepcopy=False):
     for name, stored in trial.distributions.items():
@@ -270,6 +273,28 @@ def _die_with_parent() -> None:
   ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def claim_study_dir(args) -> None:
+  """A study directory holds one study's trials (``trials/NNNN``, by trial number), best config and plots: another
+  --study_name there would replace them. The first study to run in it names it in ``study_name.txt``."""
+  path = os.path.join(args.study_dir, "study_name.txt")
+  if os.path.exists(path):
+    with open(path) as f:
+      owner = f.read().strip()
+    if owner != args.study_name:
+      cli.fail(
+        f"--study_dir={args.study_dir} holds study {owner!r}'s trials; --study_name={args.study_name} would replace "
+        "them: give it another --study_dir (or --study_name=" + owner + " to continue that study)"
+      )
+  elif not os.listdir(os.path.join(args.study_dir, "trials")) or args.study_name == DEFAULT_STUDY_NAME:
+    with open(path, "w") as f:  # a new directory, or one of a study from before the name was kept (the default)
+      f.write(args.study_name + "\n")
+  else:
+    cli.fail(
+      f"--study_dir={args.study_dir} holds trials of a study from before the study name was kept, the default "
+      f"{DEFAULT_STUDY_NAME!r}; give --study_name={args.study_name} another --study_dir"
+    )
+
+
 def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
   """Trains one sample of ``space``; reports each epoch's test top-1 to the pruner; returns the final one."""
   params = suggest(trial, space)
@@ -324,7 +349,12 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
   if process.returncode == ExitCode.BAD_INPUT and retried is None:  # a retry may fail on its own checkpoint
     with open(log_path) as f:
       errors = [line[len("error:") :].strip() for line in f if line.startswith("error:")]
-    raise TrialRejected(f"trial {trial.number}: train.py rejected it: {errors[-1] if errors else log_path}")
+    reason = errors[-1] if errors else log_path
+    if any(name in reason for name in params):  # this sample's value (momentum below min_momentum): not every trial's
+      failure = TrialFailed(f"trial {trial.number}: train.py rejected its sampled values: {reason}")
+      print(f"  failed: {failure}", file=sys.stderr, flush=True)
+      raise failure
+    raise TrialRejected(f"trial {trial.number}: train.py rejected it: {reason}")
   if process.returncode != 0:
     failure = TrialFailed(f"trial {trial.number}: train.py exited with {process.returncode}; see {log_path}")
     print(f"  failed: {failure}", file=sys.stderr, flush=True)  # optuna logs errors only (main)
@@ -473,7 +503,7 @@ def main() -> None:
   parser.add_argument("--trials", type=int, required=True, help="finished trials (completed + pruned) to reach")
   parser.add_argument("--space", default="configs/search_spaces.py", help="search space file[:variant]")
   parser.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite in --study_dir)")
-  parser.add_argument("--study_name", default="light_jax")
+  parser.add_argument("--study_name", default=DEFAULT_STUDY_NAME)
   parser.add_argument("--startup_trials", type=int, default=5, help="random trials before TPE models the space")
   parser.add_argument("--pruner_warmup_epochs", type=int, default=1, help="epochs before a trial may be pruned")
   parser.add_argument("--seed", type=int, default=0)
@@ -510,6 +540,7 @@ def main() -> None:
     os.makedirs(os.path.join(args.study_dir, "trials"), exist_ok=True)
   except OSError as e:
     cli.fail(f"--study_dir={args.study_dir}: cannot create it ({e.strerror}); choose another directory")
+  claim_study_dir(args)
   # Errors only: run_trial reports a failed trial in one line (its log holds the rest), not with a traceback.
   optuna.logging.set_verbosity(optuna.logging.ERROR)
   logging.getLogger("optuna").setLevel(logging.ERROR)
@@ -525,8 +556,12 @@ def main() -> None:
     storage=storage,
     direction="maximize",
     load_if_exists=True,
-    sampler=optuna.samplers.TPESampler(n_startup_trials=args.startup_trials, seed=args.seed),
     pruner=optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials, n_warmup_steps=args.pruner_warmup_epochs),
+  )
+  # Seeded by --seed and the trials so far: a continued study seeded as it began would sample its first trials'
+  # values again (TPE's random start and candidates come from the seed).
+  study.sampler = optuna.samplers.TPESampler(
+    n_startup_trials=args.startup_trials, seed=args.seed + len(study.get_trials(deepcopy=False))
   )
   try:
     check_resume(study, args, space)

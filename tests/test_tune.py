@@ -309,3 +309,40 @@ def test_a_study_whose_trials_all_failed_takes_the_new_overrides(tmp_path, monke
   assert result["completed"] == 1
   attrs = optuna.load_study(study_name="light_jax", storage=storage).user_attrs
   assert attrs["overrides"] == {"num_epochs": "3"}
+
+
+def test_a_continued_study_samples_new_values_and_a_study_dir_keeps_one_study(tmp_path, monkeypatch, capsys):
+  """Seeded as it began, a continued study sampled its first trials' values again; and another --study_name in the
+  same --study_dir replaced the first study's trial folders, best config and plots."""
+  tune = _tune_module()
+  study_dir = f"--study_dir={tmp_path}/study"
+  _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=2")
+  _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=4")
+  trials = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{tmp_path}/study/study.db").trials
+  first, continued = [t.params for t in trials[:2]], [t.params for t in trials[2:]]
+  assert len(continued) == 2 and not any(params in first for params in continued), (first, continued)
+  error = _main_fails(tune, monkeypatch, capsys, study_dir, "--trials=1", "--study_name=other")
+  assert "holds study 'light_jax''s trials; --study_name=other would replace them: give it another --study_dir" in error
+
+
+REJECTS_ITS_MOMENTUM = """import sys
+print("error: invalid config: optimizer.min_momentum=0.85 must be in [0, optimizer.momentum=0.82].", file=sys.stderr)
+sys.exit(2)
+"""
+
+
+def test_a_sample_train_py_refuses_fails_that_trial_not_the_study(tmp_path, monkeypatch, capsys):
+  """A cycled momentum refuses a sampled momentum below its minimum: that sample's fault, not every trial's. Each
+  such trial fails and the study goes on, until too many fail (as for any failure)."""
+  tune = _tune_module()
+  (tmp_path / "root").mkdir()
+  (tmp_path / "root" / "train.py").write_text(REJECTS_ITS_MOMENTUM)
+  monkeypatch.setattr(tune, "ROOT", str(tmp_path / "root"))  # train.py: the stand-in; the config: absolute
+  config = f"--config={os.path.join(ROOT, 'configs', 'fashion_mnist.py')}:large_batch_lars"
+  space = f"--space={os.path.join(ROOT, 'configs', 'search_spaces.py')}"
+  monkeypatch.setattr(sys, "argv", ["tune.py", config, space, f"--study_dir={tmp_path}/study", "--trials=8"])
+  with pytest.raises(SystemExit) as stopped:
+    tune.main()
+  err = capsys.readouterr().err
+  assert "rejected its sampled values: invalid config: optimizer.min_momentum=0.85" in err
+  assert "error: 4 trials failed in this run" in str(stopped.value.code), (stopped.value.code, err[-2000:])
