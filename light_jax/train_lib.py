@@ -162,7 +162,9 @@ def train_and_evaluate(
       loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)
       # Save the final state; a no-op when CheckpointSaver has just saved this step.
       checkpointer.save(loop.step, loop.state, {**meta, "train_seconds": clock.seconds()})
-    if loop.stop:
+    if loop.stop == PREEMPTED and loop.step >= total_steps:  # the signal came with the last step: the run is done
+      logging.info("a signal arrived at the last step; the run is complete, so it finishes and reports")
+    elif loop.stop:
       return stopped(loop)
 
     # A finished run resumed ran no step: evaluate what it restored (every process alike) to report again.

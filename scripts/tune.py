@@ -14,9 +14,9 @@ extends a finished one. Several machines can share a study through the same stor
 PostgreSQL URL). The study stores its --config and overrides: a later run with others, or with a search-space
 field of another kind, is refused before its first trial; a study directory holds one study (its name in
 study_name.txt). A continued study's sampler is seeded with --seed plus its trial count, so it samples new values.
-A trial whose sampled values train.py refuses fails, and the study goes on. A trial killed with its study is marked failed once
-its heartbeat stops and is retried once with the same parameters, resuming from its checkpoint; a trial
-stopped by Ctrl-C is retried the same way when the same command runs again.
+A trial whose sampled values train.py refuses fails, and the study goes on. A trial killed with its study is
+marked failed once its heartbeat stops and is retried once with the same parameters, resuming from its
+checkpoint; a trial stopped by Ctrl-C is retried the same way when the same command runs again.
 
 Output: a table of the trials, STUDY_DIR/best_config.py (a config file train.py accepts: the base config,
 the --config overrides and the best trial's parameters), Optuna's plots as PNG in STUDY_DIR, and as the

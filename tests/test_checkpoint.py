@@ -164,6 +164,14 @@ def test_sigterm_saves_at_that_step_and_the_run_resumes_the_same(uninterrupted, 
   assert 0 < seconds_at_6 < seconds[0] < seconds[1] < seconds[2]
 
 
+def test_a_signal_at_the_last_step_finishes_the_run(uninterrupted, tmp_path):
+  """The run is complete: a summary, not "preempted, rerun to resume" (whose rerun only evaluated again)."""
+  last = (lambda info: PREEMPTED if info.step == 24 else None, 1)  # as a SIGTERM there stops the loop
+  summary = train_lib.train_and_evaluate(_config(), str(tmp_path), extra_hooks=[last])
+  assert summary["steps"] == 24 and "stopped" not in summary and (tmp_path / "summary.json").exists()
+  _assert_same_run(uninterrupted, tmp_path)
+
+
 def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path, caplog):
   # Stopped by a hook, not by max_steps=12: that compiles another program (12 becomes a record boundary), which
   # the tests' XLA flags may round differently (tests/conftest.py).
