@@ -48,7 +48,10 @@ class MetricsWriter:
         os.replace(path + ".tmp", path)
       from tensorboardX import SummaryWriter  # imported here: only process 0 needs it
 
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      # A resumed run's events after its checkpoint, or a run started over's all, are hidden from then on (as
+      # metrics.jsonl drops those records): TensorBoard would draw both runs' points at those steps.
+      purge_step = 0 if resume_step is None else resume_step + 1
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=purge_step)
 
   def write(self, record: dict[str, Any]) -> None:
     self.records.append(record)

@@ -151,7 +151,7 @@ def train_and_evaluate(
       saver = CheckpointSaver(checkpointer, meta, clock)
       hooks.add(saver, every=config.checkpoint.every_steps)
       if config.train.time_steps and is_main:
-        hooks.add(StepTimer(os.path.join(workdir, "step_times.jsonl")), every=1)
+        hooks.add(StepTimer(os.path.join(workdir, "step_times.jsonl"), start_step), every=1)
       if config.train.inject_hang_at_step >= 0:
         hooks.add(HangDrill(config.train.inject_hang_at_step), every=1)
       if config.train.profile_steps:

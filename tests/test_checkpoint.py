@@ -159,9 +159,29 @@ def test_sigterm_saves_at_that_step_and_the_run_resumes_the_same(uninterrupted, 
   summary = train_lib.train_and_evaluate(_config(), str(tmp_path))
   assert summary["resumed_from_step"] == 6  # not started over (which would end the same on CPU)
   _assert_same_run(uninterrupted, tmp_path)
+  # TensorBoard is told to drop the first run's events from step 7 on (a SessionLog START there), as metrics.jsonl
+  # dropped its records: it drew both runs' points at those steps.
+  starts = [e.step for e in _tensorboard_events(tmp_path) if e.HasField("session_log") and e.session_log.status == 1]
+  assert 7 in starts
   # The clock goes on from the checkpoint's: the first record after the resume (step 8) counts steps 0-8.
   seconds = [r["train_seconds"] for r in read_metrics(tmp_path)]
   assert 0 < seconds_at_6 < seconds[0] < seconds[1] < seconds[2]
+
+
+def _tensorboard_events(workdir):
+  """Every event of the run's TensorBoard files (TFRecord: length, its CRC, the event, its CRC)."""
+  import struct
+
+  from tensorboardX.proto import event_pb2
+
+  for path in sorted((workdir / "tensorboard").iterdir()):
+    data, at = path.read_bytes(), 0
+    while at < len(data):
+      (length,) = struct.unpack("<Q", data[at : at + 8])
+      event = event_pb2.Event()
+      event.ParseFromString(data[at + 12 : at + 12 + length])
+      yield event
+      at += 12 + length + 4
 
 
 def test_a_signal_at_the_last_step_finishes_the_run(uninterrupted, tmp_path):

@@ -1,6 +1,7 @@
 """The training loop in-process: train_and_evaluate on real Fashion-MNIST subsets, its hooks and its records."""
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -234,3 +235,15 @@ def test_hitopk_on_one_node_trains_and_says_it_saves_nothing(tmp_path, caplog):
   with caplog.at_level(logging.WARNING):
     train_lib.train_and_evaluate(small_config("hitopk", max_steps=1, mesh__nodes=1, mesh__local=8), str(tmp_path))
   assert "comm.strategy=hitopk on one node (mesh 1 x 8)" in caplog.text
+
+
+def test_step_times_of_a_resumed_run_keep_only_the_steps_up_to_its_checkpoint(tmp_path):
+  """The steps after the checkpoint ran again: their first timings (and a line cut short by a kill) go."""
+  from light_jax.hooks import StepTimer
+
+  path = tmp_path / "step_times.jsonl"
+  path.write_text(
+    "".join(f'{{"step": {s}, "seconds": 0.1, "sent_bytes": 0}}\n' for s in range(1, 9)) + '{"step": 9, "se'
+  )
+  StepTimer(str(path), resume_step=6)
+  assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
