@@ -128,7 +128,8 @@ def train_and_evaluate(
         hooks.add(hook, every=every)
       # The logs' learning rate: one compiled program, not one dispatch (and one compile) per jnp op.
       host_schedule = jax.jit(schedule)
-      hooks.add(ProgressBar(bar, host_schedule, config.log_every_steps), every=1)
+      clock = TrainClock(seconds_before)  # training seconds, evaluations left out
+      hooks.add(ProgressBar(bar, host_schedule, config.log_every_steps, clock), every=1)
       nonfinite = NonFiniteCheck(config.train.on_nonfinite, seen=skipped_steps(state))
 
       # Also wherever a checkpoint may be saved: a resumed run counts the checkpoint's skipped steps as seen, so one
@@ -143,7 +144,6 @@ def train_and_evaluate(
       hooks.add(nonfinite, every=config.log_every_steps, when=may_save)
       # With several processes the check is a collective, so not every step.
       hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
-      clock = TrainClock(seconds_before)  # training seconds, evaluations left out
       evaluations = EpochEvaluation(
         evaluate, writer, plan, host_schedule, prefetcher, bar, start_step, total_steps, clock
       )
