@@ -20,8 +20,10 @@ class MetricsError(RuntimeError):
 class MetricsWriter:
   """Appends one JSON object per evaluation to ``DIR/metrics.jsonl`` and mirrors numbers to TensorBoard."""
 
-  def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None):
-    """``resume_step``: keep the records up to that step (a resumed run); None: start a new file."""
+  def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None, goes_on: bool = True):
+    """``resume_step``: keep the records up to that step (a resumed run); None: start a new file. ``goes_on``: the
+    run trains past ``resume_step`` (a finished run extended by a larger num_epochs or max_steps): its old last
+    record is no longer the final one."""
     self.workdir = workdir
     self.enabled = enabled
     self.records: list[dict[str, Any]] = []
@@ -32,6 +34,8 @@ class MetricsWriter:
       if os.path.exists(path):
         old = read_metrics(workdir)
         self.records = [r for r in old if resume_step is not None and r["step"] <= resume_step]
+        if goes_on:
+          self.records = [{**r, "final": False} if r.get("final") else r for r in self.records]
         if len(self.records) < len(old):
           logging.warning(
             "%s: dropping %d record(s) %s",

@@ -116,7 +116,11 @@ def train_and_evaluate(
       )
       is_main = jax.process_index() == 0
       writer = opened.enter_context(
-        closing(metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=start_step or None))
+        closing(
+          metrics_lib.MetricsWriter(
+            workdir, enabled=is_main, resume_step=start_step or None, goes_on=start_step < total_steps
+          )
+        )
       )
       bar = opened.enter_context(closing(metrics_lib.progress_bar(total_steps, enabled=is_main, initial=start_step)))
 

@@ -52,6 +52,9 @@ def test_max_steps_stops_mid_epoch_evaluates_and_writes_the_summary(tmp_path):
     == summary["inter_node_bytes_per_step_mean"]
   )
   assert sorted(int(s) for s in os.listdir(tmp_path / "checkpoints")) == [5]  # saved at the end
+  # Extended (max_steps is safe to change): the step-5 record is no longer the final one; one record is.
+  train_lib.train_and_evaluate(small_config("dense", max_steps=8), str(tmp_path))
+  assert [(r["step"], r["final"]) for r in read_metrics(tmp_path)] == [(5, False), (8, True)]
 
 
 def test_hitopk_with_adaptive_fusion_mstopk_and_density_warmup(tmp_path, caplog):
