@@ -110,7 +110,8 @@ for split, count in (("train", per_class), ("val", max(per_class // 10, 2))):
 EOF
 run prepare_data 120 "$PY" scripts/prepare_image_folder.py --folder "$DATA/folder" --out "$DATA/prepared"
 run train 240 "$PY" train.py --config configs/imagenet_resnet50.py:tiny --workdir "$OUT/train" \
-  --config.data.dataset=image_folder --config.data.data_dir="$DATA/prepared" --config.mesh.nodes=1 \
+  --config.data.dataset=image_folder --config.data.data_dir="$DATA/prepared" --config.data.cache_dir="$DATA/cache" \
+  --config.mesh.nodes=1 \
   --config.mesh.local=-1 --config.checkpoint.every_steps=0 "${TRAIN[@]}"
 if [ -f "$OUT/train/summary.json" ]; then
   "$PY" -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$OUT/train/summary.json" \
