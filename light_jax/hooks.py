@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -296,11 +295,7 @@ class StepTimer:
   def __init__(self, path: str, resume_step: int = 0):
     self.path = path
     if os.path.exists(path):  # a resumed run's steps after its checkpoint ran again: their first timing goes
-      with open(path) as f:
-        kept = [line for line in f if line.strip() and _complete_step(line) <= resume_step]
-      with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-      os.replace(path + ".tmp", path)
+      metrics_lib.keep_records(path, resume_step)
     self._last_time, self._last_sent = time.perf_counter(), sent_bytes()
 
   def __call__(self, info: StepInfo) -> None:
@@ -310,14 +305,6 @@ class StepTimer:
       f.write(json.dumps({"step": info.step, "seconds": now - self._last_time, "sent_bytes": sent - self._last_sent}))
       f.write("\n")
     self._last_time, self._last_sent = now, sent
-
-
-def _complete_step(line: str) -> float:
-  """The step of a step_times.jsonl line, or infinity for a line cut short by a kill (dropped)."""
-  try:
-    return json.loads(line)["step"]
-  except (ValueError, KeyError):
-    return math.inf
 
 
 def sent_bytes() -> int:

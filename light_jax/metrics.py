@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import tqdm
@@ -32,24 +33,17 @@ class MetricsWriter:
       os.makedirs(workdir, exist_ok=True)
       path = os.path.join(workdir, "metrics.jsonl")
       if os.path.exists(path):
-        old = read_metrics(workdir)
-        self.records = [r for r in old if resume_step is not None and r["step"] <= resume_step]
-        if goes_on:
-          self.records = [{**r, "final": False} if r.get("final") else r for r in self.records]
-        if len(self.records) < len(old):
+        not_final = lambda r: {**r, "final": False} if r.get("final") else r  # noqa: E731  (the run goes on past it)
+        self.records, dropped = keep_records(path, resume_step, not_final if goes_on else None)
+        if dropped:
           logging.warning(
             "%s: dropping %d record(s) %s",
             path,
-            len(old) - len(self.records),
+            dropped,
             f"after step {resume_step} (resumed there)"
             if resume_step is not None
             else "of a previous run without a checkpoint (starting over)",
           )
-        # Written again (without a last line cut short) to a new file, renamed over the old one: a kill
-        # mid-write cannot lose the records kept.
-        with open(path + ".tmp", "w") as f:
-          f.writelines(json.dumps(r) + "\n" for r in self.records)
-        os.replace(path + ".tmp", path)
       from tensorboardX import SummaryWriter  # imported here: only process 0 needs it
 
       # A resumed run's events after its checkpoint, or a run started over's all, are hidden from then on (as
@@ -110,9 +104,28 @@ def progress_bar(total: int, enabled: bool, initial: int = 0) -> tqdm.tqdm:
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  """The records of ``DIR/metrics.jsonl``. A last line cut short (a crash or a full disk mid-append) is left out
+  """The records of ``DIR/metrics.jsonl`` (``read_records``)."""
+  return read_records(os.path.join(workdir, "metrics.jsonl"))
+
+
+def keep_records(
+  path: str, last_step: int | None, edit: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+) -> tuple[list[dict[str, Any]], int]:
+  """(the records of the JSON-lines file ``path`` up to ``last_step`` (None: none), each through ``edit`` if
+  given; how many were dropped), the kept ones written again to a new file renamed over it (without a last line
+  cut short): a kill mid-write cannot lose them. A resumed run's steps after its checkpoint run again, and their
+  records with them."""
+  records = read_records(path)
+  kept = [edit(r) if edit else r for r in records if last_step is not None and r["step"] <= last_step]
+  with open(path + ".tmp", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in kept)
+  os.replace(path + ".tmp", path)
+  return kept, len(records) - len(kept)
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+  """The records of a JSON-lines file. A last line cut short (a crash or a full disk mid-append) is left out
   with a warning: it is the newest record, which a resumed run writes again. A bad line before it is an error."""
-  path = os.path.join(workdir, "metrics.jsonl")
   with open(path) as f:
     lines = [line for line in f if line.strip()]
   records = []
