@@ -27,7 +27,6 @@ last line one JSON object: {"trials", "completed", "pruned", "failed", "best": {
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import importlib.util
 import inspect
@@ -53,7 +52,7 @@ from optuna.trial import TrialState
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from light_jax import cli  # noqa: E402  (the repository's, whichever directory this runs from)
+from light_jax import child_process, cli  # noqa: E402  (the repository's, whichever directory this runs from)
 from light_jax.exit_codes import ExitCode  # noqa: E402
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -268,11 +267,6 @@ def read_records(workdir: str) -> list[dict]:
   return records
 
 
-def _die_with_parent() -> None:
-  """In the child: SIGTERM when the study process dies, so no trial outlives its study (Linux)."""
-  ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def claim_study_dir(args) -> None:
   """A study directory holds one study's trials (``trials/NNNN``, by trial number), best config and plots: another
   --study_name there would replace them. The first study to run in it names it in ``study_name.txt``."""
@@ -320,7 +314,12 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
     # In a session of its own, so a terminal's Ctrl-C reaches only this process, whose SIGTERM below is then
     # the run's one signal (it saves a checkpoint; a second signal would make it exit without one).
     process = subprocess.Popen(
-      command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, preexec_fn=_die_with_parent
+      command,
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      cwd=ROOT,
+      start_new_session=True,
+      preexec_fn=functools.partial(child_process.die_with_parent, signal.SIGTERM),
     )
     try:
       reported = set()

@@ -524,7 +524,7 @@ def test_an_image_too_long_for_the_cache_is_a_bad_record_not_a_failed_build():
 
 ORPHANS = """
 import concurrent.futures, multiprocessing, os, sys, time
-from light_jax.data import records
+from light_jax import child_process
 
 def pid_and_sleep(_):
   time.sleep(1)
@@ -532,7 +532,7 @@ def pid_and_sleep(_):
 
 if __name__ == "__main__":
   pool = concurrent.futures.ProcessPoolExecutor(
-    2, mp_context=multiprocessing.get_context("spawn"), initializer=records.die_with_parent
+    2, mp_context=multiprocessing.get_context("spawn"), initializer=child_process.die_with_parent
   )
   print(" ".join(str(pid) for pid in set(pool.map(pid_and_sleep, range(4)))), flush=True)
   pool.submit(time.sleep, 60)

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import glob
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
-import signal
 import struct
 import tempfile
 import time
@@ -40,6 +38,7 @@ import uuid
 import numpy as np
 from absl import logging
 
+from light_jax import child_process
 from light_jax.data import transforms
 from light_jax.data.source import DataError
 
@@ -378,19 +377,6 @@ def estimate_cache_bytes(records, shorter: int, sample: int = 32) -> int:
   return int(np.mean(per_image) * n) if per_image else 0
 
 
-def die_with_parent() -> None:
-  """In a worker process: the kernel ends it when the process that started it ends. A build killed with
-  SIGKILL (out of memory, a second signal, a peer's failure ending the run with os._exit) left its workers
-  running, orphans decoding on, one set per retry. Linux only (prctl); elsewhere nothing changes."""
-  try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-  except (OSError, AttributeError):
-    return
-  if os.getppid() == 1:  # the parent ended before the prctl took effect
-    os._exit(1)
-
-
 # A partial cache file that no build has written to for this long is a killed build's: removed at the next build.
 STALE_PARTIAL_SECONDS = 3600
 
@@ -417,7 +403,7 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
   # The workers take a Ctrl-C as this process does (no ignore_signals): a build can take hours, and the
   # PreemptionGuard, already on, would only note the signal; the interrupted build leaves no partial file.
   pool = (
-    concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=die_with_parent)
+    concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=child_process.die_with_parent)
     if workers > 1
     else None
   )
