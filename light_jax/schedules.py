@@ -113,12 +113,11 @@ class EpochPlan:
     height, width, channels = image_shape
     return (self.batch_size_at(step), *((size, size) if size else (height, width)), channels)
 
-  def leanest_step(self, image_shape: tuple[int, int, int], end_step: int | None = None) -> int:
-    """The first step of the run's phase with the least compute per step (batch x pixels; the first of equals),
-    among the steps before ``end_step`` (None: all): where the step has the least backward pass to hide its
-    communication behind, so a plan of buckets made there holds in the other phases too."""
-    end = self.num_steps if end_step is None else min(end_step, self.num_steps)
-    firsts = [s for s in self.first_steps if s < end] or [0]
+  def leanest_step(self, image_shape: tuple[int, int, int]) -> int:
+    """The first step of the plan's phase with the least compute per step (batch x pixels; the first of equals):
+    where the step has the least backward pass to hide its communication behind, so a plan of buckets made there
+    holds in the other phases too. Over the whole plan, whatever max_steps (safe to change on resume) reaches."""
+    firsts = [s for s in self.first_steps if s < self.num_steps] or [0]  # first_steps ends with num_steps
     return min(firsts, key=lambda s: (math.prod(self.batch_shape_at(s, image_shape)[:3]), s))
 
   def epochs_done(self, step: int) -> float:

@@ -274,17 +274,19 @@ class PhaseReport:
     return d
 
 
+def epoch_plan(config: ml_collections.ConfigDict, num_train: int) -> schedules.EpochPlan:
+  """The trainer's plan of epochs (batch and image size per epoch) for ``num_train`` training examples."""
+  image_size = config.data.image_size or 28
+  resolutions = schedules.parse_resolution_schedule(config.data.resolution_schedule, image_size)
+  return schedules.EpochPlan(num_train, config.num_epochs, resolutions, config.global_batch_size)
+
+
 def phases_of(config: ml_collections.ConfigDict, num_train: int) -> list[tuple[int, int, int, int, int]]:
   """(first epoch, epochs, image size, global batch, steps) for each run of epochs with one size and batch, up to
   the run's last step (``schedules.total_steps``: ``max_steps`` may end it inside an epoch, which then counts as
   one of ``epochs``: the trainer evaluates at its end too)."""
   image_size = config.data.image_size or 28
-  plan = schedules.EpochPlan(
-    num_train,
-    config.num_epochs,
-    schedules.parse_resolution_schedule(config.data.resolution_schedule, image_size),
-    config.global_batch_size,
-  )
+  plan = epoch_plan(config, num_train)
   total = schedules.total_steps(config.max_steps, plan)
   phases = []
   for epoch in range(config.num_epochs):
@@ -350,13 +352,13 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
       base, config.comm, profile, cluster.cost, device_flops, examples, overlap, device.topk_elements_per_sec
     )[0]
 
-  phases = phases_of(config, num_train)
   # As CompiledSteps plans them: once, on the phase with the least compute per step (EpochPlan.leanest_step), or
   # for each phase where cost_model.replans_buckets_per_phase says so.
-  _, _, lean_size, lean_batch, _ = min(phases, key=lambda phase: (phase[3] * phase[2] ** 2, phase[0]))
+  plan, shape = epoch_plan(config, num_train), (eval_size, eval_size, channels)
+  lean_batch, lean_size, _, _ = plan.batch_shape_at(plan.leanest_step(shape), shape)
   reducer = None if cost_model.replans_buckets_per_phase(config.comm) else planned(lean_size, lean_batch)
   reports = []
-  for first, epochs, size, batch, steps in phases:
+  for first, epochs, size, batch, steps in phases_of(config, num_train):
     per_device = batch / cluster.num_devices
     compute = per_device * device.train_seconds_per_image(size)
     backward = [2 / 3 * compute * f / total_backward_flops for f in backward_flops]
