@@ -88,6 +88,11 @@ def train_on_cluster(
   cluster.run_everywhere(argv, timeout, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
+def set_overrides(args) -> list[str]:
+  """The train.py overrides of --set FIELD=VALUE, which come after every other (they win)."""
+  return [f"--config.{s}" for s in args.set]
+
+
 def cluster_mesh(nodes: int, local: int) -> list[str]:
   """train.py's mesh on the emulated cluster: a process per machine, ``local`` devices each."""
   return [f"--config.mesh.cpu_devices={nodes * local}", "--config.mesh.nodes=-1", "--config.mesh.local=-1"]
@@ -122,7 +127,7 @@ def run_cell(
     "--config.checkpoint.every_steps=0",
     "--config.data.eval_subset=1000",  # one evaluation at the end: keep it short
     *strategy_overrides,
-    *(f"--config.{s}" for s in args.set),
+    *set_overrides(args),
   ]
   train_on_cluster(cluster, args.local, args.config, overrides, workdir, args.peer_timeout, args.timeout)
   with open(os.path.join(workdir, "step_times.jsonl")) as f:
@@ -292,12 +297,10 @@ def check_args(args, meshes: list[tuple[int, int]]) -> tuple[dict[str, int | Non
     for label, strategy_overrides in requested:
       try:
         # As run_cell overrides: the cells plan with the calibration file that the lab writes (a preset here)
-        cell = ["--config.comm.cost_model=v100_nvlink_25gbe", *strategy_overrides, *(f"--config.{s}" for s in args.set)]
+        cell = ["--config.comm.cost_model=v100_nvlink_25gbe", *strategy_overrides, *set_overrides(args)]
         check_run(args.config, cell, nodes, local)
       except ValueError as e:
-        raise ValueError(
-          f"{label} on {nodes} x {local}: {e.line() if isinstance(e, cli.CommandLineError) else e}"
-        ) from None
+        raise ValueError(f"{label} on {nodes} x {local}: {e}") from None
   return rates, requested
 
 

@@ -46,7 +46,7 @@ except cli.FLAG_ERRORS as e:
   error = cli.describe_flag_error(e, sys.argv)
   if error is None:  # not the command line's: a bug, with its traceback
     raise
-  cli.fail(error.line())
+  cli.fail(str(error))
 _MODEL = flags.DEFINE_string("model", "resnet50", "model.name")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "square image side, pixels")
 _BATCH = flags.DEFINE_integer("batch_per_device", 64, "images per device per step")

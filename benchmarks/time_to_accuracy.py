@@ -34,7 +34,7 @@ import shlex
 import sys
 
 import train_runs  # benchmarks/, this script's directory
-from mesh_lab import check_run, parse_strategy, report_failure, train_on_cluster
+from mesh_lab import check_run, parse_strategy, report_failure, set_overrides, train_on_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -108,7 +108,7 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
     try:
       check_run(args.config, run_overrides(args, strategy_overrides), args.nodes, args.local)
     except ValueError as e:
-      parser.error(f"{label}: {e.line() if isinstance(e, cli.CommandLineError) else e}")
+      parser.error(f"{label}: {e}")
   if args.plot:  # its folder now, not a traceback after hours of runs
     cli.output_path(args.plot, "--plot")
   train_runs.check_workdir(parser, args.workdir)
@@ -117,7 +117,7 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
 
 def run_overrides(args, strategy_overrides: list[str]) -> list[str]:
   """A strategy's train.py overrides, then the --set ones."""
-  return [*strategy_overrides, *(f"--config.{s}" for s in args.set)]
+  return [*strategy_overrides, *set_overrides(args)]
 
 
 def run_command(args, overrides: list[str]) -> str:

@@ -28,15 +28,11 @@ FLAGS_HINT = "--help lists the flags"
 
 
 class CommandLineError(ValueError):
-  """A flag the program cannot take; the message is one line that says which and why, ``hint`` (or None)
-  where to look next."""
+  """A flag the program cannot take; the message is one line that says which and why, then, in parentheses,
+  ``hint`` (where to look next) if there is one."""
 
   def __init__(self, message: str, hint: str | None = None):
-    super().__init__(message)
-    self.hint = hint
-
-  def line(self) -> str:
-    return f"{self} ({self.hint})" if self.hint else str(self)
+    super().__init__(f"{message} ({hint})" if hint else message)
 
 
 def fail(message: str) -> NoReturn:
@@ -55,7 +51,7 @@ def flags_parser(*config_file_flags):
     try:
       return _parse(flags.FLAGS, argv, [flag.name for flag in config_file_flags])
     except CommandLineError as e:
-      fail(e.line())
+      fail(str(e))
 
   return parse
 

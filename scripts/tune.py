@@ -533,8 +533,8 @@ def main() -> None:
     cli.fail(f"--space={args.space}: {e}")
   try:
     resolved = check_study_config(args.config, args.overrides, space)
-  except ValueError as e:  # a CommandLineError says where to look next
-    cli.fail(e.line() if isinstance(e, cli.CommandLineError) else str(e))
+  except ValueError as e:
+    cli.fail(str(e))
   try:
     os.makedirs(os.path.join(args.study_dir, "trials"), exist_ok=True)
   except OSError as e:
