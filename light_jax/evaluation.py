@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from light_jax import data as data_lib
-from light_jax.parallel.mesh import AXES, BATCH_SPEC
+from light_jax.parallel.mesh import AXES, BATCH_SPEC, this_device
 from light_jax.train_step import STATE_SPECS, TrainState, mean_over_devices, normalize
 
 
@@ -32,7 +32,7 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.Dat
 
   def device_eval(state: TrainState, images, labels, mask):
     # The devices' running statistics averaged: those of the devices' averaged batch statistics (train_step.py).
-    batch_stats = mean_over_devices(jax.tree.map(lambda x: x[0, 0], state.batch_stats))
+    batch_stats = mean_over_devices(this_device(state.batch_stats))
     logits = model.apply(
       {"params": state.params, "batch_stats": batch_stats}, normalize(images, info.mean, info.std), train=False
     )

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from light_jax import data as data_lib
 from light_jax import optim
 from light_jax.parallel import fusion as fusion_lib
-from light_jax.parallel.mesh import AXES, BATCH_SPEC, LOCAL, NODE
+from light_jax.parallel.mesh import AXES, BATCH_SPEC, LOCAL, NODE, per_device, this_device
 from light_jax.parallel.reducer import Reducer
 
 PyTree = Any
@@ -219,7 +219,7 @@ def make_train_step(
     params = reducer.machine_params(state.params, state.comm_state) if reducer.updates_parameters else state.params
     # check_vma=False below: grad of replicated params is the *local* gradient, not JAX's implicit
     # psum of it, so the reducer is the only reduction (no silent double sum; tested).
-    own_stats = jax.tree.map(lambda x: x[0, 0], state.batch_stats)  # this device's running statistics
+    own_stats = this_device(state.batch_stats)  # this device's running statistics
     if micro_batches == 1:
       local_grads, (loss, batch_stats) = grad_fn(params, own_stats, images, labels)
     else:
@@ -252,7 +252,7 @@ def make_train_step(
     if state.loss_scale:  # lower the scale after an overflow, raise it after `loss_scale_period` good steps
       adjusted = scaling.adjust(finite)
       loss_scale = {"scale": adjusted.loss_scale, "counter": adjusted.counter}
-    updated = (new_params, jax.tree.map(lambda x: x[None, None], batch_stats), opt_state, comm_state)
+    updated = (new_params, per_device(batch_stats), opt_state, comm_state)
     kept = (state.params, state.batch_stats, state.opt_state, state.comm_state)
     params, batch_stats, opt_state, comm_state = jax.tree.map(
       lambda new, old: jnp.where(finite, new, old), updated, kept

@@ -32,7 +32,7 @@ from jax import lax
 
 from light_jax.parallel import collectives, strategies
 from light_jax.parallel import fusion as fusion_lib
-from light_jax.parallel.mesh import LOCAL
+from light_jax.parallel.mesh import LOCAL, per_device, this_device
 from light_jax.parallel.strategies import CommBytes
 
 PyTree = Any
@@ -144,8 +144,7 @@ class DiLoCo:
     sync = done % self.sync_every == 0
     if epoch_first_steps:
       sync = jnp.logical_or(sync, jnp.isin(done, jnp.asarray(epoch_first_steps[1:], jnp.int32)))
-    mine = lambda tree: jax.tree.map(lambda x: x[0, 0], tree)  # noqa: E731
-    delta, inner_opt = mine(comm_state["delta"]), mine(comm_state["optimizer"])
+    delta, inner_opt = this_device(comm_state["delta"]), this_device(comm_state["optimizer"])
     machine = self.machine_params(params, comm_state)
     updates, inner_opt = self.inner_tx.update(grads, inner_opt, machine)
     delta = jax.tree.map(jnp.add, delta, updates)
@@ -162,7 +161,6 @@ class DiLoCo:
 
     # lax.cond: the inter-node all-reduce runs only on sync steps (every device takes the same branch).
     params, opt_state, delta = lax.cond(sync, outer_step, lambda *a: a, params, opt_state, delta)
-    per_device = lambda tree: jax.tree.map(lambda x: x[None, None], tree)  # noqa: E731
     return params, opt_state, {"delta": per_device(delta), "optimizer": per_device(inner_opt)}
 
   # --- accounting (static, from shapes) ----------------------------------------------------------

@@ -23,6 +23,17 @@ BATCH_SPEC = P(AXES)
 CONFIG_NAMES = ("mesh.nodes", "mesh.local")
 
 
+def this_device(tree):
+  """Inside shard_map: this device's part of per-device state (leaves with leading dims (nodes, local), each
+  1 here)."""
+  return jax.tree.map(lambda x: x[0, 0], tree)
+
+
+def per_device(tree):
+  """Inside shard_map: ``this_device``'s inverse, the leaves given their leading (nodes, local) dims back."""
+  return jax.tree.map(lambda x: x[None, None], tree)
+
+
 class MeshError(ValueError):
   """The requested mesh does not fit the devices; the message says what to change."""
 

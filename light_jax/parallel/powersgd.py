@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from light_jax.parallel import collectives, compression, strategies
 from light_jax.parallel import fusion as fusion_lib
+from light_jax.parallel.mesh import per_device, this_device
 from light_jax.parallel.strategies import CommBytes
 
 PyTree = Any
@@ -117,7 +118,7 @@ class PowerSGDReducer:
     leaves, treedef = jax.tree.flatten(local_grads)
     compressed, dense = self._split(leaves)
     wire = jnp.dtype(self.wire_dtype)
-    memory = {i: jax.tree.map(lambda x: x[0, 0], comm_state[_key(i)]) for i in compressed}
+    memory = {i: this_device(comm_state[_key(i)]) for i in compressed}
     matrices = {}
     for i in compressed:
       m = leaves[i].reshape(matrix_shape(leaves[i].shape)).astype(jnp.float32)
@@ -142,7 +143,7 @@ class PowerSGDReducer:
       # The next step starts from Q's span; an orthonormal basis of it keeps M Q well conditioned (Q' itself
       # has columns scaled by M's singular values, and float32 loses the small ones).
       next_q = jnp.linalg.qr(qs[i])[0]
-      new_state[_key(i)] = jax.tree.map(lambda x: x[None, None], Memory(residual, next_q))
+      new_state[_key(i)] = per_device(Memory(residual, next_q))
     for i, g in zip(dense, summed[len(compressed) :]):
       out[i] = g.astype(leaves[i].dtype)
     return jax.tree.unflatten(treedef, [g / devices for g in out]), new_state

@@ -21,6 +21,7 @@ import optax
 
 from light_jax.parallel import compression, diloco, powersgd, strategies
 from light_jax.parallel import fusion as fusion_lib
+from light_jax.parallel.mesh import per_device, this_device
 from light_jax.parallel.strategies import CommBytes
 
 PyTree = Any
@@ -290,7 +291,7 @@ class GradientReducer:
       spec = this.strategy_for_size(size)
       if spec.compressed:
         # This device's block of the (nodes, local, ...) arrays.
-        memory = jax.tree.map(lambda x: x[0, 0], comm_state[_key(b)])
+        memory = this_device(comm_state[_key(b)])
         flat, memory = spec.reduce(
           flat,
           memory,
@@ -301,7 +302,7 @@ class GradientReducer:
           self.correction,
           this.compact_pairs,
         )
-        new_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
+        new_state[_key(b)] = per_device(memory)
       else:
         if self.momentum_correction:
           flat, new_state[_key(b)] = self.dense_momentum(flat, comm_state[_key(b)])

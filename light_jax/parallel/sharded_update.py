@@ -34,7 +34,7 @@ from jax import lax
 from light_jax import optim
 from light_jax.parallel import collectives, compression
 from light_jax.parallel import fusion as fusion_lib
-from light_jax.parallel.mesh import LOCAL
+from light_jax.parallel.mesh import LOCAL, per_device, this_device
 from light_jax.parallel.reducer import GradientReducer
 
 PyTree = Any
@@ -163,7 +163,7 @@ class ShardedUpdate:
       # float32 whatever the gradients' dtype: sharded_update lays out the shards of a float32 vector.
       flat = fusion_lib.pack([leaves[m] for m in bucket.members]).astype(jnp.float32)
       if base.strategy_for_size(flat.size).compressed:
-        memory = jax.tree.map(lambda x: x[0, 0], comm_state[_key(b)])
+        memory = this_device(comm_state[_key(b)])
         shard, memory = collectives.hierarchical_topk_reduce_to_shard(
           flat,
           memory,
@@ -174,7 +174,7 @@ class ShardedUpdate:
           base.correction,
           base.compact_pairs,
         )
-        comm_state[_key(b)] = jax.tree.map(lambda x: x[None, None], memory)
+        comm_state[_key(b)] = per_device(memory)
       else:
         if base.momentum_correction:
           flat, comm_state[_key(b)] = base.dense_momentum(flat, comm_state[_key(b)])
@@ -195,7 +195,7 @@ class ShardedUpdate:
     param_shards = [self._on_device(b, _take_pieces, leaves) for b in range(len(self.buckets))]
     grad_shards = [grads[_key(b)] for b in range(len(self.buckets))]
     direction = dict(zip(grads, self._direction(grad_shards, param_shards)))
-    state = jax.tree.map(lambda x: x[0, 0], comm_state["optimizer"])
+    state = this_device(comm_state["optimizer"])
     updates, state = self._tail.update(direction, state, dict(zip(grads, param_shards)))
     new = list(leaves)
     wire = jnp.dtype(self.base.wire_dtype)
@@ -207,7 +207,7 @@ class ShardedUpdate:
       members = [leaves[m] for m in bucket.members]
       for m, u in zip(bucket.members, fusion_lib.unpack(update, members)):
         new[m] = (leaves[m] + u).astype(leaves[m].dtype)
-    comm_state = dict(comm_state, optimizer=jax.tree.map(lambda x: x[None, None], state))
+    comm_state = dict(comm_state, optimizer=per_device(state))
     return jax.tree.unflatten(treedef, new), opt_state, comm_state
 
   # --- accounting: the hierarchical reduction's --------------------------------------------------
