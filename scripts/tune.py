@@ -15,8 +15,10 @@ PostgreSQL URL). The study stores its --config and overrides: a later run with o
 field of another kind, is refused before its first trial; a study directory holds one study (its name in
 study_name.txt). A continued study's sampler is seeded with --seed plus its trial count, so it samples new values.
 A trial whose sampled values train.py refuses fails, and the study goes on. A trial killed with its study is
-marked failed once its heartbeat stops and is retried once with the same parameters, resuming from its
-checkpoint; a trial stopped by Ctrl-C is retried the same way when the same command runs again.
+marked failed once its heartbeat stops (--heartbeat_grace seconds) and is retried once with the same parameters,
+resuming from its checkpoint; a continued study that finds trials running first waits that long, so that it
+retries a killed one before sampling new ones. A trial stopped by Ctrl-C is retried the same way when the same
+command runs again.
 
 Output: a table of the trials, STUDY_DIR/best_config.py (a config file train.py accepts: the base config,
 the --config overrides and the best trial's parameters), Optuna's plots as PNG in STUDY_DIR, and as the
@@ -57,8 +59,7 @@ from light_jax.exit_codes import ExitCode  # noqa: E402
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 DEFAULT_STUDY_NAME = "light_jax"
-HEARTBEAT_SECONDS = 20  # a trial whose study process is gone is marked failed after GRACE_SECONDS
-GRACE_SECONDS = 60
+DEFAULT_HEARTBEAT_GRACE = 60  # seconds without a heartbeat before a running trial counts as killed
 
 
 class TrialFailed(RuntimeError):
@@ -450,21 +451,51 @@ def print_table(study: optuna.Study) -> None:
     )
 
 
-def open_storage(url: str) -> RDBStorage:
-  """The study's storage. Two processes creating the same new database at once (machines sharing a study, or a
+def open_storage(url: str, grace: int) -> RDBStorage:
+  """The study's storage: a running trial beats every grace / 3 seconds and counts as killed after ``grace``
+  seconds without a beat. Two processes creating the same new database at once (machines sharing a study, or a
   monitor reading it) race on its schema table; the loser retries against the schema the winner wrote."""
   for attempt in range(3):
     try:
       return RDBStorage(
         url,
-        heartbeat_interval=HEARTBEAT_SECONDS,
-        grace_period=GRACE_SECONDS,
+        heartbeat_interval=max(1, grace // 3),
+        grace_period=grace,
         heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
       )
     except sqlalchemy.exc.DBAPIError:  # IntegrityError or "database is locked" while the other one creates it
       if attempt == 2:
         raise
       time.sleep(1 + attempt)
+
+
+def wait_for_killed_trials(study: optuna.Study, grace: int) -> None:
+  """A trial killed with its study process stays RUNNING until its heartbeat is ``grace`` seconds old. A study
+  continued before then would sample new trials around it, and could reach --trials with it never retried. So
+  when the study holds running trials, wait out the grace: a killed one is then failed and its retry queued
+  (the storage's stale-trial callback), while one running on another machine sharing the study beats on."""
+  waiting_for = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+  if not waiting_for:
+    return
+  print(
+    f"trials {sorted(waiting_for)} are running: waiting up to {grace} s to tell one killed with its study (its "
+    "heartbeat stopped; retried from its checkpoint) from one running on another machine",
+    flush=True,
+  )
+  deadline = time.time() + grace + 2  # its last beat is at most grace / 3 old when it was killed, before now
+  try:
+    while time.time() < deadline:
+      optuna.storages.fail_stale_trials(study)
+      running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+      if not waiting_for & running:
+        break
+      time.sleep(1)
+  except KeyboardInterrupt:
+    print("interrupted: the same command continues the study", file=sys.stderr)
+    sys.exit(130)
+  retried = sorted(waiting_for - running)
+  if retried:
+    print(f"trials {retried} were killed with their study: each is retried once", flush=True)
 
 
 def resume_later(study: optuna.Study, started: list[int]) -> NoReturn:
@@ -506,6 +537,12 @@ def main() -> None:
   parser.add_argument("--startup_trials", type=int, default=5, help="random trials before TPE models the space")
   parser.add_argument("--pruner_warmup_epochs", type=int, default=1, help="epochs before a trial may be pruned")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+    "--heartbeat_grace",
+    type=int,
+    default=DEFAULT_HEARTBEAT_GRACE,
+    help="seconds without a heartbeat before a running trial counts as killed (the same on every machine of a study)",
+  )
   args, unknown = parser.parse_known_args()
   bad = [u for u in unknown if not u.startswith("--config.") or "=" not in u]
   if bad:
@@ -516,6 +553,8 @@ def main() -> None:
   for flag in ("startup_trials", "pruner_warmup_epochs", "seed"):  # Optuna's and numpy's own checks are tracebacks
     if getattr(args, flag) < 0:
       parser.error(f"--{flag} must be >= 0")
+  if args.heartbeat_grace < 3:
+    parser.error("--heartbeat_grace must be >= 3 (a trial beats every third of it)")
   # The trials' train.py runs in ROOT: a relative directory would be read here and written there.
   args.study_dir = os.path.abspath(args.study_dir)
   if args.storage:
@@ -546,7 +585,7 @@ def main() -> None:
   warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # the heartbeat's, in Optuna 5
   url = args.storage or f"sqlite:///{os.path.abspath(os.path.join(args.study_dir, 'study.db'))}"
   try:
-    storage = open_storage(url)
+    storage = open_storage(url, args.heartbeat_grace)
   except (sqlalchemy.exc.SQLAlchemyError, ImportError) as e:  # no driver for the URL, a database it cannot open
     reason = str(e).splitlines()[0][:300]
     cli.fail(f"--storage={url}: cannot open the study's database ({type(e).__name__}: {reason})")
@@ -566,6 +605,7 @@ def main() -> None:
     check_resume(study, args, space)
   except ValueError as e:
     cli.fail(str(e))
+  wait_for_killed_trials(study, args.heartbeat_grace)
   finished = lambda: sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))  # noqa: E731
   print(f"study {args.study_name} in {args.study_dir}: {finished()} of {args.trials} trials finished", flush=True)
   failures = 0

@@ -25,7 +25,7 @@ TINY = [  # two epochs of 8 steps each: the study's mechanics, not its accuracy
 ]
 
 
-def _tune(study_dir, trials, **popen):
+def _tune(study_dir, trials, *flags, **popen):
   command = [
     sys.executable,
     "scripts/tune.py",
@@ -33,6 +33,7 @@ def _tune(study_dir, trials, **popen):
     f"--study_dir={study_dir}",
     f"--trials={trials}",
     "--startup_trials=1",
+    *flags,
     *TINY,
   ]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -53,22 +54,29 @@ def _finished(study_dir):
 
 def test_a_killed_study_resumes_to_its_trial_count_and_writes_the_best_config(tmp_path):
   study_dir = str(tmp_path / "study")
-  first = _tune(study_dir, 2, start_new_session=True)
+  grace = "--heartbeat_grace=6"  # 60 s by default: the rerun waits that long to know trial 1 was killed
+  first = _tune(study_dir, 2, grace, start_new_session=True)
   deadline = time.time() + 300
-  while _finished(study_dir) < 1 and first.poll() is None and time.time() < deadline:
+  running = os.path.join(study_dir, "trials", "0001.log")  # written once trial 1 runs (and beats)
+  while not (_finished(study_dir) == 1 and os.path.exists(running)) and first.poll() is None:
+    assert time.time() < deadline
     time.sleep(1)
   assert first.poll() is None, first.communicate()[0]
   os.killpg(first.pid, signal.SIGKILL)  # the study and its running trial, mid-way
   first.wait()
   assert _finished(study_dir) == 1
 
-  second = _tune(study_dir, 2)
+  second = _tune(study_dir, 2, grace)  # at once: trial 1's heartbeat is still fresh
   output = second.communicate(timeout=600)[0]
   assert second.returncode == 0, output
-  assert "1 of 2 trials finished" in output
+  assert "1 of 2 trials finished" in output and "trials [1] were killed with their study" in output, output
   result = json.loads(output.strip().splitlines()[-1])
   assert result["trials"] == 2 and result["completed"] + result["pruned"] == 2
   study = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{study_dir}/study.db")
+  # Trial 1 was retried (trial 2, its parameters), not left running beside a newly sampled trial.
+  states = [t.state.name for t in study.trials]
+  assert states[:2] == [states[0], "FAIL"] and len(states) == 3, states
+  assert study.trials[2].system_attrs["failed_trial"] == 1 and study.trials[2].params == study.trials[1].params
   assert result["best"]["value"] == study.best_value and 0.1 < study.best_value <= 1.0
   assert len(study.trials[0].intermediate_values) >= 1  # the pruner was fed per-epoch evaluations
   for plot in ("optimization_history", "intermediate_values", "slice"):
@@ -107,12 +115,18 @@ def test_a_study_that_cannot_run_stops_before_its_first_trial(tmp_path):
 
 
 def test_bad_study_flags_and_storage_get_one_line_before_any_trial(tmp_path):
-  for flag in ("--seed=-1", "--startup_trials=-1", "--pruner_warmup_epochs=-5"):  # Optuna's or numpy's tracebacks
+  flags = {  # Optuna's or numpy's tracebacks; a heartbeat every third of 2 s rounds to none
+    "--seed=-1": "must be >= 0",
+    "--startup_trials=-1": "must be >= 0",
+    "--pruner_warmup_epochs=-5": "must be >= 0",
+    "--heartbeat_grace=2": "must be >= 3",
+  }
+  for flag, reason in flags.items():
     command = [sys.executable, "scripts/tune.py", "--config=configs/fashion_mnist.py", f"--study_dir={tmp_path}/s",
                "--trials=1", flag]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert f"error: --{flag[2:].split('=')[0]} must be >= 0" in result.stderr
+    assert f"error: --{flag[2:].split('=')[0]} {reason}" in result.stderr
   error = _tune_fails(tmp_path / "study", "--storage=foo://bar")
   assert error.startswith("error: --storage=foo://bar: cannot open the study's database (NoSuchModuleError")
   error = _tune_fails(tmp_path / "study", "--storage=sqlite:////proc/light_jax_nope/study.db")
