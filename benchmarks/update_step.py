@@ -18,8 +18,8 @@ Then the sharded update (`optimizer.sharded_update`) against the replicated one 
 one machine (a 1 x local mesh; on the CPU, --local simulated devices sharing the cores), both starting from
 the shards of the summed gradient that the hierarchical reduce-scatter leaves (the same in both, so not
 timed): `replicated_lars` gathers the gradient shards and every device updates all parameters;
-`sharded_lars` updates each device's shard (norms from per-piece sums and a psum) and gathers the
-parameters (light_jax/parallel/sharded_update.py). `grad_local` is the forward and backward pass on all
+`sharded_lars` updates each device's shard (norms from per-piece sums and a psum), gathers the updates and
+adds them to the parameters (light_jax/parallel/sharded_update.py). `grad_local` is the forward and backward pass on all
 --local devices at once, the step these rows are a share of. The last line is one JSON object keyed by row.
 """
 

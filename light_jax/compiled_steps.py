@@ -31,7 +31,7 @@ from light_jax.data import DatasetInfo
 from light_jax.parallel import cost_model
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel import mesh as mesh_lib
-from light_jax.parallel.reducer import AUTO, Reducer, may_select_top_k, reducer_from_config
+from light_jax.parallel.reducer import AUTO, Reducer, reducer_from_config
 from light_jax.parallel.sharded_update import sharded_update
 from light_jax.parallel.strategies import CommBytes
 
@@ -90,12 +90,10 @@ class CompiledSteps:
     self.residual_rescale = None
     if comm.residual_units == "update":
       self.residual_rescale = schedules.residual_rescale(optimizer.schedule)
-    # Only the top-k strategies have a density: for the others a density schedule would compile the same step
-    # once per phase.
-    top_k = may_select_top_k(comm.strategy)
-    self.density_warmup_steps = plan.step_at(comm.density_warmup_epochs) if top_k else 0
+    # Only the top-k strategies have a density (config.validate refuses a density schedule for the others).
+    self.density_warmup_steps = plan.step_at(comm.density_warmup_epochs)
     self.final_density = None  # (first step, density) of the last comm.final_density_epochs epochs
-    if top_k and comm.final_density_epochs > 0:
+    if comm.final_density_epochs > 0:
       self.final_density = (plan.step_at(plan.num_epochs - comm.final_density_epochs), comm.final_density)
     # Where the epoch's loss accumulators restart and DiLoCo's machines sync: each epoch's first step, and the
     # run's end, which a max_steps may put inside an epoch: its evaluation must see one model, not stale shared

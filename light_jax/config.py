@@ -113,7 +113,7 @@ def base_config() -> ml_collections.ConfigDict:
     lars_trust="optax",  # optax: eta|w| / |g + wd w| | mlperf: eta|w| / (|g| + wd|w|) (MLPerf ResNet-50)
     fused_norms=False,  # lars: every tensor's norms from packed buffers in two passes (optim.tensor_norms)
     # Each device applies the optimizer to the shard it owns after the hierarchical reduce-scatter, with
-    # 1/local of the optimizer state; the all-gather carries parameters (sgd, lars; hierarchical, hitopk).
+    # 1/local of the optimizer state; the all-gather carries the updates (sgd, lars; hierarchical, hitopk).
     sharded_update=False,
     label_smoothing=0.1,
   )
@@ -180,7 +180,7 @@ def base_config() -> ml_collections.ConfigDict:
     # keeping the learning rate and momentum: top-k then sends pieces of the scaled update (error feedback
     # conserves it) instead of LARS rescaling the few sent entries to a whole layer's step.
     local_trust_ratio=False,
-    rank=4,  # powersgd: columns of P and Q (error_feedback, min_compress_elements, dtype apply too)
+    rank=4,  # powersgd: columns of P and Q (error_feedback, min_compress_elements, dtype, local_clip_norm apply too)
     # diloco: each machine takes sync_every steps on its own (gradients averaged inside it), then an outer
     # step, SGD with Nesterov momentum, applies the machines' mean change to the shared parameters.
     sync_every=8,
@@ -320,8 +320,7 @@ def is_top_k(strategy: str) -> bool:
 
 
 def check_k_allocation(config: ml_collections.ConfigDict) -> None:
-  """comm.k_allocation is a known share and, for "sqrt", the strategy has a top-k budget to share (also run
-  by the simulator, which validates no mesh)."""
+  """comm.k_allocation is a known share and, for "sqrt", the strategy has a top-k budget to share."""
   _choice("comm.k_allocation", config.comm.k_allocation, K_ALLOCATIONS)
   top_k = is_top_k(config.comm.strategy)
   if config.comm.k_allocation == "sqrt" and not top_k:
@@ -458,13 +457,18 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       f"comm.local_trust_ratio moves LARS's trust ratio before the reduction; optimizer.name="
       f"{config.optimizer.name!r} has none. Set optimizer.name=lars, or comm.local_trust_ratio=False."
     )
-  if config.comm.local_trust_ratio and (config.comm.strategy == DILOCO or config.optimizer.sharded_update):
+  if config.comm.local_trust_ratio and config.comm.strategy == DILOCO:
     raise ConfigError(
       "comm.local_trust_ratio runs LARS's trust ratio on each device before the gradient reduction; "
-      "comm.strategy=diloco and optimizer.sharded_update apply the optimizer their own way. Turn one off."
+      "comm.strategy=diloco applies the optimizer its own way, inside each machine. Turn one off."
     )
   _positive("comm.min_compress_elements", config.comm.min_compress_elements, allow_zero=True)
   _positive("comm.density_warmup_epochs", config.comm.density_warmup_epochs, allow_zero=True)
+  if config.comm.density_warmup_epochs > 0 and not may_select_top_k(config.comm.strategy):
+    raise ConfigError(
+      f"comm.density_warmup_epochs warms up the top-k density of the first epochs; comm.strategy="
+      f"{config.comm.strategy!r} selects no entries. Use hitopk, topk, gtopk or auto, or set it to 0."
+    )
   _positive("comm.final_density_epochs", config.comm.final_density_epochs, allow_zero=True)
   if config.comm.final_density_epochs > 0:
     if not may_select_top_k(config.comm.strategy):

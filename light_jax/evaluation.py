@@ -1,13 +1,15 @@
 """Evaluation over the (node, local) mesh, and what the host reads back from the devices' training state.
 
 ``make_eval_step`` is one jitted ``shard_map`` step that sums top-1, top-5 and loss over a batch; ``evaluate``
-runs it over a whole split. ``epoch_mean_loss`` and ``global_mean`` read per-device values that may live on
-other processes' devices (collectives: every process calls them).
+runs it over a whole split, the BatchNorm statistics averaged over the mesh once (``mesh_batch_stats``).
+``epoch_mean_loss`` and ``global_mean`` read per-device values that may live on other processes' devices
+(collectives: every process calls them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -20,21 +22,30 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from light_jax import data as data_lib
-from light_jax.parallel.mesh import AXES, BATCH_SPEC, this_device
-from light_jax.train_step import STATE_SPECS, TrainState, mean_over_devices, normalize
+from light_jax.parallel.mesh import AXES, BATCH_SPEC
+from light_jax.train_step import TrainState, normalize
+
+PyTree = Any
+
+
+@jax.jit
+def mesh_batch_stats(batch_stats: PyTree) -> PyTree:
+  """The BatchNorm running statistics evaluation uses: the mean over the devices (the leading (nodes, local)
+  dims) of ``TrainState.batch_stats``. The running average being linear, this is exactly the running average
+  of the devices' averaged batch statistics (train_step.py)."""
+  return jax.tree.map(lambda x: jnp.mean(x, axis=(0, 1)), batch_stats)
 
 
 def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.DatasetInfo) -> Callable:
-  """Returns ``eval_step(state, images, labels, mask) -> {top1, top5, loss, count}`` summed over the batch.
+  """Returns ``eval_step(params, batch_stats, images, labels, mask) -> {top1, top5, loss, count}`` summed over
+  the batch; ``batch_stats``: the mesh's (``mesh_batch_stats``).
 
   Padding rows (mask 0) count for nothing, so every example of the split counts exactly once.
   """
 
-  def device_eval(state: TrainState, images, labels, mask):
-    # The devices' running statistics averaged: those of the devices' averaged batch statistics (train_step.py).
-    batch_stats = mean_over_devices(this_device(state.batch_stats))
+  def device_eval(params, batch_stats, images, labels, mask):
     logits = model.apply(
-      {"params": state.params, "batch_stats": batch_stats}, normalize(images, info.mean, info.std), train=False
+      {"params": params, "batch_stats": batch_stats}, normalize(images, info.mean, info.std), train=False
     )
     top5 = lax.top_k(logits, min(5, info.num_classes))[1]
     hits = top5 == labels[:, None]
@@ -43,7 +54,7 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.Dat
     return {k: lax.psum(jnp.sum(v * mask), AXES) for k, v in sums.items()}
 
   sharded = jax.shard_map(
-    device_eval, mesh=mesh, in_specs=(STATE_SPECS, BATCH_SPEC, BATCH_SPEC, BATCH_SPEC), out_specs=P(), check_vma=False
+    device_eval, mesh=mesh, in_specs=(P(), P(), BATCH_SPEC, BATCH_SPEC, BATCH_SPEC), out_specs=P(), check_vma=False
   )
   return jax.jit(sharded)
 
@@ -59,9 +70,10 @@ def evaluate(
 ) -> dict[str, float]:
   """Top-1, top-5 and mean loss over the whole split (``read_threads``, ``workers``, ``buffer``: grain's)."""
   totals = None
+  batch_stats = mesh_batch_stats(state.batch_stats)  # once per evaluation (a collective across the mesh)
   host_batches = batches.iterator(read_threads, buffer=buffer, workers=workers)
   for batch in data_lib.DevicePrefetcher(host_batches, sharding):
-    sums = eval_step(state, batch["images"], batch["labels"], batch["mask"])
+    sums = eval_step(state.params, batch_stats, batch["images"], batch["labels"], batch["mask"])
     totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     # One evaluation step in flight at a time. On 8 simulated CPU devices two 28-epoch runs hung in an
     # epoch end's evaluation, 6 of 8 device threads waiting in its all-reduce for the other 2 (one for 10

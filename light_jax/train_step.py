@@ -13,10 +13,10 @@ One step, on every device at once, inside ``jax.jit`` + ``jax.shard_map``:
   4. the gradient reducer of ``comm.strategy`` (``parallel/reducer.py``) turns local gradients into the
      mean gradient of the global batch (dense psum, hierarchical, or a compressed strategy);
   5. the optimizer applies it, identically on every device, so parameters stay replicated (with
-     ``optimizer.sharded_update`` each device updates its shard and the parameters are gathered;
+     ``optimizer.sharded_update`` each device updates its shard and the updates are gathered;
      with DiLoCo each machine steps on its own copy, and every H steps they agree again);
   6. BatchNorm running statistics stay per device, each device's running average of its own batches'
-     statistics: no collective per step. Evaluation averages them over the mesh (``running_statistics``), which
+     statistics: no collective per step. Evaluation averages them over the mesh (``evaluation.mesh_batch_stats``), which
      gives exactly the running average of the devices' averaged statistics, the running average being linear;
   7. the new state is kept only if no device saw a non-finite loss, gradient or reducer state (a minimum over
      the mesh, so every device decides alike); otherwise the step is skipped and the old state kept.
@@ -45,7 +45,6 @@ from jax.sharding import PartitionSpec as P
 
 from light_jax import data as data_lib
 from light_jax import optim
-from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel.mesh import AXES, BATCH_SPEC, LOCAL, NODE, per_device, this_device
 from light_jax.parallel.reducer import Reducer
 
@@ -185,8 +184,9 @@ def make_train_step(
   without a host sync: the update is skipped (parameters, BatchNorm statistics, optimizer and reducer state are
   kept; ``step``, ``nonfinite_steps``, the loss scale and the epoch's loss accumulators still move on).
   ``inject_nan_at_step`` >= 0 poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
-  ``epoch_first_steps`` (``EpochPlan.first_steps``) resets the epoch loss accumulators at each epoch's
-  first step. ``micro_batches``: slices of the device's batch run one after the other, their gradients
+  ``epoch_first_steps`` (``CompiledSteps.record_boundaries``: each epoch's first step and the run's last)
+  resets the epoch loss accumulators at each epoch's first step; DiLoCo's machines also sync at each epoch's
+  end and the run's. ``micro_batches``: slices of the device's batch run one after the other, their gradients
   averaged before the one reduction (gradient accumulation; ``unroll_micro_batches``: None = unrolled on the
   CPU only, see ``accumulate_gradients``). ``loss_scale_period``: finite steps after
   which dynamic loss scaling doubles the scale (with ``state.loss_scale``). ``local_tx``: a stateless
@@ -305,20 +305,3 @@ def accumulate_gradients(
     unroll = jax.devices()[0].platform == "cpu"
   (grad_sum, loss_sum, stats), _ = lax.scan(one, (zeros, jnp.zeros(()), batch_stats), slices, unroll=unroll)
   return jax.tree.map(lambda g: g / micro_batches, grad_sum), loss_sum / micro_batches, stats
-
-
-def mean_over_devices(tree: PyTree) -> PyTree:
-  """Inside shard_map: the mean of every leaf over all devices, as one flat buffer (one collective for all the
-  BatchNorm statistics instead of one per tensor; across machines, gloo sends each as its own rounds of small
-  messages)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  if not leaves:
-    return tree
-  return jax.tree.unflatten(treedef, fusion_lib.unpack(lax.pmean(fusion_lib.pack(leaves), AXES), leaves))
-
-
-@jax.jit
-def running_statistics(batch_stats: PyTree) -> PyTree:
-  """The BatchNorm running statistics of the whole mesh: the mean over devices (the leading (nodes, local)) of
-  ``TrainState.batch_stats``, the statistics evaluation uses."""
-  return jax.tree.map(lambda x: jnp.mean(x, axis=(0, 1)), batch_stats)

@@ -46,6 +46,11 @@ def test_default_configs_validate():
     ),
     ({"comm__density": 0.0}, r"comm.density=0.0 must be in \(0, 1\]"),
     ({"comm__final_density_epochs": 2.0}, r"comm.strategy='hierarchical' selects no entries"),
+    ({"comm__density_warmup_epochs": 1.0}, r"density_warmup_epochs .* comm.strategy='hierarchical' selects no entries"),
+    (
+      {"comm__strategy": "powersgd", "comm__density_warmup_epochs": 1.0},
+      r"density_warmup_epochs .* comm.strategy='powersgd' selects no entries",
+    ),
     (
       {"comm__strategy": "hitopk", "comm__final_density_epochs": 2.0, "comm__final_density": 0.0},
       r"comm.final_density=0.0 must be in \(0, 1\]",
@@ -106,8 +111,8 @@ def test_default_configs_validate():
     ({"comm__k_allocation": "log"}, r"comm.k_allocation='log' is unknown"),
     ({"comm__local_trust_ratio": True}, r"optimizer.name='sgd' has none. Set optimizer.name=lars"),
     (
-      {"comm__local_trust_ratio": True, "optimizer__name": "lars", "optimizer__sharded_update": True},
-      r"comm.strategy=diloco and optimizer.sharded_update apply the optimizer their own way",
+      {"comm__local_trust_ratio": True, "optimizer__name": "lars", "comm__strategy": "diloco"},
+      r"comm.strategy=diloco applies the optimizer its own way",
     ),
     (
       {"comm__strategy": "hitopk", "comm__momentum_correction": True, "comm__error_feedback": False},

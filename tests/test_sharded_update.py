@@ -27,12 +27,13 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
   """``strategy`` "hitopk+mc": hitopk with DGC's momentum correction (the momentum and SGD's decay move);
   "+update": its residuals in learning-rate-weighted units, under a decaying learning rate; "+unmasked":
   without momentum factor masking; "+compact": with compact (bfloat16, uint16) pairs; "+ef21": EF21's estimates
-  (comm.feedback) instead of residuals; "+bfloat16": the dense hops in bfloat16 (comm.dtype)."""
+  (comm.feedback) instead of residuals; "+bfloat16": the dense hops in bfloat16 (comm.dtype); "+local": LARS's
+  trust ratio on each device before the reduction (comm.local_trust_ratio)."""
   config = ml_collections.ConfigDict({"optimizer": _config(optimizer).optimizer})
   opt = config.optimizer
   opt.update(lars_trust="mlperf" if optimizer == "lars" else "optax", sharded_update=sharded)
   config.comm = {
-    "local_trust_ratio": False,
+    "local_trust_ratio": strategy.endswith("+local"),
     "momentum_correction": strategy.startswith("hitopk+mc"),
     "decay_in_velocity": True,  # the sharded update has no momentum of the decay's own
   }
@@ -80,6 +81,8 @@ def _train(shape, optimizer, sharded, batches, info, bucket_bytes, strategy="hie
     ((4, 2), "lars", 0, "hierarchical"),
     ((8, 1), "sgd", 4096, "hierarchical"),
     ((2, 4), "lars", 4096, "hitopk"),
+    ((2, 4), "lars", 4096, "hitopk+local"),
+    ((4, 2), "lars", 0, "hierarchical+local"),
     ((2, 4), "sgd", 4096, "hitopk+mc"),
     ((2, 4), "sgd", 4096, "hitopk+mc+update"),
     ((4, 2), "sgd", 4096, "hitopk+mc+unmasked"),

@@ -84,13 +84,6 @@ def test_hitopk_with_adaptive_fusion_mstopk_and_density_warmup(tmp_path, caplog)
   assert summary["inter_node_bytes_per_step_mean"] > 2 * summary["inter_node_bytes_per_step"]
 
 
-def test_a_density_warmup_compiles_one_step_for_a_strategy_without_a_density(tmp_path, caplog):
-  """Only top-k has a density: a dense strategy under comm.density_warmup_epochs compiles its step once."""
-  with caplog.at_level(logging.INFO):
-    train_lib.train_and_evaluate(small_config(max_steps=10, comm__density_warmup_epochs=1.0), str(tmp_path))
-  assert caplog.text.count("train step compiled") == 1
-
-
 def test_progressive_resizing_on_fashion_mnist_compiles_every_phase_before_the_loop(tmp_path, caplog, monkeypatch):
   """data.resolution_schedule on an array dataset: 20 px in batches of 128 for epoch 0 (16 steps), then 28 px
   in batches of 64. Both steps are compiled before the loop (and its clock) starts; the learning rate follows

@@ -129,10 +129,10 @@ def test_resnet_step_with_per_device_batchnorm_matches_one_device():
   # Each device keeps the running statistics of its own batches; their mean is those of the mean statistics.
   own = jax.tree.leaves(ours.batch_stats)
   assert all(x.shape[:2] == (2, 4) for x in own) and max(float(np.ptp(x, axis=(0, 1)).max()) for x in own) > 1e-3
-  assert _max_diff(step_lib.running_statistics(ours.batch_stats), ref_stats) < 1e-5
+  assert _max_diff(evaluation.mesh_batch_stats(ours.batch_stats), ref_stats) < 1e-5
   # Per-device statistics differ from whole-batch (synchronised) ones: the comparison is meaningful.
   _, sync_stats = _run_reference(model, tx, info, batches, num_shards=1)
-  assert _max_diff(step_lib.running_statistics(ours.batch_stats), sync_stats) > 1e-4
+  assert _max_diff(evaluation.mesh_batch_stats(ours.batch_stats), sync_stats) > 1e-4
 
 
 @pytest.mark.parametrize("decay_in_velocity", [True, False], ids=["decay_in_velocity", "decay_after"])
@@ -379,7 +379,9 @@ def test_eval_step_sums_top1_top5_and_loss_of_the_unmasked_rows_as_numpy_does():
   mask = (np.arange(len(labels)) < len(labels) - 5).astype(np.float32)  # the last 5 rows: padding
   sharding = mesh_lib.batch_sharding(mesh)
   put = lambda x: jax.device_put(x, sharding)  # noqa: E731
-  sums = evaluation.make_eval_step(TinyCNN(), mesh, info)(state, put(images), put(labels), put(mask))
+  sums = evaluation.make_eval_step(TinyCNN(), mesh, info)(
+    state.params, evaluation.mesh_batch_stats(state.batch_stats), put(images), put(labels), put(mask)
+  )
 
   params = jax.device_get(state.params)
   logits = np.asarray(TinyCNN().apply({"params": params}, step_lib.normalize(images, info.mean, info.std)))

@@ -282,6 +282,5 @@ def clip_local(local_grads, clip_norm: float, num_devices: int):
   """DGC's local gradient clipping: each device's gradient scaled down to global norm
   ``clip_norm / sqrt(num_devices)`` if it is longer, so that the sum of ``num_devices`` independent gradients
   would be about ``clip_norm`` long."""
-  max_norm = clip_norm / math.sqrt(num_devices)
-  norm = optax.tree.norm(local_grads)
-  return jax.tree.map(lambda x: x * jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12)), local_grads)
+  clipped, _ = optax.clip_by_global_norm(clip_norm / math.sqrt(num_devices)).update(local_grads, optax.EmptyState())
+  return clipped

@@ -55,7 +55,7 @@ class GradientReducer:
   buckets (empty for the dense strategies); ``bytes_per_step`` is the exact traffic per device.
 
   Attributes:
-    strategy: a name in ``strategies.REGISTRY``.
+    strategy: a name in ``strategies.REGISTRY``, or "auto" (a strategy per bucket, ``choices``).
     nodes, local: the mesh shape.
     fusion: ``"none"`` (a collective per tensor), ``"fixed"`` (buckets up to ``bucket_bytes``) or
       ``"adaptive"`` (the MG-WFBP ``groups``, planned by ``cost_model.plan_adaptive_fusion``).
@@ -239,7 +239,8 @@ class GradientReducer:
   def init_state(self, params: PyTree) -> dict[str, jax.Array | compression.Memory | None]:
     """Zero residuals, {"bucket_i": float32 (nodes, local, compressed size)}, for compressed buckets
     (a ``compression.Memory`` of two such arrays with momentum correction, a ``compression.Estimate`` of
-    three with EF21; None without error feedback, which keeps nothing)."""
+    three with EF21; None without error feedback, which keeps nothing). With momentum correction each dense
+    bucket keeps its velocity too, (nodes, local, its size)."""
     _, _, sizes = self._bucket_sizes(jax.tree.leaves(params))
     state = {}
     for b, n in enumerate(sizes):

@@ -79,7 +79,7 @@ def split_into_shards(members: tuple[int, ...], sizes: list[int], shard: int, lo
 
 @dataclasses.dataclass(frozen=True)
 class ShardedUpdate:
-  """Hierarchical (or hitopk) reduction to shards, the optimizer on each device's shards, parameters gathered.
+  """Hierarchical (or hitopk) reduction to shards, the optimizer on each device's shards, the updates gathered.
 
   ``apply`` updates the parameters itself (like DiLoCo's), so the train step calls it instead of the
   optimizer; ``init_optimizer_state`` is then empty and the state is per device in ``comm_state``.
@@ -95,7 +95,11 @@ class ShardedUpdate:
   decay: bool = True  # False: the weight decay ran before the reduction (optim.decay_before_reduction)
   strategy: str = "hierarchical"
   updates_parameters = True  # the train step calls apply, not the optimizer
-  compression: str = "sharded update"
+
+  @property
+  def compression(self) -> str:
+    """For the log: the reduction's compression (hitopk's density) too."""
+    return f"sharded update, {self.base.compression}" if self.base.compression else "sharded update"
 
   def at_density(self, density: float) -> ShardedUpdate:
     """The same, with hitopk's k at ``density`` (the density warm-up); the shard layout does not change."""
@@ -120,7 +124,8 @@ class ShardedUpdate:
     """g + wd w on the decayed tensors, times LARS's trust ratio per tensor: per bucket one branch for the
     sums of squares of this device's pieces, one psum over ``local`` of them all, one branch for the result
     (few branches: each branch's output is materialised, so the per-piece work stays inside them)."""
-    wd, lars = self.opt.weight_decay if self.decay else 0.0, self.opt.name == "lars"
+    # decay=False: LARS's trust ratio ran before the reduction with its weight decay (as build_optimizer's).
+    wd, lars = (self.opt.weight_decay, self.opt.name == "lars") if self.decay else (0.0, False)
     ratios = jnp.ones((self.num_leaves,), jnp.float32)
     if lars:
       # Rows: |w|^2 and |g + wd w|^2 (optax's form) or |g|^2 (MLPerf's), per decayed leaf.
@@ -222,7 +227,8 @@ def sharded_update(
   base: GradientReducer, params: PyTree, opt: ml_collections.ConfigDict, schedule, momentum, decay: bool = True
 ) -> ShardedUpdate:
   """The sharded update of ``base``'s buckets for ``params`` (shapes suffice) with the optimizer ``opt``;
-  ``decay=False`` leaves out the weight decay, which ran before the reduction (as ``build_optimizer``'s)."""
+  ``decay=False`` leaves out the weight decay and LARS's trust ratio, which ran before the reduction (as
+  ``build_optimizer``'s)."""
   if base.strategy not in STRATEGIES:
     raise ValueError(f"optimizer.sharded_update needs comm.strategy in {STRATEGIES}, not {base.strategy!r}")
   if opt.name not in OPTIMIZERS:

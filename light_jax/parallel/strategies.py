@@ -1,7 +1,9 @@
 """The gradient-reduction strategies (``comm.strategy``): one record each, in one registry.
 
-A ``Strategy`` holds everything the rest of the system knows about a strategy, so that the reducer,
-the byte accounting, the cost model and the config validation never test a strategy's name:
+A ``Strategy`` holds what the reducer, the byte accounting and the cost model know about a strategy, so
+that they read its record rather than test its name (the features that only some strategies take are
+listed by name where they are checked: EF21 and the sharded update in ``reducer.py`` and
+``sharded_update.py``, checked by ``config.py``):
 
 - ``reduce``: its collective (``collectives.py``), run inside ``shard_map`` on one flat bucket;
 - ``bytes``: what one device sends per step, per link level, for one bucket (the ring model);
