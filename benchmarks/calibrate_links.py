@@ -47,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from light_jax import cli  # noqa: E402
-from light_jax.emulated_cluster import ClusterError, EmulatedCluster, free_port, parse_rate  # noqa: E402
+from light_jax.emulated_cluster import ClusterError, EmulatedCluster, free_port, parse_rate, report_failure  # noqa: E402
 
 
 def level_sizes(group_bytes_per_buffer_byte: float, max_bytes: int, link_bytes_budget: float | None) -> list[int]:
@@ -211,6 +211,9 @@ def main():
         cost, output = calibrate_on_cluster(cluster, args.local, args.out, args.repeats, args.max_seconds, args.max_mib)
     except (ClusterError, ValueError) as e:
       sys.exit(f"error: {e}")
+    except RuntimeError as e:  # a node's calibration failed: its output, then one line
+      report_failure(f"the calibration at {args.emulate}", e)
+      sys.exit(1)
     print(output.rstrip())
     return
 

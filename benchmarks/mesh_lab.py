@@ -8,10 +8,12 @@ Each "machine" is a network namespace whose egress is shaped with tc to the band
 multi-process path, `train.py` on --nodes processes (one per namespace, --local simulated CPU devices
 each, jax.distributed over gloo on the namespace addresses), with a config (default
 configs/fashion_mnist.py) and --set overrides, for --warmup + --steps steps with
-`train.time_steps=True`. From the per-step records of process 0 it reports, after dropping the warm-up
-steps: the median step seconds, the inter-node bytes per device per step from our accounting, and the
-bytes node 0 really sent over its link per step (`wire_bytes_per_step`, from the kernel's counters,
-all of its devices together: --local times the per-device figure, plus protocol overhead).
+`train.time_steps=True`, and one step more, whose record is left out (it ends with the run's evaluation).
+From the per-step records of process 0 it reports, after dropping the warm-up steps: the median step seconds
+(for diloco the mean over its whole sync periods, since one step in sync_every crosses the machines), the
+inter-node bytes per device per step from our accounting, and the bytes node 0 really sent over its link per
+step (`wire_bytes_per_step`, from the kernel's counters, all of its devices together: --local times the
+per-device figure, plus protocol overhead).
 
 --loopback (no root or iproute2 needed): the processes run on this machine's 127.0.0.1 instead of in
 namespaces, --bandwidth unshaped only; the wire bytes are not measured there (null), since every process
@@ -51,6 +53,8 @@ import statistics
 import sys
 import tempfile
 
+import ml_collections
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -58,7 +62,14 @@ from calibrate_links import calibrate_on_cluster  # noqa: E402  (benchmarks/, th
 
 from light_jax import cli, simulation  # noqa: E402
 from light_jax import config as config_lib  # noqa: E402
-from light_jax.emulated_cluster import ClusterError, EmulatedCluster, LoopbackCluster, free_port, parse_rate  # noqa: E402
+from light_jax.emulated_cluster import (  # noqa: E402
+  ClusterError,
+  EmulatedCluster,
+  LoopbackCluster,
+  free_port,
+  parse_rate,
+  report_failure,
+)
 from light_jax.parallel import cost_model  # noqa: E402
 from light_jax.parallel.reducer import DILOCO  # noqa: E402
 
@@ -98,30 +109,26 @@ def cluster_mesh(nodes: int, local: int) -> list[str]:
   return [f"--config.mesh.cpu_devices={nodes * local}", "--config.mesh.nodes=-1", "--config.mesh.local=-1"]
 
 
-def check_run(config: str, overrides: list[str], nodes: int, local: int) -> None:
-  """Raises ValueError with train.py's own reason where it would refuse ``overrides`` on the emulated cluster (an
-  override naming no field, a strategy its mesh cannot run): before any calibration or run, not in every cell.
-  Checked in ROOT, where the runs' train.py reads the config's relative paths (a calibration file)."""
+def check_run(config: str, overrides: list[str], nodes: int, local: int) -> ml_collections.ConfigDict:
+  """The run's config; raises ValueError with train.py's own reason where it would refuse ``overrides`` on the
+  emulated cluster (an override naming no field, a strategy its mesh cannot run): before any calibration or run,
+  not in every cell. Checked in ROOT, where the runs' train.py reads the config's relative paths (a calibration
+  file)."""
   with contextlib.chdir(ROOT):
     resolved = cli.resolve_config(config, [*cluster_mesh(nodes, local), *overrides])
     config_lib.validate(resolved, num_devices=nodes * local, num_processes=nodes)
-
-
-def report_failure(what: str, error: RuntimeError) -> None:
-  """A failed job (EmulatedCluster.run_everywhere's RuntimeError): its nodes' output, then one line naming it."""
-  first, _, output = str(error).partition("\n")
-  if output.strip():
-    print(output.rstrip(), file=sys.stderr)
-  print(f"error: {what} failed: {first.rstrip(':')}", file=sys.stderr, flush=True)
+  return resolved
 
 
 def run_cell(
   cluster: EmulatedCluster | LoopbackCluster, args, strategy_overrides: list[str], workdir: str, links: str
 ) -> dict:
-  """One short timed training run on the cluster; returns its median step and bytes from process 0's records.
-  ``links``: the calibration file of the current shaping, the cost model of comm.strategy=auto and adaptive fusion."""
+  """One short timed training run on the cluster; returns its median step and bytes from process 0's records
+  (DiLoCo's: the means over its whole sync periods). ``links``: the calibration file of the current shaping, the
+  cost model of comm.strategy=auto and adaptive fusion."""
   overrides = [
-    f"--config.max_steps={args.warmup + args.steps}",
+    # One step more than measured: the run's last step ends with its evaluation, timed with it.
+    f"--config.max_steps={args.warmup + args.steps + 1}",
     f"--config.comm.cost_model={links}",
     "--config.train.time_steps=True",
     "--config.checkpoint.every_steps=0",
@@ -131,14 +138,22 @@ def run_cell(
   ]
   train_on_cluster(cluster, args.local, args.config, overrides, workdir, args.peer_timeout, args.timeout)
   with open(os.path.join(workdir, "step_times.jsonl")) as f:
-    steps = [json.loads(line) for line in f][args.warmup :]
+    steps = [json.loads(line) for line in f][args.warmup : args.warmup + args.steps]
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
+  average = statistics.median
+  if summary["config"]["comm"]["strategy"] == DILOCO:
+    # One step in sync_every crosses the machines: the median would be a step without it. Whole periods
+    # (steps k H + 1 .. (k + 1) H, counted from 1), averaged; check_args makes --steps hold one at least.
+    every = summary["config"]["comm"]["sync_every"]
+    first = next(i for i, s in enumerate(steps) if s["step"] % every == 1 % every)
+    last = max(i for i, s in enumerate(steps) if s["step"] % every == 0)
+    steps, average = steps[first : last + 1], statistics.fmean
   return {
-    "step_seconds": statistics.median(s["seconds"] for s in steps),
+    "step_seconds": average(s["seconds"] for s in steps),
     "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
     # On 127.0.0.1 every process shares the loopback interface: no per-machine count.
-    "wire_bytes_per_step": statistics.median(s["sent_bytes"] for s in steps) if cluster.measures_wire else None,
+    "wire_bytes_per_step": average(s["sent_bytes"] for s in steps) if cluster.measures_wire else None,
     "comm_buckets": summary["comm_buckets"],
     "wire_itemsize": 2 if summary["config"]["comm"]["dtype"] == "bfloat16" else 4,
     "compact_pairs": summary["config"]["comm"]["compact_pairs"],
@@ -298,9 +313,15 @@ def check_args(args, meshes: list[tuple[int, int]]) -> tuple[dict[str, int | Non
       try:
         # As run_cell overrides: the cells plan with the calibration file that the lab writes (a preset here)
         cell = ["--config.comm.cost_model=v100_nvlink_25gbe", *strategy_overrides, *set_overrides(args)]
-        check_run(args.config, cell, nodes, local)
+        resolved = check_run(args.config, cell, nodes, local)
       except ValueError as e:
         raise ValueError(f"{label} on {nodes} x {local}: {e}") from None
+      every = resolved.comm.sync_every
+      if resolved.comm.strategy == DILOCO and args.steps < 2 * every - 1:
+        raise ValueError(
+          f"{label}: --steps {args.steps} may hold no whole period of {every} steps (one outer step each); a "
+          f"DiLoCo cell's step is the mean over whole periods: use --steps {2 * every - 1} or more"
+        )
   return rates, requested
 
 

@@ -34,13 +34,13 @@ import shlex
 import sys
 
 import train_runs  # benchmarks/, this script's directory
-from mesh_lab import check_run, parse_strategy, report_failure, set_overrides, train_on_cluster
+from mesh_lab import check_run, parse_strategy, set_overrides, train_on_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from light_jax import cli  # noqa: E402
-from light_jax.emulated_cluster import ClusterError, EmulatedCluster, parse_rate  # noqa: E402
+from light_jax.emulated_cluster import ClusterError, EmulatedCluster, parse_rate, report_failure  # noqa: E402
 from light_jax.metrics import MetricsError  # noqa: E402
 
 

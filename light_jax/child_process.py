@@ -7,16 +7,20 @@ import os
 import signal
 
 _PR_SET_PDEATHSIG = 1
+try:  # looked up here, in the parent: a child forked from a process with threads should do little before exec
+  _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+  _prctl = None
 
 
 def die_with_parent(signum: int = signal.SIGKILL) -> None:
-  """In a child process: the kernel sends it ``signum`` when the process that started it ends, so no worker
-  outlives a parent killed with SIGKILL (out of memory, a second signal, a peer's failure ending the run with
-  os._exit). Linux only (prctl); elsewhere nothing changes. For ``ProcessPoolExecutor(initializer=...)`` and
-  ``subprocess.Popen(preexec_fn=...)``."""
-  try:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
-  except (OSError, AttributeError):
+  """In a child process: the kernel sends it ``signum`` when the thread that started it ends (the main thread,
+  for the callers here: so, the process), so no worker outlives a parent killed with SIGKILL (out of memory, a
+  second signal, a peer's failure ending the run with os._exit). Linux only (prctl); elsewhere nothing changes.
+  For ``ProcessPoolExecutor(initializer=...)`` and ``subprocess.Popen(preexec_fn=...)``; the setting survives
+  an exec (``ip netns exec``'s too)."""
+  if _prctl is None:
     return
+  _prctl(_PR_SET_PDEATHSIG, signum)
   if os.getppid() == 1:  # the parent ended before the prctl took effect
     os._exit(1)

@@ -23,6 +23,7 @@ Traffic only goes to the addresses of the namespaces made here.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ipaddress
 import math
 import os
@@ -31,10 +32,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
 
+from light_jax import child_process
 from light_jax.exit_codes import ExitCode
 
 
@@ -56,6 +59,9 @@ def check_privileges() -> None:
     )
 
 
+MIN_RATE_BITS, MAX_RATE_BITS = 8, 10**12  # what tc's token bucket takes (shape)
+
+
 def parse_rate(text: str) -> int | None:
   """ "50mbit" -> 50_000_000 bits/s; "unshaped" -> None. Units: bit, kbit, mbit, gbit (powers of 1000)."""
   text = text.strip().lower()
@@ -67,15 +73,18 @@ def parse_rate(text: str) -> int | None:
         bits = float(text[: -len(unit)]) * scale
       except ValueError:
         break
-      if not math.isfinite(bits) or bits < 1:  # tc takes whole bits/s: 0.1bit would be no shaping at all
-        raise ValueError(f"bandwidth {text!r} must be a finite rate of at least 1bit (bits/s), e.g. '10mbit'; "
+      # tbf refuses a rate below 8 bit/s (a byte a second) and a bucket (1 ms at the rate) over 4 GiB.
+      if not math.isfinite(bits) or not MIN_RATE_BITS <= bits <= MAX_RATE_BITS:
+        raise ValueError(f"bandwidth {text!r} must be a rate from 8bit to 1000gbit (bits/s), e.g. '10mbit'; "
                          "'unshaped' for no limit")  # fmt: skip
       return int(bits)
   raise ValueError(f"bandwidth {text!r} is not 'unshaped' or a rate like '10mbit', '500kbit', '1gbit'")
 
 
 def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-  result = subprocess.run(args, capture_output=True, text=True)
+  # In a session of its own: a terminal's Ctrl-C goes to the whole foreground group, and an `ip ... add` cut
+  # short could leave what it made unrecorded; these commands are short, and the cluster acts on the signal after.
+  result = subprocess.run(args, capture_output=True, text=True, start_new_session=True)
   if check and result.returncode:
     raise ClusterError(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
   return result
@@ -90,6 +99,9 @@ class _Machines:
 
   def __init__(self):
     self._processes: list[subprocess.Popen] = []
+    # While making the cluster or starting a process a signal waits (_deferred_signal): acted on at once, the
+    # cleanup would miss a namespace, link or process made but not yet recorded.
+    self._making = False
     self._closing = self._closed = False  # close() has started; it has finished
     self._deferred_signal = None
     self._lock = threading.RLock()  # reentrant: the signal handler may call close() inside close()'s lock
@@ -207,11 +219,30 @@ class _Machines:
       self._pass_on(*self._deferred_signal)
 
   def _on_signal(self, signum, frame):
-    if self._closing and not self._closed:  # e.g. a second Ctrl-C while close() removes links: let it finish
+    # While making (see __init__), or during close() (a second Ctrl-C while it removes links): let it finish.
+    if self._making or (self._closing and not self._closed):
       self._deferred_signal = self._deferred_signal or (signum, frame)
       return
     self.close()
     self._pass_on(signum, frame)
+
+  @contextlib.contextmanager
+  def _making_something(self):
+    """Signals wait until what is made inside is recorded; then a waiting one closes the cluster and is passed on."""
+    self._making = True
+    try:
+      yield
+    finally:
+      self._making = False
+    if self._deferred_signal and not self._closing:
+      self.close()  # passes the signal on
+
+  def _start(self, argv: Sequence[str], popen_kwargs: dict) -> subprocess.Popen:
+    """Starts a node's process, recorded for ``close``; it ends with this process, even one killed with SIGKILL."""
+    with self._making_something():
+      proc = subprocess.Popen(list(argv), preexec_fn=child_process.die_with_parent, **popen_kwargs)
+      self._processes.append(proc)
+    return proc
 
   def _pass_on(self, signum, frame):
     handler = self._previous_handlers.get(signum)
@@ -250,9 +281,7 @@ class LoopbackCluster(_Machines):
       )
 
   def run(self, node: int, argv: Sequence[str], **popen_kwargs) -> subprocess.Popen:
-    proc = subprocess.Popen(list(argv), **popen_kwargs)
-    self._processes.append(proc)
-    return proc
+    return self._start(argv, popen_kwargs)
 
 
 class EmulatedCluster(_Machines):
@@ -280,7 +309,8 @@ class EmulatedCluster(_Machines):
     self._made: set[str] = set()  # the namespaces, links and hosts directories made here: close removes these
     super().__init__()  # the cleanup handlers, before anything is made
     try:
-      self._create()
+      with self._making_something():
+        self._create()
     except BaseException:
       self.close()
       raise
@@ -334,9 +364,7 @@ class EmulatedCluster(_Machines):
 
   def run(self, node: int, argv: Sequence[str], **popen_kwargs) -> subprocess.Popen:
     """Starts ``argv`` in ``node``'s namespace; ``close`` kills it if it is still running."""
-    proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], **popen_kwargs)
-    self._processes.append(proc)
-    return proc
+    return self._start(["ip", "netns", "exec", self.namespaces[node], *argv], popen_kwargs)
 
   def set_link(self, node: int, up: bool) -> None:
     """Takes ``node``'s link down (as if its cable were pulled: its processes keep running) or up again."""
@@ -376,6 +404,14 @@ def _free_id() -> str:
     if f"lj{cluster_id}" not in taken:
       return cluster_id
   raise ClusterError(f"all 100 cluster ids of process {os.getpid()} are in use: close some clusters (`ip netns list`)")
+
+
+def report_failure(what: str, error: RuntimeError) -> None:
+  """A failed job (``run_everywhere``'s RuntimeError): its nodes' output, then one line naming it."""
+  first, _, output = str(error).partition("\n")
+  if output.strip():
+    print(output.rstrip(), file=sys.stderr)
+  print(f"error: {what} failed: {first.rstrip(':')}", file=sys.stderr, flush=True)
 
 
 def _last_lines(output: str, count: int = 3) -> str:

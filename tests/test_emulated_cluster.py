@@ -111,6 +111,68 @@ def test_a_second_signal_during_close_does_not_cut_the_cleanup_short(monkeypatch
   assert restored is signal.default_int_handler  # the handler from before the cluster, back in place
 
 
+def test_a_signal_while_the_cluster_is_made_waits_until_what_is_made_is_recorded(monkeypatch):
+  """Ctrl-C right after `ip link add` made a node's veth pair, before the cluster recorded it: the cluster is
+  made up to there, then removed, veth pair included, and the interrupt raised."""
+  outside = signal.signal(signal.SIGINT, signal.default_int_handler)
+  sh = emulated_cluster._sh
+  made = []
+
+  def interrupted(*args, **kwargs):
+    result = sh(*args, **kwargs)
+    if args[:3] == ("ip", "link", "add") and "veth" in args:
+      made.append(args[3])
+      signal.raise_signal(signal.SIGINT)  # its handler runs before the link is recorded
+    return result
+
+  monkeypatch.setattr(emulated_cluster, "_sh", interrupted)
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      EmulatedCluster(2)
+  finally:
+    monkeypatch.undo()
+    signal.signal(signal.SIGINT, outside)
+  assert made  # the interrupt came while making
+  links = sh("ip", "-o", "link", "show", check=False).stdout
+  namespaces = sh("ip", "netns", "list", check=False).stdout
+  prefix = made[0][: -len("h0")]  # ljIDh0 -> ljID
+  assert prefix not in links and prefix not in namespaces, (links, namespaces)
+
+
+def test_a_nodes_process_ends_with_the_lab_even_one_killed_with_sigkill(tmp_path):
+  """The lab killed with SIGKILL (out of memory): its nodes' processes do not train on alone. (The 127.0.0.1
+  cluster, which starts them the same way and leaves no namespace behind a SIGKILL.)"""
+  pid_file = tmp_path / "child.pid"
+  lab = textwrap.dedent(f"""
+    import sys, time
+    sys.path.insert(0, {ROOT!r})
+    from light_jax.emulated_cluster import LoopbackCluster
+    child = LoopbackCluster(1).run(0, [sys.executable, "-c", "import time; time.sleep(120)"])
+    open({str(pid_file)!r}, "w").write(str(child.pid))
+    time.sleep(120)
+  """)
+  process = subprocess.Popen([sys.executable, "-c", lab])
+  deadline = time.time() + 60
+  while not (pid_file.exists() and pid_file.read_text()):
+    assert process.poll() is None and time.time() < deadline
+    time.sleep(0.1)
+  child = int(pid_file.read_text())
+  process.kill()
+  process.wait()
+
+  def running() -> bool:  # an ended process may stay a zombie until whoever adopted it reaps it
+    try:
+      with open(f"/proc/{child}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+      return False
+
+  deadline = time.time() + 10
+  while running() and time.time() < deadline:
+    time.sleep(0.1)
+  assert not running()
+
+
 def test_a_hangup_removes_the_cluster():
   """An ssh session dropped during a lab run (SIGHUP): the namespaces go, then the handler from before runs."""
 

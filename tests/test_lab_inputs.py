@@ -20,9 +20,10 @@ import mesh_lab  # noqa: E402
 
 
 def test_parse_rate_reads_rates_and_refuses_what_tc_cannot_shape():
-  assert parse_rate("50mbit") == 50_000_000 and parse_rate("1bit") == 1 and parse_rate(" Unshaped ") is None
-  for text in ("0.1bit", "0mbit", "-5mbit", "infbit", "nanbit", "1e400gbit"):
-    with pytest.raises(ValueError, match="must be a finite rate of at least 1bit"):
+  assert parse_rate("50mbit") == 50_000_000 and parse_rate("8bit") == 8 and parse_rate(" Unshaped ") is None
+  assert parse_rate("1000gbit") == 10**12
+  for text in ("0.1bit", "7bit", "0mbit", "-5mbit", "infbit", "nanbit", "1e400gbit", "1001gbit"):  # tc's limits
+    with pytest.raises(ValueError, match="must be a rate from 8bit to 1000gbit"):
       parse_rate(text)
   with pytest.raises(ValueError, match="not 'unshaped' or a rate"):
     parse_rate("50mb")
@@ -77,7 +78,7 @@ def test_mesh_lab_bandwidth_labels_are_normalised_once():
     ({"strategies": "diloco@0"}, "sync_every"),
     ({"strategies": "hierarchical/float16"}, "neither a wire dtype"),
     ({"bandwidth": "unshaped", "plot": "lab.png"}, "needs an unshaped and a shaped"),
-    ({"bandwidth": "0.1bit,unshaped"}, "at least 1bit"),
+    ({"bandwidth": "0.1bit,unshaped"}, "from 8bit to 1000gbit"),
     ({"steps": 0}, "--steps 0 must be at least 1"),  # no step to take the median of, after a whole run
     ({"warmup": -1}, "--warmup -1 must be at least 0"),  # would keep the wrong records
     # What train.py would refuse in every cell, after the calibrations:
@@ -179,6 +180,41 @@ def test_mesh_lab_prediction_takes_each_cells_own_buckets():
   shaped_only = mesh_lab.predict_step(_cell([]), _cell(bucket), UNSHAPED_FIT, SHAPED_FIT, 2, 4)
   assert shaped_only == pytest.approx(0.5 + moved_to.reduction_seconds("hierarchical", 1_000_000, 2, 4))
   assert shaped_only > same
+
+
+@pytest.mark.parametrize("strategy", ["hitopk", "diloco"])
+def test_a_cells_step_leaves_out_the_warmup_and_the_last_step_and_takes_diloco_over_whole_periods(
+  tmp_path, monkeypatch, strategy
+):
+  """The run takes warmup + steps + 1 steps; the last ends with the evaluation and is left out. A DiLoCo step
+  crosses the machines every sync_every steps: its cell is the mean over whole periods, not the median."""
+  args = _lab_args(warmup=2, steps=9, local=4, config="configs/fashion_mnist.py", timeout=60, peer_timeout=6)
+
+  def train_on_cluster(cluster, local, config, overrides, workdir, peer_timeout, timeout):
+    assert f"--config.max_steps={2 + 9 + 1}" in overrides
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "step_times.jsonl"), "w") as f:
+      for step in range(1, 13):  # a sync after steps 4, 8 and 12 (the run's end, with its evaluation)
+        sync = step % 4 == 0
+        seconds = 9.0 if step == 12 else 1.0 if sync else 0.1 * step
+        f.write(json.dumps({"step": step, "seconds": seconds, "sent_bytes": 1000 if sync else 10}) + "\n")
+    comm = {"strategy": strategy, "sync_every": 4, "dtype": "float32", "compact_pairs": False}
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump({"inter_node_bytes_per_step": 1, "comm_buckets": [], "config": {"comm": comm}}, f)
+
+  monkeypatch.setattr(mesh_lab, "train_on_cluster", train_on_cluster)
+  with LoopbackCluster(2) as cluster:
+    cell = mesh_lab.run_cell(cluster, args, [], str(tmp_path / "cell"), "links.json")
+  if strategy == "diloco":  # steps 5-8, the one whole period among steps 3-11
+    assert cell["step_seconds"] == pytest.approx((0.5 + 0.6 + 0.7 + 1.0) / 4)
+  else:  # the median of steps 3-11: 0.3, 1.0, 0.5, 0.6, 0.7, 1.0, 0.9, 1.0, 1.1
+    assert cell["step_seconds"] == pytest.approx(0.9)
+
+
+def test_mesh_lab_refuses_diloco_steps_that_may_hold_no_whole_period():
+  with pytest.raises(ValueError, match="diloco@8: --steps 14 may hold no whole period of 8 steps"):
+    mesh_lab.check_args(_lab_args(strategies="diloco@8", steps=14), [(2, 4)])
+  mesh_lab.check_args(_lab_args(strategies="diloco@8", steps=15), [(2, 4)])
 
 
 def test_mesh_lab_predicts_no_diloco_step():
