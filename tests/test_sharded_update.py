@@ -17,6 +17,7 @@ from light_jax import optim, schedules
 from light_jax import train_step as step_lib
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel import reducer as reducer_lib
+from light_jax.parallel import strategies
 from light_jax.parallel.sharded_update import sharded_update, split_into_shards
 from light_jax.train_lib import optimizer_state_bytes_per_device
 from tests.helpers import ROOT, TinyCNN, init_variables
@@ -106,6 +107,14 @@ def test_sharded_update_takes_the_replicated_steps(shape, optimizer, bucket_byte
   per_device = optimizer_state_bytes_per_device(sharded, 8)
   whole = optimizer_state_bytes_per_device(replicated, 8)
   assert whole / shape[1] <= per_device < whole / shape[1] + 64 * 4 * 8 + 64, (per_device, whole)
+  # The bytes: the reduction's, and with LARS (its trust ratio after the reduction) one psum over `local` of two
+  # float32 sums of squares per tensor.
+  params = init_variables(TinyCNN(), info.image_shape)["params"]
+  reduction = reducer_lib.make_gradient_reducer(strategy.split("+")[0], *shape).bytes_per_step(params)
+  reducer = sharded_update(reducer_lib.make_gradient_reducer(strategy.split("+")[0], *shape), params,
+                           _config(optimizer).optimizer, optax.constant_schedule(0.1), 0.9)  # fmt: skip
+  norms = 2 * (shape[1] - 1) * (2 * len(jax.tree.leaves(params)) * 4) // shape[1] if optimizer == "lars" else 0
+  assert reducer.bytes_per_step(params) == reduction + strategies.CommBytes(intra_node=norms)
   if strategy.startswith("hitopk"):  # the residuals (and velocities) are the replicated run's
     residuals = [k for k in sharded.comm_state if k != "optimizer"]
     assert residuals and residuals == list(replicated.comm_state)

@@ -32,7 +32,7 @@ import optax
 from jax import lax
 
 from light_jax import optim
-from light_jax.parallel import collectives, compression
+from light_jax.parallel import collectives, compression, strategies
 from light_jax.parallel import fusion as fusion_lib
 from light_jax.parallel.mesh import LOCAL, per_device, this_device
 from light_jax.parallel.reducer import GradientReducer
@@ -215,12 +215,17 @@ class ShardedUpdate:
     comm_state = dict(comm_state, optimizer=per_device(state))
     return jax.tree.unflatten(treedef, new), opt_state, comm_state
 
-  # --- accounting: the hierarchical reduction's --------------------------------------------------
+  # --- accounting: the hierarchical reduction's, and LARS's norms ---------------------------------
   def bucket_plan(self, params: PyTree):
     return self.base.bucket_plan(params)
 
-  def bytes_per_step(self, params: PyTree):
-    return self.base.bytes_per_step(params)
+  def bytes_per_step(self, params: PyTree) -> strategies.CommBytes:
+    """The reduction's bytes (the all-gather of the updates replaces the reduction's own), plus with LARS the
+    psum over ``local`` of two float32 sums of squares per tensor (``_direction``)."""
+    comm = self.base.bytes_per_step(params)
+    if self.opt.name == "lars" and self.decay:
+      comm += strategies.CommBytes(intra_node=strategies.ring_allreduce_bytes(2 * self.num_leaves * 4, self.base.local))
+    return comm
 
 
 def sharded_update(
