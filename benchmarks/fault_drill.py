@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -42,6 +41,19 @@ def main():
       run_drill(args, root)
 
 
+def last_step_done(step_times: str) -> int:
+  """The last step a killed run's ``step_times.jsonl`` records (a line the kill cut short is left out)."""
+  steps = [0]
+  if os.path.exists(step_times):
+    with open(step_times) as f:
+      for line in f:
+        try:
+          steps.append(json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError):
+          continue
+  return max(steps)
+
+
 def run_drill(args, root):
   """The two runs under ``root`` (``uninterrupted`` and ``drill``), then the comparison and the report."""
   import jax
@@ -64,9 +76,9 @@ def run_drill(args, root):
   total_steps = 192
   env = dict(os.environ, JAX_PLATFORMS="cpu")
 
-  def start(workdir):
+  def start(workdir, *extra):
     return subprocess.Popen(
-      [sys.executable, "train.py", "--workdir", workdir, *config],
+      [sys.executable, "train.py", "--workdir", workdir, *config, *extra],
       cwd=ROOT,
       env=env,
       stdout=subprocess.PIPE,
@@ -104,7 +116,7 @@ def run_drill(args, root):
     if target >= total_steps - 2 * args.every_steps:
       print(f"run too short for more kills after {kills}", file=sys.stderr)
       break
-    proc = start(drill)
+    proc = start(drill, "--config.train.time_steps=True")  # a record per step: where the kill landed
     while proc.poll() is None and progress(drill) < target:
       time.sleep(0.02)
     # Land the kill anywhere in the next checkpoint period (about 0.1-0.2 s per step here).
@@ -116,14 +128,15 @@ def run_drill(args, root):
     proc.kill()
     proc.wait()
     kills += 1
-    # Steps lost: the run kept going for a moment after the checkpoint that triggered the kill; the
-    # stdout tail shows the last step the bar reached.
-    text = proc.stdout.read()
-    reached = max([int(m) for m in re.findall(rf"\| *(\d+)/{total_steps} \[", text)] or [0])
+    # Steps lost: the run kept going for a moment after the checkpoint that triggered the kill; its step
+    # records (train.time_steps; the resumed run drops those after its checkpoint) end at the last step done.
+    proc.stdout.read()
+    reached = last_step_done(os.path.join(drill, "step_times.jsonl"))
     saved = progress(drill)
     lost.append(max(reached - saved, 0))
     print(
-      f"kill {kills}: resumed from {resumed_from}, killed after checkpoint {saved} (bar at {reached})", file=sys.stderr
+      f"kill {kills}: resumed from {resumed_from}, killed after checkpoint {saved} (step {reached} done)",
+      file=sys.stderr,
     )
   finish(start(drill), drill)
 

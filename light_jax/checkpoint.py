@@ -60,6 +60,36 @@ class CheckpointError(RuntimeError):
   """No checkpoint can be used; the message says why and what to do."""
 
 
+def check_shared_directory(directory: str, wait_seconds: float = 10.0) -> None:
+  """In a multi-process run, before any checkpoint: every process sees the file process 0 writes in
+  ``directory``. Orbax's checkpoints need that: process 0 makes a save's folders and commits it once every
+  process has written its part there. In a folder of each machine's own, no save is ever committed (process 1
+  times out waiting for folders it cannot see, after minutes). A collective: every process calls it, and every
+  one raises CheckpointError alike."""
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  token = int(multihost_utils.broadcast_one_to_all(np.frombuffer(os.urandom(4), np.uint32)[0]))
+  path = os.path.join(directory, f".shared_by_every_process_{token:08x}")
+  if jax.process_index() == 0:
+    with open(path, "w") as f:
+      f.write("written by process 0 to check that every process sees this directory; removed at once\n")
+  multihost_utils.sync_global_devices("light_jax shared directory: written")
+  deadline = time.monotonic() + wait_seconds  # a shared file system may show a new file late
+  while not (seen := os.path.exists(path)) and time.monotonic() < deadline:
+    time.sleep(0.5)
+  seen_by = multihost_utils.process_allgather(np.array(seen))
+  if jax.process_index() == 0:
+    os.remove(path)
+  blind = [int(i) for i in np.flatnonzero(~np.asarray(seen_by, bool))]
+  if blind:
+    raise CheckpointError(
+      f"--workdir={directory} is not one directory for every process: process(es) {blind} do not see the file "
+      "process 0 wrote there. Checkpoints need a directory that every process shares: give every machine the "
+      "same path on a shared file system (NFS, a cluster file system)."
+    )
+
+
 class Checkpointer:
   """Saves when told (the trainer's hooks decide when), keeps the newest ``keep``."""
 

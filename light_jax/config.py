@@ -37,6 +37,9 @@ SAFE_TO_CHANGE = (
   "checkpoint",
   "train",
   "mesh.cpu_devices",
+  # As written (-1: from the processes and their devices); the mesh they give is checked against the checkpoint's.
+  "mesh.nodes",
+  "mesh.local",
   "data.read_threads",
   "data.host_prefetch",
   "data.prefetch",

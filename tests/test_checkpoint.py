@@ -347,6 +347,16 @@ def test_incompatible_config_is_refused_with_exit_code_2(tmp_path):
   assert "error: the checkpoint at step 4" in err and "model.width: 0 -> 16" in err and "Traceback" not in err
 
 
+def test_the_mesh_fields_as_written_may_change_where_they_give_the_same_mesh():
+  """A 2-process run (mesh.nodes=mesh.local=-1, 2 x 4) resumed by one process of 8 devices with nodes=2, local=4:
+  the mesh is the same, so the fields are no reason to refuse (the mesh itself is checked: the test above)."""
+  saved, current = base_config().to_dict(), base_config().to_dict()
+  saved["mesh"].update(nodes=-1, local=-1)
+  current["mesh"].update(nodes=2, local=4)
+  breaking, safe = checkpoint_lib.config_changes(saved, current)
+  assert breaking == [] and safe == ["mesh.local: -1 -> 4", "mesh.nodes: -1 -> 2"]
+
+
 def test_a_field_added_since_the_checkpoint_is_accepted_at_its_default_only():
   saved = base_config().to_dict()
   del saved["comm"]["k_allocation"]  # a checkpoint written before the field existed

@@ -143,6 +143,21 @@ def test_train_py_on_two_processes_matches_one_process(tmp_path):
   assert two["eval_examples"] == one["eval_examples"] == 500
 
 
+def test_a_workdir_of_each_machines_own_is_refused_before_training(tmp_path):
+  """Orbax commits a multi-process save only where every process sees the others' files: with a local folder per
+  machine no checkpoint was ever committed, and the run stalled for minutes. Both processes refuse it at once."""
+  port = _free_port()
+  procs = [
+    _train_py(tmp_path / f"own{i}", ["--config.mesh.nodes=-1", "--config.mesh.local=-1"], port, i) for i in range(2)
+  ]
+  outputs = [p.communicate(timeout=300)[0] for p in procs]
+  for p, text in zip(procs, outputs):
+    assert p.returncode == ExitCode.BAD_INPUT, text[-3000:]
+    assert "is not one directory for every process: process(es) [1] do not see the file process 0 wrote" in text
+    assert "Traceback" not in text
+  assert not os.path.exists(tmp_path / "own0" / "checkpoints") and os.listdir(tmp_path / "own0") == []
+
+
 # --- Process faults: one process dies or fails; the other stops with a clear message, in bounded time ---
 
 # train.py sets JAX's heartbeat backstop (a C++ abort) to twice this; at 6 s a survivor sharing two cores with
