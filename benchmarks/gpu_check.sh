@@ -16,12 +16,22 @@
 # Writes OUT_DIR/gpu_check.json (every step's JSON line, its exit code and seconds) and OUT_DIR/report.txt
 # (the tables), plus each step's log and the profile under OUT_DIR/train/profile.
 set -u
-OUT=${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR [--toy]}
+USAGE="usage: bash benchmarks/gpu_check.sh OUT_DIR [--toy]"
+case "${1:-}" in
+  -h|--help) echo "$USAGE"; exit 0 ;;
+  "") echo "$USAGE" >&2; exit 2 ;;
+  -*) echo "error: the first argument is the output folder, not $1; $USAGE" >&2; exit 2 ;;
+esac
+OUT=$1
 TOY=${2:-}
+if [ -n "$TOY" ] && [ "$TOY" != "--toy" ] || [ $# -gt 2 ]; then
+  echo "error: unexpected arguments after OUT_DIR: ${*:2}; $USAGE" >&2
+  exit 2
+fi
 PY=${PYTHON:-python3}
+mkdir -p -- "$OUT" || { echo "error: cannot create the output folder $OUT" >&2; exit 2; }
+OUT=$(cd -- "$OUT" && pwd) || { echo "error: cannot enter the output folder $1" >&2; exit 2; }
 cd "$(dirname "$0")/.."
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
 : > "$OUT/steps.jsonl"
 
 run() {  # run NAME SECONDS COMMAND...: its output to OUT/NAME.log, a record to OUT/steps.jsonl

@@ -49,9 +49,13 @@ def flags_parser(*config_file_flags):
 
   def parse(argv: list[str]) -> list[str]:
     try:
-      return _parse(flags.FLAGS, argv, [flag.name for flag in config_file_flags])
+      rest = _parse(flags.FLAGS, argv, [flag.name for flag in config_file_flags])
     except CommandLineError as e:
       fail(str(e))
+    if rest[1:]:  # an override without its dashes would be dropped without a word, and the run go on without it
+      fail(f"unexpected argument(s) {' '.join(rest[1:])}: give flags only (a config override looks like "
+           "--config.num_epochs=3)")  # fmt: skip
+    return rest
 
   return parse
 

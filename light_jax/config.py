@@ -579,7 +579,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   try:
     nodes, local = mesh_lib.resolve_mesh_shape(config.mesh.nodes, config.mesh.local, num_devices, num_processes)
   except mesh_lib.MeshError as e:
-    raise ConfigError(str(e)) from None
+    wanted = config.mesh.nodes * config.mesh.local  # more devices than there are: maybe too few simulated
+    hint = ""
+    if wanted > num_devices and config.mesh.cpu_devices < wanted:
+      hint = f" On the CPU, mesh.cpu_devices={config.mesh.cpu_devices} sets how many devices are simulated."
+    raise ConfigError(f"{e}{hint}") from None
   # auto starts from hierarchical; powersgd sums its P and Q with it.
   error = strategies.device_count_error(
     config.comm.strategy if config.comm.strategy in strategies.NAMES else "hierarchical", nodes, local

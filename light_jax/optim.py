@@ -131,6 +131,8 @@ def build_optimizer(
       decayed_weights_with_momentum(weight_decay, decay_momentum, opt.nesterov),
       optax.sgd(schedule, momentum=momentum or None, nesterov=opt.nesterov),
     )
+  # A constant momentum through optax.sgd, a scheduled one through momentum_transform: the same update, but
+  # checkpoints hold the optimizer state's tree, which differs between the two (kept, so old runs resume).
   if opt.name == "sgd" and not scheduled:
     return optax.chain(
       optax.add_decayed_weights(weight_decay, mask=decay_mask),

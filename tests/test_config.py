@@ -129,7 +129,7 @@ def test_default_configs_validate():
     ({"micro_batches": 3}, r"global_batch_size=256 gives 32 examples per device, which do not split into"),
     ({"micro_batches": 0}, r"micro_batches=0 must be an integer >= 1"),
     ({"data__dataset": "cifar10"}, r"data.dataset='cifar10' is unknown"),
-    ({"mesh__nodes": 4}, r"mesh 4 x 4 = 16 devices, but 8 are available"),
+    ({"mesh__nodes": 4}, r"mesh 4 x 4 = 16 devices, but 8 are available.* mesh.cpu_devices=8 sets how many"),
     ({"mesh__local": 3, "mesh__nodes": -1}, r"mesh.local=3 does not divide the 8 devices"),
     (
       {"global_batch_size": 100},
@@ -216,6 +216,8 @@ FLAGS = "--help lists the flags"
     (["--config.comm.compact_pairs=maybe"], "compact_pairs=maybe: 'maybe' is not a boolean; use true or false", FIELDS),
     (["--config.mesh.cpu_devices=-2"], "invalid config: mesh.cpu_devices=-2 must be >= 0", None),
     (["--peer_timeout=0"], "--peer_timeout must be > 0 seconds", FLAGS),
+    # without its dashes it was dropped, and the run went on at the default
+    (["config.num_epochs=1"], "unexpected argument(s) config.num_epochs=1: give flags only", None),
   ],
   ids=[
     "misspelled-field",
@@ -228,6 +230,7 @@ FLAGS = "--help lists the flags"
     "not-a-boolean",
     "cpu-devices",
     "peer-timeout",
+    "positional",
   ],  # fmt: skip
 )
 def test_cli_bad_flags_get_one_error_line_and_exit_code_2(tmp_path, args, message, hint):
