@@ -233,3 +233,19 @@ def test_a_study_run_stamped_with_a_relative_workdir_is_still_reused(train_runs,
   monkeypatch.chdir(tmp_path / "root")
   train_runs.run("row", "c.py", ["--config.seed=1"], "runs/row")
   assert (workdir / "summary.json").read_text() == '{"kept": true}' and not (workdir / "train.log").exists()
+
+
+@pytest.mark.parametrize(
+  "argv, code, message",
+  [
+    (["--help"], 0, "usage: bash benchmarks/gpu_check.sh OUT_DIR [--toy]"),
+    (["--toy"], 2, "error: the first argument is the output folder, not --toy"),  # it ran on, writing to /
+    (["OUT", "--tooy"], 2, "error: unexpected arguments after OUT_DIR: --tooy"),
+  ],
+)
+def test_gpu_check_refuses_a_flag_for_its_output_folder(tmp_path, argv, code, message):
+  argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+  script = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
+  result = subprocess.run(["bash", script, *argv], cwd=tmp_path, capture_output=True, text=True)
+  assert result.returncode == code and message in result.stdout + result.stderr, result
+  assert os.listdir(tmp_path) == []  # nothing made, here or in the repository's root
