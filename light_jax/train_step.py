@@ -19,7 +19,9 @@ One step, on every device at once, inside ``jax.jit`` + ``jax.shard_map``:
      statistics: no collective per step. Evaluation averages them over the mesh (``evaluation.mesh_batch_stats``), which
      gives exactly the running average of the devices' averaged statistics, the running average being linear;
   7. the new state is kept only if no device saw a non-finite loss, gradient or reducer state (a minimum over
-     the mesh, so every device decides alike); otherwise the step is skipped and the old state kept.
+     the mesh, so every device decides alike); otherwise the step is skipped and the old state kept. DiLoCo's
+     outer step comes after that decision, on what was kept: a skipped sync step still syncs the machines, so
+     that evaluations and checkpoints see one model.
 
 With float16 compute the loss is scaled before the backward pass and the gradients unscaled after it
 (dynamic loss scaling, ``jmp``); a step whose gradient overflows is skipped like any non-finite step
@@ -182,7 +184,8 @@ def make_train_step(
 
   A non-finite loss, gradient (a device's own or the reduced one) or reducer state is caught on the device,
   without a host sync: the update is skipped (parameters, BatchNorm statistics, optimizer and reducer state are
-  kept; ``step``, ``nonfinite_steps``, the loss scale and the epoch's loss accumulators still move on).
+  kept, DiLoCo's outer step still taken; ``step``, ``nonfinite_steps``, the loss scale and the epoch's loss
+  accumulators still move on).
   ``inject_nan_at_step`` >= 0 poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
   ``epoch_first_steps`` (``CompiledSteps.record_boundaries``: each epoch's first step and the run's last)
   resets the epoch loss accumulators at each epoch's first step; DiLoCo's machines also sync at each epoch's
@@ -257,6 +260,8 @@ def make_train_step(
     params, batch_stats, opt_state, comm_state = jax.tree.map(
       lambda new, old: jnp.where(finite, new, old), updated, kept
     )
+    if reducer.updates_parameters:  # DiLoCo's outer step on a sync step, on what was kept: a skipped one syncs too
+      params, opt_state, comm_state = reducer.after_step(params, opt_state, comm_state, state.step, epoch_first_steps)
     new_epoch = jnp.isin(state.step, jnp.asarray(epoch_first_steps, jnp.int32)) if epoch_first_steps else False
     loss_ok = jnp.isfinite(loss)
     new_state = state.replace(

@@ -20,12 +20,14 @@ def _sgd():
   return optim.build_optimizer(_config("sgd").optimizer, optax.constant_schedule(0.1))  # momentum, Nesterov, wd
 
 
-def _run_diloco(batches, info, shape, **options):
+def _run_diloco(batches, info, shape, nan_at_step=-1, **options):
   tx = _sgd()
   mesh = mesh_lib.make_mesh(*shape)
   reducer = diloco.DiLoCo(*shape, inner_tx=tx, **options)
   state = step_lib.create_train_state(TinyCNN(), tx, reducer, info.image_shape, mesh, seed=0)
-  step = step_lib.make_train_step(TinyCNN(), tx, reducer, mesh, info, label_smoothing=0.1)
+  step = step_lib.make_train_step(
+    TinyCNN(), tx, reducer, mesh, info, label_smoothing=0.1, inject_nan_at_step=nan_at_step
+  )
   sharding = mesh_lib.batch_sharding(mesh)
   for images, labels in batches:
     state, _ = step(state, jax.device_put(images, sharding), jax.device_put(labels, sharding))
@@ -69,6 +71,21 @@ def test_four_local_steps_per_machine_then_one_nesterov_outer_step():
   assert _max_diff(machines[0], machines[1]) > 1e-3  # the machines did drift apart
   # After the sync every machine starts again from the outer parameters.
   assert all(float(np.abs(np.asarray(d)).max()) == 0.0 for d in jax.tree.leaves(after[4].comm_state["delta"]))
+
+
+def test_a_skipped_sync_step_still_syncs_the_machines():
+  """A non-finite step that is a sync step (H = 2, step 1 of 2): no inner step, but the machines' changes of
+  step 0 are averaged all the same, so that evaluations and checkpoints see one model: the state is that of a
+  run that synced after step 0 (H = 1), but the skipped step's count."""
+  batches, info = _batches(2)
+  plain = {"outer_lr": 1.0, "outer_momentum": 0.0}
+  skipped = _run_diloco(batches, info, (2, 4), nan_at_step=1, sync_every=2, **plain)
+  synced = _run_diloco(batches[:1], info, (2, 4), sync_every=1, **plain)
+  assert int(skipped.nonfinite_steps) == 1 and int(skipped.step) == 2
+  assert _max_diff(skipped.params, init_variables(TinyCNN(), info.image_shape)["params"]) > 1e-3
+  assert _max_diff(skipped.params, synced.params) < 1e-6  # two programs: rounding apart
+  assert _max_diff(skipped.comm_state, synced.comm_state) < 1e-6  # deltas zero, the inner momentum of step 0
+  assert all(float(np.abs(np.asarray(d)).max()) == 0.0 for d in jax.tree.leaves(skipped.comm_state["delta"]))
 
 
 def test_bytes_the_slow_link_carries_once_every_h_steps():

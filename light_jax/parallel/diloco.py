@@ -136,18 +136,31 @@ class DiLoCo:
     step: jax.Array,
     epoch_first_steps: tuple[int, ...] = (),
   ) -> tuple[PyTree, PyTree, PyTree]:
-    """Inner step on this machine's parameters, then the outer step across machines after every
-    ``sync_every``-th step and at each epoch's end (``step``, counted from 0, is the one being taken;
-    ``epoch_first_steps`` as ``EpochPlan.first_steps``), so evaluations and checkpoints see one model.
-    Returns (outer params, outer optimizer state, comm_state)."""
+    """The inner step on this machine's parameters: returns (outer params, outer optimizer state, comm_state), the
+    outer ones unchanged (``after_step`` takes the outer step)."""
+    delta, inner_opt = this_device(comm_state["delta"]), this_device(comm_state["optimizer"])
+    updates, inner_opt = self.inner_tx.update(grads, inner_opt, self.machine_params(params, comm_state))
+    delta = jax.tree.map(jnp.add, delta, updates)
+    return params, opt_state, {"delta": per_device(delta), "optimizer": per_device(inner_opt)}
+
+  def after_step(
+    self,
+    params: PyTree,
+    opt_state: PyTree,
+    comm_state: PyTree,
+    step: jax.Array,
+    epoch_first_steps: tuple[int, ...] = (),
+  ) -> tuple[PyTree, PyTree, PyTree]:
+    """The outer step across machines after every ``sync_every``-th step and at each epoch's end (``step``,
+    counted from 0, is the one being taken; ``epoch_first_steps`` as ``CompiledSteps.record_boundaries``), so
+    evaluations and checkpoints see one model. After the train step's decision to keep or skip the inner step:
+    a skipped sync step syncs the machines' changes so far. Returns (outer params, outer optimizer state,
+    comm_state)."""
     done = step + 1
     sync = done % self.sync_every == 0
     if epoch_first_steps:
       sync = jnp.logical_or(sync, jnp.isin(done, jnp.asarray(epoch_first_steps[1:], jnp.int32)))
-    delta, inner_opt = this_device(comm_state["delta"]), this_device(comm_state["optimizer"])
-    machine = self.machine_params(params, comm_state)
-    updates, inner_opt = self.inner_tx.update(grads, inner_opt, machine)
-    delta = jax.tree.map(jnp.add, delta, updates)
+    delta = this_device(comm_state["delta"])
 
     def outer_step(params, opt_state, delta):
       # Every device of a machine holds the same delta: the hierarchical sum over all devices counts
@@ -161,7 +174,7 @@ class DiLoCo:
 
     # lax.cond: the inter-node all-reduce runs only on sync steps (every device takes the same branch).
     params, opt_state, delta = lax.cond(sync, outer_step, lambda *a: a, params, opt_state, delta)
-    return params, opt_state, {"delta": per_device(delta), "optimizer": per_device(inner_opt)}
+    return params, opt_state, dict(comm_state, delta=per_device(delta))
 
   # --- accounting (static, from shapes) ----------------------------------------------------------
   def bucket_plan(self, params: PyTree) -> list[tuple[str, int, int]]:

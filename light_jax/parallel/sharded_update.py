@@ -215,6 +215,10 @@ class ShardedUpdate:
     comm_state = dict(comm_state, optimizer=per_device(state))
     return jax.tree.unflatten(treedef, new), opt_state, comm_state
 
+  def after_step(self, params: PyTree, opt_state: PyTree, comm_state: PyTree, step=None, epoch_first_steps=()):
+    """Nothing after the step (DiLoCo's outer step goes here)."""
+    return params, opt_state, comm_state
+
   # --- accounting: the hierarchical reduction's, and LARS's norms ---------------------------------
   def bucket_plan(self, params: PyTree):
     return self.base.bucket_plan(params)
