@@ -158,11 +158,13 @@ def main(argv):
       raise
     if isinstance(e, jax.errors.JaxRuntimeError) and liveness.is_connection_error(e):
       # A collective whose peer is gone fails fast (gloo: connection reset) or hangs (the watchdog ends that).
+      # A peer that failed with an error of its own said why before it exited: that is the reason to give.
       failure = f"a collective failed ({str(e).splitlines()[0][:300]})"
+      reason = watchdog.peer_failure(wait_seconds=2 * watchdog.interval + 1)
       liveness.report_stop(
         jax.process_index(),
         jax.process_count(),
-        f"{failure}: another process probably died; see its log",
+        reason or f"{failure}: another process probably died; see its log",
         _WORKDIR.value,
       )
       exit_code = ExitCode.PEER_FAILURE

@@ -84,6 +84,24 @@ class PeerWatchdog:
       # The key-value store lives in this process: keep it up until the peers have read the reason.
       time.sleep(2 * self.interval + 1)
 
+  def peer_failure(self, wait_seconds: float) -> str | None:
+    """The reason a peer published for its failure ("process i failed: ..."), waiting up to ``wait_seconds`` for
+    one, or None. For a collective that failed on a closed connection: a peer that failed with a Python error
+    tells why before it exits, which closes its connections."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+      try:
+        published = dict(_client().key_value_dir_get(_PREFIX))
+      except Exception:  # the coordination service is gone (process 0): no reason to read
+        return None
+      for index in range(self.process_count):
+        value = published.get(self._key(index), "")
+        if index != self.process_index and value.startswith("failed: "):
+          return f"process {index} failed: {value[len('failed: ') :]}"
+      if time.monotonic() >= deadline:
+        return None
+      time.sleep(min(0.2, self.interval))
+
   def _key(self, index: int) -> str:
     return f"{_PREFIX}{index}"
 
