@@ -534,6 +534,22 @@ def report(results: dict[str, dict], stopped: dict[str, list[dict]]) -> None:
     print(
       f"{label:{width}} stopped after epoch {last['epoch']:g}: top-1 {100 * last['eval_top1']:.2f}%  {RUNS[label][2]}"
     )
+  epoch_table(results)
+
+
+def epoch_table(results: dict[str, dict]) -> None:
+  """Test top-1 (%) and training loss of each finished run at a few epochs, the curves in numbers."""
+  longest = max((r["epochs"] for r in results.values()), default=0)
+  epochs = [e for e in (1, 2, 4, 8, 12, 16, 20, 24, 28) if e <= longest]
+  if not epochs:
+    return
+  width = max(map(len, [*results, "epoch"]))
+  print(f"\n{'epoch':{width}} " + " ".join(f"{e:5d}" for e in epochs))
+  for label, r in results.items():
+    at = {round(x["epoch"]): x for x in r["records"]}
+    top1 = " ".join(f"{100 * at[e]['eval_top1']:5.2f}" if e in at else " " * 5 for e in epochs)
+    loss = " ".join(f"{at[e]['train_loss']:.2f}" if e in at else " " * 4 for e in epochs)
+    print(f"{label:{width}} {top1}   loss {loss}")
 
 
 def plot(results: dict[str, dict], stopped: dict[str, list[dict]], path: str) -> None:

@@ -37,6 +37,12 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
   command = [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
   # A stamp from before workdirs were absolute names it relative to ROOT (the studies ran from there).
   relative = [*command[1:3], f"--workdir={os.path.relpath(workdir, ROOT)}", *command[4:]]
+  if not rerun and os.path.exists(os.path.join(workdir, "summary.json")):
+    changed = config_changed(workdir, config, overrides)
+    if changed:  # the same command gives another run now (a variant's values changed): its result is stale
+      print(f"{label}: the command's config differs from its finished run's now ({changed}); running it again",
+            file=sys.stderr, flush=True)  # fmt: skip
+      rerun = True
   if not prepare_workdir(label, workdir, shlex.join(command[1:]), rerun, also=(shlex.join(relative),)):
     return
   log_path = os.path.join(workdir, "train.log")
@@ -75,6 +81,24 @@ def prepare_workdir(label: str, workdir: str, command: str, rerun: bool = False,
     f.write(command)
   print(f"{label}: {command}", file=sys.stderr, flush=True)
   return True
+
+
+def config_changed(workdir: str, config: str, overrides: list[str]) -> str:
+  """How the config that ``config`` and ``overrides`` give now differs from the one WORKDIR's finished run
+  recorded, where train.py would refuse to resume it (checkpoint.config_changes: a field added since, at its
+  default, is no difference); "" when it does not."""
+  import contextlib
+
+  from light_jax import checkpoint
+
+  with open(os.path.join(workdir, "summary.json")) as f:
+    recorded = json.load(f).get("config")
+  if recorded is None:
+    return ""
+  with contextlib.chdir(ROOT):  # the config's relative paths, as train.py reads them
+    now = json.loads(json.dumps(cli.resolve_config(config, overrides).to_dict()))  # as the summary holds it
+  breaking, _ = checkpoint.config_changes(recorded, now)
+  return "; ".join(breaking)
 
 
 def failure_line(label: str, returncode: int, workdir: str) -> str:
@@ -131,7 +155,9 @@ def read(workdir: str) -> tuple[dict | None, list[dict]]:
     "train_seconds": elapsed(records)[-1],
     "images_per_sec": summary["images_per_sec_mean"],
     "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
-    "inter_node_bytes_mean": mean_per_step(records, "inter_node_bytes_per_step"),
+    # The run's exact mean (summaries since commit 9e1ba31); for older ones, from the records: see mean_per_step.
+    "inter_node_bytes_mean": summary.get("inter_node_bytes_per_step_mean")
+    or mean_per_step(records, "inter_node_bytes_per_step"),
     "intra_node_bytes_per_step": summary["intra_node_bytes_per_step"],
     "nonfinite_steps": summary["nonfinite_steps"],
   }, records
@@ -189,7 +215,9 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
 
 def mean_per_step(records: list[dict], key: str) -> int:
   """The mean of ``key`` over the steps, each evaluation's value standing for the steps since the last one
-  (the inter-node bytes of a run whose density warm-up sends more in its first epochs)."""
+  (the inter-node bytes of a run whose density warm-up sends more in its first epochs). A record holds its
+  last step's value: where a density phase ends between two evaluations this is not the exact mean (a
+  5-epoch warm-up's phases end mid-epoch: 10,799 against 12,679 bytes), which summaries now hold."""
   steps, total = 0, 0.0
   for record in records:
     total += (record["step"] - steps) * record[key]

@@ -46,12 +46,42 @@ def test_the_large_batch_variants_are_the_rows_that_measured_them(variant, label
   )
 
 
+def test_the_epoch_table_gives_each_runs_top1_and_loss_at_fixed_epochs(capsys):
+  large_batch = importlib.import_module("large_batch")
+  records = [{"epoch": e, "eval_top1": 0.5 + e / 100, "train_loss": 2.0 - e / 20} for e in range(1, 29)]
+  large_batch.epoch_table({"run": {"epochs": 28, "records": records}, "short": {"epochs": 8, "records": records[:8]}})
+  lines = capsys.readouterr().out.split("\n")
+  assert lines[1].split() == ["epoch", "1", "2", "4", "8", "12", "16", "20", "24", "28"]
+  assert lines[2].split()[:2] == ["run", "51.00"] and lines[2].split()[-1] == "0.60"
+  assert lines[3].split() == ["short", "51.00", "52.00", "54.00", "58.00", "loss", "1.95", "1.90", "1.80", "1.60"]
+
+
 def test_mean_bytes_per_step_weights_each_evaluation_by_its_steps():
   """A density warm-up sends more in its first epochs: the report's mean covers them, step-weighted."""
   train_runs = importlib.import_module("train_runs")
   records = [{"step": 10, "b": 1000}, {"step": 20, "b": 100}, {"step": 40, "b": 10}]
   assert train_runs.mean_per_step(records, "b") == (10 * 1000 + 10 * 100 + 20 * 10) / 40
   assert train_runs.mean_per_step([], "b") == 0
+
+
+def test_a_finished_run_whose_command_now_gives_another_config_is_not_reused(tmp_path, monkeypatch):
+  """The stamp is the command's text, and a variant's values may change under the same text: the summary's
+  config must still be what the command gives, but for fields added since at their defaults."""
+  import json
+
+  train_runs = importlib.import_module("train_runs")
+  with pytest.MonkeyPatch.context() as inside:
+    inside.chdir(ROOT)
+    now = json.loads(json.dumps(cli.resolve_config("configs/fashion_mnist.py:large_batch", []).to_dict()))
+  monkeypatch.chdir(tmp_path)  # config_changed resolves in ROOT, whatever the current folder
+  for name, recorded, changed in [
+    ("same", now, ""),
+    ("added_since", {**now, "comm": {k: v for k, v in now["comm"].items() if k != "k_allocation"}}, ""),
+    ("other_values", {**now, "optimizer": {**now["optimizer"], "base_lr": 0.3}}, "optimizer.base_lr: 0.3 -> 0.2"),
+  ]:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "summary.json").write_text(json.dumps({"config": recorded}))
+    assert train_runs.config_changed(str(tmp_path / name), "configs/fashion_mnist.py:large_batch", []) == changed
 
 
 # A stand-in for train.py, to test the studies' harness alone (train.py's own resume is tested in
