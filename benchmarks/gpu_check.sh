@@ -29,7 +29,7 @@ if [ -n "$TOY" ] && [ "$TOY" != "--toy" ] || [ $# -gt 2 ]; then
   exit 2
 fi
 PY=${PYTHON:-python3}
-mkdir -p -- "$OUT" || { echo "error: cannot create the output folder $OUT" >&2; exit 2; }
+mkdir -p -- "$OUT" 2> /dev/null || { echo "error: cannot create the output folder $OUT" >&2; exit 2; }
 OUT=$(cd -- "$OUT" && pwd) || { echo "error: cannot enter the output folder $1" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 : > "$OUT/steps.jsonl"

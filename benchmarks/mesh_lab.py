@@ -25,8 +25,8 @@ cells of a bandwidth, benchmarks/calibrate_links.py runs on the cluster at that 
 alpha/beta per level. A cell's prediction is the step time measured unshaped for the same strategy,
 less the modelled time of that step's collectives (its `comm_buckets` in summary.json) at the unshaped
 fit, plus the modelled time of the cell's own at the shaped fit, without overlap (XLA on CPU runs
-collectives in line); null without an unshaped cell, and for diloco (its collectives run on one step in
-sync_every, not on the median step). `link_seconds` is the measured difference from the unshaped step:
+collectives in line; for diloco, whose collectives across machines run one step in sync_every, 1/sync_every
+of that change); null without an unshaped cell. `link_seconds` is the measured difference from the unshaped step:
 the time the step waits on the shaped link. No latency is
 added (the kernel has no sch_netem). All processes share this machine's CPU cores, which inflates
 compute time with --nodes x --local devices.
@@ -158,30 +158,29 @@ def run_cell(
     "wire_itemsize": 2 if summary["config"]["comm"]["dtype"] == "bfloat16" else 4,
     "compact_pairs": summary["config"]["comm"]["compact_pairs"],
     "strategy": summary["config"]["comm"]["strategy"],
+    "sync_every": summary["config"]["comm"]["sync_every"],
   }
 
 
-def predict_step(
-  unshaped: dict, cell: dict, unshaped_fit: dict, shaped_fit: dict, nodes: int, local: int
-) -> float | None:
+def predict_step(unshaped: dict, cell: dict, unshaped_fit: dict, shaped_fit: dict, nodes: int, local: int) -> float:
   """The simulator's step (light_jax/simulation.py, no overlap) for ``cell``: the unshaped step of the same
   strategy less its collectives at the unshaped links' fit, plus ``cell``'s collectives at the shaped fit (the
   buckets may differ: adaptive fusion and auto plan them from each bandwidth's calibration). The links inside
-  a machine are not shaped: both keep the unshaped intra-node fit. None for diloco."""
-  if cell["strategy"] == DILOCO:
-    # Its comm_buckets are a sync step's all-reduce (one step in sync_every), but step_seconds is a median,
-    # a step without it: charging it there would predict a sync on every step.
-    return None
+  a machine are not shaped: both keep the unshaped intra-node fit. DiLoCo's collectives across machines (its
+  comm_buckets: a sync step's all-reduce) run one step in sync_every, and its step is the mean over whole sync
+  periods: they move by 1/sync_every of a sync's time per step."""
   measured_on = cost_model.ClusterCost.from_dict(unshaped_fit)
   moved_to = cost_model.ClusterCost(intra=measured_on.intra, inter=cost_model.LinkCost(**shaped_fit["inter"]))
 
   def buckets(c: dict) -> list[simulation.BucketComm]:
     return [simulation.BucketComm(s, n, k, compact_pairs=c["compact_pairs"]) for s, n, k in c["comm_buckets"]]
 
-  return simulation.move_measured_step(
+  moved = simulation.move_measured_step(
     unshaped["step_seconds"], buckets(unshaped), measured_on, moved_to, nodes, local, cell["wire_itemsize"],
     moved_buckets=buckets(cell),
   )  # fmt: skip
+  every = cell.get("sync_every", 1) if cell["strategy"] == DILOCO else 1
+  return unshaped["step_seconds"] + (moved - unshaped["step_seconds"]) / every
 
 
 def run_mesh(

@@ -36,7 +36,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 from orbax.checkpoint._src.serialization import type_handler_registry
 
 from light_jax import stderr_redirect
-from light_jax.config import SAFE_TO_CHANGE, base_config
+from light_jax.config import SAFE_TO_CHANGE, base_config, flat_fields
 
 
 @functools.cache  # once per process: the registry keeps it
@@ -293,17 +293,7 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list
   A field the checkpoint does not have (added to light_jax since it was written) is safe at its default in
   ``base_config()``: a new field's default is the behaviour before it existed.
   """
-
-  def flatten(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-      if isinstance(v, dict):
-        out.update(flatten(v, f"{prefix}{k}."))
-      else:
-        out[f"{prefix}{k}"] = v
-    return out
-
-  old, new, defaults = flatten(saved), flatten(current), flatten(base_config().to_dict())
+  old, new, defaults = flat_fields(saved), flat_fields(current), flat_fields(base_config().to_dict())
   breaking, safe = [], []
   for key in sorted(old.keys() | new.keys()):
     if old.get(key) != new.get(key):

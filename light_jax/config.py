@@ -53,6 +53,17 @@ SAFE_TO_CHANGE = (
 )
 
 
+def flat_fields(tree: dict, prefix: str = "") -> dict[str, Any]:
+  """A config as a dict (``config.to_dict()``, or as JSON holds it) flattened to {"optimizer.base_lr": 0.1, ...}."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(flat_fields(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
 def base_config() -> ml_collections.ConfigDict:
   """Every field with its default: Fashion-MNIST on 8 simulated CPU devices as a 2 x 4 mesh."""
   config = ml_collections.ConfigDict()

@@ -238,7 +238,7 @@ def make_train_step(
       # The optimizer's step count, which the schedule follows: skipped steps do not advance it.
       comm_state = reducer.rescale_residuals(comm_state, residual_rescale(state.step - state.nonfinite_steps))
     grads, comm_state = reducer.reduce(local_grads, comm_state)
-    if reducer.updates_parameters:  # DiLoCo's inner and outer steps; the sharded update (grads: shards)
+    if reducer.updates_parameters:  # DiLoCo's inner step (its outer one: after_step); the sharded update (shards)
       new_params, opt_state, comm_state = reducer.apply(
         grads, state.params, state.opt_state, comm_state, state.step, epoch_first_steps
       )

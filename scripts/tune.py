@@ -493,7 +493,8 @@ def wait_for_killed_trials(study: optuna.Study, grace: int) -> None:
   except KeyboardInterrupt:
     print("interrupted: the same command continues the study", file=sys.stderr)
     sys.exit(130)
-  retried = sorted(waiting_for - running)
+  failed = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
+  retried = sorted(waiting_for & failed)  # not those another machine finished meanwhile
   if retried:
     print(f"trials {retried} were killed with their study: each is retried once", flush=True)
 

@@ -217,10 +217,16 @@ def test_mesh_lab_refuses_diloco_steps_that_may_hold_no_whole_period():
   mesh_lab.check_args(_lab_args(strategies="diloco@8", steps=15), [(2, 4)])
 
 
-def test_mesh_lab_predicts_no_diloco_step():
-  """Its buckets are a sync step's, but the median step has no sync."""
-  cell = _cell([("hierarchical", 1_000_000, 0)], strategy="diloco")
-  assert mesh_lab.predict_step(cell, cell, UNSHAPED_FIT, SHAPED_FIT, 2, 4) is None
+def test_mesh_lab_predicts_a_diloco_step_with_one_sync_in_sync_every():
+  """Its buckets are a sync step's, and its step the mean over whole sync periods: the sync's change of time
+  counts once in sync_every steps."""
+  buckets = [("hierarchical", 1_000_000, 0)]
+  every_step = mesh_lab.predict_step(_cell(buckets), _cell(buckets), UNSHAPED_FIT, SHAPED_FIT, 2, 4)
+  cell = {**_cell(buckets, strategy="diloco"), "sync_every": 4}
+  assert mesh_lab.predict_step(cell, cell, UNSHAPED_FIT, SHAPED_FIT, 2, 4) == pytest.approx(
+    0.5 + (every_step - 0.5) / 4
+  )
+  assert every_step > 0.5 + 0.01  # a shaped link's sync costs time
 
 
 def test_a_job_past_its_deadline_names_the_node_and_is_killed_at_one_deadline():

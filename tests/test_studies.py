@@ -78,6 +78,9 @@ def test_a_finished_run_whose_command_now_gives_another_config_is_not_reused(tmp
     ("same", now, ""),
     ("added_since", {**now, "comm": {k: v for k, v in now["comm"].items() if k != "k_allocation"}}, ""),
     ("other_values", {**now, "optimizer": {**now["optimizer"], "base_lr": 0.3}}, "optimizer.base_lr: 0.3 -> 0.2"),
+    ("other_length", {**now, "num_epochs": 8}, "num_epochs: 8 -> 28"),  # resumable, but another run's result
+    ("other_mesh", {**now, "mesh": {**now["mesh"], "nodes": 4, "local": 2}}, "mesh.local: 2 -> 4; mesh.nodes: 4 -> 2"),
+    ("logged_more", {**now, "log_every_steps": 5, "checkpoint": {**now["checkpoint"], "every_steps": 7}}, ""),
   ]:
     (tmp_path / name).mkdir()
     (tmp_path / name / "summary.json").write_text(json.dumps({"config": recorded}))

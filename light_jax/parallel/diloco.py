@@ -90,7 +90,7 @@ class DiLoCo:
     return self
 
   def for_run(self, boundaries: tuple[int, ...], total_steps: int) -> DiLoCo:
-    """This DiLoCo with its byte accounting for a run of ``total_steps`` with these boundaries (``apply``'s
+    """This DiLoCo with its byte accounting for a run of ``total_steps`` with these boundaries (``after_step``'s
     ``epoch_first_steps``): it syncs after every H-th step and at each boundary, which is more often than every
     H steps where H does not divide an epoch (twice as often when H is two epochs)."""
     if total_steps <= 0:

@@ -4,8 +4,9 @@ After the hierarchical reduction's reduce-scatter over ``local`` and all-reduce 
 machine holds shard i of every bucket's summed gradient. Instead of gathering the gradient and updating
 all parameters on every device, each device applies the optimizer to its shard (its slice of the packed
 parameters, its slice of the optimizer state) and the all-gather over ``local`` carries the updates (each
-device then adds them to its replicated parameters). Same bytes on both links; optimizer state and update
-work per device divided by ``local`` (replicated over ``node``: every machine updates the same shards).
+device then adds them to its replicated parameters). The same bytes on both links, but for LARS's norms (a
+psum over ``local`` of two floats per tensor); optimizer state and update work per device divided by
+``local`` (replicated over ``node``: every machine updates the same shards).
 
 LARS needs whole-tensor norms, and a shard holds pieces of several tensors: each device sums the squares
 of its pieces (one static slice per piece; which pieces a device holds is known when tracing, so a
