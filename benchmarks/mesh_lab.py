@@ -239,7 +239,7 @@ def plot_predictions(results: dict[str, dict], path: str) -> None:
   import matplotlib.ticker
 
   cells = {k: c for k, c in results.items() if c["predicted_step_seconds"] is not None}
-  if not cells:  # e.g. only diloco, which has no prediction
+  if not cells:  # no cell had an unshaped cell of its strategy to predict from
     print(f"no predicted step times to plot: {path} not written", file=sys.stderr)
     return
   values = [v for c in cells.values() for v in (c["step_seconds"], c["predicted_step_seconds"])]

@@ -2,7 +2,8 @@
 
 Recipe: MLPerf ResNet-50 v1.5 LARS (docs/techniques.md section 6): batch 32,768, peak lr from the
 linear scaling rule, 5 warm-up epochs, polynomial (power 2) decay, label smoothing 0.1, bfloat16
-compute, no weight decay or trust ratio on biases and BatchNorm parameters.
+compute, no weight decay or trust ratio on biases and BatchNorm parameters. One departure: the trust ratio
+is optax's form, eta ||w|| / ||g + wd w|| (``optimizer.lars_trust``; MLPerf's: eta ||w|| / (||g|| + wd ||w||)).
 
 Data: TFDS imagenet2012 as ArrayRecord (``scripts/prepare_imagenet.py``), a decoded disk cache on local
 SSD, progressive resizing 128 -> 224 -> 288 px.
@@ -43,8 +44,9 @@ def tiny(config: ml_collections.ConfigDict) -> None:
 def light(config: ml_collections.ConfigDict) -> None:
   """The DAWNBench 28-epoch recipe (docs/techniques.md section 6): 96 px for 13 epochs, 128 for 11, 224 for
   3, 288 for 1; batch 32,768, then 16,384 for the last epoch; LARS, eta 0.0008, wd 1e-4, 14 warm-up
-  epochs to a peak of 25, decay to 0.2 (end factor 0.008). Departures: power-2 decay instead of linear,
-  no momentum cycling, no rectified lr or trust-ratio clipping; bfloat16 compute (V100s need float16).
+  epochs to a peak of 25, decay to 0.2 (end factor 0.008). The peak follows each phase's batch (linear
+  scaling), so the last epoch's 16,384 halves the rate: it ends at 0.1. Departures: power-2 decay instead of
+  linear, no momentum cycling, no rectified lr or trust-ratio clipping; bfloat16 compute (V100s need float16).
   """
   config.num_epochs = 28
   config.data.resolution_schedule = "0:96,13:128,24:224,27:288:16384"

@@ -11,8 +11,9 @@ overrides. Write a new variant to ask a new question; no code needed.
   gtopk_4x2   4 machines x 2 devices at 100 Mbit/s: gtopk at 1% and 0.1% against hierarchical and hitopk.
   shapes      the same 8 devices as 2 x 4, 4 x 2 and 8 x 1 at 50 Mbit/s, hierarchical and hitopk at 1%.
   auto        comm.strategy=auto against hierarchical and hitopk at 10 and 100 Mbit/s, 2 x 4, with 256 KiB
-              buckets (5 of them) so that auto can mix strategies.
-  strategies  every strategy (and the bfloat16 wire) at 10 Mbit/s on 2 x 4: the cost model's validation.
+              buckets (6 of them) so that auto can mix strategies.
+  strategies  dense, hierarchical (and its bfloat16 wire), topk, hitopk and gtopk at 10 Mbit/s on 2 x 4: the
+              cost model's validation (powersgd, diloco and auto: name them with --strategies).
 """
 
 import ml_collections
