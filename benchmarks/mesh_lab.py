@@ -158,7 +158,7 @@ def run_cell(
     "wire_itemsize": 2 if summary["config"]["comm"]["dtype"] == "bfloat16" else 4,
     "compact_pairs": summary["config"]["comm"]["compact_pairs"],
     "strategy": summary["config"]["comm"]["strategy"],
-    "sync_every": summary["config"]["comm"]["sync_every"],
+    "sync_every": summary["config"]["comm"]["sync_every"] if summary["config"]["comm"]["strategy"] == DILOCO else None,
   }
 
 
