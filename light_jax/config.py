@@ -101,7 +101,9 @@ def base_config() -> ml_collections.ConfigDict:
     reduced_decode=True,  # decode JPEGs at 1/2, 1/4, 1/8 scale, and only the rows, a crop needs
     cache="none",  # none | disk (decoded, shorter side cache_size, in cache_dir) | memory
     cache_dir="/tmp/light_jax_cache",
-    cache_size=160,  # shorter side of the cached images (>= the largest training size)
+    # Shorter side of the cached images: at least the largest training size. Crops are drawn on the cached
+    # image, so at that size most are enlarged to the training size: a larger cache_size keeps more detail.
+    cache_size=160,
     cache_budget_gb=64.0,  # the cache is skipped (JPEGs read instead) when it would be larger
   )
 
@@ -559,7 +561,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     if config.data.cache != "none" and config.data.cache_size < largest:
       raise ConfigError(
         f"data.cache_size={config.data.cache_size} is smaller than the largest training size ({largest} px): "
-        f"the cached images would be scaled up, losing detail. Set data.cache_size >= {largest}."
+        f"every crop of the cached images would be scaled up, losing detail. Set data.cache_size >= {largest} "
+        f"(larger keeps more: crops drawn on a cache of {largest} px are mostly enlarged too)."
       )
   _positive("data.crop_padding", config.data.crop_padding, allow_zero=True)
   _positive("data.train_subset", config.data.train_subset, allow_zero=True)
