@@ -253,6 +253,36 @@ def test_pipeline_reads_every_record_with_its_label_and_skips_the_broken_ones(pr
   assert train.bad_records == broken
 
 
+def test_a_data_dir_typed_with_a_trailing_slash_is_the_same_split_and_keeps_its_earlier_cache(prepared, tmp_path):
+  """The decoded cache is named by the split's folder, not the text typed: a trailing slash does not decode the
+  split again (hours for ImageNet). A cache named before by the text typed is still read, not rebuilt."""
+  from light_jax import data as data_lib
+  from light_jax.data import records
+
+  plain = records.TfdsRecords("imagenet2012", "train", prepared["data_dir"])
+  slashed = records.TfdsRecords("imagenet2012", "train", prepared["data_dir"] + "/")
+  assert slashed.identity == plain.identity and slashed.fingerprint == plain.fingerprint
+  assert plain.earlier_names == () and slashed.earlier_names[0][0].endswith(prepared["data_dir"] + "/")
+
+  class AsNamedBefore:  # the split as caches were named until now: by data_dir as typed
+    identity, fingerprint = slashed.earlier_names[0]
+    __len__, __getitem__ = slashed.__len__, slashed.__getitem__
+
+  config = _data_config(prepared["data_dir"] + "/")
+  config.update(cache="disk", cache_dir=str(tmp_path), cache_size=40)
+  earlier = records.cache_path(str(tmp_path), AsNamedBefore.identity, 40)
+  records.build_disk_cache(AsNamedBefore(), earlier, 40)
+  built = os.path.getmtime(earlier)
+  cache = data_lib._decoded_cache(slashed, config)
+  assert len(cache) == len(plain) and os.listdir(tmp_path) == [os.path.basename(earlier)]
+  assert os.path.getmtime(earlier) == built  # read as it is
+  # A cache named by the folder (a new one, here built for the plain data_dir) is read first, whatever was typed.
+  data_lib._decoded_cache(plain, config)
+  current = records.cache_path(str(tmp_path), plain.identity, 40)
+  assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (earlier, current))
+  assert data_lib._decoded_cache(slashed, config).path == current
+
+
 def test_train_py_on_prepared_imagenet(prepared, tmp_path):
   """train.py end to end on TFDS imagenet2012 (the tiny prepared copy) with the decoded memory cache."""
   import json

@@ -59,6 +59,7 @@ class _Subset:
     self._records, self._n = records, min(n, len(records))
     self.identity = f"{records.identity}:first{self._n}"
     self.fingerprint = f"{records.fingerprint}:first{self._n}"
+    self.earlier_names = tuple((i + f":first{self._n}", f + f":first{self._n}") for i, f in records.earlier_names)
 
   def __len__(self) -> int:
     return self._n
@@ -108,15 +109,22 @@ def _decoded_cache(source, data_config):
   fits the budget), or ``source`` itself."""
   cache_dir = os.path.expanduser(data_config.cache_dir)
   path = records.cache_path(cache_dir, source.identity, data_config.cache_size)
-  # Caches were once named by their records' fingerprint and kept none inside. Such a file is still its
-  # records' cache (a TFDS split's fingerprint has not changed; an image folder's has): read it as it is rather
-  # than decode the split again, which takes hours for ImageNet.
-  legacy = records.cache_path(cache_dir, source.fingerprint, data_config.cache_size)
-  if not os.path.exists(path) and os.path.exists(legacy):
-    path, built_from = legacy, source.fingerprint
-  else:
-    built_from = records.DecodedCache(path).source_fingerprint if os.path.exists(path) else None
-  fresh = built_from == source.fingerprint
+  # Caches named otherwise before are still their records' cache: read as they are rather than decode the split
+  # again, which takes hours for ImageNet. Named by a TFDS split's data_dir as typed (``earlier_names``), or by
+  # the records' fingerprint with none kept inside (a TFDS split's fingerprint then has not changed; an image
+  # folder's has).
+  names = ((source.identity, source.fingerprint), *source.earlier_names)
+  built_from = records.DecodedCache(path).source_fingerprint if os.path.exists(path) else None
+  for identity, fingerprint in names:
+    earlier = records.cache_path(cache_dir, identity, data_config.cache_size)
+    legacy = records.cache_path(cache_dir, fingerprint, data_config.cache_size)
+    if os.path.exists(path):
+      break
+    if os.path.exists(earlier):
+      path, built_from = earlier, records.DecodedCache(earlier).source_fingerprint
+    elif os.path.exists(legacy):
+      path, built_from = legacy, fingerprint
+  fresh = built_from in {fingerprint for _, fingerprint in names}
   # The budget holds for a cache already there too: the same config must not train on the cache's pixels in one
   # place and on the JPEGs in another, nor load any size of file into memory.
   size = os.path.getsize(path) if fresh else records.estimate_cache_bytes(source, data_config.cache_size)
@@ -139,6 +147,10 @@ def _decoded_cache(source, data_config):
         path,
         source.identity,
       )
+      current = records.cache_path(cache_dir, source.identity, data_config.cache_size)
+      if path != current:  # a stale cache under an earlier name: the new one takes the current name
+        os.remove(path)
+        path = current
     os.makedirs(cache_dir, exist_ok=True)
     logging.info("decoded cache: building %s (%d images, about %.2f GB), once", path, len(source), size / 1e9)
     records.build_disk_cache(source, path, data_config.cache_size)

@@ -112,8 +112,15 @@ class TfdsRecords:
         f"{str(e).splitlines()[0][:200]}). {prepare}"
       ) from None
     self.num_classes = self._source.dataset_info.features["label"].num_classes
-    self.identity = f"tfds:{name}:{split}:{data_dir}"
+    # The folder's absolute path: a trailing slash or a relative path is the same split, and the same cache.
+    self.identity = f"tfds:{name}:{split}:{os.path.abspath(data_dir)}"
     self.fingerprint = f"{self.identity}:{len(self._source)}"
+    # Until then caches were named by data_dir as typed. Such a cache is still this split's where the typed path
+    # was absolute (a relative one may have named another folder, from another directory).
+    self.earlier_names = ()
+    if os.path.isabs(data_dir) and data_dir != os.path.abspath(data_dir):
+      earlier = f"tfds:{name}:{split}:{data_dir}"
+      self.earlier_names = ((earlier, f"{earlier}:{len(self._source)}"),)
 
   def __len__(self) -> int:
     return len(self._source)
@@ -126,6 +133,8 @@ class TfdsRecords:
 
 class FolderRecords:
   """A split of an image folder converted by ``convert_image_folder``."""
+
+  earlier_names = ()  # (identity, fingerprint) its decoded cache had under an earlier naming: none
 
   def __init__(self, data_dir: str, split: str):
     info_path = os.path.join(data_dir, "info.json")
@@ -175,6 +184,8 @@ class FolderRecords:
 
 class ListRecords:
   """Records held in a Python list of ``(payload, label, file_name)``: small or generated datasets."""
+
+  earlier_names = ()
 
   def __init__(self, items: list):
     self.items = items
