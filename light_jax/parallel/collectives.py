@@ -70,6 +70,8 @@ def _reduce_scatter(x: jax.Array, axis: str, wire_dtype) -> jax.Array:
   With a narrower ``wire_dtype`` the chunks travel in it (an all-to-all) and are summed in x's dtype
   on arrival, so the accumulation stays float32 while the link carries half the bytes.
   """
+  if lax.axis_size(axis) == 1:  # nothing crosses a link: no rounding to the wire dtype either
+    return x
   if jnp.dtype(wire_dtype) == x.dtype:
     return lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
   chunks = x.astype(wire_dtype).reshape(lax.axis_size(axis), -1)
@@ -78,6 +80,8 @@ def _reduce_scatter(x: jax.Array, axis: str, wire_dtype) -> jax.Array:
 
 
 def _all_gather(shard: jax.Array, axis: str, wire_dtype) -> jax.Array:
+  if lax.axis_size(axis) == 1:  # nothing crosses a link: no rounding to the wire dtype either
+    return shard
   return _moved_as_bits(lax.all_gather, shard.astype(wire_dtype), axis, axis=0, tiled=True).astype(shard.dtype)
 
 
