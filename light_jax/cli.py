@@ -100,10 +100,13 @@ def check_model(name: str, flag: str = "--model") -> None:
 def output_path(path: str, flag: str) -> str:
   """``path``, a file the program will write at its end, with its folder made now: a folder it cannot make is
   ``fail``'s one line before any work, not a traceback after it."""
+  folder = os.path.dirname(os.path.abspath(path))
   try:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    os.makedirs(folder, exist_ok=True)
   except OSError as e:
     fail(f"{flag}={path}: cannot make its folder ({e.strerror}); give a path in a writable folder")
+  if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    fail(f"{flag}={path}: cannot write there (permissions, or a read-only file system); give a writable path")
   return path
 
 

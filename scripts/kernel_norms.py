@@ -38,7 +38,10 @@ def main() -> None:
     if not os.path.exists(path):
       cli.fail(f"{workdir}: no summary.json; kernel norms need a finished train.py run")
     with open(path) as f:
-      summaries.append(json.load(f))
+      try:
+        summaries.append(json.load(f))
+      except json.JSONDecodeError as e:
+        cli.fail(f"{path} is not JSON ({e}): the run did not end cleanly; run it again (the same command resumes)")
   config = summaries[0]["config"]
   # The mesh the run resolved (the config's may say -1, all devices), which the checkpoints were saved on.
   devices = {s["mesh"]["nodes"] * s["mesh"]["local"] for s in summaries}

@@ -578,7 +578,8 @@ def main() -> None:
   try:
     os.makedirs(os.path.join(args.study_dir, "trials"), exist_ok=True)
   except OSError as e:
-    cli.fail(f"--study_dir={args.study_dir}: cannot create it ({e.strerror}); choose another directory")
+    what = "cannot write in it" if os.path.isdir(args.study_dir) else "cannot create it"
+    cli.fail(f"--study_dir={args.study_dir}: {what} ({e.strerror}); choose another directory")
   claim_study_dir(args)
   # Errors only: run_trial reports a failed trial in one line (its log holds the rest), not with a traceback.
   optuna.logging.set_verbosity(optuna.logging.ERROR)

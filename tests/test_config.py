@@ -332,6 +332,48 @@ def test_cli_workdir_on_a_read_only_file_system(tmp_path):
   assert f"error: --workdir={mount / 'run'}: {mount} is not writable (permissions, or a read-only" in result.stderr
 
 
+import contextlib  # noqa: E402
+
+
+@contextlib.contextmanager
+def _read_only(folder):
+  """``folder`` (made empty) as a read-only file system, where even root cannot write; skipped without mount."""
+  folder.mkdir(parents=True, exist_ok=True)
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True).returncode:
+    pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+  try:
+    yield folder
+  finally:
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_cli_a_workdir_whose_checkpoints_cannot_be_written_is_refused_before_training(tmp_path):
+  """Found only at the resumed run's first save, it failed (and hung) after training."""
+  with _read_only(tmp_path / "run" / "checkpoints"):
+    result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "run"))
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert f"{tmp_path / 'run' / 'checkpoints'} is not writable" in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_plot_or_a_cache_in_a_folder_that_cannot_be_written_is_one_line(tmp_path):
+  from light_jax import data as data_lib
+  from light_jax.data import records
+
+  with _read_only(tmp_path / "ro") as folder:
+    result = subprocess.run([sys.executable, "scripts/simulate.py", "--config", "configs/imagenet_resnet50.py:light",
+                             "--sweep", "bandwidth", "--plot", str(folder / "s.png")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    config = imagenet_resnet50.get_config("tiny").data
+    config.update(cache="disk", cache_dir=str(folder / "cache"))
+    with pytest.raises(data_lib.DataError, match=r"data.cache_dir=.*cannot make it .*or data.cache=none"):
+      data_lib._decoded_cache(records.ListRecords([(b"x", 0, "a.jpg")]), config)
+    config.update(cache_dir=str(folder))
+    with pytest.raises(data_lib.DataError, match=r"data.cache_dir=.*cannot write there"):
+      data_lib._decoded_cache(records.ListRecords([(b"x", 0, "a.jpg")]), config)
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert f"error: --plot={folder / 's.png'}: cannot write there" in result.stderr
+
+
 @pytest.mark.parametrize("flags", [["--coordinator=localhost:1234"], ["--num_processes=2", "--process_id=2"]])
 def test_cli_multi_process_flags_go_together(tmp_path, flags):
   result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path), *flags)

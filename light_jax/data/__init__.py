@@ -151,7 +151,17 @@ def _decoded_cache(source, data_config):
       if path != current:  # a stale cache under an earlier name: the new one takes the current name
         os.remove(path)
         path = current
-    os.makedirs(cache_dir, exist_ok=True)
+    try:
+      os.makedirs(cache_dir, exist_ok=True)
+    except OSError as e:
+      raise DataError(
+        f"data.cache_dir={cache_dir}: cannot make it ({e.strerror}); give a writable folder, or data.cache=none"
+      ) from None
+    if not os.access(cache_dir, os.W_OK | os.X_OK):
+      raise DataError(
+        f"data.cache_dir={cache_dir}: cannot write there (permissions, or a read-only file system); give a "
+        "writable folder, or data.cache=none"
+      )
     logging.info("decoded cache: building %s (%d images, about %.2f GB), once", path, len(source), size / 1e9)
     records.build_disk_cache(source, path, data_config.cache_size)
   cache = records.DecodedCache(path, in_memory=data_config.cache == "memory")
