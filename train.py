@@ -131,9 +131,11 @@ def _check_workdir(workdir: str) -> None:
       f"--workdir={workdir}: {existing} is not writable (permissions, or a read-only file system); "
       "choose another directory."
     )
+  if existing != os.path.abspath(workdir):  # not made yet: nothing inside
+    return
   # A run resumed there writes into these too: found unwritable only at its first save, it failed after training.
-  inside = ["checkpoints", "metrics.jsonl", "step_times.jsonl", "summary.json", "tensorboard"]
-  for path in (os.path.join(existing, name) for name in inside if existing == os.path.abspath(workdir)):
+  for name in ("checkpoints", "metrics.jsonl", "step_times.jsonl", "summary.json", "tensorboard"):
+    path = os.path.join(existing, name)
     if os.path.exists(path) and not os.access(path, os.W_OK | (os.X_OK if os.path.isdir(path) else 0)):
       cli.fail(
         f"--workdir={workdir}: {path} is not writable (permissions, or a read-only file system), and the run "

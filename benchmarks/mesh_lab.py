@@ -141,11 +141,13 @@ def run_cell(
     steps = [json.loads(line) for line in f][args.warmup : args.warmup + args.steps]
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
+  comm = summary["config"]["comm"]
+  diloco = comm["strategy"] == DILOCO
   average = statistics.median
-  if summary["config"]["comm"]["strategy"] == DILOCO:
+  if diloco:
     # One step in sync_every crosses the machines: the median would be a step without it. Whole periods
     # (steps k H + 1 .. (k + 1) H, counted from 1), averaged; check_args makes --steps hold one at least.
-    every = summary["config"]["comm"]["sync_every"]
+    every = comm["sync_every"]
     first = next(i for i, s in enumerate(steps) if s["step"] % every == 1 % every)
     last = max(i for i, s in enumerate(steps) if s["step"] % every == 0)
     steps, average = steps[first : last + 1], statistics.fmean
@@ -155,10 +157,10 @@ def run_cell(
     # On 127.0.0.1 every process shares the loopback interface: no per-machine count.
     "wire_bytes_per_step": average(s["sent_bytes"] for s in steps) if cluster.measures_wire else None,
     "comm_buckets": summary["comm_buckets"],
-    "wire_itemsize": 2 if summary["config"]["comm"]["dtype"] == "bfloat16" else 4,
-    "compact_pairs": summary["config"]["comm"]["compact_pairs"],
-    "strategy": summary["config"]["comm"]["strategy"],
-    "sync_every": summary["config"]["comm"]["sync_every"] if summary["config"]["comm"]["strategy"] == DILOCO else None,
+    "wire_itemsize": 2 if comm["dtype"] == "bfloat16" else 4,
+    "compact_pairs": comm["compact_pairs"],
+    "strategy": comm["strategy"],
+    "sync_every": comm["sync_every"] if diloco else None,
   }
 
 
@@ -179,7 +181,7 @@ def predict_step(unshaped: dict, cell: dict, unshaped_fit: dict, shaped_fit: dic
     unshaped["step_seconds"], buckets(unshaped), measured_on, moved_to, nodes, local, cell["wire_itemsize"],
     moved_buckets=buckets(cell),
   )  # fmt: skip
-  every = cell.get("sync_every", 1) if cell["strategy"] == DILOCO else 1
+  every = cell.get("sync_every") or 1  # set for DiLoCo's cells only
   return unshaped["step_seconds"] + (moved - unshaped["step_seconds"]) / every
 
 

@@ -84,7 +84,8 @@ def prepare_workdir(label: str, workdir: str, command: str, rerun: bool = False,
 
 
 # Fields that cannot change a finished run's result: how it was watched, saved, fed and where its data was.
-NO_EFFECT_ON_RESULT = {
+NO_EFFECT_ON_RESULT = (
+  "checkpoint",
   "log_every_steps",
   "train.time_steps",
   "train.profile_steps",
@@ -97,16 +98,16 @@ NO_EFFECT_ON_RESULT = {
   "data.cache_dir",
   "data.cache_budget_gb",
   "data.data_dir",
-}
+)
 
 
 def config_changed(workdir: str, config: str, overrides: list[str]) -> str:
   """How the config that ``config`` and ``overrides`` give now differs from the one WORKDIR's finished run
-  recorded, in a field that can change its result (a field added since, at its default, is the same run: a
-  new field's default is the behaviour from before it); "" when it does not."""
+  recorded, in a field that can change its result (checkpoint.config_changes with NO_EFFECT_ON_RESULT as the
+  safe fields: a field added since, at its default, is the same run); "" when it does not."""
   import contextlib
 
-  from light_jax import config as config_lib
+  from light_jax import checkpoint
 
   with open(os.path.join(workdir, "summary.json")) as f:
     recorded = json.load(f).get("config")
@@ -114,16 +115,8 @@ def config_changed(workdir: str, config: str, overrides: list[str]) -> str:
     return ""
   with contextlib.chdir(ROOT):  # the config's relative paths, as train.py reads them
     now = json.loads(json.dumps(cli.resolve_config(config, overrides).to_dict()))  # as the summary holds it
-  old, new = config_lib.flat_fields(recorded), config_lib.flat_fields(now)
-  defaults = config_lib.flat_fields(config_lib.base_config().to_dict())
-  changes = []
-  for key in sorted(old.keys() | new.keys()):
-    if old.get(key) == new.get(key) or key in NO_EFFECT_ON_RESULT or key.startswith("checkpoint."):
-      continue
-    if key not in old and new.get(key) == defaults.get(key):  # added since, at its default
-      continue
-    changes.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
-  return "; ".join(changes)
+  changed, _ = checkpoint.config_changes(recorded, now, NO_EFFECT_ON_RESULT)
+  return "; ".join(changed)
 
 
 def failure_line(label: str, returncode: int, workdir: str) -> str:

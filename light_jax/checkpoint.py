@@ -287,8 +287,11 @@ def _settle_quietly(seconds: float) -> None:
       sys.stderr.flush()
 
 
-def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
-  """(breaking, safe) differences between a checkpoint's config and the current one, as "field: a -> b".
+def config_changes(
+  saved: dict[str, Any], current: dict[str, Any], safe_fields: tuple[str, ...] | frozenset[str] = SAFE_TO_CHANGE
+) -> tuple[list[str], list[str]]:
+  """(breaking, safe) differences between a checkpoint's config and the current one, as "field: a -> b";
+  ``safe_fields``: the fields (or groups of fields) that may differ.
 
   A field the checkpoint does not have (added to light_jax since it was written) is safe at its default in
   ``base_config()``: a new field's default is the behaviour before it existed.
@@ -307,7 +310,7 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list
           f"{key}: not in the checkpoint's config (added since, so the run used its default "
           f"{defaults[key]!r}) -> {new.get(key)!r}"
         )
-      is_safe = added_at_default or any(key == s or key.startswith(s + ".") for s in SAFE_TO_CHANGE)
+      is_safe = added_at_default or any(key == s or key.startswith(s + ".") for s in safe_fields)
       (safe if is_safe else breaking).append(change)
   return breaking, safe
 

@@ -94,13 +94,18 @@ class PeerWatchdog:
         published = dict(_client().key_value_dir_get(_PREFIX))
       except Exception:  # the coordination service is gone (process 0): no reason to read
         return None
-      for index in range(self.process_count):
-        value = published.get(self._key(index), "")
-        if index != self.process_index and value.startswith("failed: "):
-          return f"process {index} failed: {value[len('failed: ') :]}"
-      if time.monotonic() >= deadline:
-        return None
+      failure = self._failed_peer(published)
+      if failure or time.monotonic() >= deadline:
+        return failure
       time.sleep(min(0.2, self.interval))
+
+  def _failed_peer(self, published: dict[str, str]) -> str | None:
+    """ "process i failed: REASON" for the first peer that published a failure in ``published``, or None."""
+    for index in range(self.process_count):
+      value = published.get(self._key(index), "")
+      if index != self.process_index and value.startswith("failed: "):
+        return f"process {index} failed: {value[len('failed: ') :]}"
+    return None
 
   def _key(self, index: int) -> str:
     return f"{_PREFIX}{index}"
@@ -132,13 +137,14 @@ class PeerWatchdog:
           )
           return
         continue
+      failure = self._failed_peer(published)
+      if failure:
+        self._fail(failure)
+        return
       for index in range(self.process_count):
         if index == self.process_index:
           continue
         value = published.get(self._key(index), "")
-        if value.startswith("failed: "):
-          self._fail(f"process {index} failed: {value[len('failed: ') :]}")
-          return
         if value == "done":
           continue
         previous, since = last_seen.get(index, (None, now))

@@ -108,22 +108,23 @@ def _decoded_cache(source, data_config):
   """The decoded cache of ``source`` (built on first use, or again when built from other records, if it
   fits the budget), or ``source`` itself."""
   cache_dir = os.path.expanduser(data_config.cache_dir)
-  path = records.cache_path(cache_dir, source.identity, data_config.cache_size)
+  current = path = records.cache_path(cache_dir, source.identity, data_config.cache_size)
+  built_from = records.DecodedCache(path).source_fingerprint if os.path.exists(path) else None
   # Caches named otherwise before are still their records' cache: read as they are rather than decode the split
   # again, which takes hours for ImageNet. Named by a TFDS split's data_dir as typed (``earlier_names``), or by
   # the records' fingerprint with none kept inside (a TFDS split's fingerprint then has not changed; an image
   # folder's has).
   names = ((source.identity, source.fingerprint), *source.earlier_names)
-  built_from = records.DecodedCache(path).source_fingerprint if os.path.exists(path) else None
-  for identity, fingerprint in names:
-    earlier = records.cache_path(cache_dir, identity, data_config.cache_size)
-    legacy = records.cache_path(cache_dir, fingerprint, data_config.cache_size)
-    if os.path.exists(path):
-      break
-    if os.path.exists(earlier):
-      path, built_from = earlier, records.DecodedCache(earlier).source_fingerprint
-    elif os.path.exists(legacy):
-      path, built_from = legacy, fingerprint
+  if not os.path.exists(path):
+    for identity, fingerprint in names:
+      earlier = records.cache_path(cache_dir, identity, data_config.cache_size)
+      legacy = records.cache_path(cache_dir, fingerprint, data_config.cache_size)
+      if os.path.exists(earlier):
+        path, built_from = earlier, records.DecodedCache(earlier).source_fingerprint
+        break
+      if os.path.exists(legacy):
+        path, built_from = legacy, fingerprint
+        break
   fresh = built_from in {fingerprint for _, fingerprint in names}
   # The budget holds for a cache already there too: the same config must not train on the cache's pixels in one
   # place and on the JPEGs in another, nor load any size of file into memory.
@@ -147,7 +148,6 @@ def _decoded_cache(source, data_config):
         path,
         source.identity,
       )
-      current = records.cache_path(cache_dir, source.identity, data_config.cache_size)
       if path != current:  # a stale cache under an earlier name: the new one takes the current name
         os.remove(path)
         path = current
