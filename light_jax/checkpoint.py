@@ -12,7 +12,8 @@ files are written in the background; the train step may then donate (overwrite) 
 distributed runtime). A save that did not finish (killed process) leaves no ``commit_success`` marker and
 orbax ignores it; a finished checkpoint whose files are damaged fails to restore, and ``restore_latest``
 falls back to the previous one and says so. The damaged one stays on disk until the resumed run saves at
-its step again, which replaces it.
+its step again, which replaces it. A save whose writes fail (a full disk) raises ``CheckpointError`` at the next
+save or at ``close``, in one line; the unfinished save's folder is removed at the next start.
 """
 
 from __future__ import annotations
@@ -96,11 +97,23 @@ class Checkpointer:
   def __init__(self, workdir: str, keep: int):
     _save_each_shard_whole()
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    self.keep = keep
     self.manager = ocp.CheckpointManager(
-      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
+      self.directory,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        enable_async_checkpointing=True,
+        # An unfinished save's folder (a killed process, a full disk) is never used again: removed at the next
+        # start, else each kill and each failed save leaves a checkpoint's worth of disk behind.
+        cleanup_tmp_directories=True,
+      ),
     )
     self.damaged_steps: set[int] = set()  # found by restore_latest; a save at one of them replaces it
     self._errors: dict[int, str] = {}  # why each of them failed to restore
+    self._in_flight: int | None = None  # the step of the save writing in the background
+    self._failures_before = len(_SAVE_FAILURES)  # background saves that had failed when it started
+    self._failed = False  # a save failed: reported once, and close() waits for nothing more
+    _watch_failed_saves()
 
   def save(self, step: int, state, meta: dict[str, Any]) -> bool:
     """Starts an asynchronous save of ``state`` at ``step``; False if that step is saved already (and
@@ -109,12 +122,56 @@ class Checkpointer:
       logging.warning("replacing the damaged checkpoint at step %d in %s", step, self.directory)
       self.manager.delete(step)
       self.damaged_steps.discard(step)
+    self._wait_for_save_in_flight()  # its error (a full disk, say) surfaces here, as a CheckpointError
     if step in self.manager.all_steps():
       return False
-    self.manager.save(
-      step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
-    )
+    try:
+      self.manager.save(
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
+      )
+    except Exception as e:  # the part of a save done before it returns: the folders, the copy off the devices
+      raise self._save_failed(step, e) from None
+    self._in_flight, self._failures_before = step, len(_SAVE_FAILURES)
     return True
+
+  def _wait_for_save_in_flight(self) -> None:
+    try:
+      # Polled, not orbax's wait alone: in a multi-process run, a process whose writes failed has orbax's save
+      # thread wait at a barrier that the others, whose writes went through, never reach (10 minutes, then an
+      # error), and orbax keeps the error until that wait ends. Noted as it is logged, it is raised at once: that
+      # ends this process, and the others stop on the reason it publishes (liveness.PeerWatchdog).
+      while self.manager.is_saving_in_progress():
+        if len(_SAVE_FAILURES) > self._failures_before:
+          raise _SAVE_FAILURES[-1]
+        time.sleep(0.05)
+      self.manager.wait_until_finished()
+    except Exception as e:
+      raise self._save_failed(self._in_flight, e) from None
+    self._in_flight = None
+
+  def _save_failed(self, step: int | None, error: Exception) -> CheckpointError:
+    """The one-line error for a save that failed: what the file system said, and how to go on without losing
+    more than the steps since the newest finished checkpoint."""
+    self._failed = True
+    reason = _file_system_reason(error)
+    try:
+      saved = [s for s in self.manager.all_steps() if s != step]
+    except Exception:  # the file system may fail this too
+      saved = []
+    resume = (
+      f"the newest finished checkpoint, step {max(saved)}, is intact: rerun the same command to resume from it"
+      if saved
+      else "no checkpoint has been saved yet: a rerun starts from step 0"
+    )
+    fix = (
+      f"free space there (checkpoint.keep={self.keep} checkpoints are kept), or move --workdir to a larger disk"
+      if "No space left on device" in reason or "Disk quota exceeded" in reason
+      else "fix what the file system says"
+    )
+    return CheckpointError(
+      f"saving the checkpoint at step {step} in {self.directory} failed: {reason}. Training stopped: {fix}; {resume} "
+      "(the unfinished save's folder is removed then)."
+    )
 
   def restore_latest(
     self,
@@ -203,8 +260,24 @@ class Checkpointer:
     )
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
+    """Waits for the save in flight (its failure raises CheckpointError) and stops orbax's threads. After a failed
+    save, which was reported already, it leaves them: in a multi-process run they wait at a barrier for minutes."""
+    if self._failed:
+      return
+    self._wait_for_save_in_flight()
     self.manager.close()
+
+
+def _file_system_reason(error: Exception) -> str:
+  """What a failed write says, in one line: an OSError's own words, or a TensorStore error's last clause
+  ("... Failed to write 762149 bytes to file 7: No space left on device [os_error_code='28'] [tensorstore_spec=
+  ...]" -> "No space left on device")."""
+  if isinstance(error, OSError) and error.strerror:
+    return f"{error.strerror} ({error.filename})" if error.filename else error.strerror
+  text = str(error).split(" [tensorstore_spec=")[0].split(" See full TensorStore details")[0]
+  text = text.splitlines()[0] if text else type(error).__name__
+  text = re.sub(r" \[os_error_code='?\d+'?\]", "", text)
+  return text.rsplit(": ", 1)[-1] if "os_error_code" in str(error) else text[:300]
 
 
 # Lines of a log record (absl or Python logging): kept from a failed restore's output, the rest is dropped.
@@ -261,6 +334,66 @@ def _ignore_abandoned_reads() -> None:
   logging.getLogger("asyncio").addFilter(keep)
   # And the reads that never started: "coroutine '_read_array_index_and_device_put' was never awaited".
   warnings.filterwarnings("ignore", message=f"coroutine '{_ORBAX_READ}' was never awaited", category=RuntimeWarning)
+
+
+# The errors of background saves that failed, in order, as orbax's save thread logs them.
+_SAVE_FAILURES: list[BaseException] = []
+
+
+@functools.cache  # once per process
+def _watch_failed_saves() -> None:
+  """Notes each background save that fails (``_SAVE_FAILURES``), from the error record orbax's save thread logs as
+  it fails: orbax itself gives the error only when its threads are done waiting for the other processes.
+
+  And keeps the failure's noise down. A save that fails (a full disk) is reported by ``Checkpointer`` in one line.
+  Orbax and asyncio also report it, from their threads, once per array: a traceback with a whole TensorStore spec
+  each, a thousand lines for a small model, burying that line. What is left of them: orbax's error records, each
+  cut to its first line. Dropped: asyncio's "exception was never retrieved" for the writes, TensorStore's
+  callbacks for the writes still in flight when the save's event loop closed, and the writes' coroutines
+  abandoned at exit."""
+
+  def note_and_shorten_orbax_errors(record: logging.LogRecord) -> bool:
+    if "/orbax/" in record.pathname and record.levelno >= logging.ERROR and record.exc_info:
+      if record.pathname.endswith("async_checkpointer.py"):  # "Failed to run N Handler Commit operations ..."
+        _SAVE_FAILURES.append(record.exc_info[1])
+      record.msg, record.args = record.getMessage().split(" [tensorstore_spec=")[0].splitlines()[0], ()
+      record.exc_info = record.exc_text = None
+    return True
+
+  logging.getLogger("absl").addFilter(note_and_shorten_orbax_errors)  # orbax logs through absl's logger
+
+  def keep(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return "exception was never retrieved" not in message or "writing" not in message
+
+  logging.getLogger("asyncio").addFilter(keep)
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    abandoned_write = getattr(unraisable.object, "__qualname__", "").endswith(_ORBAX_WRITE)
+    if not (abandoned_write or _late_callback(unraisable)):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+
+
+# The coroutine of one array's write in orbax, which a failed save abandons.
+_ORBAX_WRITE = "async_serialize_from_host.<locals>.write_fragment"
+
+
+def _late_callback(unraisable) -> bool:
+  """TensorStore's callback for a write that ended after the save's event loop closed on the first failed one
+  ("RuntimeError: Event loop is closed" in ``call_soon_threadsafe``, reported with no object)."""
+  tb = unraisable.exc_traceback
+  while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_name != "call_soon_threadsafe":
+    tb = tb.tb_next
+  return (
+    unraisable.object is None
+    and isinstance(unraisable.exc_value, RuntimeError)
+    and str(unraisable.exc_value) == "Event loop is closed"
+    and tb is not None
+    and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+  )
 
 
 def _settle_quietly(seconds: float) -> None:

@@ -186,7 +186,7 @@ def is_connection_error(error: BaseException) -> bool:
 def report_stop(process_index: int, process_count: int, reason: str, workdir: str) -> None:
   """One line on stderr (and in the log): which process stops, why, and how to resume."""
   message = (
-    f"error: stopping process {process_index} of {process_count}: {reason}. Committed checkpoints in "
+    f"error: stopping process {process_index} of {process_count}: {reason.rstrip('.')}. Committed checkpoints in "
     f"{workdir}/checkpoints are intact: rerun the same command on every machine to resume from the newest."
   )
   logging.error("%s", message)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import pytest
 
 from configs import fashion_mnist
 from light_jax.data import ArraySource, DatasetInfo
@@ -28,6 +30,19 @@ def train_py(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     text=True,
     timeout=timeout,
   )
+
+
+@contextlib.contextmanager
+def tmpfs(folder, options: str):
+  """``folder`` (made empty) as a tmpfs mounted with ``options``: "ro,size=1m" is a read-only file system, where
+  even root cannot write; "size=2m" a disk that fills up. Skipped where mount fails (it needs root)."""
+  folder.mkdir(parents=True, exist_ok=True)
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True).returncode:
+    pytest.skip("cannot mount a tmpfs here (needs root)")
+  try:
+    yield folder
+  finally:
+    subprocess.run(["umount", str(folder)], check=True)
 
 
 def override(config: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDict:

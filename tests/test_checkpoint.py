@@ -28,7 +28,7 @@ from light_jax.config import base_config
 from light_jax.exit_codes import ExitCode
 from light_jax.hooks import PREEMPTED
 from light_jax.metrics import read_metrics
-from tests.helpers import small_config, train_py
+from tests.helpers import small_config, tmpfs, train_py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 1024 images / 128 = 8 steps per epoch, 3 epochs = 24 steps; a checkpoint every 4 steps.
@@ -459,3 +459,54 @@ def test_checkpoints_that_cannot_restore_end_the_run_with_one_line_last(tmp_path
     assert noise not in result.stderr, noise
   # The run's log and a few tracebacks TensorStore's threads print while a restore fails; it was 10,000 lines.
   assert len(result.stderr.splitlines()) < 1000
+
+
+def test_a_save_on_a_full_disk_is_one_error_and_the_previous_checkpoint_stays(tmp_path, capfd):
+  """Orbax reported it as a thousand lines of tracebacks from its threads, and a multi-process run then waited 10
+  minutes at a barrier (tests/test_multiprocess.py). Now: one CheckpointError naming the step, the reason and the
+  checkpoint to resume from; close() returns at once; the unfinished save's folder goes at the next start."""
+  small = {"w": jax.numpy.arange(1000.0)}
+  large = {"w": jax.numpy.asarray(np.random.default_rng(0).normal(size=(512, 1024)), np.float32)}  # 2 MiB
+  with tmpfs(tmp_path / "disk", "size=1m") as disk:
+    checkpointer = checkpoint_lib.Checkpointer(str(disk), keep=3)
+    checkpointer.save(1, small, {"config": {}})
+    with pytest.raises(CheckpointError) as failed:
+      checkpointer.save(2, large, {"config": {}})  # written in the background: its failure shows at the next wait
+      checkpointer.close()
+    start = time.monotonic()
+    checkpointer.close()
+    assert time.monotonic() - start < 1
+    message = str(failed.value)
+    assert f"saving the checkpoint at step 2 in {disk / 'checkpoints'} failed: No space left on device." in message
+    assert "free space there (checkpoint.keep=3 checkpoints are kept)" in message
+    assert "the newest finished checkpoint, step 1, is intact: rerun the same command to resume from it" in message
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "tensorstore_spec" not in err and "Event loop is closed" not in err, err[-3000:]
+    assert sorted(os.listdir(disk / "checkpoints")) == ["1", "2.orbax-checkpoint-tmp"]
+    resumed = checkpoint_lib.Checkpointer(str(disk), keep=3)
+    step, restored, _ = resumed.restore_latest(checkpoint_lib.abstract(small), {})
+    resumed.close()
+    assert os.listdir(disk / "checkpoints") == ["1"]  # the unfinished save's folder is removed (in the background)
+  assert step == 1 and np.array_equal(restored["w"], small["w"])
+
+
+def test_train_py_on_a_disk_that_fills_up_stops_with_one_line_and_resumes_elsewhere(tmp_path):
+  args = [
+    "--config",
+    "configs/fashion_mnist.py",
+    "--config.data.train_subset=1024",
+    "--config.data.eval_subset=500",
+    "--config.data.eval_batch_size=504",
+    "--config.num_epochs=1",
+    "--config.global_batch_size=128",
+    "--config.log_every_steps=4",
+  ]
+  with tmpfs(tmp_path / "disk", "size=2m") as disk:  # a checkpoint of this model takes 2.8 MB
+    result = train_py(*args, "--workdir", str(disk / "run"))
+  assert result.returncode == ExitCode.BAD_INPUT, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr and "tensorstore_spec" not in result.stderr, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1] == (
+    f"error: saving the checkpoint at step 8 in {disk / 'run' / 'checkpoints'} failed: No space left on device. "
+    "Training stopped: free space there (checkpoint.keep=3 checkpoints are kept), or move --workdir to a larger "
+    "disk; no checkpoint has been saved yet: a rerun starts from step 0 (the unfinished save's folder is removed then)."
+  )

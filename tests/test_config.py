@@ -9,7 +9,7 @@ import pytest
 from configs import fashion_mnist, imagenet_resnet50
 from light_jax import cli
 from light_jax import config as config_lib
-from tests.helpers import ROOT, override, train_py
+from tests.helpers import ROOT, override, tmpfs, train_py
 
 
 def _config(**overrides):
@@ -320,36 +320,15 @@ def test_cli_workdir_that_passes_the_access_test_but_cannot_be_made():
 
 
 def test_cli_workdir_on_a_read_only_file_system(tmp_path):
-  mount = tmp_path / "read_only"
-  mount.mkdir()
-  if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
-    pytest.skip("cannot mount a read-only tmpfs here (needs root)")
-  try:
+  with tmpfs(tmp_path / "read_only", "ro,size=1m") as mount:
     result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(mount / "run"))
-  finally:
-    subprocess.run(["umount", str(mount)], check=True)
   assert result.returncode == 2 and "Traceback" not in result.stderr
   assert f"error: --workdir={mount / 'run'}: {mount} is not writable (permissions, or a read-only" in result.stderr
 
 
-import contextlib  # noqa: E402
-
-
-@contextlib.contextmanager
-def _read_only(folder):
-  """``folder`` (made empty) as a read-only file system, where even root cannot write; skipped without mount."""
-  folder.mkdir(parents=True, exist_ok=True)
-  if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True).returncode:
-    pytest.skip("cannot mount a read-only tmpfs here (needs root)")
-  try:
-    yield folder
-  finally:
-    subprocess.run(["umount", str(folder)], check=True)
-
-
 def test_cli_a_workdir_whose_checkpoints_cannot_be_written_is_refused_before_training(tmp_path):
   """Found only at the resumed run's first save, it failed (and hung) after training."""
-  with _read_only(tmp_path / "run" / "checkpoints"):
+  with tmpfs(tmp_path / "run" / "checkpoints", "ro,size=1m"):
     result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "run"))
   assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
   assert f"{tmp_path / 'run' / 'checkpoints'} is not writable" in result.stderr.strip().splitlines()[-1]
@@ -359,7 +338,7 @@ def test_a_plot_or_a_cache_in_a_folder_that_cannot_be_written_is_one_line(tmp_pa
   from light_jax import data as data_lib
   from light_jax.data import records
 
-  with _read_only(tmp_path / "ro") as folder:
+  with tmpfs(tmp_path / "ro", "ro,size=1m") as folder:
     result = subprocess.run([sys.executable, "scripts/simulate.py", "--config", "configs/imagenet_resnet50.py:light",
                              "--sweep", "bandwidth", "--plot", str(folder / "s.png")], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)  # fmt: skip

@@ -12,6 +12,7 @@ import pytest
 
 from light_jax.exit_codes import ExitCode
 from light_jax.metrics import read_metrics
+from tests.helpers import tmpfs
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
 
@@ -156,6 +157,26 @@ def test_a_workdir_of_each_machines_own_is_refused_before_training(tmp_path):
     assert "is not one directory for every process: process(es) [1] do not see the file process 0 wrote" in text
     assert "Traceback" not in text
   assert not os.path.exists(tmp_path / "own0" / "checkpoints") and os.listdir(tmp_path / "own0") == []
+
+
+def test_a_disk_that_fills_up_stops_both_processes_at_once_with_the_reason(tmp_path):
+  """Process 0's writes failed (no space left), process 1's went through: orbax's save threads then waited at two
+  different barriers, and both processes sat 10 minutes until step_timeout blamed a stuck collective. Now the
+  failing process stops at once with the reason, and the other on the reason it published."""
+  port = _free_port()
+  with tmpfs(tmp_path / "disk", "size=2m") as disk:  # a checkpoint of this model takes 2.8 MB
+    procs = [_train_py(disk / "run", ["--config.mesh.nodes=-1", "--config.mesh.local=-1"], port, i) for i in range(2)]
+    try:
+      outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+      for p in procs:
+        p.kill()
+        p.wait()
+  codes = [p.returncode for p in procs]
+  assert ExitCode.BAD_INPUT in codes and set(codes) <= {ExitCode.BAD_INPUT, ExitCode.PEER_FAILURE}, outputs
+  for text in outputs:
+    assert f"saving the checkpoint at step 6 in {disk / 'run' / 'checkpoints'} failed: No space left on device" in text
+    assert "Traceback" not in text, text[-3000:]
 
 
 # --- Process faults: one process dies or fails; the other stops with a clear message, in bounded time ---
