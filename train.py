@@ -186,7 +186,7 @@ def main(argv):
     watchdog.close(failure)
   if exit_code == ExitCode.NONFINITE_STOP:
     sys.exit(int(exit_code))  # every process stopped after the same step and save: leave through the shutdown barrier
-  if exit_code:
+  if exit_code or failure:  # failure with exit code 0: stopped in set-up, and the others may be waiting for it
     _exit(exit_code, jax.process_count())
 
 
@@ -194,7 +194,7 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
   """Validates and trains. Returns (exit code, reason to give the other processes or None)."""
   from light_jax import checkpoint as checkpoint_lib
   from light_jax import data as data_lib
-  from light_jax import metrics, schedules, train_lib
+  from light_jax import metrics, preemption, schedules, train_lib
 
   try:
     config_lib.validate(config, jax.device_count(), jax.process_count())
@@ -231,6 +231,10 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
   except train_lib.NonFiniteError as e:
     print(f"stopped: {e}", file=sys.stderr)
     return ExitCode.NONFINITE_STOP, None  # every process saw the same non-finite step and stopped after the same save
+  except preemption.StoppedInSetup as e:
+    stopped = f"stopped by {e} during set-up, before the first step: nothing to save"
+    print(f"{stopped}; run the same command again to start (or resume) the run.", file=sys.stderr)
+    return ExitCode.OK, stopped  # the others stop on this reason (a set-up step may wait for this process)
   if summary.get("stopped"):
     print(
       f"{summary['stopped']} after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "

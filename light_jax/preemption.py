@@ -1,6 +1,8 @@
 """Preemption: SIGTERM / SIGINT finish the current step, save a checkpoint and exit 0.
 
-A second signal exits at once. In a multi-process run ``requested`` is a collective (an all-gather of
+Before the first step (set-up: loading and caching the data, compiling, tuning the input, which can take hours
+with a cache to build) there is nothing new to save: a signal then ends set-up at once (``StoppedInSetup``). A
+second signal exits at once. In a multi-process run ``requested`` is a collective (an all-gather of
 the flag), so every process must call it at the same steps; the trainer does so every
 ``log_every_steps`` steps, and all processes then stop after the same step.
 """
@@ -17,15 +19,27 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 
+class StoppedInSetup(BaseException):
+  """A stop signal came before the guard was armed (``PreemptionGuard.arm``): in set-up, with nothing to save.
+  A BaseException, as KeyboardInterrupt is, so that no ``except Exception`` on its way (a restore's fallback to
+  an older checkpoint, say) takes it for an error."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+
+
 class PreemptionGuard:
   """Installs the signal handlers on creation (main thread only); ``uninstall`` restores the old ones.
 
-  Also a context manager that uninstalls on exit. The trainer installs it before compiling: until then
-  a SIGTERM would reach the handler jax.distributed installs, which only records it and trains on.
+  Also a context manager that uninstalls on exit. The trainer installs it before set-up: until then a SIGTERM
+  would reach the handler jax.distributed installs, which only records it and trains on. Until ``arm`` (just
+  before the first step) a signal raises ``StoppedInSetup``; from then on it is noted, and the trainer saves and
+  stops after the current step.
   """
 
   def __init__(self):
     self.signal = None
+    self.armed = False
     self._previous = {}
     if threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGTERM, signal.SIGINT):
@@ -36,10 +50,17 @@ class PreemptionGuard:
     if self.signal is not None:
       os._exit(128 + signum)  # second signal: no save, no cleanup
     self.signal = signum
+    if not self.armed:
+      logging.warning("received %s during set-up: stopping now (nothing to save yet)", signal.Signals(signum).name)
+      raise StoppedInSetup(signum)
     logging.warning(
       "received %s: finishing the current step, saving a checkpoint, then exiting (send it again to exit at once)",
       signal.Signals(signum).name,
     )
+
+  def arm(self) -> None:
+    """From the first step on, a signal saves and stops after the current step."""
+    self.armed = True
 
   def requested(self) -> bool:
     """Whether any process received a signal (a collective when there are several processes)."""

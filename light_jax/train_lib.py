@@ -70,7 +70,7 @@ def train_and_evaluate(
   ``extra_hooks``: (hook, every) pairs run after each due step, before the trainer's own hooks.
   """
   wall_start = time.time()
-  with PreemptionGuard() as preemption:  # before compiling: a signal from now on saves and stops
+  with PreemptionGuard() as preemption:  # a signal in set-up stops it at once; armed at the first step, it saves
     mesh = mesh_lib.make_mesh(config.mesh.nodes, config.mesh.local)
     logging.info("%s", mesh_lib.describe(mesh))
     train_batches, eval_batches, info = make_input(config)
@@ -163,6 +163,10 @@ def train_and_evaluate(
         trace = opened.enter_context(closing(ProfileTrace(first, last, os.path.join(workdir, "profile"))))
         hooks.add(trace, every=1)
 
+      preemption.arm()
+      logging.info(
+        "training from step %d to step %d (a signal from now on saves after the current step)", start_step, total_steps
+      )
       loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)
       # Save the final state; a no-op when CheckpointSaver has just saved this step.
       checkpointer.save(loop.step, loop.state, {**meta, "train_seconds": clock.seconds()})

@@ -510,3 +510,39 @@ def test_train_py_on_a_disk_that_fills_up_stops_with_one_line_and_resumes_elsewh
     "Training stopped: free space there (checkpoint.keep=3 checkpoints are kept), or move --workdir to a larger "
     "disk; no checkpoint has been saved yet: a rerun starts from step 0 (the unfinished save's folder is removed then)."
   )
+
+
+def test_a_signal_during_set_up_stops_it_at_once(tmp_path):
+  """Before the first step there is nothing to save: set-up (data, a decoded cache to build, compiling) stops at
+  once. The guard noted the signal and went on to the first step, through a cache build that can take hours."""
+  command = [
+    sys.executable,
+    "train.py",
+    "--config",
+    "configs/fashion_mnist.py",
+    "--workdir",
+    str(tmp_path / "run"),
+    "--config.data.train_subset=1024",
+    "--config.global_batch_size=128",
+  ]
+  process = subprocess.Popen(
+    command, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), stderr=subprocess.PIPE, text=True
+  )
+  lines = []
+  for line in process.stderr:  # the data is loaded; compiling (seconds) comes next
+    lines.append(line)
+    if " data fashion_mnist: " in line:
+      process.send_signal(signal.SIGTERM)
+      break
+  start = time.monotonic()
+  lines += process.stderr.readlines()
+  process.wait(timeout=60)
+  output = "".join(lines)
+  assert process.returncode == ExitCode.OK, output[-3000:]
+  assert time.monotonic() - start < 20, output[-3000:]
+  assert "step compiled" not in output and "Traceback" not in output, output[-3000:]
+  assert output.strip().splitlines()[-1] == (
+    "stopped by SIGTERM during set-up, before the first step: nothing to save; run the same command again to start "
+    "(or resume) the run."
+  )
+  assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")

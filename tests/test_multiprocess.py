@@ -298,8 +298,8 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_with_a_checkpoint
   """Preemption through train.py: the processes agree on the signal (an all-gather every log step), so
   both save the same step and exit 0; rerunning the same command would resume there."""
   procs, logs = _start_pair(tmp_path, [[], []])
-  _wait_for(logs[0], "step compiled", procs)
-  time.sleep(2)  # some steps in
+  _wait_for(logs[1], "training from step 0", procs)  # set-up is over: a signal before would stop it at once
+  time.sleep(1)  # some steps in
   procs[1].send_signal(signal.SIGTERM)
   for i in (1, 0):
     _exit_within(procs[i], 60, logs[i])
