@@ -23,7 +23,6 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
 from light_jax import checkpoint as checkpoint_lib
 from light_jax import data as data_lib
@@ -360,7 +359,7 @@ def run_summary(
       "processes": jax.process_count(),
       "platform": mesh.devices.flat[0].platform,
     },
-    "images_per_sec_mean": float(np.mean([r["images_per_sec"] for r in records])) if records else None,
+    "images_per_sec_mean": images_per_sec_mean(records, plan),
     "nonfinite_steps": nonfinite_steps,
     "resumed_from_step": start_step,
     "checkpoint_blocking_seconds": checkpoint_seconds,
@@ -378,6 +377,15 @@ def run_summary(
     100 * summary["final_eval_top5"],
   )
   return summary
+
+
+def images_per_sec_mean(records: list[dict[str, Any]], plan: schedules.EpochPlan) -> float | None:
+  """The records' images over their training seconds: each record's rate weighted by its images, so that a short
+  record (cut by max_steps, the first after a resume) weighs as little as it trained."""
+  steps = [0] + [r["step"] for r in records]
+  images = [sum(plan.batch_size_at(s) for s in range(a, b)) for a, b in zip(steps, steps[1:])]
+  trained = [(n, r["images_per_sec"]) for n, r in zip(images, records) if n]  # not a finished run's re-evaluation
+  return sum(n for n, _ in trained) / sum(n / rate for n, rate in trained) if trained else None
 
 
 def _log_setup(
@@ -400,6 +408,22 @@ def _log_setup(
   )
   if advice := eval_batches.padding_advice(jax.device_count()):
     logging.warning("%s", advice)
+  # Both fine in a short trial of a long recipe, but not what the config says: said once, not refused.
+  if config.optimizer.warmup_epochs > plan.num_epochs:
+    logging.warning(
+      "optimizer.warmup_epochs=%g is longer than the run (num_epochs=%d): the warm-up is cut to the run, reaching "
+      "the peak learning rate at its last step, with no decay",
+      config.optimizer.warmup_epochs,
+      plan.num_epochs,
+    )
+  phases = schedules.parse_resolution_schedule(config.data.resolution_schedule, None)
+  if dropped := [p.first_epoch for p in phases if p.first_epoch >= plan.num_epochs]:
+    logging.warning(
+      "data.resolution_schedule: the phase(s) from epoch %s start after the run's last epoch (num_epochs=%d) "
+      "and are left out",
+      ", ".join(map(str, dropped)),
+      plan.num_epochs,
+    )
   peaks = " / ".join(
     f"{schedules.peak_learning_rate(config.optimizer, b):.4g} (batch {b})" for b in dict.fromkeys(plan.batch_sizes)
   )

@@ -26,6 +26,8 @@ def main():
     label, _, workdir = spec.partition("=")
     if not label or not workdir:
       cli.fail(f"{spec!r} is not LABEL=WORKDIR; e.g. dense=runs/fashion_mnist")
+    if label in runs:  # the second would replace the first's row and curve
+      cli.fail(f"{spec}: the label {label!r} is given twice; give each run its own label")
     try:
       runs[label] = metrics.read_metrics(workdir)
     except (FileNotFoundError, NotADirectoryError):

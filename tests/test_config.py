@@ -138,6 +138,8 @@ def test_default_configs_validate():
     ({"data__eval_batch_size": 4}, r"data.eval_batch_size=4 does not divide over 8 devices"),
     ({"global_batch_size": 0}, r"global_batch_size=0 must be > 0"),
     ({"max_steps": -1}, r"max_steps=-1 must be >= 0"),
+    ({"optimizer__base_lr": float("nan")}, r"optimizer.base_lr=nan must be > 0 \(and finite\)"),
+    ({"optimizer__weight_decay": float("inf")}, r"optimizer.weight_decay=inf must be >= 0 \(and finite\)"),
     ({"optimizer__label_smoothing": 1.0}, r"label_smoothing=1.0 must be in \[0, 1\)"),
     ({"optimizer__momentum": 1.5}, r"optimizer.momentum=1.5 must be in \[0, 1\)"),
     ({"optimizer__lars_eta": -0.001}, r"optimizer.lars_eta=-0.001 must be > 0"),

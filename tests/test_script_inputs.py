@@ -42,6 +42,11 @@ def test_compare_runs_names_a_bad_run_argument(tmp_path):
   # A folder for --out that cannot be made: said first, not as a traceback once the runs are read and drawn.
   error = _fails("scripts/compare_runs.py", "--out", "/proc/nope/runs.png", f"dense={tmp_path / 'empty'}")
   assert error.startswith("error: --out=/proc/nope/runs.png: cannot make its folder")
+  # A label given twice: the second run replaced the first's row and curve, without a word.
+  (tmp_path / "run").mkdir()
+  shutil.copy(os.path.join(ROOT, "docs", "fashion_mnist_metrics.jsonl"), tmp_path / "run" / "metrics.jsonl")
+  error = _fails("scripts/compare_runs.py", "--out", out, f"a={tmp_path / 'run'}", f"a={tmp_path / 'run'}")
+  assert error.endswith("the label 'a' is given twice; give each run its own label")
 
 
 def test_kernel_norms_compares_the_resolved_meshes(tmp_path):

@@ -105,10 +105,23 @@ def test_progressive_resizing_on_fashion_mnist_compiles_every_phase_before_the_l
   first, last = read_metrics(tmp_path)
   assert (first["step"], first["epoch"], last["step"], last["epoch"]) == (16, 1.0, 20, 1.125)
   assert summary["steps"] == 20 and np.isfinite(summary["final_train_loss"])
+  # The run's images/s: its images over its training seconds, the 4-step record weighing as little as it trained.
+  seconds = 16 * 128 / first["images_per_sec"] + 4 * 64 / last["images_per_sec"]
+  assert summary["images_per_sec_mean"] == pytest.approx((16 * 128 + 4 * 64) / seconds)
   plan = schedules.EpochPlan(2048, 2, schedules.parse_resolution_schedule("0:20:128,1:28", None), 64)
   schedule = schedules.learning_rate_schedule(config.optimizer, plan)
   assert first["learning_rate"] == pytest.approx(float(schedule(15)))  # step 15 (from 0), at batch 128's rate
   assert last["learning_rate"] == pytest.approx(float(schedule(19)))
+
+
+def test_a_warm_up_longer_than_the_run_and_phases_after_it_are_named(tmp_path, caplog):
+  """Fine in a short trial of a long recipe, but not what the config says: the warm-up is cut to the run, and
+  the phases starting after its last epoch are left out."""
+  config = small_config(num_epochs=1, max_steps=2, optimizer__warmup_epochs=3.0, data__resolution_schedule="0:28,4:20")
+  with caplog.at_level(logging.WARNING):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  assert "optimizer.warmup_epochs=3 is longer than the run (num_epochs=1): the warm-up is cut" in caplog.text
+  assert "data.resolution_schedule: the phase(s) from epoch 4 start after the run's last epoch" in caplog.text
 
 
 def test_a_profile_the_run_ends_inside_of_is_still_written(tmp_path):
