@@ -567,6 +567,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
         f"(larger keeps more: crops drawn on a cache of {largest} px are mostly enlarged too)."
       )
   _positive("data.crop_padding", config.data.crop_padding, allow_zero=True)
+  if jpeg and config.data.crop_padding:
+    raise ConfigError(
+      f"data.crop_padding={config.data.crop_padding} pads the images of array datasets (Fashion-MNIST) before a "
+      f"random crop; data.dataset={config.data.dataset!r} crops its JPEGs with Inception-style random crops "
+      "(data.random_scale_min). Set data.crop_padding=0."
+    )
   _positive("data.train_subset", config.data.train_subset, allow_zero=True)
   _positive("data.eval_subset", config.data.eval_subset, allow_zero=True)
   _positive("model.width", config.model.width, allow_zero=True)

@@ -412,6 +412,7 @@ def test_cli_imagenet_without_prepared_data_says_how_to_prepare_it(tmp_path):
     ({"data__num_workers": -2}, r"data.num_workers=-2 must be -1 \(measure at start-up\) or >= 0"),
     ({"data__random_scale_min": 0.0}, r"data.random_scale_min=0.0 must be in \(0, 1\]"),
     ({"data__image_size": 0}, r"data.image_size=0 must be > 0"),
+    ({"data__crop_padding": 4}, r"data.crop_padding=4 pads the images of array datasets .* Set data.crop_padding=0"),
     (
       {"data__cache": "memory", "data__cache_size": 24, "data__resolution_schedule": "0:24,1:32"},
       r"data.cache_size=24 is smaller than the largest training size \(32 px\).* Set data.cache_size >= 32",
