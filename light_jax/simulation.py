@@ -6,9 +6,10 @@ its ``DeviceProfile`` (training images/s of one device at a reference size, with
 For each phase (consecutive epochs with one image size and global batch) it simulates one step:
 
 1. Compute: the device's share of the batch at the profile's images/s, scaled by pixels from the
-   reference size; a third forward, two thirds backward (a backward pass costs twice a forward one),
-   the backward split over the tensors by their backward FLOPs (``fusion.profile_parameters`` on the
-   real flax model), in backward order.
+   reference size and, for a model other than the profile's (ResNet-50), by its backward FLOPs per image
+   against that model's at the reference size (``model_cost_ratio``); a third forward, two thirds backward
+   (a backward pass costs twice a forward one), the backward split over the tensors by their backward FLOPs
+   (``fusion.profile_parameters`` on the real flax model), in backward order.
 2. Communication: the reducer the config describes (``reducer.reducer_from_config``; adaptive fusion,
    auto and the square-root k share planned by ``cost_model.plan_reducer`` with the cluster's costs, as
    the trainer plans them), one
@@ -36,6 +37,7 @@ section 8 lists the assumptions and their sources.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -57,14 +59,16 @@ class DeviceProfile:
   """One accelerator, as the simulator sees it."""
 
   name: str
-  images_per_sec: float  # training (forward + backward) images/s of one device at ``image_size``
+  images_per_sec: float  # training (forward + backward) images/s of one device at ``image_size``, of ``model``
   image_size: int
   dtype: str
   memory_bytes_per_sec: float  # for the optimizer update
   topk_elements_per_sec: float  # exact top-k selection, elements of input per second
   source: str
+  model: str = "resnet50"  # the model ``images_per_sec`` was measured on, on ImageNet (3 channels, 1,000 classes)
 
   def train_seconds_per_image(self, image_size: int) -> float:
+    """``model``'s seconds per image; ``model_cost_ratio`` scales them to another model."""
     return (image_size / self.image_size) ** 2 / self.images_per_sec
 
 
@@ -141,6 +145,23 @@ CLUSTERS = {
 # What the simulator needs of the datasets the configs name: (train examples, eval examples, classes, channels).
 DATASETS = {"imagenet2012": (1_281_167, 50_000, 1000, 3), "fashion_mnist": (60_000, 10_000, 10, 1)}
 TCP_GOODPUT = 0.9  # fraction of an Ethernet link's rate TCP carries (25 Gbps -> 2.8 GB/s, as the preset)
+
+
+@functools.lru_cache(maxsize=32)
+def backward_flops_per_image(name: str, width: int, num_classes: int, shape: tuple[int, ...]) -> float:
+  """A model's backward FLOPs per image of ``shape`` (``fusion.profile_parameters``'s estimate)."""
+  from light_jax.models import create_model
+
+  return sum(fusion_lib.profile_parameters(create_model(name, num_classes, width=width), shape).backward_flops)
+
+
+def model_cost_ratio(model: ml_collections.ConfigDict, num_classes: int, channels: int, device: DeviceProfile) -> float:
+  """How many times the training FLOPs of ``device.model`` an image costs ``model``, both at the profile's image
+  size: its seconds per image are ``device``'s times this (1 for the profile's own model on ImageNet)."""
+  size = device.image_size
+  imagenet_classes, imagenet_channels = DATASETS["imagenet2012"][2:]
+  measured = backward_flops_per_image(device.model, 0, imagenet_classes, (size, size, imagenet_channels))
+  return backward_flops_per_image(model.name, model.width, num_classes, (size, size, channels)) / measured
 
 
 def with_link(cluster: Cluster, nodes: int | None = None, inter_gbps: float | None = None) -> Cluster:
@@ -338,12 +359,18 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
   leaves = jax.tree.leaves(profile.params)
   num_params = sum(math.prod(leaf.shape) for leaf in leaves)
   device, nodes, local = cluster.device, cluster.nodes, cluster.devices_per_node
+  # The profile's images/s are its model's (ResNet-50): another model costs its FLOPs' share of them.
+  cost_ratio = model_cost_ratio(config.model, num_classes, channels, device)
+
+  def seconds_per_image(size: int) -> float:
+    return cost_ratio * device.train_seconds_per_image(size)
+
   base = reducer_from_config(config.comm, nodes, local, profile.order)
   wire_itemsize = 2 if config.comm.dtype == "bfloat16" else 4
   backward_flops = [profile.backward_flops[i] for i in profile.order]
   total_backward_flops = sum(backward_flops)
-  # The FLOP/s that make the profile's backward FLOPs take two thirds of the device's measured step.
-  device_flops = 1.5 * total_backward_flops * device.images_per_sec * (device.image_size / eval_size) ** 2
+  # The FLOP/s that make the profile's backward FLOPs take two thirds of the device's step.
+  device_flops = 1.5 * total_backward_flops / seconds_per_image(eval_size)
   update = num_params * UPDATE_BYTES_PER_PARAMETER / device.memory_bytes_per_sec
 
   def planned(size: int, batch: int):
@@ -360,7 +387,7 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
   reports = []
   for first, epochs, size, batch, steps in phases_of(config, num_train):
     per_device = batch / cluster.num_devices
-    compute = per_device * device.train_seconds_per_image(size)
+    compute = per_device * seconds_per_image(size)
     backward = [2 / 3 * compute * f / total_backward_flops for f in backward_flops]
     if cost_model.replans_buckets_per_phase(config.comm):
       reducer = planned(size, batch)
@@ -378,12 +405,12 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
       wire_itemsize,
       device.topk_elements_per_sec,
     )
-    eval_seconds = epochs * padded_eval / cluster.num_devices * device.train_seconds_per_image(eval_size) / 3
+    eval_seconds = epochs * padded_eval / cluster.num_devices * seconds_per_image(eval_size) / 3
     reports.append(PhaseReport(first, epochs, size, batch, steps, step, len(buckets), steps * step.total, eval_seconds))
 
   train = sum(r.train_seconds for r in reports)
   exposed = sum(r.steps * r.step.exposed_comm for r in reports)
-  one_device = sum(r.steps * r.global_batch * device.train_seconds_per_image(r.image_size) for r in reports)
+  one_device = sum(r.steps * r.global_batch * seconds_per_image(r.image_size) for r in reports)
   return {
     "seconds": train + sum(r.eval_seconds for r in reports),
     "train_seconds": train,
@@ -392,4 +419,5 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
     "scaling_efficiency": one_device / (cluster.num_devices * train),
     "phases": [r.as_dict() for r in reports],
     "num_params": num_params,
+    "model_cost_ratio": cost_ratio,
   }

@@ -162,8 +162,15 @@ def main(argv):
         f"{gbps(cluster.cost.inter, 1)} goodput (alpha {1e6 * cluster.cost.inter.alpha:.0f} us), intra "
         f"{gbps(cluster.cost.intra, 0)}; input {cluster.input_images_per_sec:,.0f} images/s per host at "
         f"{cluster.input_image_size} px; communication {'during' if overlap else 'after'} the backward")  # fmt: skip
-  print(f"device {cluster.device.name}: {cluster.device.images_per_sec:,.0f} training images/s at "
-        f"{cluster.device.image_size} px ({cluster.device.source})")  # fmt: skip
+  device = cluster.device
+  print(f"device {device.name}: {device.images_per_sec:,.0f} training images/s of {device.model} at "
+        f"{device.image_size} px ({device.source})")  # fmt: skip
+  model = _CONFIG.value.model
+  _, _, num_classes, channels = simulation.DATASETS[_CONFIG.value.data.dataset]
+  ratio = simulation.model_cost_ratio(model, num_classes, channels, device)
+  if ratio != 1:
+    print(f"model {model.name}: {ratio:.3g} x {device.model}'s backward FLOPs per image at {device.image_size} px, "
+          f"so {ratio:.3g} x its compute time")  # fmt: skip
   results = {}
   for label in labels:
     try:

@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from configs import imagenet_resnet50
+from configs import fashion_mnist, imagenet_resnet50
 from light_jax import simulation
 from light_jax.parallel import cost_model
 from tests.helpers import ROOT
@@ -240,3 +240,22 @@ def test_auto_plans_on_the_phase_with_the_least_compute_per_step():
     config.comm.update(strategy=strategy, density=0.01)
     seconds[strategy] = simulation.simulate(config, cluster)["seconds"]
   assert seconds["auto"] <= seconds["hitopk"] * (1 + 1e-9), seconds
+
+
+def test_a_models_compute_scales_with_its_flops_against_the_profiles_model():
+  """The device's images/s are ResNet-50's: every model was timed as ResNet-50 (36.2 ms a step at 96 px)."""
+  config = imagenet_resnet50.get_config("light")
+  cluster = simulation.CLUSTERS["v100x128_25gbe"]
+  resnet50 = simulation.simulate(config, cluster)
+  assert resnet50["model_cost_ratio"] == 1.0  # the README's figures stand
+  config.model.name = "resnet152"
+  resnet152 = simulation.simulate(config, cluster)
+  ratio = resnet152["model_cost_ratio"]
+  assert 2.7 < ratio < 2.9  # published forward GFLOPs: 11.3 against 4.1
+  for fifty, big in zip(resnet50["phases"], resnet152["phases"], strict=True):
+    assert big["step"]["compute"] == pytest.approx(ratio * fifty["step"]["compute"])
+  assert resnet152["eval_seconds"] == pytest.approx(ratio * resnet50["eval_seconds"])
+  assert resnet152["exposed_comm_fraction"] < resnet50["exposed_comm_fraction"]  # more compute to hide it behind
+  # Fashion-MNIST's resnet8_fast (one channel, ten classes), which the sweep test simulates.
+  small = fashion_mnist.get_config().model
+  assert 0.1 < simulation.model_cost_ratio(small, 10, 1, cluster.device) < 0.2
