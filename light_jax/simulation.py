@@ -3,7 +3,7 @@
 Inputs: a training config (model, global batch and resolution phases, epochs, ``comm``), a ``Cluster``
 (nodes x devices, the alpha-beta link costs of ``parallel/cost_model.py``, the input rate per host) and
 its ``DeviceProfile`` (training images/s of one device at a reference size, with the figure's source).
-For each phase (consecutive epochs with one image size and global batch) it simulates one step:
+For each phase (consecutive steps with one image size, global batch and top-k density) it simulates one step:
 
 1. Compute: the device's share of the batch at the profile's images/s, scaled by pixels from the
    reference size and, for a model other than the profile's (ResNet-50), by its backward FLOPs per image
@@ -28,8 +28,9 @@ where the trainer's would (``schedules.total_steps``: ``max_steps`` may end it e
 
 Evaluation: the eval split once per epoch and at a run's last step (as the trainer does), forward only, at a
 third of a training step's time per image, on every device, padding rows included (the last batch is
-padded to ``data.eval_batch_size``). Not modelled: compilation and start-up,
-checkpoints, the top-k density warm-up, stragglers, selection competing with the backward pass for the
+padded to ``data.eval_batch_size``). The top-k density warm-up and final density split the phases where the
+density changes (``schedules.density_at``), each timed with the reducer at its density. Not modelled: compilation
+and start-up, checkpoints, stragglers, selection competing with the backward pass for the
 device (it runs on the communication stream here), several communication streams. docs/techniques.md
 section 8 lists the assumptions and their sources.
 """
@@ -40,6 +41,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import ml_collections
@@ -280,7 +282,7 @@ def bucket_comms(reducer, params) -> list[BucketComm]:
 @dataclasses.dataclass(frozen=True)
 class PhaseReport:
   first_epoch: int
-  epochs: int
+  epochs: int  # the epochs that end (and are evaluated) in this phase
   image_size: int
   global_batch: int
   steps: int
@@ -288,11 +290,25 @@ class PhaseReport:
   buckets: int
   train_seconds: float
   eval_seconds: float
+  density: float = 1.0  # the top-k density of its steps (schedules.density_at)
+  last_epoch: int = 0  # the epoch of its last step
 
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d["step"] = {**dataclasses.asdict(self.step), "total": self.step.total}
     return d
+
+
+class Phase(NamedTuple):
+  """Consecutive steps with one image size, global batch and top-k density."""
+
+  first_epoch: int
+  epochs: int  # the epochs that end in it: the trainer evaluates at each epoch's end (and at the run's)
+  image_size: int
+  global_batch: int
+  steps: int
+  density: float
+  last_epoch: int
 
 
 def epoch_plan(config: ml_collections.ConfigDict, num_train: int) -> schedules.EpochPlan:
@@ -302,24 +318,46 @@ def epoch_plan(config: ml_collections.ConfigDict, num_train: int) -> schedules.E
   return schedules.EpochPlan(num_train, config.num_epochs, resolutions, config.global_batch_size)
 
 
-def phases_of(config: ml_collections.ConfigDict, num_train: int) -> list[tuple[int, int, int, int, int]]:
-  """(first epoch, epochs, image size, global batch, steps) for each run of epochs with one size and batch, up to
-  the run's last step (``schedules.total_steps``: ``max_steps`` may end it inside an epoch, which then counts as
-  one of ``epochs``: the trainer evaluates at its end too)."""
+def phases_of(config: ml_collections.ConfigDict, num_train: int) -> list[Phase]:
+  """The run's phases: runs of steps with one image size, global batch and top-k density (the density warm-up
+  and the final density, as ``CompiledSteps.density_at`` sets them), up to the run's last step
+  (``schedules.total_steps``: ``max_steps`` may end it inside an epoch, which then counts as one of ``epochs``:
+  the trainer evaluates at its end too)."""
   image_size = config.data.image_size or 28
   plan = epoch_plan(config, num_train)
   total = schedules.total_steps(config.max_steps, plan)
-  phases = []
+  comm = config.comm
+  warmup_steps = plan.step_at(comm.density_warmup_epochs)
+  final = None
+  if comm.final_density_epochs > 0:
+    final = (plan.step_at(plan.num_epochs - comm.final_density_epochs), comm.final_density)
+
+  def density(step: int) -> float:
+    return schedules.density_at(step, comm.density, warmup_steps, final=final)
+
+  phases: list[Phase] = []
   for epoch in range(config.num_epochs):
-    if plan.first_steps[epoch] >= total:
+    first = plan.first_steps[epoch]
+    if first >= total:
       break
+    end = min(first + plan.steps_per_epoch[epoch], total)
+    # (start, stop, density): one run, unless the density changes inside the epoch (warm-up, final density)
+    runs = [(first, end, density(first))]
+    if first < warmup_steps or (final is not None and first < final[0] < end):
+      runs = []
+      for step in range(first, end):
+        if runs and runs[-1][2] == density(step):
+          runs[-1] = (runs[-1][0], step + 1, runs[-1][2])
+        else:
+          runs.append((step, step + 1, density(step)))
     key = (plan.image_sizes[epoch] or image_size, plan.batch_sizes[epoch])
-    epoch_steps = min(plan.steps_per_epoch[epoch], total - plan.first_steps[epoch])
-    if phases and phases[-1][2:4] == key:
-      first, epochs, size, batch, steps = phases[-1]
-      phases[-1] = (first, epochs + 1, size, batch, steps + epoch_steps)
-    else:
-      phases.append((epoch, 1, *key, epoch_steps))
+    for start, stop, d in runs:
+      ends_epoch = int(stop == end)
+      last = phases[-1] if phases else None
+      if last is not None and (last.image_size, last.global_batch, last.density) == (*key, d):
+        phases[-1] = last._replace(epochs=last.epochs + ends_epoch, steps=last.steps + stop - start, last_epoch=epoch)
+      else:
+        phases.append(Phase(epoch, ends_epoch, *key, stop - start, d, epoch))
   return phases
 
 
@@ -373,25 +411,26 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
   device_flops = 1.5 * total_backward_flops / seconds_per_image(eval_size)
   update = num_params * UPDATE_BYTES_PER_PARAMETER / device.memory_bytes_per_sec
 
-  def planned(size: int, batch: int):
+  def planned(reducer, size: int, batch: int):
     examples = batch / cluster.num_devices * (size / eval_size) ** 2
     return cost_model.plan_reducer(
-      base, config.comm, profile, cluster.cost, device_flops, examples, overlap, device.topk_elements_per_sec
+      reducer, config.comm, profile, cluster.cost, device_flops, examples, overlap, device.topk_elements_per_sec
     )[0]
 
   # As CompiledSteps plans them: once, on the phase with the least compute per step (EpochPlan.leanest_step), or
   # for each phase where cost_model.replans_buckets_per_phase says so.
   plan, shape = epoch_plan(config, num_train), (eval_size, eval_size, channels)
   lean_batch, lean_size, _, _ = plan.batch_shape_at(plan.leanest_step(shape), shape)
-  reducer = None if cost_model.replans_buckets_per_phase(config.comm) else planned(lean_size, lean_batch)
+  # Each phase's reducer at its density, as CompiledSteps.reducer_at makes it (a dense strategy's planned again).
+  replans = cost_model.replans_buckets_per_phase(config.comm)
+  reducer = base if replans else planned(base, lean_size, lean_batch)
   reports = []
-  for first, epochs, size, batch, steps in phases_of(config, num_train):
+  for first, epochs, size, batch, steps, density, last_epoch in phases_of(config, num_train):
     per_device = batch / cluster.num_devices
     compute = per_device * seconds_per_image(size)
     backward = [2 / 3 * compute * f / total_backward_flops for f in backward_flops]
-    if cost_model.replans_buckets_per_phase(config.comm):
-      reducer = planned(size, batch)
-    buckets = bucket_comms(reducer, profile.params)
+    at_density = reducer.at_density(density)
+    buckets = bucket_comms(planned(at_density, size, batch) if replans else at_density, profile.params)
     step = simulate_step(
       cluster.cost,
       nodes,
@@ -406,7 +445,11 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
       device.topk_elements_per_sec,
     )
     eval_seconds = epochs * padded_eval / cluster.num_devices * seconds_per_image(eval_size) / 3
-    reports.append(PhaseReport(first, epochs, size, batch, steps, step, len(buckets), steps * step.total, eval_seconds))
+    reports.append(
+      PhaseReport(
+        first, epochs, size, batch, steps, step, len(buckets), steps * step.total, eval_seconds, density, last_epoch
+      )
+    )
 
   train = sum(r.train_seconds for r in reports)
   exposed = sum(r.steps * r.step.exposed_comm for r in reports)

@@ -103,13 +103,17 @@ def print_run(label: str, result: dict) -> None:
   print(f"\n{label}: {result['seconds']:.1f} s ({result['train_seconds']:.1f} s training, "
         f"{result['eval_seconds']:.1f} s evaluation); exposed communication {exposed:.1f}% of training; "
         f"scaling efficiency {efficiency:.1f}%")  # fmt: skip
-  print(f"  {'epochs':<9}{'px':>5}{'batch':>8}{'steps':>7}{'buckets':>8}{'compute ms':>12}{'exposed ms':>12}"
-        f"{'update ms':>11}{'input ms':>10}{'step ms':>9}{'seconds':>9}")  # fmt: skip
+  # A density column only where the density warm-up or the final density split the run.
+  densities = len({p["density"] for p in result["phases"]}) > 1
+  print(f"  {'epochs':<9}{'px':>5}{'batch':>8}{'steps':>7}" + (f"{'density':>9}" if densities else "") +
+        f"{'buckets':>8}{'compute ms':>12}{'exposed ms':>12}{'update ms':>11}{'input ms':>10}{'step ms':>9}"
+        f"{'seconds':>9}")  # fmt: skip
   for p in result["phases"]:
     s = p["step"]
-    epochs = f"{p['first_epoch']}-{p['first_epoch'] + p['epochs'] - 1}"
-    print(f"  {epochs:<9}{p['image_size']:>5}{p['global_batch']:>8,}{p['steps']:>7}{p['buckets']:>8}"
-          f"{1e3 * s['compute']:>12.1f}{1e3 * s['exposed_comm']:>12.1f}{1e3 * s['update']:>11.2f}"
+    epochs = f"{p['first_epoch']}-{p['last_epoch']}"
+    print(f"  {epochs:<9}{p['image_size']:>5}{p['global_batch']:>8,}{p['steps']:>7}" +
+          (f"{p['density']:>9.3g}" if densities else "") +
+          f"{p['buckets']:>8}{1e3 * s['compute']:>12.1f}{1e3 * s['exposed_comm']:>12.1f}{1e3 * s['update']:>11.2f}"
           f"{1e3 * s['input_wait']:>10.1f}{1e3 * s['total']:>9.1f}{p['train_seconds']:>9.1f}")  # fmt: skip
 
 

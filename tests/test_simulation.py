@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from configs import fashion_mnist, imagenet_resnet50
-from light_jax import simulation
+from light_jax import schedules, simulation
 from light_jax.parallel import cost_model
 from tests.helpers import ROOT
 
@@ -259,3 +259,32 @@ def test_a_models_compute_scales_with_its_flops_against_the_profiles_model():
   # Fashion-MNIST's resnet8_fast (one channel, ten classes), which the sweep test simulates.
   small = fashion_mnist.get_config().model
   assert 0.1 < simulation.model_cost_ratio(small, 10, 1, cluster.device) < 0.2
+
+
+def test_the_density_warm_up_and_the_final_density_are_phases_of_their_own():
+  """Both were ignored: hitopk@0.001 with its last 27 epochs at 0.5 took hitopk@0.001's 87.6 s."""
+  config = imagenet_resnet50.get_config("light")
+  cluster = simulation.CLUSTERS["v100x128_25gbe"]
+  config.comm.update(strategy="hitopk", density=0.001)
+  plain = simulation.simulate(config, cluster)
+  config.comm.density = 0.5
+  half = simulation.simulate(config, cluster)
+  config.comm.update(density=0.001, final_density_epochs=27, final_density=0.5)
+  final = simulation.simulate(config, cluster)
+  phases = [(p["first_epoch"], p["last_epoch"], p["epochs"], p["steps"], p["density"]) for p in final["phases"]]
+  assert phases[:2] == [(0, 0, 1, 39, 0.001), (1, 12, 12, 12 * 39, 0.5)] and len(phases) == 5
+  assert final["phases"][1]["step"] == half["phases"][0]["step"]  # the 96 px step at 0.5
+  assert final["phases"][0]["step"] == plain["phases"][0]["step"]
+  assert final["train_seconds"] == pytest.approx(half["train_seconds"] - 39 * (
+    half["phases"][0]["step"]["total"] - plain["phases"][0]["step"]["total"]))  # fmt: skip
+  # The warm-up over 2 epochs (78 steps): 0.25 down to 0.001 in 4 steps of about 20 steps, inside the epochs.
+  config.comm.update(final_density_epochs=0, density_warmup_epochs=2)
+  warm = simulation.simulate(config, cluster)
+  phases = [(p["first_epoch"], p["last_epoch"], p["epochs"], p["steps"], p["density"]) for p in warm["phases"]]
+  d = [schedules.density_at(step, 0.001, 78) for step in (0, 20, 39, 59)]
+  assert d[0] == 0.25 and len(set(d)) == 4
+  assert phases[:5] == [(0, 0, 0, 20, d[0]), (0, 0, 1, 19, d[1]), (1, 1, 0, 20, d[2]), (1, 1, 1, 19, d[3]),
+                        (2, 12, 11, 11 * 39, 0.001)]  # fmt: skip
+  assert sum(p["steps"] for p in warm["phases"]) == sum(p["steps"] for p in plain["phases"])
+  assert warm["eval_seconds"] == pytest.approx(plain["eval_seconds"])  # one evaluation an epoch still
+  assert warm["seconds"] > plain["seconds"]
