@@ -346,7 +346,7 @@ def main() -> None:
   parser.add_argument("--plot", metavar="FILE.png", help="draw predicted against measured step seconds")
   args = parser.parse_args()
   if args.plot:  # its folder now, not a traceback after the cells
-    cli.output_path(args.plot, "--plot")
+    args.plot = cli.plot_path(args.plot, "--plot")
   try:
     meshes = load_experiment(args.experiment, args) if args.experiment else [(args.nodes, args.local)]
   except (OSError, ValueError) as e:

@@ -110,7 +110,7 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
     except ValueError as e:
       parser.error(f"{label}: {e}")
   if args.plot:  # its folder now, not a traceback after hours of runs
-    cli.output_path(args.plot, "--plot")
+    args.plot = cli.plot_path(args.plot, "--plot")
   train_runs.check_workdir(parser, args.workdir)
   return args, rate, labels
 

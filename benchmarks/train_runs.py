@@ -204,7 +204,7 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
   if unknown:
     parser.error(f"unknown runs {unknown}; known: {', '.join(runs)}")
   if args.plot:  # its folder now, not a traceback after the runs
-    cli.output_path(args.plot, "--plot")
+    args.plot = cli.plot_path(args.plot, "--plot")
   check_workdir(parser, args.workdir)
   args.failed = []
   if not args.report_only:

@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import sys
+import tempfile
 from typing import NoReturn
 
 import ml_collections
@@ -98,16 +99,43 @@ def check_model(name: str, flag: str = "--model") -> None:
 
 
 def output_path(path: str, flag: str) -> str:
-  """``path``, a file the program will write at its end, with its folder made now: a folder it cannot make is
-  ``fail``'s one line before any work, not a traceback after it."""
+  """``path``, a file the program will write at its end, with its folder made now: a folder it cannot make or
+  write in, or a ``path`` that is a folder, is ``fail``'s one line before any work, not a traceback after it."""
+  _not_a_folder(path, flag)
   folder = os.path.dirname(os.path.abspath(path))
   try:
     os.makedirs(folder, exist_ok=True)
   except OSError as e:
     fail(f"{flag}={path}: cannot make its folder ({e.strerror}); give a path in a writable folder")
-  if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-    fail(f"{flag}={path}: cannot write there (permissions, or a read-only file system); give a writable path")
+  try:  # by writing: os.access says yes to root, who may still meet a read-only file system or /proc
+    with tempfile.NamedTemporaryFile(dir=folder):
+      pass
+    if os.path.exists(path):
+      with open(path, "a"):
+        pass
+  except OSError as e:
+    fail(f"{flag}={path}: cannot write there ({e.strerror}); give a writable path")
   return path
+
+
+def _not_a_folder(path: str, flag: str) -> None:
+  if path.endswith(os.sep) or os.path.isdir(path):
+    fail(f"{flag}={path}: is a folder; give a file's path (in that folder, or elsewhere)")
+
+
+def plot_path(path: str, flag: str) -> str:
+  """``output_path`` for a figure matplotlib saves (``savefig``): a format it cannot write is refused now too.
+  Returns the path matplotlib will write: ``path``, or with no extension ``path`` + ".png", as savefig saves it."""
+  from matplotlib.backend_bases import FigureCanvasBase
+
+  _not_a_folder(path, flag)  # before ".png" is added to it: --plot /tmp wrote /tmp.png
+  extension = os.path.splitext(path)[1][1:].lower()
+  formats = FigureCanvasBase.get_supported_filetypes()
+  if not extension:
+    path += ".png"  # matplotlib's default (savefig.format)
+  elif extension not in formats:
+    fail(f"{flag}={path}: matplotlib cannot write .{extension} files; end it in one of .{', .'.join(sorted(formats))}")
+  return output_path(path, flag)
 
 
 def overridden_fields(argv: list[str]) -> list[str]:

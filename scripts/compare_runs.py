@@ -20,7 +20,7 @@ def main():
   parser.add_argument("--out", required=True)
   parser.add_argument("--title", default="")
   args = parser.parse_args()
-  cli.output_path(args.out, "--out")
+  args.out = cli.plot_path(args.out, "--out")
   runs = {}
   for spec in args.runs:
     label, _, workdir = spec.partition("=")

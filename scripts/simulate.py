@@ -134,7 +134,10 @@ def plot_sweep(sweep: dict, xlabel: str, title: str, path: str) -> None:
   ax.grid(alpha=0.3, which="both")
   ax.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  try:
+    fig.savefig(path, dpi=120)
+  except OSError as e:  # checked before the work (cli.plot_path), but the disk may have filled up since
+    cli.fail(f"--plot={path}: cannot write it ({e.strerror})")
   print(f"wrote {path}", file=sys.stderr)
 
 
@@ -147,7 +150,7 @@ def main(argv):
   if _PLOT.value:
     if not _SWEEP.value:
       cli.fail("--plot draws a sweep: add --sweep bandwidth or --sweep devices")
-    cli.output_path(_PLOT.value, "--plot")
+    plot = cli.plot_path(_PLOT.value, "--plot")
   cluster = make_cluster()
   labels = _STRATEGIES.value or [_CONFIG.value.comm.strategy]
   try:
@@ -218,9 +221,7 @@ def main(argv):
       print(f"{label:<24}" + "".join(f"{points[x]:>9.1f}" if x in points else f"{'-':>9}" for x in xs))
     output["sweep"] = sweep
     if _PLOT.value:
-      plot_sweep(
-        sweep, xlabel, f"{_CONFIG.value.model.name}, {cluster.device.name}: simulated time to train", _PLOT.value
-      )
+      plot_sweep(sweep, xlabel, f"{_CONFIG.value.model.name}, {cluster.device.name}: simulated time to train", plot)
   print(json.dumps(output))
 
 

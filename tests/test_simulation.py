@@ -160,6 +160,27 @@ def test_simulate_cli_prints_the_table_and_the_json_line():
   assert "4 x 8 v100" in result.stdout and "gtopk@0.01" in result.stdout
 
 
+def test_simulate_cli_refuses_a_plot_it_cannot_write_before_the_sweep_and_names_the_file_it_writes(tmp_path):
+  """--plot x.txt failed in matplotlib's savefig after the sweep; --plot /tmp wrote /tmp.png; --plot out wrote out.png
+  and said it wrote out."""
+
+  def simulate(plot: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+      [sys.executable, "scripts/simulate.py", "--config", "configs/fashion_mnist.py", "--nodes", "1", "--sweep",
+       "devices", "--plot", plot],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+  for plot, message in ((tmp_path / "x.txt", "matplotlib cannot write .txt files"), (tmp_path, "is a folder")):
+    bad = simulate(str(plot))
+    assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert bad.stderr.strip().splitlines()[-1].startswith(f"error: --plot={plot}: {message}"), bad.stderr[-2000:]
+  assert list(tmp_path.iterdir()) == [] and not (tmp_path.parent / f"{tmp_path.name}.png").exists()
+  good = simulate(str(tmp_path / "out"))
+  assert good.returncode == 0, good.stderr[-2000:]
+  assert f"wrote {tmp_path / 'out.png'}" in good.stderr and [p.name for p in tmp_path.iterdir()] == ["out.png"]
+
+
 @pytest.mark.parametrize(
   "args,message",
   [
@@ -179,6 +200,8 @@ def test_simulate_cli_prints_the_table_and_the_json_line():
     ),
     (["--plot", "p.png"], "error: --plot draws a sweep: add --sweep"),  # it was ignored
     (["--sweep", "devices", "--plot", "/proc/nope/p.png"], "error: --plot=/proc/nope/p.png: cannot make its folder"),
+    # A folder that exists but takes no file, even from root (os.access says yes): a traceback after the sweep.
+    (["--sweep", "devices", "--plot", "/proc/p.png"], "error: --plot=/proc/p.png: cannot write there"),
   ],
 )
 def test_simulate_cli_bad_arguments_get_one_error_line_and_exit_code_2(args, message):
