@@ -318,6 +318,13 @@ def epoch_plan(config: ml_collections.ConfigDict, num_train: int) -> schedules.E
   return schedules.EpochPlan(num_train, config.num_epochs, resolutions, config.global_batch_size)
 
 
+def split_sizes(config: ml_collections.ConfigDict) -> tuple[int, int]:
+  """The training and evaluation examples a run reads, as the input pipeline takes its subsets (0: the whole
+  split)."""
+  num_train, num_eval = DATASETS[config.data.dataset][:2]
+  return min(num_train, config.data.train_subset or num_train), min(num_eval, config.data.eval_subset or num_eval)
+
+
 def phases_of(config: ml_collections.ConfigDict, num_train: int) -> list[Phase]:
   """The run's phases: runs of steps with one image size, global batch and top-k density (the density warm-up
   and the final density, as ``CompiledSteps.density_at`` sets them), up to the run's last step
@@ -377,6 +384,7 @@ def check(config: ml_collections.ConfigDict, cluster: Cluster) -> None:
   checked = config.copy_and_resolve_references()
   checked.mesh.update(nodes=cluster.nodes, local=cluster.devices_per_node)
   config_lib.validate(checked, cluster.num_devices, num_processes=cluster.nodes)
+  epoch_plan(config, split_sizes(config)[0])  # a training split smaller than one batch: ScheduleError
 
 
 def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool = True) -> dict:
@@ -385,10 +393,8 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
   from light_jax.models import create_model
 
   check(config, cluster)
-  num_train, num_eval, num_classes, channels = DATASETS[config.data.dataset]
-  # The subsets a run trains and evaluates on, as the input pipeline takes them (0: the whole split).
-  num_train = min(num_train, config.data.train_subset or num_train)
-  num_eval = min(num_eval, config.data.eval_subset or num_eval)
+  num_classes, channels = DATASETS[config.data.dataset][2:]
+  num_train, num_eval = split_sizes(config)
   # Evaluation runs whole batches: the padding rows cost as much as the rest.
   padded_eval = pipeline.padded_eval_examples(num_eval, config.data.eval_batch_size)
   eval_size = config.data.image_size or 28

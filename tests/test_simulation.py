@@ -202,6 +202,8 @@ def test_simulate_cli_refuses_a_plot_it_cannot_write_before_the_sweep_and_names_
     (["--sweep", "devices", "--plot", "/proc/nope/p.png"], "error: --plot=/proc/nope/p.png: cannot make its folder"),
     # A folder that exists but takes no file, even from root (os.access says yes): a traceback after the sweep.
     (["--sweep", "devices", "--plot", "/proc/p.png"], "error: --plot=/proc/p.png: cannot write there"),
+    # After the cluster and device lines (stdout must stay empty).
+    (["--config.data.train_subset=100"], "error: the training split has 100 examples, fewer than one global batch"),
   ],
 )
 def test_simulate_cli_bad_arguments_get_one_error_line_and_exit_code_2(args, message):
