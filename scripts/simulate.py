@@ -12,9 +12,10 @@ input rate at 128 px. Strategies: NAME or NAME@DENSITY, "/bfloat16" for the bflo
 compact pairs (comm.compact_pairs), as in the mesh lab: "hitopk@0.01,hitopk@0.01/compact" compares the two in
 one run; without --strategies the config's own. Config fields: --config.FIELD=VALUE.
 
-Prints, per strategy, each phase's step split (compute, exposed communication, update, input wait) and
-seconds, then a summary. The last line is one JSON object: `seconds`, `phases`, `exposed_comm_fraction`
-(and the rest of the simulation) of the first strategy, and `strategies` with every strategy's totals;
+Prints, per strategy, each phase's step split (compute, exposed communication, update, and the input wait: the
+time the step waits for its input beyond the rest, 0 where the input is hidden) and seconds, then a summary. The
+last line is one JSON object: `seconds`, `phases`, `exposed_comm_fraction` (and the rest of the simulation) of
+the first strategy, and `strategies` with every strategy's totals;
 with --sweep, `sweep` holds the seconds per strategy at each point. The config is checked as train.py checks
 it, on the cluster: what the trainer would refuse there is an error; a sweep point it would refuse (a batch
 that does not divide over that many devices) is left out, with the reason on stderr.
@@ -106,7 +107,7 @@ def print_run(label: str, result: dict) -> None:
   # A density column only where the density warm-up or the final density split the run.
   densities = len({p["density"] for p in result["phases"]}) > 1
   print(f"  {'epochs':<9}{'px':>5}{'batch':>8}{'steps':>7}" + (f"{'density':>9}" if densities else "") +
-        f"{'buckets':>8}{'compute ms':>12}{'exposed ms':>12}{'update ms':>11}{'input ms':>10}{'step ms':>9}"
+        f"{'buckets':>8}{'compute ms':>12}{'exposed ms':>12}{'update ms':>11}{'input wait ms':>15}{'step ms':>9}"
         f"{'seconds':>9}")  # fmt: skip
   for p in result["phases"]:
     s = p["step"]
@@ -114,7 +115,7 @@ def print_run(label: str, result: dict) -> None:
     print(f"  {epochs:<9}{p['image_size']:>5}{p['global_batch']:>8,}{p['steps']:>7}" +
           (f"{p['density']:>9.3g}" if densities else "") +
           f"{p['buckets']:>8}{1e3 * s['compute']:>12.1f}{1e3 * s['exposed_comm']:>12.1f}{1e3 * s['update']:>11.2f}"
-          f"{1e3 * s['input_wait']:>10.1f}{1e3 * s['total']:>9.1f}{p['train_seconds']:>9.1f}")  # fmt: skip
+          f"{1e3 * s['input_wait']:>15.1f}{1e3 * s['total']:>9.1f}{p['train_seconds']:>9.1f}")  # fmt: skip
 
 
 def plot_sweep(sweep: dict, xlabel: str, title: str, path: str) -> None:

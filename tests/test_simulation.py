@@ -158,6 +158,7 @@ def test_simulate_cli_prints_the_table_and_the_json_line():
   assert {"seconds", "phases", "exposed_comm_fraction"} <= out.keys() and len(out["phases"]) == 4
   assert out["seconds"] == out["strategies"]["hierarchical"]["seconds"]
   assert "4 x 8 v100" in result.stdout and "gtopk@0.01" in result.stdout
+  assert "input wait ms" in result.stdout  # the time the step waits for its input, not the input's time
 
 
 def test_simulate_cli_refuses_a_plot_it_cannot_write_before_the_sweep_and_names_the_file_it_writes(tmp_path):
