@@ -19,7 +19,8 @@ For each phase (consecutive steps with one image size, global batch and top-k de
    lab's prediction use. With ``overlap`` (GPUs: asynchronous collectives) buckets run during the
    backward pass and only what outlasts it is exposed; without (XLA on CPU), all of it is.
 3. The optimizer update: memory-bound, 20 bytes per parameter (read parameter, gradient and momentum,
-   write parameter and momentum, float32) at the device's memory bandwidth.
+   write parameter and momentum, float32) at the device's memory bandwidth; with ``optimizer.sharded_update``
+   each device updates 1/local of them.
 4. Input: a host's share of the global batch at the host's input rate, which falls with the pixels;
    the pipeline runs ahead, so the step takes the slower of the input and everything else.
 
@@ -416,6 +417,8 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
   # The FLOP/s that make the profile's backward FLOPs take two thirds of the device's step.
   device_flops = 1.5 * total_backward_flops / seconds_per_image(eval_size)
   update = num_params * UPDATE_BYTES_PER_PARAMETER / device.memory_bytes_per_sec
+  if config.optimizer.sharded_update:  # each device updates its 1/local shard of the parameters
+    update /= local
 
   def planned(reducer, size: int, batch: int):
     examples = batch / cluster.num_devices * (size / eval_size) ** 2

@@ -314,3 +314,12 @@ def test_the_density_warm_up_and_the_final_density_are_phases_of_their_own():
   assert sum(p["steps"] for p in warm["phases"]) == sum(p["steps"] for p in plain["phases"])
   assert warm["eval_seconds"] == pytest.approx(plain["eval_seconds"])  # one evaluation an epoch still
   assert warm["seconds"] > plain["seconds"]
+
+
+def test_a_sharded_update_updates_a_devices_shard_only():
+  config = imagenet_resnet50.get_config("light")
+  cluster = simulation.CLUSTERS["v100x128_25gbe"]
+  whole = simulation.simulate(config, cluster)["phases"][0]["step"]["update"]
+  config.optimizer.sharded_update = True
+  sharded = simulation.simulate(config, cluster)["phases"][0]["step"]["update"]
+  assert sharded == pytest.approx(whole / 8)
