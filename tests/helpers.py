@@ -94,3 +94,15 @@ def small_config(variant=None, **fields):
   config.global_batch_size = 64
   config.num_epochs = 1
   return override(config, **fields)
+
+
+def flip_bytes(path):
+  """Damages the first records of ``path``, an ArrayRecord file, not its footer and postscript (in its last 64 KiB
+  and just before): the file still opens, and the reads of the damaged chunks fail."""
+  with open(path, "r+b") as f:
+    data = bytearray(f.read())
+    for at in range(1000, (len(data) - 65536) // 2, 4999):
+      if at % 65536 > 100:  # not a block header
+        data[at] ^= 0xFF
+    f.seek(0)
+    f.write(data)

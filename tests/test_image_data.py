@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from light_jax.data import DataError, EvalBatches, ImageSource, TrainBatches, load_dataset, records, transforms
-from tests.helpers import ROOT, train_py
+from tests.helpers import ROOT, flip_bytes, train_py
 from tests.image_folder_fixture import DECODABLE, bad_files, class_image, jpeg_bytes, make_image_folder
 
 
@@ -185,6 +185,28 @@ def test_damaged_converted_folder_or_cache_says_how_to_fix_it(folder, tmp_path):
     f.write('{"classes": ["class_00", ')
   with pytest.raises(DataError, match="info.json is damaged.*prepare_image_folder.py"):
     records.FolderRecords(damaged, "val")
+
+
+def test_a_record_damaged_after_opening_is_a_data_error_naming_the_file(folder, tmp_path):
+  """riegeli's RuntimeError ("chunk data hash mismatch") comes at the read, after a whole epoch maybe: it names no
+  file and was a traceback."""
+  damaged = str(tmp_path / "converted")
+  shutil.copytree(folder["dir"], damaged)
+  path = os.path.join(damaged, "train.array_record")
+  cache = str(tmp_path / "cache.array_record")
+  records.build_disk_cache(records.FolderRecords(damaged, "train"), cache, 16, workers=1)
+  flip_bytes(path)
+  train = records.FolderRecords(damaged, "train")  # the footer is intact: it opens
+  with pytest.raises(DataError, match=r"train.array_record is damaged or unreadable \(.*hash.*prepare_image_folder.py"):
+    for i in range(len(train)):
+      train[i]
+  flip_bytes(cache)
+  on_disk = records.DecodedCache(cache)
+  with pytest.raises(DataError, match=r"cache.array_record is damaged or unreadable \(.*hash.*delete that file"):
+    for i in range(len(on_disk)):
+      on_disk[i]
+  with pytest.raises(DataError, match=r"cache.array_record is damaged or unreadable \(.*delete that file"):
+    records.DecodedCache(cache, in_memory=True)
 
 
 def test_an_empty_eval_split_is_refused_when_loaded(tmp_path):

@@ -11,6 +11,7 @@ import importlib.util
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.helpers import train_py
+from tests.helpers import flip_bytes, train_py
 from tests.ilsvrc_fixture import (
   CMYK_FIX_NAME,
   PNG_FIX_NAME,
@@ -305,3 +306,40 @@ def test_train_py_on_prepared_imagenet(prepared, tmp_path):
   assert "held in memory" in result.stderr
   metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert len(metrics) == 2 and metrics[-1]["eval_examples"] == VAL_COUNT
+
+
+def test_a_missing_or_damaged_shard_stops_train_py_in_one_line(prepared, tmp_path):
+  """TFDS opens a shard at its first read: a missing validation shard was found after the training epoch, and a
+  damaged train shard (riegeli's "chunk data hash mismatch", read in a grain worker process here) was a traceback
+  (exit 1). Both are one line naming the shard and the fix, exit 2 (BAD_INPUT); the missing one before any step."""
+  data_dir = tmp_path / "tfds"
+  shutil.copytree(prepared["data_dir"], data_dir)
+  version_dir = data_dir / "imagenet2012" / "5.1.0"
+  (val_shard,) = version_dir.glob("imagenet2012-validation.array_record-*")
+  (train_shard,) = version_dir.glob("imagenet2012-train.array_record-*")
+  args = [
+    "--config",
+    "configs/imagenet_resnet50.py:tiny",
+    f"--config.data.data_dir={data_dir}",
+    "--config.data.cache=none",
+    "--config.data.num_workers=1",
+    "--config.global_batch_size=16",
+    "--config.data.eval_batch_size=8",
+    "--config.data.resolution_schedule=",
+    "--config.data.image_size=24",
+  ]
+  moved = tmp_path / "moved"
+  val_shard.rename(moved)
+  result = train_py(*args, "--workdir", str(tmp_path / "missing"), timeout=300)
+  error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert len(error) == 1 and f"{val_shard}, a shard of TFDS 'imagenet2012' (validation), cannot be read" in error[0]
+  assert f"remove {version_dir} and prepare it again" in error[0]
+  assert "step/s" not in result.stderr  # refused at load, before any training step
+  moved.rename(val_shard)
+  flip_bytes(train_shard)  # its first records, not its footer: the shard opens, its reads fail
+  result = train_py(*args, "--workdir", str(tmp_path / "damaged"), timeout=300)
+  error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert len(error) == 1 and f"{train_shard} is damaged or unreadable (Corrupted Riegeli" in error[0], error
+  assert f"remove {version_dir} and prepare it again" in error[0]

@@ -79,6 +79,16 @@ def _writer(path: str):
   os.replace(tmp, path)
 
 
+def _read(source, index: int, path: str, fix: str):
+  """Record ``index`` of ``source``; a file damaged or gone since it was opened (riegeli's RuntimeError: "chunk data
+  hash mismatch", "open() failed") is a DataError naming ``path`` and ``fix``, not a traceback after an epoch."""
+  try:
+    return source[index]
+  except RuntimeError as e:
+    reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    raise DataError(f"{path} is damaged or unreadable ({reason}); {fix}.") from None
+
+
 def _reader(path: str, fix: str):
   import grain
 
@@ -112,6 +122,21 @@ class TfdsRecords:
         f"{str(e).splitlines()[0][:200]}). {prepare}"
       ) from None
     self.num_classes = self._source.dataset_info.features["label"].num_classes
+    # TFDS opens a shard at its first read: a missing one would be found after a whole epoch, by the evaluation.
+    version_dir = os.path.join(data_dir, name, str(self._source.dataset_info.version))
+    self._fix = (
+      f"remove {version_dir} and prepare it again with `python scripts/prepare_imagenet.py --manual_dir "
+      f"DIR_WITH_TARS --data_dir {data_dir}`"
+    )
+    self._shards = [os.fspath(i.filename) for i in self._source.dataset_info.splits[split].file_instructions]
+    self._shard_ends = np.cumsum([i.take for i in self._source.dataset_info.splits[split].file_instructions])
+    for path in self._shards:
+      try:
+        open(path, "rb").close()
+      except OSError as e:
+        raise DataError(
+          f"{path}, a shard of TFDS {name!r} ({split}), cannot be read ({e.strerror}); {self._fix}"
+        ) from None
     # The folder's absolute path: a trailing slash or a relative path is the same split, and the same cache.
     self.identity = f"tfds:{name}:{split}:{os.path.abspath(data_dir)}"
     self.fingerprint = f"{self.identity}:{len(self._source)}"
@@ -126,7 +151,9 @@ class TfdsRecords:
     return len(self._source)
 
   def __getitem__(self, index: int) -> tuple[bytes, int, str]:
-    record = self._source[index]
+    # riegeli's error does not name the file: the shard holding ``index`` does.
+    shard = self._shards[min(int(np.searchsorted(self._shard_ends, index, "right")), len(self._shards) - 1)]
+    record = _read(self._source, index, shard, self._fix)
     name = record.get("file_name", b"")
     return record["image"], int(record["label"]), name.decode() if isinstance(name, bytes) else str(name)
 
@@ -155,9 +182,11 @@ class FolderRecords:
         f"`python scripts/prepare_image_folder.py --folder FOLDER --out {data_dir}`."
       ) from None
     self.num_classes = len(self.classes)
-    self._source = _reader(
-      path, f"convert the folder again with `python scripts/prepare_image_folder.py --folder FOLDER --out {data_dir}`"
+    self._fix = (
+      f"convert the folder again with `python scripts/prepare_image_folder.py --folder FOLDER --out {data_dir}`"
     )
+    self._path = path
+    self._source = _reader(path, self._fix)
     if not len(self._source):  # found here, not by the evaluation after a whole epoch of training
       raise DataError(
         f"{path} holds no images: the image folder's {split}/ had none that decode (info.json lists the "
@@ -175,7 +204,7 @@ class FolderRecords:
     return len(self._source)
 
   def __getitem__(self, index: int) -> tuple[bytes, int, str]:
-    record = self._source[index]
+    record = _read(self._source, index, self._path, self._fix)
     label, name_length = _FOLDER_HEADER.unpack_from(record)
     start = _FOLDER_HEADER.size
     # "replace": a file name that was not UTF-8 is kept as its bytes (os.fsencode) and only shown.
@@ -440,6 +469,9 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
   )
 
 
+_CACHE_FIX = "delete that file (the decoded cache): the next run builds it again"
+
+
 class DecodedCache:
   """Decoded, shorter-side-scaled pixels of every record: from a disk file, optionally held in memory.
 
@@ -449,15 +481,15 @@ class DecodedCache:
 
   def __init__(self, path: str, in_memory: bool = False):
     self.path = path
-    self._source = _reader(path, "delete that file to rebuild the decoded cache")
+    self._source = _reader(path, _CACHE_FIX)
     n = len(self._source)
-    last = self._source[n - 1] if n else b""
+    last = _read(self._source, n - 1, path, _CACHE_FIX) if n else b""
     # The fingerprint of the records it was built from (None: a cache from before it was kept).
     self.source_fingerprint = (
       last[len(_CACHE_TRAILER) :].decode(errors="surrogateescape") if last.startswith(_CACHE_TRAILER) else None
     )
     self._n = n - 1 if self.source_fingerprint is not None else n
-    self._memory = [self._source[i] for i in range(self._n)] if in_memory else None
+    self._memory = [_read(self._source, i, path, _CACHE_FIX) for i in range(self._n)] if in_memory else None
     self.in_memory = in_memory
 
   def __len__(self) -> int:
@@ -466,7 +498,7 @@ class DecodedCache:
   def __getitem__(self, index: int) -> tuple[np.ndarray | None, int, str]:
     if not 0 <= index < self._n:  # not the fingerprint record
       raise IndexError(index)
-    record = self._memory[index] if self._memory is not None else self._source[index]
+    record = self._memory[index] if self._memory is not None else _read(self._source, index, self.path, _CACHE_FIX)
     pixels, label = _parse_cache_record(record)
     return pixels, label, f"{self.path}[{index}]"
 
