@@ -16,7 +16,9 @@ of known train images), so the reading side must cope with greyscale, CMYK, PNG 
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -48,6 +50,29 @@ def check_manual_dir(manual_dir: str) -> None:
       f"(a tar of 1000 per-class tars nXXXXXXXX.tar) and {VAL_TAR} (50000 flat "
       "ILSVRC2012_val_*.JPEG), as downloaded from image-net.org, unextracted."
     )
+
+
+def check_data_dir(data_dir: str) -> None:
+  """Fails before the work where TFDS would: a --data_dir that is a file (NotADirectoryError), or one holding
+  imagenet2012 in another format than ArrayRecord, TFRecord say, TFDS's default ("File format is already set")."""
+  if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+    raise PrepareError(f"--data_dir {data_dir} is a file, not a directory; give a directory (made if missing)")
+  for info_path in sorted(glob.glob(os.path.join(glob.escape(data_dir), DATASET, "*", "dataset_info.json"))):
+    try:
+      with open(info_path) as f:
+        info = json.load(f)
+    except (OSError, ValueError):
+      continue  # TFDS says what is wrong with it
+    # TFDS's default. Its own builder ignores alternativeFileFormats (`tfds convert_format` in place, TFDS 4.9.10),
+    # and that command with --out_dir writes no dataset_info.json there: neither is a way out to give.
+    file_format = info.get("fileFormat", "tfrecord")
+    if file_format != "array_record":
+      version_dir = os.path.dirname(info_path)
+      raise PrepareError(
+        f"{version_dir} already holds {DATASET} in {file_format} format, and TFDS cannot write the array_record "
+        "format the training input reads beside it; give another --data_dir (then --config.data.data_dir=it), or "
+        f"delete {version_dir} if nothing else reads it"
+      )
 
 
 def check_val_names(val_tar: str) -> int:
@@ -139,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
   manual_dir = os.path.abspath(os.path.expanduser(args.manual_dir))
   data_dir = os.path.abspath(os.path.expanduser(args.data_dir))
   try:
+    check_data_dir(data_dir)
     check_manual_dir(manual_dir)
     check_val_names(os.path.join(manual_dir, VAL_TAR))
     check_prepare_deps()

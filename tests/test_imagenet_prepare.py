@@ -214,6 +214,38 @@ def test_without_tensorflow_says_how_to_install_it(tmp_path):
   assert "Traceback" not in result.stderr, result.stderr
 
 
+def test_a_data_dir_holding_tfrecord_imagenet_or_a_file_is_refused_in_one_line(tmp_path):
+  """TFDS's default format is TFRecord: a --data_dir holding imagenet2012 so (~/tensorflow_datasets, say) made
+  TFDS fail with "File format is already set", a traceback; a --data_dir that is a file, with NotADirectoryError.
+  The training input's error sends the user here, so both say what to do instead."""
+  from light_jax.data import DataError, records
+
+  make_ilsvrc_tars(tmp_path / "manual", SYNSETS, 1, VAL_COUNT)
+  version_dir = tmp_path / "tfds" / "imagenet2012" / "5.1.0"
+  version_dir.mkdir(parents=True)
+  (version_dir / "dataset_info.json").write_text('{"name": "imagenet2012", "fileFormat": "tfrecord"}')
+  result = _run_script("--manual_dir", str(tmp_path / "manual"), "--data_dir", str(tmp_path / "tfds"), timeout=60)
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert f"{version_dir} already holds imagenet2012 in tfrecord format" in result.stderr, result.stderr
+  assert "give another --data_dir" in result.stderr and f"delete {version_dir} if" in result.stderr
+  (tmp_path / "afile").write_text("")
+  result = _run_script("--manual_dir", str(tmp_path / "manual"), "--data_dir", str(tmp_path / "afile"), timeout=60)
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert f"--data_dir {tmp_path / 'afile'} is a file, not a directory" in result.stderr, result.stderr
+  # The training input on that folder says the same, not "prepare it there" (which failed).
+  if HAS_TF:  # a real TFRecord preparation (TFDS reads its info, features and labels), in a child: TensorFlow
+    shutil.rmtree(tmp_path / "tfds")
+    prepare = (
+      "import sys, tensorflow_datasets as tfds; "
+      "tfds.builder('imagenet2012', data_dir=sys.argv[1]).download_and_prepare("
+      "download_config=tfds.download.DownloadConfig(manual_dir=sys.argv[2]))"  # TFRecord: TFDS's default
+    )
+    subprocess.run([sys.executable, "-c", prepare, str(tmp_path / "tfds"), str(tmp_path / "manual")], check=True)
+    assert list(version_dir.glob("imagenet2012-train.tfrecord-*"))
+    with pytest.raises(DataError, match=r"in tfrecord format, not the array_record.*--data_dir OTHER_DIR"):
+      records.TfdsRecords("imagenet2012", "train", str(tmp_path / "tfds"))
+
+
 # --- The training input on the prepared TFDS data ---------------------------------------------------------------
 
 

@@ -116,6 +116,8 @@ class TfdsRecords:
       self._source = tfds.data_source(
         name, split=split, data_dir=data_dir, decoders={"image": tfds.decode.SkipDecoding()}, download=False
       )
+    except NotImplementedError:  # prepared in a format without random access: TFRecord, TFDS's default
+      raise DataError(_not_array_record(name, data_dir)) from None
     except Exception as e:  # AssertionError / DatasetNotFoundError / FileNotFoundError
       raise DataError(
         f"TFDS dataset {name!r} ({split}) not found in {data_dir} as ArrayRecord ({type(e).__name__}: "
@@ -156,6 +158,24 @@ class TfdsRecords:
     record = _read(self._source, index, shard, self._fix)
     name = record.get("file_name", b"")
     return record["image"], int(record["label"]), name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _not_array_record(name: str, data_dir: str) -> str:
+  """What to do about TFDS ``name`` in ``data_dir`` prepared in a format that cannot be read by index
+  (prepare_imagenet.py there would fail: TFDS does not write a second format beside the first)."""
+  version_dirs = sorted(glob.glob(os.path.join(glob.escape(os.path.expanduser(data_dir)), name, "*", "")))
+  version_dir = version_dirs[-1].rstrip(os.sep) if version_dirs else os.path.join(data_dir, name, "VERSION")
+  try:
+    with open(os.path.join(version_dir, "dataset_info.json")) as f:
+      file_format = json.load(f).get("fileFormat", "tfrecord")  # TFDS's default
+  except (OSError, ValueError, AttributeError):
+    file_format = "another"
+  return (
+    f"TFDS dataset {name!r} in {data_dir} is in {file_format} format, not the array_record format the training "
+    f"input reads by index, and TFDS cannot add that beside it: prepare it in another folder (`python "
+    f"scripts/prepare_imagenet.py --manual_dir DIR_WITH_TARS --data_dir OTHER_DIR`, then "
+    f"--config.data.data_dir=OTHER_DIR), or delete {version_dir} if nothing else reads it and prepare it there."
+  )
 
 
 class FolderRecords:
