@@ -30,6 +30,7 @@ TRAIN_TAR = "ILSVRC2012_img_train.tar"
 VAL_TAR = "ILSVRC2012_img_val.tar"
 TEST_TAR = "ILSVRC2012_img_test.tar"
 _VAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})\.JPEG")
+_CLASS_TAR = re.compile(r"n\d{8}\.tar")
 
 
 class PrepareError(Exception):
@@ -50,6 +51,25 @@ def check_manual_dir(manual_dir: str) -> None:
       f"(a tar of 1000 per-class tars nXXXXXXXX.tar) and {VAL_TAR} (50000 flat "
       "ILSVRC2012_val_*.JPEG), as downloaded from image-net.org, unextracted."
     )
+
+
+def check_train_tar(train_tar: str) -> int:
+  """Checks that the train tar is whole and holds only per-class tars, and returns how many: TFDS would find a cut
+  only at its end, after reading the whole tar (hours), as a traceback. Reads the member headers only (seconds)."""
+  try:
+    with tarfile.open(train_tar, mode="r:") as tar:
+      names = tar.getnames()  # seeks from header to header: a tar cut inside a member fails here
+  except tarfile.TarError as e:
+    raise PrepareError(f"{train_tar} is not a readable tar ({e}); is the download complete?") from e
+  unexpected = [name for name in names if not _CLASS_TAR.fullmatch(name)]
+  if unexpected:
+    raise PrepareError(
+      f"{train_tar}: unexpected member {unexpected[0]!r}; the train tar holds only per-class tars nXXXXXXXX.tar "
+      "(the ILSVRC2012 train tar from image-net.org, unextracted)"
+    )
+  if not names:
+    raise PrepareError(f"{train_tar}: holds no class tars")
+  return len(names)
 
 
 def check_data_dir(data_dir: str) -> None:
@@ -166,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
   try:
     check_data_dir(data_dir)
     check_manual_dir(manual_dir)
+    classes = check_train_tar(os.path.join(manual_dir, TRAIN_TAR))
+    # Not refused: a subset of the classes is a valid dataset (the tests' has 7), but a tar cut between two class
+    # tars reads as one.
+    print(f"{TRAIN_TAR}: {classes} class tars (the full ImageNet has 1000)", flush=True)
     check_val_names(os.path.join(manual_dir, VAL_TAR))
     check_prepare_deps()
     start = time.time()

@@ -106,6 +106,7 @@ def records(prepared):
 def test_splits_and_summary(prepared, records):
   written = prepared["written"]
   assert sorted(records) == ["train", "validation"]  # No test tar, no test split.
+  assert f"{TRAIN_TAR}: {len(SYNSETS)} class tars (the full ImageNet has 1000)" in prepared["stdout"]
   assert len(written["train"]) == (len(SYNSETS) - 1) * TRAIN_PER_CLASS + 5  # 5 bad files, one empty class.
   for split in ("train", "validation"):
     assert sorted(records[split]) == sorted(e.filename for e in written[split])
@@ -195,6 +196,26 @@ def test_validation_tar_with_a_directory_entry_is_refused(tmp_path):
   result = _run_script("--manual_dir", str(tmp_path), "--data_dir", str(tmp_path / "out"), timeout=60)
   assert result.returncode != 0
   assert "unexpected member 'ILSVRC2012_img_val'" in result.stderr, result.stderr
+
+
+def test_a_cut_or_foreign_train_tar_is_refused_before_the_preparation(tmp_path):
+  """TFDS reads the whole train tar (hours on ImageNet) before a cut inside it fails, as a traceback."""
+  make_ilsvrc_tars(tmp_path, SYNSETS, 1, VAL_COUNT)
+  train_tar = tmp_path / TRAIN_TAR
+  whole = train_tar.read_bytes()
+  with tarfile.open(train_tar) as tar:
+    last = tar.getmembers()[-1]
+  train_tar.write_bytes(whole[: last.offset_data + last.size // 2])  # cut inside the last class tar
+  result = _run_script("--manual_dir", str(tmp_path), "--data_dir", str(tmp_path / "out"), timeout=60)
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert f"error: {train_tar} is not a readable tar (unexpected end of data)" in result.stderr, result.stderr
+  train_tar.write_bytes(whole)
+  with tarfile.open(train_tar, "a") as tar:
+    tar.addfile(tarfile.TarInfo("README.txt"), io.BytesIO(b""))
+  result = _run_script("--manual_dir", str(tmp_path), "--data_dir", str(tmp_path / "out"), timeout=60)
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert "unexpected member 'README.txt'; the train tar holds only per-class tars" in result.stderr, result.stderr
+  assert not (tmp_path / "out").exists()
 
 
 def test_without_tensorflow_says_how_to_install_it(tmp_path):
