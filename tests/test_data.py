@@ -171,6 +171,10 @@ def test_corrupt_idx_file_is_reported(tmp_path):
   path.write_bytes(b"not gzip at all")
   with pytest.raises(DataError, match="not a complete gzip file.*reinstall"):
     fashion_mnist.read_idx(str(path))
+  # An intact gzip whose content ends inside the header (3 dimensions, one size given): was a ValueError.
+  path.write_bytes(gzip.compress(b"\x00\x00\x08\x03\x00\x00"))
+  with pytest.raises(DataError, match="ends inside its IDX header.*truncated or corrupt; reinstall"):
+    fashion_mnist.read_idx(str(path))
 
 
 def test_fashion_mnist_data_dir_expands_the_home_directory(tmp_path, monkeypatch):

@@ -41,6 +41,11 @@ def read_idx(path: str) -> np.ndarray:
       f"reinstall it ({INSTALL_HINT})."
     )
   ndim = data[3]
+  if len(data) < 4 + 4 * ndim:  # the content ends inside the header: no sizes to check the payload against
+    raise DataError(
+      f"{path} ends inside its IDX header ({len(data)} bytes): the file is truncated or corrupt; reinstall it "
+      f"({INSTALL_HINT})."
+    )
   shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
   payload = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
   if payload.size != int(np.prod(shape)):
