@@ -5,10 +5,11 @@
 The folder holds `train/` and `val/`, each with one sub-folder per class (the same class names in
 both). Labels are the sorted class names. Records are written in a fixed random order, so the first
 N (`data.train_subset`, `data.eval_subset`) sample every class. Every file is checked with a
-reduced-size decode: files that cannot be decoded are skipped and listed (log and OUT/info.json); CMYK,
+reduced-size decode: files that cannot be decoded or read are skipped and listed (log and OUT/info.json); CMYK,
 greyscale and PNG-named-.jpg files are kept (the pipeline converts them). No TensorFlow needed. The
 files are written in a hidden folder inside OUT (so OUT's disk needs room for a second copy) and moved over
-OUT's at the end: a conversion that fails changes nothing in OUT. Then train with
+OUT's at the end: a conversion that fails changes nothing in OUT (an OUT it made is removed). A class folder that
+cannot be read, or an OUT that cannot be written, is refused in one line. Then train with
 
   python train.py --config configs/imagenet_resnet50.py --config.data.dataset=image_folder \\
       --config.data.data_dir=OUT ...
@@ -53,10 +54,10 @@ def main():
     cli.fail(f"--out={args.out}: cannot create it ({e.strerror}); choose another directory")
   try:
     info = records.convert_image_folder(folder, out, splits)
-  except DataError as e:
+  except (DataError, OSError) as e:  # OSError: a failure of the file system (a full disk is a DataError)
     if new:  # the folder this run made (a failed conversion leaves an existing one as it was)
       shutil.rmtree(out, ignore_errors=True)
-    cli.fail(str(e))
+    cli.fail(str(e) if isinstance(e, DataError) else f"converting {folder} to {out} failed: {e}")
   print(f"{len(info['classes'])} classes -> {args.out}")
   for split, counts in info["splits"].items():
     print(

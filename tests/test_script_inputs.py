@@ -199,6 +199,46 @@ def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path):
   assert "has no class sub-folders" in error
 
 
+def test_prepare_image_folder_on_unreadable_input_or_output(tmp_path):
+  """Permissions were PermissionError tracebacks, and the --out the run made was left behind. Root drops its
+  override of file permissions (setpriv), as a normal user would be."""
+  from tests.image_folder_fixture import make_image_folder
+
+  without_override = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+  if without_override and not shutil.which("setpriv"):
+    pytest.skip("as root, needs setpriv to be refused by file permissions")
+  make_image_folder(str(tmp_path / "folder"), num_classes=2, train_per_class=2, val_per_class=1, bad=False)
+
+  def run(out):
+    command = [*without_override, sys.executable, os.path.join(ROOT, "scripts", "prepare_image_folder.py")]
+    command += [f"--folder={tmp_path / 'folder'}", f"--out={out}"]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+  unreadable = tmp_path / "folder" / "train" / "class_01"
+  image = sorted(unreadable.iterdir())[0]
+  image.chmod(0)  # skipped and listed, like an undecodable image
+  result = run(tmp_path / "out")
+  assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert f"class_01/{image.name}: cannot read it (Permission denied)" in result.stderr
+  assert json.loads((tmp_path / "out" / "info.json").read_text())["splits"]["train"]["skipped"] == [
+    f"class_01/{image.name}"
+  ]
+  unreadable.chmod(0)  # a class folder: refused, and the --out this run made is removed
+  result = run(tmp_path / "new_out")
+  unreadable.chmod(0o755)
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert errors == [f"error: {unreadable}: cannot read it (Permission denied); make it readable, or move it out of "
+                    "--folder"]  # fmt: skip
+  assert not (tmp_path / "new_out").exists()
+  (tmp_path / "read_only").mkdir(mode=0o555)
+  result = run(tmp_path / "read_only")
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert errors == [f"error: {tmp_path / 'read_only'}: cannot write there (Permission denied); choose another --out"]
+  assert (tmp_path / "read_only").exists() and not os.listdir(tmp_path / "read_only")  # not this run's: kept
+
+
 def test_prepare_imagenet_exits_2_on_a_missing_manual_dir(tmp_path):
   error = _fails("scripts/prepare_imagenet.py", f"--manual_dir={tmp_path / 'none'}", f"--data_dir={tmp_path}")
   assert "is not a directory. It must hold ILSVRC2012_img_train.tar" in error

@@ -268,17 +268,20 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
     raise DataError(
       f"{first} does not exist: the folder must hold " + " and ".join(f"{s}/CLASS_NAME/*.jpg" for s in splits)
     )
-  classes = sorted(d for d in os.listdir(first) if os.path.isdir(os.path.join(first, d)))
+  classes = sorted(d for d in _listdir(first) if os.path.isdir(os.path.join(first, d)))
   if not classes:
     raise DataError(f"{first} has no class sub-folders (expected {first}/CLASS_NAME/*.jpg)")
   kept = _splits_kept(out_dir, splits, classes)
-  os.makedirs(out_dir, exist_ok=True)
-  for stale in glob.glob(os.path.join(out_dir, _STAGING + "*")):  # left by a conversion that was killed
-    shutil.rmtree(stale, ignore_errors=True)
-  # Written in a folder inside ``out_dir`` (room for a second copy is needed) and moved over the files there at
-  # the end: a conversion that fails (a split's fault found late, a full disk, Ctrl-C before the moves) leaves
-  # ``out_dir`` as it found it, a good earlier conversion included.
-  staging = tempfile.mkdtemp(prefix=_STAGING, dir=out_dir)
+  try:
+    os.makedirs(out_dir, exist_ok=True)
+    for stale in glob.glob(os.path.join(out_dir, _STAGING + "*")):  # left by a conversion that was killed
+      shutil.rmtree(stale, ignore_errors=True)
+    # Written in a folder inside ``out_dir`` (room for a second copy is needed) and moved over the files there at
+    # the end: a conversion that fails (a split's fault found late, a full disk, Ctrl-C before the moves) leaves
+    # ``out_dir`` as it found it, a good earlier conversion included.
+    staging = tempfile.mkdtemp(prefix=_STAGING, dir=out_dir)
+  except OSError as e:  # before the work, not a traceback
+    raise DataError(f"{out_dir}: cannot write there ({e.strerror}); choose another --out") from None
   try:
     info = _convert_splits(folder, staging, splits, classes)
     info["splits"].update(kept)
@@ -304,13 +307,13 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
       raise DataError(
         f"{root} does not exist: the folder must hold " + " and ".join(f"{s}/CLASS_NAME/*.jpg" for s in splits)
       )
-    unknown = sorted(set(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))) - set(classes))
+    unknown = sorted(set(d for d in _listdir(root) if os.path.isdir(os.path.join(root, d))) - set(classes))
     if unknown:
       raise DataError(f"{root} has class folders that {first} lacks: {unknown[:5]}; every split needs the same classes")
     files, skipped, empty, ignored = [], [], [], []
     for label, name in enumerate(classes):
       class_dir = os.path.join(root, name)
-      entries = sorted(os.listdir(class_dir)) if os.path.isdir(class_dir) else []
+      entries = sorted(_listdir(class_dir)) if os.path.isdir(class_dir) else []
       names = [
         f for f in entries if f.lower().endswith(IMAGE_EXTENSIONS) and os.path.isfile(os.path.join(class_dir, f))
       ]
@@ -325,14 +328,15 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
     written = 0
     with _writer(os.path.join(out_dir, f"{split}.array_record")) as writer:
       for label, name, file_name in (files[i] for i in order):
-        with open(os.path.join(root, name, file_name), "rb") as f:
-          data = f.read()
         try:
+          with open(os.path.join(root, name, file_name), "rb") as f:
+            data = f.read()
           # A cheap full check: the whole image at 1/8 scale (the region decoder would stop early).
           transforms.decode_crop_resize(data, 8, region_decode=False)
-        except transforms.BadImage as e:
+        except (transforms.BadImage, OSError) as e:  # undecodable, or unreadable (permissions): skipped alike
+          reason = f"cannot read it ({e.strerror})" if isinstance(e, OSError) else e
           skipped.append(f"{name}/{file_name}")
-          logging.warning("image folder: skipping %s/%s: %s", name, file_name, e)
+          logging.warning("image folder: skipping %s/%s: %s", name, file_name, reason)
           continue
         rel = os.fsencode(f"{name}/{file_name}")  # the name's own bytes, UTF-8 or not
         writer.write(_FOLDER_HEADER.pack(label, len(rel)) + rel + data)
@@ -355,6 +359,13 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
       "image folder %s: %d images written, %d skipped, %d empty classes", split, written, len(skipped), len(empty)
     )
   return info
+
+
+def _listdir(folder: str) -> list[str]:
+  try:
+    return os.listdir(folder)
+  except OSError as e:  # permissions: a folder of the image folder that cannot be read is refused, not skipped
+    raise DataError(f"{folder}: cannot read it ({e.strerror}); make it readable, or move it out of --folder") from None
 
 
 def _splits_kept(out_dir: str, splits: tuple[str, ...], classes: list[str]) -> dict:
