@@ -234,6 +234,24 @@ def test_every_kind_of_image_decodes_to_rgb_or_is_refused():
         transforms.decode_crop_resize(data, 24, np.random.default_rng(1))
 
 
+def test_junk_before_the_end_marker_leaves_the_image_whole_on_every_path():
+  """libjpeg warns "N extraneous bytes before marker 0xd9" for bytes after the last scan: the pixels are all there
+  (Pillow decodes them; the region decoder stops before those bytes). The whole-image decoder took the warning
+  for damage, so the image folder dropped such a file and the decoded cache trained on other examples."""
+  good = jpeg_bytes(class_image(0, np.random.default_rng(0), 120, 90))
+  junk = good[:-2] + b"\0\0\0\xff\xd9"
+  for region_decode in (False, True):
+    for rng in (None, np.random.default_rng(1)):  # evaluation's centre crop, and a training crop
+      same_rng = None if rng is None else np.random.default_rng(1)
+      np.testing.assert_array_equal(
+        transforms.decode_crop_resize(junk, 32, rng, region_decode=region_decode),
+        transforms.decode_crop_resize(good, 32, same_rng, region_decode=region_decode),
+      )
+  np.testing.assert_array_equal(
+    np.asarray(transforms.decode_shorter_side(junk, 48)), np.asarray(transforms.decode_shorter_side(good, 48))
+  )
+
+
 def test_reduced_size_decoding_matches_full_decoding():
   """A box much larger than the output is decoded at 1/4 size: close to, not equal to, full decoding."""
   y, x = np.mgrid[0:375, 0:500].astype(np.float32)
