@@ -13,7 +13,9 @@ trials the study should hold, so the same command continues a killed study, and 
 extends a finished one. Several machines can share a study through the same storage (--storage, e.g. a
 PostgreSQL URL). The study stores its --config and overrides: a later run with others, or with a search-space
 field of another kind, is refused before its first trial; a study directory holds one study (its name in
-study_name.txt). A continued study's sampler is seeded with --seed plus its trial count, so it samples new values.
+study_name.txt). Each trial's sampler is seeded with --seed plus its trial number, so a continued study samples new
+values, and machines sharing a study draw differently (not alike); a machine starts a trial only while the finished
+and running trials are fewer than --trials (two that check at once may both start one: up to machines - 1 more).
 A trial whose sampled values train.py refuses fails, and the study goes on. A trial killed with its study is
 marked failed once its heartbeat stops (--heartbeat_grace seconds) and is retried once with the same parameters,
 resuming from its checkpoint; a continued study that finds trials running first waits that long, so that it
@@ -499,6 +501,31 @@ def wait_for_killed_trials(study: optuna.Study, grace: int) -> None:
     print(f"trials {retried} were killed with their study: each is retried once", flush=True)
 
 
+def needs_a_trial(study: optuna.Study, trials: int) -> bool:
+  """Whether this process should start a trial: the finished trials and those running (on other machines sharing
+  the study) are fewer than ``trials``. While they are not, but fewer than ``trials`` finished, it waits: a trial
+  running elsewhere may be pruned into the count or fail (a killed one's retry is then queued, for this process
+  to run). Two machines that check at the same moment may still both start one: the study then overshoots."""
+  waiting = False
+  try:
+    while True:
+      states = [t.state for t in study.get_trials(deepcopy=False)]
+      finished = sum(s in FINISHED for s in states)
+      if finished >= trials:
+        return False
+      running = states.count(TrialState.RUNNING)
+      if finished + running < trials:
+        return True
+      if not waiting:
+        print(f"{finished} of {trials} trials finished, {running} running elsewhere: waiting for them", flush=True)
+        waiting = True
+      time.sleep(2)
+      optuna.storages.fail_stale_trials(study)  # a killed one's retry is queued, then counts as not running
+  except KeyboardInterrupt:
+    print("interrupted: the same command continues the study", file=sys.stderr)
+    sys.exit(130)
+
+
 def resume_later(study: optuna.Study, started: list[int]) -> NoReturn:
   """After Ctrl-C (or its trial's train.py stopped alone): Optuna has marked the running trial failed, where the
   heartbeat's retry never applies; queue its retry as that callback does (same parameters, its first workdir and
@@ -598,26 +625,27 @@ def main() -> None:
     load_if_exists=True,
     pruner=optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials, n_warmup_steps=args.pruner_warmup_epochs),
   )
-  # Seeded by --seed and the trials so far: a continued study seeded as it began would sample its first trials'
-  # values again (TPE's random start and candidates come from the seed).
-  study.sampler = optuna.samplers.TPESampler(
-    n_startup_trials=args.startup_trials, seed=args.seed + len(study.get_trials(deepcopy=False))
-  )
   try:
     check_resume(study, args, space)
   except ValueError as e:
     cli.fail(str(e))
   wait_for_killed_trials(study, args.heartbeat_grace)
-  finished = lambda: sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))  # noqa: E731
-  print(f"study {args.study_name} in {args.study_dir}: {finished()} of {args.trials} trials finished", flush=True)
+  finished = sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))
+  print(f"study {args.study_name} in {args.study_dir}: {finished} of {args.trials} trials finished", flush=True)
   failures = 0
   started = []  # this process's trials: the last is the one a Ctrl-C stops
 
   def objective(trial: optuna.Trial) -> float:
     started.append(trial.number)
+    # Seeded per trial: trial numbers are unique across the processes sharing the study, so no two draw the same
+    # values, and a continued study samples new ones. TPE keeps nothing between trials (it reads them from the
+    # storage), so a new sampler per trial samples as one would; set before the first suggest.
+    trial.study.sampler = optuna.samplers.TPESampler(
+      n_startup_trials=args.startup_trials, seed=args.seed + trial.number
+    )
     return run_trial(trial, args, space)
 
-  while finished() < args.trials:
+  while needs_a_trial(study, args.trials):
     before = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
     try:  # optuna records a failed trial and goes on (TrialFailed), or records it and raises (TrialRejected)
       study.optimize(objective, n_trials=1, catch=(TrialFailed,))

@@ -360,3 +360,40 @@ def test_a_sample_train_py_refuses_fails_that_trial_not_the_study(tmp_path, monk
   err = capsys.readouterr().err
   assert "rejected its sampled values: invalid config: optimizer.min_momentum=0.85" in err
   assert "error: 4 trials failed in this run" in str(stopped.value.code), (stopped.value.code, err[-2000:])
+
+
+def test_processes_sharing_a_study_sample_distinct_trials(tmp_path, monkeypatch, capsys):
+  """Two processes that open a study at the same trial count (machines started together, or restarted after a
+  kill) were seeded alike and sampled the same values: here the second opens it while the first checks it."""
+  tune = _tune_module()
+  study_dir = f"--study_dir={tmp_path}/study"
+  _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1")
+  check_resume, calls = tune.check_resume, []
+
+  def other_process_meanwhile(study, args, space):
+    check_resume(study, args, space)
+    calls.append(args.trials)
+    if len(calls) == 1:  # the first process has opened the study (1 trial): the other runs trial 1 to its end
+      assert _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=2")["completed"] == 2
+      monkeypatch.setattr(sys, "argv", ["tune.py", "--config=configs/fashion_mnist.py:large_batch_lars", study_dir,
+                                        "--trials=3"])  # fmt: skip
+
+  monkeypatch.setattr(tune, "check_resume", other_process_meanwhile)
+  assert _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=3")["completed"] == 3
+  trials = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{tmp_path}/study/study.db").trials
+  assert len({json.dumps(t.params, sort_keys=True) for t in trials}) == 3, [t.params for t in trials]
+
+
+def test_a_study_waits_for_trials_running_elsewhere_instead_of_overshooting(tmp_path, monkeypatch, capsys):
+  """One trial finished and one running on another machine make --trials=2: the study waits for that one rather
+  than start a third, and starts one only if it fails."""
+  tune = _tune_module()
+  study_dir = f"--study_dir={tmp_path}/study"
+  _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1", "--heartbeat_grace=3")
+  study = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{tmp_path}/study/study.db")
+  elsewhere = study.ask()  # running on another machine (no heartbeat here: never stale)
+  sleep = time.sleep  # the study's wait for it (2 s) ends with it finished; the grace's wait (1 s) as it is
+  monkeypatch.setattr(tune.time, "sleep", lambda s: study.tell(elsewhere, 0.25) if s == 2 else sleep(s))
+  result = _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=2", "--heartbeat_grace=3")
+  assert result["trials"] == 2 and result["completed"] == 2, result
+  assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
