@@ -17,10 +17,10 @@ study_name.txt). Each trial's sampler is seeded with --seed plus its trial numbe
 values, and machines sharing a study draw differently (not alike); a machine starts a trial only while the finished
 and running trials are fewer than --trials (two that check at once may both start one: up to machines - 1 more).
 A trial whose sampled values train.py refuses fails, and the study goes on. A trial killed with its study is
-marked failed once its heartbeat stops (--heartbeat_grace seconds) and is retried once with the same parameters,
-resuming from its checkpoint; a continued study that finds trials running first waits that long, so that it
-retries a killed one before sampling new ones. A trial stopped by Ctrl-C is retried the same way when the same
-command runs again.
+marked failed once its heartbeat stops (--heartbeat_grace seconds: the study's, as it was created) and is retried
+once with the same parameters, resuming from its checkpoint; a continued study that finds trials running first
+waits that long, so that it retries a killed one before sampling new ones. A trial stopped by Ctrl-C is retried
+the same way when the same command runs again.
 
 Output: a table of the trials, STUDY_DIR/best_config.py (a config file train.py accepts: the base config,
 the --config overrides and the best trial's parameters), Optuna's plots as PNG in STUDY_DIR, and as the
@@ -70,6 +70,10 @@ class TrialFailed(RuntimeError):
 
 class TrialInterrupted(RuntimeError):
   """train.py was stopped (SIGINT or SIGTERM: it saved a checkpoint and exited 0) before its end."""
+
+
+class TrialTakenOver(RuntimeError):
+  """Another process sharing the study failed this running trial as killed (its heartbeat looked stale)."""
 
 
 class TrialRejected(RuntimeError):
@@ -339,15 +343,21 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
             raise optuna.TrialPruned(f"test top-1 {record['eval_top1']:.4f} after epoch {epoch} is below the median")
         if exited:
           break
+        # Failed from outside: its retry resumes in this workdir, where this run must not write on (stopped below).
+        if trial.study._storage.get_trial(trial._trial_id).state != TrialState.RUNNING:
+          raise TrialTakenOver(f"trial {trial.number} was failed by another process sharing the study")
         time.sleep(1.0)
+    except TrialTakenOver:
+      process.kill()  # no checkpoint: the retry may already be reading or writing this workdir's
+      raise
     finally:
-      trial.set_user_attr("seconds", time.time() - start)
       if process.poll() is None:  # pruned, interrupted or failed here: stop the run (it saves a checkpoint)
         process.terminate()
         try:
           process.wait(timeout=60)
         except subprocess.TimeoutExpired:
           process.kill()
+      trial.set_user_attr("seconds", time.time() - start)  # last: it raises on a trial failed from outside
   if process.returncode == ExitCode.BAD_INPUT and retried is None:  # a retry may fail on its own checkpoint
     with open(log_path) as f:
       errors = [line[len("error:") :].strip() for line in f if line.startswith("error:")]
@@ -451,6 +461,25 @@ def print_table(study: optuna.Study) -> None:
       f"{t.user_attrs.get('seconds', 0):7.0f}  "
       + "  ".join(f"{_format(t.params.get(n, float('nan'))):>13}" for n in names)
     )
+
+
+def study_grace(study: optuna.Study, args) -> int:
+  """The study's heartbeat grace: the one it was created with (stored then), else --heartbeat_grace or the default,
+  which it stores. A machine with a shorter one would fail the live trials of the others as killed.
+
+  Raises:
+    ValueError: --heartbeat_grace differs from the study's.
+  """
+  stored = study.user_attrs.get("heartbeat_grace")
+  if stored is None:  # a new study, or one from before the grace was stored
+    stored = args.heartbeat_grace or DEFAULT_HEARTBEAT_GRACE
+    study.set_user_attr("heartbeat_grace", stored)
+  elif args.heartbeat_grace not in (None, stored):
+    raise ValueError(
+      f"the study in {args.study_dir} was created with --heartbeat_grace={stored}, not {args.heartbeat_grace} "
+      "(every machine of a study must use the same); leave the flag out, or start a new study in a new --study_dir"
+    )
+  return stored
 
 
 def open_storage(url: str, grace: int) -> RDBStorage:
@@ -568,8 +597,10 @@ def main() -> None:
   parser.add_argument(
     "--heartbeat_grace",
     type=int,
-    default=DEFAULT_HEARTBEAT_GRACE,
-    help="seconds without a heartbeat before a running trial counts as killed (the same on every machine of a study)",
+    default=None,
+    help=f"seconds without a heartbeat before a running trial counts as killed (default: the study's, which keeps "
+    f"the one it was created with, {DEFAULT_HEARTBEAT_GRACE} unless given; another is refused: a machine with a "
+    "shorter one would fail the trials of others)",
   )
   args, unknown = parser.parse_known_args()
   bad = [u for u in unknown if not u.startswith("--config.") or "=" not in u]
@@ -581,7 +612,7 @@ def main() -> None:
   for flag in ("startup_trials", "pruner_warmup_epochs", "seed"):  # Optuna's and numpy's own checks are tracebacks
     if getattr(args, flag) < 0:
       parser.error(f"--{flag} must be >= 0")
-  if args.heartbeat_grace < 3:
+  if args.heartbeat_grace is not None and args.heartbeat_grace < 3:
     parser.error("--heartbeat_grace must be >= 3 (a trial beats every third of it)")
   # The trials' train.py runs in ROOT: a relative directory would be read here and written there.
   args.study_dir = os.path.abspath(args.study_dir)
@@ -614,17 +645,22 @@ def main() -> None:
   warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # the heartbeat's, in Optuna 5
   url = args.storage or f"sqlite:///{os.path.abspath(os.path.join(args.study_dir, 'study.db'))}"
   try:
-    storage = open_storage(url, args.heartbeat_grace)
+    storage = open_storage(url, args.heartbeat_grace or DEFAULT_HEARTBEAT_GRACE)
   except (sqlalchemy.exc.SQLAlchemyError, ImportError) as e:  # no driver for the URL, a database it cannot open
     reason = str(e).splitlines()[0][:300]
     cli.fail(f"--storage={url}: cannot open the study's database ({type(e).__name__}: {reason})")
+  pruner = optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials, n_warmup_steps=args.pruner_warmup_epochs)
   study = optuna.create_study(
-    study_name=args.study_name,
-    storage=storage,
-    direction="maximize",
-    load_if_exists=True,
-    pruner=optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials, n_warmup_steps=args.pruner_warmup_epochs),
+    study_name=args.study_name, storage=storage, direction="maximize", load_if_exists=True, pruner=pruner
   )
+  try:
+    grace = study_grace(study, args)
+  except ValueError as e:
+    cli.fail(str(e))
+  if grace != (args.heartbeat_grace or DEFAULT_HEARTBEAT_GRACE):  # the study's: its trials beat every third of it
+    storage = open_storage(url, grace)
+    study = optuna.load_study(study_name=args.study_name, storage=storage, pruner=pruner)
+  args.heartbeat_grace = grace
   try:
     check_resume(study, args, space)
   except ValueError as e:
@@ -643,7 +679,10 @@ def main() -> None:
     trial.study.sampler = optuna.samplers.TPESampler(
       n_startup_trials=args.startup_trials, seed=args.seed + trial.number
     )
-    return run_trial(trial, args, space)
+    value = run_trial(trial, args, space)
+    if trial.study._storage.get_trial(trial._trial_id).state != TrialState.RUNNING:  # Optuna asserts on it
+      raise TrialTakenOver(f"trial {trial.number} was failed by another process sharing the study")
+    return value
 
   while needs_a_trial(study, args.trials):
     before = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
@@ -653,6 +692,15 @@ def main() -> None:
       cli.fail(str(e))
     except (KeyboardInterrupt, TrialInterrupted):
       resume_later(study, started)
+    except ValueError as e:  # Optuna's "Cannot tell a FAIL trial.": another process failed it (TrialTakenOver)
+      if not str(e).startswith("Cannot tell a"):
+        raise
+      print(
+        f"  trial {started[-1]} was failed by another process sharing the study (its heartbeat was over {grace} s "
+        "old): that process retries it; this one goes on",
+        file=sys.stderr,
+        flush=True,
+      )
     failures += len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,))) - before
     if failures > max(3, args.trials // 4):
       sys.exit(f"error: {failures} trials failed in this run; see the logs in {args.study_dir}/trials")

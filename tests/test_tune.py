@@ -305,7 +305,11 @@ def test_a_study_from_before_the_stored_config_resumes_and_stores_it(tmp_path, m
     == 2
   )
   attrs = optuna.load_study(study_name="light_jax", storage=storage).user_attrs
-  assert attrs == {"config": "configs/fashion_mnist.py:large_batch_lars", "overrides": {"num_epochs": "3"}}
+  assert attrs == {
+    "config": "configs/fashion_mnist.py:large_batch_lars",
+    "overrides": {"num_epochs": "3"},
+    "heartbeat_grace": 60,
+  }
 
 
 def test_a_study_whose_trials_all_failed_takes_the_new_overrides(tmp_path, monkeypatch, capsys):
@@ -397,3 +401,33 @@ def test_a_study_waits_for_trials_running_elsewhere_instead_of_overshooting(tmp_
   result = _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=2", "--heartbeat_grace=3")
   assert result["trials"] == 2 and result["completed"] == 2, result
   assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+
+
+def test_a_study_keeps_its_heartbeat_grace_and_a_trial_failed_from_outside_is_one_line(tmp_path, monkeypatch, capsys):
+  """A machine with a shorter grace failed the live trials of the others as killed, and the process whose trial
+  it was stopped with Optuna's "Cannot tell a FAIL trial" traceback."""
+  tune = _tune_module()
+  study_dir = f"--study_dir={tmp_path}/study"
+  opened, open_storage = [], tune.open_storage
+  monkeypatch.setattr(tune, "open_storage", lambda url, grace: opened.append(grace) or open_storage(url, grace))
+  _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1", "--heartbeat_grace=6")
+  error = _main_fails(tune, monkeypatch, capsys, study_dir, "--trials=2", "--heartbeat_grace=3")
+  assert "was created with --heartbeat_grace=6, not 3" in error and "leave the flag out" in error
+  opened.clear()
+  assert _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=2")["completed"] == 2
+  assert opened[-1] == 6  # the study's grace, without the flag
+
+  def failed_from_outside(trial, args, space):
+    tune.suggest(trial, space)
+    if trial.number == 2:  # another process takes it for killed
+      trial.study._storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)
+    return 0.5
+
+  monkeypatch.setattr(tune, "run_trial", failed_from_outside)
+  monkeypatch.setattr(
+    sys, "argv", ["tune.py", "--config=configs/fashion_mnist.py:large_batch_lars", study_dir, "--trials=3"]
+  )
+  tune.main()
+  out, err = capsys.readouterr()
+  assert json.loads(out.strip().splitlines()[-1])["completed"] == 3 and "Traceback" not in err, err
+  assert "trial 2 was failed by another process sharing the study" in err
