@@ -172,7 +172,30 @@ def check_study_config(config_spec: str, overrides: list[str], space: dict[str, 
       f"--config overrides of fields the search space samples would be replaced in every trial: {clash}; "
       "drop the override, or search another space (--space)"
     )
+  for name, (kind, *args) in space.items():
+    if isinstance(_field(config, name), ml_collections.ConfigDict):
+      raise ValueError(
+        f"search space field {name} is a group of fields ({', '.join(sorted(_field(config, name)))}), not a field; "
+        f"sample one of them, e.g. {name}.{next(iter(sorted(_field(config, name))), 'x')}"
+      )
+    # Each trial's value as train.py reads it: its bounds and choices, so that a value of the wrong type stops the
+    # study here, not each trial (a value out of the field's valid range stays that trial's fault).
+    for value in args[0] if kind == "choice" else args:
+      try:
+        read = _field(cli.resolve_config(os.path.join(ROOT, config_spec), [*overrides, _override(name, value)]), name)
+      except cli.CommandLineError as e:
+        raise ValueError(f"search space field {name}: train.py refuses its value {value!r}: {e}") from None
+      if read != value or isinstance(read, str) != isinstance(value, str):  # a text field reads any value
+        raise ValueError(
+          f"search space field {name}: train.py reads its value {value!r} as {read!r} "
+          f"({type(read).__name__}); sample values of the field's type"
+        )
   return config
+
+
+def _override(name: str, value) -> str:
+  """A trial's sampled value as its train.py flag (a string choice as it is, a number or None as Python writes it)."""
+  return f"--config.{name}={value if isinstance(value, str) else repr(value)}"
 
 
 def _config_key(spec: str) -> str:
@@ -312,7 +335,7 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
     f"--config={args.config}",
     f"--workdir={workdir}",
     *args.overrides,
-    *(f"--config.{name}={value if isinstance(value, str) else repr(value)}" for name, value in params.items()),
+    *(_override(name, value) for name, value in params.items()),
   ]
   log_path = os.path.join(args.study_dir, "trials", f"{number:04d}.log")
   print(f"trial {trial.number}: " + ", ".join(f"{k}={_format(v)}" for k, v in params.items()), flush=True)

@@ -431,3 +431,22 @@ def test_a_study_keeps_its_heartbeat_grace_and_a_trial_failed_from_outside_is_on
   out, err = capsys.readouterr()
   assert json.loads(out.strip().splitlines()[-1])["completed"] == 3 and "Traceback" not in err, err
   assert "trial 2 was failed by another process sharing the study" in err
+
+
+def test_a_search_space_field_of_the_wrong_type_or_a_group_stops_the_study_before_its_first_trial(
+  tmp_path, monkeypatch, capsys
+):
+  """Each such trial failed at train.py's flags: four failed trials and exit 1 instead of one line."""
+  tune = _tune_module()
+  monkeypatch.setattr(tune, "run_trial", lambda *a: pytest.fail("a trial ran"))
+  space = tmp_path / "space.py"
+  for field, expected in [
+    ("'micro_batches': ('float', 1.0, 2.0)", "field micro_batches: train.py refuses its value 1.0: flag --config."),
+    ("'optimizer': ('log', 0.1, 1.0)", "field optimizer is a group of fields (base_lr, "),
+    ("'optimizer.nesterov': ('choice', [True, 0.5])", "field optimizer.nesterov: train.py refuses its value 0.5"),
+    ("'optimizer.decay': ('float', 0.1, 1.0)", "field optimizer.decay: train.py reads its value 0.1 as '0.1' (str)"),
+  ]:
+    space.write_text(f"def get_space(variant=None):\n  return {{{field}}}\n")
+    error = _main_fails(tune, monkeypatch, capsys, f"--study_dir={tmp_path}/study", "--trials=1", f"--space={space}")
+    assert expected in error, (field, error)
+  assert not (tmp_path / "study").exists()
