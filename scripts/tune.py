@@ -661,7 +661,6 @@ def main() -> None:
   except OSError as e:
     what = "cannot write in it" if os.path.isdir(args.study_dir) else "cannot create it"
     cli.fail(f"--study_dir={args.study_dir}: {what} ({e.strerror}); choose another directory")
-  claim_study_dir(args)
   # Errors only: run_trial reports a failed trial in one line (its log holds the rest), not with a traceback.
   optuna.logging.set_verbosity(optuna.logging.ERROR)
   logging.getLogger("optuna").setLevel(logging.ERROR)
@@ -672,6 +671,7 @@ def main() -> None:
   except (sqlalchemy.exc.SQLAlchemyError, ImportError) as e:  # no driver for the URL, a database it cannot open
     reason = str(e).splitlines()[0][:300]
     cli.fail(f"--storage={url}: cannot open the study's database ({type(e).__name__}: {reason})")
+  claim_study_dir(args)  # once its storage opens: a start that fails before leaves the directory to any study
   pruner = optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials, n_warmup_steps=args.pruner_warmup_epochs)
   study = optuna.create_study(
     study_name=args.study_name, storage=storage, direction="maximize", load_if_exists=True, pruner=pruner

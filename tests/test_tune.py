@@ -450,3 +450,14 @@ def test_a_search_space_field_of_the_wrong_type_or_a_group_stops_the_study_befor
     error = _main_fails(tune, monkeypatch, capsys, f"--study_dir={tmp_path}/study", "--trials=1", f"--space={space}")
     assert expected in error, (field, error)
   assert not (tmp_path / "study").exists()
+
+
+def test_a_failed_start_does_not_claim_the_study_dir(tmp_path, monkeypatch, capsys):
+  """A start whose storage did not open named the directory after its study, which then refused any other."""
+  tune = _tune_module()
+  study_dir = f"--study_dir={tmp_path}/study"
+  error = _main_fails(
+    tune, monkeypatch, capsys, study_dir, "--trials=1", "--storage=sqlite:////proc/light_jax_nope/x.db"
+  )
+  assert "cannot open the study's database" in error
+  assert _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1", "--study_name=other")["completed"] == 1
