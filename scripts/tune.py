@@ -90,10 +90,17 @@ KINDS = {
 }
 
 
+def from_cwd(spec: str) -> str:
+  """A file[:variant] flag's file from the current directory where it is there (as train.py reads it), made
+  absolute for the trials' train.py, which runs in ROOT; else as given, relative to the repository."""
+  path, colon, variant = spec.partition(":")
+  return os.path.abspath(path) + colon + variant if os.path.isfile(path) else spec
+
+
 def load_space(spec: str) -> dict[str, tuple]:
-  path, _, variant = spec.partition(":")
+  path, _, variant = from_cwd(spec).partition(":")
   if not os.path.isfile(os.path.join(ROOT, path)):
-    raise ValueError(f"no such file: {path}")
+    raise ValueError(f"no such file: {path} (in the current directory or the repository)")
   module_spec = importlib.util.spec_from_file_location("search_space", os.path.join(ROOT, path))
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
@@ -608,10 +615,11 @@ def resume_later(study: optuna.Study, started: list[int]) -> NoReturn:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--config", required=True, help="config file[:variant], as for train.py")
+  where = "a file in the current directory, else in the repository"
+  parser.add_argument("--config", required=True, help=f"config file[:variant], as for train.py: {where}")
   parser.add_argument("--study_dir", required=True)
   parser.add_argument("--trials", type=int, required=True, help="finished trials (completed + pruned) to reach")
-  parser.add_argument("--space", default="configs/search_spaces.py", help="search space file[:variant]")
+  parser.add_argument("--space", default="configs/search_spaces.py", help=f"search space file[:variant]: {where}")
   parser.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite in --study_dir)")
   parser.add_argument("--study_name", default=DEFAULT_STUDY_NAME)
   parser.add_argument("--startup_trials", type=int, default=5, help="random trials before TPE models the space")
@@ -630,6 +638,7 @@ def main() -> None:
   if bad:
     parser.error(f"unrecognised arguments {bad}; config overrides look like --config.optimizer.base_lr=2.0")
   args.overrides = unknown
+  args.config = from_cwd(args.config)
   if args.trials < 1:
     parser.error("--trials must be >= 1")
   for flag in ("startup_trials", "pruner_warmup_epochs", "seed"):  # Optuna's and numpy's own checks are tracebacks

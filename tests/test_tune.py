@@ -461,3 +461,24 @@ def test_a_failed_start_does_not_claim_the_study_dir(tmp_path, monkeypatch, caps
   )
   assert "cannot open the study's database" in error
   assert _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1", "--study_name=other")["completed"] == 1
+
+
+def test_config_and_space_files_are_read_from_the_current_directory_first(tmp_path, monkeypatch, capsys):
+  """As train.py reads them: they were read from the repository only ("no such file" for one here)."""
+  tune = _tune_module()
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "my_config.py").write_text(
+    "from configs import fashion_mnist\n\n\ndef get_config(variant):\n"
+    "  config = fashion_mnist.get_config(variant)\n  config.num_epochs = 5\n  return config\n"
+  )
+  (tmp_path / "my_space.py").write_text(
+    "def get_space(variant=None):\n  return {'optimizer.momentum': ('float', 0.8, 0.9)}\n"
+  )
+  seen = []
+  monkeypatch.setattr(tune, "run_trial", lambda trial, args, space: seen.append((args.config, space)) or 0.5)
+  monkeypatch.setattr(sys, "argv", ["tune.py", "--config=my_config.py:large_batch_lars", "--space=my_space.py",
+                                    "--study_dir=study", "--trials=1"])  # fmt: skip
+  tune.main()
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completed"] == 1
+  assert seen == [(f"{tmp_path}/my_config.py:large_batch_lars", {"optimizer.momentum": ("float", 0.8, 0.9)})]
+  assert f"BASE = '{tmp_path}/my_config.py'" in (tmp_path / "study" / "best_config.py").read_text()
