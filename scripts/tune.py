@@ -18,9 +18,9 @@ values, and machines sharing a study draw differently (not alike); a machine sta
 and running trials are fewer than --trials (two that check at once may both start one: up to machines - 1 more).
 A trial whose sampled values train.py refuses fails, and the study goes on. A trial killed with its study is
 marked failed once its heartbeat stops (--heartbeat_grace seconds: the study's, as it was created) and is retried
-once with the same parameters, resuming from its checkpoint; a continued study that finds trials running first
-waits that long, so that it retries a killed one before sampling new ones. A trial stopped by Ctrl-C is retried
-the same way when the same command runs again.
+once with the same parameters, resuming from its checkpoint; a continued study that finds trials running, and
+does not hold --trials yet, first waits that long, so that it retries a killed one before sampling new ones. A
+trial stopped by Ctrl-C is retried the same way when the same command runs again.
 
 Output: a table of the trials, STUDY_DIR/best_config.py (a config file train.py accepts: the base config,
 the --config overrides and the best trial's parameters), Optuna's plots as PNG in STUDY_DIR, and as the
@@ -697,8 +697,10 @@ def main() -> None:
     check_resume(study, args, space)
   except ValueError as e:
     cli.fail(str(e))
-  wait_for_killed_trials(study, args.heartbeat_grace)
   finished = sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))
+  if finished < args.trials:  # else no trial runs here, e.g. to print the results of a study running elsewhere
+    wait_for_killed_trials(study, args.heartbeat_grace)
+    finished = sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))
   print(f"study {args.study_name} in {args.study_dir}: {finished} of {args.trials} trials finished", flush=True)
   failures = 0
   started = []  # this process's trials: the last is the one a Ctrl-C stops

@@ -482,3 +482,14 @@ def test_config_and_space_files_are_read_from_the_current_directory_first(tmp_pa
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completed"] == 1
   assert seen == [(f"{tmp_path}/my_config.py:large_batch_lars", {"optimizer.momentum": ("float", 0.8, 0.9)})]
   assert f"BASE = '{tmp_path}/my_config.py'" in (tmp_path / "study" / "best_config.py").read_text()
+
+
+def test_a_study_that_holds_its_trials_prints_its_results_without_waiting(tmp_path, monkeypatch, capsys):
+  """--trials 1 to see the results of a study running elsewhere waited out the heartbeat grace (60 s)."""
+  tune = _tune_module()
+  study_dir = f"--study_dir={tmp_path}/study"
+  _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1")
+  optuna.load_study(study_name="light_jax", storage=f"sqlite:///{tmp_path}/study/study.db").ask()  # elsewhere
+  monkeypatch.setattr(tune.time, "sleep", lambda seconds: pytest.fail("it waited"))
+  result = _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1")
+  assert result["trials"] == 1
