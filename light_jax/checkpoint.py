@@ -111,7 +111,6 @@ class Checkpointer:
     self.damaged_steps: set[int] = set()  # found by restore_latest; a save at one of them replaces it
     self._errors: dict[int, str] = {}  # why each of them failed to restore
     self._in_flight: int | None = None  # the step of the save writing in the background
-    self._failures_before = len(_SAVE_FAILURES)  # background saves that had failed when it started
     self._failed = False  # a save failed: reported once, and close() waits for nothing more
     _watch_failed_saves()
 
@@ -131,7 +130,7 @@ class Checkpointer:
       )
     except Exception as e:  # the part of a save done before it returns: the folders, the copy off the devices
       raise self._save_failed(step, e) from None
-    self._in_flight, self._failures_before = step, len(_SAVE_FAILURES)
+    self._in_flight = step
     return True
 
   def _wait_for_save_in_flight(self) -> None:
@@ -140,9 +139,10 @@ class Checkpointer:
       # thread wait at a barrier that the others, whose writes went through, never reach (10 minutes, then an
       # error), and orbax keeps the error until that wait ends. Noted as it is logged, it is raised at once: that
       # ends this process, and the others stop on the reason it publishes (liveness.PeerWatchdog).
+      step_directory = os.path.join(self.directory, str(self._in_flight))  # orbax's folder of a step: its number
       while self.manager.is_saving_in_progress():
-        if len(_SAVE_FAILURES) > self._failures_before:
-          raise _SAVE_FAILURES[-1]
+        if step_directory in _SAVE_FAILURES:
+          raise _SAVE_FAILURES.pop(step_directory)
         time.sleep(0.05)
       self.manager.wait_until_finished()
     except Exception as e:
@@ -199,6 +199,7 @@ class Checkpointer:
         with _quiet_if_it_fails():
           meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
       except Exception as e:  # a damaged checkpoint: any error orbax or the file system raises
+        _raise_an_interruption(e)
         self._damaged(step, e)
         continue
       breaking, safe = config_changes(meta["config"], config)
@@ -236,6 +237,7 @@ class Checkpointer:
         with _quiet_if_it_fails():
           state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
       except Exception as e:
+        _raise_an_interruption(e)
         self._damaged(step, e)
         continue
       return step, convert(state) if convert else state, meta
@@ -266,6 +268,18 @@ class Checkpointer:
       return
     self._wait_for_save_in_flight()
     self.manager.close()
+
+
+def _raise_an_interruption(error: Exception) -> None:
+  """Raises the interruption (a Ctrl-C, a stop signal in set-up: preemption.StoppedInSetup) that ``error`` wraps:
+  orbax wraps what stops a read in an Exception of its own, which read as a damaged checkpoint (a good one was then
+  passed over, or the run told to move its checkpoints away)."""
+  cause, seen = error, set()
+  while cause is not None and id(cause) not in seen:
+    if not isinstance(cause, Exception):
+      raise cause
+    seen.add(id(cause))
+    cause = cause.__cause__ or cause.__context__
 
 
 def _file_system_reason(error: Exception) -> str:
@@ -336,8 +350,9 @@ def _ignore_abandoned_reads() -> None:
   warnings.filterwarnings("ignore", message=f"coroutine '{_ORBAX_READ}' was never awaited", category=RuntimeWarning)
 
 
-# The errors of background saves that failed, in order, as orbax's save thread logs them.
-_SAVE_FAILURES: list[BaseException] = []
+# The error of each background save whose writes failed in this process, by its step's folder, as orbax's save thread
+# logs it.
+_SAVE_FAILURES: dict[str, BaseException] = {}
 
 
 @functools.cache  # once per process
@@ -354,8 +369,11 @@ def _watch_failed_saves() -> None:
 
   def note_and_shorten_orbax_errors(record: logging.LogRecord) -> bool:
     if "/orbax/" in record.pathname and record.levelno >= logging.ERROR and record.exc_info:
-      if record.pathname.endswith("async_checkpointer.py"):  # "Failed to run N Handler Commit operations ..."
-        _SAVE_FAILURES.append(record.exc_info[1])
+      # "Failed to run N Handler Commit operations ... directory: DIR". Not a timeout at the barrier where the
+      # processes meet after writing: that is another process's failure, which it reports itself.
+      failed = re.search(r"directory: (\S+)$", record.getMessage())
+      if record.pathname.endswith("async_checkpointer.py") and failed and "barrier" not in str(record.exc_info[1]):
+        _SAVE_FAILURES[os.path.normpath(failed.group(1))] = record.exc_info[1]
       record.msg, record.args = record.getMessage().split(" [tensorstore_spec=")[0].splitlines()[0], ()
       record.exc_info = record.exc_text = None
     return True

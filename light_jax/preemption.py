@@ -58,8 +58,15 @@ class PreemptionGuard:
       signal.Signals(signum).name,
     )
 
+  def check_set_up(self) -> None:
+    """Raises ``StoppedInSetup`` for a signal in set-up whose raise a library swallowed (asyncio logs and drops an
+    exception raised in its callbacks: orbax's restore runs some). Called between set-up's stages."""
+    if self.signal is not None and not self.armed:
+      raise StoppedInSetup(self.signal)
+
   def arm(self) -> None:
     """From the first step on, a signal saves and stops after the current step."""
+    self.check_set_up()
     self.armed = True
 
   def requested(self) -> bool:

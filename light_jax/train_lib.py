@@ -99,6 +99,7 @@ def train_and_evaluate(
         "comm_state_shapes": checkpoint_lib.shapes(state.comm_state),
       }
       start_step, state, seconds_before = restore(checkpointer, state, meta, plan)
+      preemption.check_set_up()  # before compiling (minutes on a GPU): a signal during the restore may be swallowed
       finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
       if not finished:
         compiled.compile_phases(start_step, total_steps, state)  # every phase's step, before the clock starts
@@ -359,7 +360,7 @@ def run_summary(
       "processes": jax.process_count(),
       "platform": mesh.devices.flat[0].platform,
     },
-    "images_per_sec_mean": images_per_sec_mean(records, plan),
+    "images_per_sec_mean": images_per_sec_mean(records, plan, start_step),
     "nonfinite_steps": nonfinite_steps,
     "resumed_from_step": start_step,
     "checkpoint_blocking_seconds": checkpoint_seconds,
@@ -379,11 +380,15 @@ def run_summary(
   return summary
 
 
-def images_per_sec_mean(records: list[dict[str, Any]], plan: schedules.EpochPlan) -> float | None:
+def images_per_sec_mean(records: list[dict[str, Any]], plan: schedules.EpochPlan, start_step: int = 0) -> float | None:
   """The records' images over their training seconds: each record's rate weighted by its images, so that a short
-  record (cut by max_steps, the first after a resume) weighs as little as it trained."""
+  record (cut by max_steps, the first after a resume at ``start_step``) weighs as little as it trained."""
   steps = [0] + [r["step"] for r in records]
-  images = [sum(plan.batch_size_at(s) for s in range(a, b)) for a, b in zip(steps, steps[1:])]
+  # A record's rate covers its steps since the previous record, or since the resume where that came before it.
+  images = [
+    sum(plan.batch_size_at(s) for s in range(start_step if a < start_step < b else a, b))
+    for a, b in zip(steps, steps[1:])
+  ]
   trained = [(n, r["images_per_sec"]) for n, r in zip(images, records) if n]  # not a finished run's re-evaluation
   return sum(n for n, _ in trained) / sum(n / rate for n, rate in trained) if trained else None
 

@@ -4,6 +4,7 @@ Runs are in-process (``train_and_evaluate``) except where a real process is the 
 the exit codes of ``train.py``. A resumed run must end bitwise equal to an uninterrupted one.
 """
 
+import contextlib
 import io
 import json
 import logging
@@ -461,6 +462,21 @@ def test_checkpoints_that_cannot_restore_end_the_run_with_one_line_last(tmp_path
   assert len(result.stderr.splitlines()) < 1000
 
 
+def test_a_signal_in_set_up_whose_raise_a_library_swallowed_stops_set_up_at_the_next_stage():
+  """asyncio logs and drops an exception raised in its callbacks (orbax's restore runs some): the signal is still
+  noted, and set-up stops at its next stage, at the latest when the guard is armed for the first step."""
+  from light_jax.preemption import PreemptionGuard, StoppedInSetup
+
+  with PreemptionGuard() as guard:
+    with contextlib.suppress(StoppedInSetup):  # the library that swallowed it
+      os.kill(os.getpid(), signal.SIGTERM)
+    assert guard.signal == signal.SIGTERM and not guard.armed
+    with pytest.raises(StoppedInSetup):
+      guard.check_set_up()
+    with pytest.raises(StoppedInSetup):
+      guard.arm()
+
+
 def test_a_save_on_a_full_disk_is_one_error_and_the_previous_checkpoint_stays(tmp_path, capfd):
   """Orbax reported it as a thousand lines of tracebacks from its threads, and a multi-process run then waited 10
   minutes at a barrier (tests/test_multiprocess.py). Now: one CheckpointError naming the step, the reason and the
@@ -488,6 +504,57 @@ def test_a_save_on_a_full_disk_is_one_error_and_the_previous_checkpoint_stays(tm
     resumed.close()
     assert os.listdir(disk / "checkpoints") == ["1"]  # the unfinished save's folder is removed (in the background)
   assert step == 1 and np.array_equal(restored["w"], small["w"])
+
+
+def test_a_save_that_fails_at_once_is_raised_while_orbax_still_reports_it_saving(tmp_path):
+  """A save whose writes fail fast (a read-only disk) fails before orbax's save() returns. In a multi-process run
+  orbax then keeps reporting it as in progress while its thread waits for the other processes (10 minutes): the
+  failure must still be raised at once, and only for that save's own folder."""
+  small = {"w": jax.numpy.arange(1000.0)}
+  with tmpfs(tmp_path / "disk", "size=1m") as disk:
+    checkpointer = checkpoint_lib.Checkpointer(str(disk), keep=3)
+    checkpointer.save(1, small, {"config": {}})
+    checkpointer.close()
+    checkpointer = checkpoint_lib.Checkpointer(str(disk), keep=3)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    start = time.monotonic()
+    try:
+      checkpointer.save(2, small, {"config": {}})
+      checkpointer.manager.is_saving_in_progress = lambda: time.monotonic() - start < 60  # the others' barrier
+      checkpointer.close()
+    except CheckpointError as e:
+      failed = str(e)
+    else:
+      failed = ""
+    finally:
+      subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+  assert time.monotonic() - start < 10
+  assert f"saving the checkpoint at step 2 in {disk / 'checkpoints'} failed: " in failed
+  assert "Read-only file system" in failed and "the newest finished checkpoint, step 1, is intact" in failed
+
+
+def test_a_stop_signal_during_a_restore_is_not_a_damaged_checkpoint(tmp_path):
+  """orbax wraps what stops a read in an Exception of its own: a stop signal in set-up (or a Ctrl-C) read as a
+  damaged checkpoint, which was passed over, or the run told to move its checkpoints away."""
+  from light_jax.preemption import StoppedInSetup
+
+  state = {"w": jax.numpy.arange(4.0)}
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  checkpointer.save(1, state, {"config": {}})
+  checkpointer.close()
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+
+  def interrupted_read(*args, **kwargs):
+    try:
+      raise StoppedInSetup(signal.SIGTERM)  # the guard's raise, inside orbax's read
+    except BaseException as stop:
+      raise Exception("Encountered error while reading array index") from stop  # as orbax words it
+
+  checkpointer.manager.restore = interrupted_read
+  with pytest.raises(StoppedInSetup):
+    checkpointer.restore_latest(checkpoint_lib.abstract(state), {})
+  checkpointer.close()
+  assert checkpointer.damaged_steps == set()
 
 
 def test_train_py_on_a_disk_that_fills_up_stops_with_one_line_and_resumes_elsewhere(tmp_path):

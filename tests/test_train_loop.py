@@ -114,6 +114,16 @@ def test_progressive_resizing_on_fashion_mnist_compiles_every_phase_before_the_l
   assert last["learning_rate"] == pytest.approx(float(schedule(19)))
 
 
+def test_the_runs_images_per_second_weighs_each_record_by_the_images_it_trained():
+  plan = schedules.EpochPlan(2048, 2, schedules.parse_resolution_schedule("0:20:128,1:28", None), 64)
+  records = [{"step": 16, "images_per_sec": 1000.0}, {"step": 20, "images_per_sec": 500.0}]
+  # 16 x 128 images at 1000/s, then 4 x 64 at 500/s
+  assert train_lib.images_per_sec_mean(records, plan) == pytest.approx(2304 / (2.048 + 0.512))
+  # Resumed at step 18: the second record's rate covers steps 18-20 only (its process's), 2 x 64 images.
+  assert train_lib.images_per_sec_mean(records, plan, start_step=18) == pytest.approx(2176 / (2.048 + 0.256))
+  assert train_lib.images_per_sec_mean([], plan) is None
+
+
 def test_a_warm_up_longer_than_the_run_and_phases_after_it_are_named(tmp_path, caplog):
   """Fine in a short trial of a long recipe, but not what the config says: the warm-up is cut to the run, and
   the phases starting after its last epoch are left out."""

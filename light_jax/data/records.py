@@ -471,8 +471,8 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
   chunk = 256
   # spawn, not fork: the caller is multithreaded (JAX), and forking it can deadlock.
   context = multiprocessing.get_context("spawn")
-  # The workers take a Ctrl-C as this process does (no ignore_signals): a build can take hours, and the
-  # PreemptionGuard, already on, would only note the signal; the interrupted build leaves no partial file.
+  # The workers take a Ctrl-C as this process does (no ignore_signals), and this process stops set-up at a stop
+  # signal (preemption.StoppedInSetup): a build can take hours; the interrupted build leaves no partial file.
   pool = (
     concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=child_process.die_with_parent)
     if workers > 1

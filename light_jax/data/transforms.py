@@ -152,7 +152,9 @@ def _turbo_decode(data: bytes, size: tuple[int, int], min_width: int = 0, min_he
 
 
 # libjpeg's warning for bytes before the end-of-image marker (0xd9) after the image's last scan, and how many of
-# them a whole image may have (damage in the last scan left 2,073 and 2,300 in tests/test_image_data.py).
+# them a whole image may have (damage in the last scan left 2,073 and 2,300 in tests/test_image_data.py). More are
+# refused here (damage, as a rule), while the region decoder, which stops before them, decodes such a file: there
+# the JPEG path's training crops and the decoded cache (or an image folder's conversion) disagree.
 _END_JUNK = re.compile(r"(\d+) extraneous bytes before marker 0xd9")
 _MOST_END_JUNK = 16
 
