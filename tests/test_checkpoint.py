@@ -557,7 +557,7 @@ def test_a_stop_signal_during_a_restore_is_not_a_damaged_checkpoint(tmp_path):
   assert checkpointer.damaged_steps == set()
 
 
-def test_train_py_on_a_disk_that_fills_up_stops_with_one_line_and_resumes_elsewhere(tmp_path):
+def test_train_py_on_a_disk_that_fills_up_stops_with_one_line(tmp_path):
   args = [
     "--config",
     "configs/fashion_mnist.py",
