@@ -26,6 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from light_jax import cli  # noqa: E402
 
+TOTAL_STEPS = 192  # the drill's run: 4096 images / 128 = 32 steps per epoch, 6 epochs
+
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,6 +36,11 @@ def main():
   parser.add_argument("--every_steps", type=cli.int_at_least(1), default=8)
   parser.add_argument("--workdir", default="")
   args = parser.parse_args()
+  if args.every_steps > TOTAL_STEPS // 3:  # a kill lands before the last two checkpoint periods
+    parser.error(
+      f"--every_steps {args.every_steps} leaves no room for kills in the drill's {TOTAL_STEPS}-step run "
+      f"(each lands before its last two checkpoint periods); use at most {TOTAL_STEPS // 3}"
+    )
   if args.workdir:  # train.py runs in ROOT: a relative workdir would be read here and written there.
     run_drill(args, os.path.abspath(args.workdir))
   else:  # two runs' checkpoints, removed at the end
@@ -73,7 +80,7 @@ def run_drill(args, root):
     f"--config.checkpoint.every_steps={args.every_steps}",
     "--config.log_every_steps=4",
   ]
-  total_steps = 192
+  total_steps = TOTAL_STEPS
   env = dict(os.environ, JAX_PLATFORMS="cpu")
 
   def start(workdir, *extra):

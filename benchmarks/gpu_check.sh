@@ -29,8 +29,16 @@ if [ -n "$TOY" ] && [ "$TOY" != "--toy" ] || [ $# -gt 2 ]; then
   exit 2
 fi
 PY=${PYTHON:-python3}
+# Before anything is written: a run refused here leaves an earlier run's results in OUT_DIR as they were.
+if [ "$TOY" != "--toy" ] && ! command -v nvidia-smi > /dev/null; then
+  echo "error: nvidia-smi not found: this is not a GPU machine. On CPU run: bash $0 $OUT --toy" >&2
+  exit 2
+fi
 mkdir -p -- "$OUT" 2> /dev/null || { echo "error: cannot create the output folder $OUT" >&2; exit 2; }
 OUT=$(cd -- "$OUT" && pwd) || { echo "error: cannot enter the output folder $1" >&2; exit 2; }
+PROBE=$(mktemp "$OUT/.writable.XXXXXX" 2> /dev/null) \
+  || { echo "error: cannot write in the output folder $OUT (permissions, or a read-only file system)" >&2; exit 2; }
+rm -f -- "$PROBE"
 cd "$(dirname "$0")/.."
 : > "$OUT/steps.jsonl"
 
@@ -68,10 +76,6 @@ if [ "$TOY" = "--toy" ]; then
          --config.max_steps=12 --config.data.eval_batch_size=20 --config.train.profile_steps=6:9)
   IMAGES=8
 else
-  if ! command -v nvidia-smi > /dev/null; then
-    echo "error: nvidia-smi not found: this is not a GPU machine. On CPU run: bash $0 $OUT --toy" >&2
-    exit 2
-  fi
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
   if ! "$PY" -m pip install --quiet -e '.[cuda]' > "$OUT/pip.log" 2>&1; then
     echo "error: pip install -e '.[cuda]' failed; see $OUT/pip.log" >&2

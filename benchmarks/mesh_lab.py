@@ -48,6 +48,7 @@ import contextlib
 import copy
 import importlib.util
 import json
+import math
 import os
 import statistics
 import sys
@@ -272,10 +273,19 @@ def load_experiment(spec: str, args) -> list[tuple[int, int]]:
   """Applies a mesh experiment config (FILE[:VARIANT], e.g. configs/mesh_experiments.py) to ``args``;
   returns its mesh shapes."""
   path, _, variant = spec.partition(":")
+  if not os.path.isfile(os.path.join(ROOT, path)):
+    raise ValueError(f"no such file: {path}; give a mesh experiment config such as configs/mesh_experiments.py")
   module_spec = importlib.util.spec_from_file_location("mesh_experiment", os.path.join(ROOT, path))
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
   experiment = module.get_config(variant or None)  # ValueError for an unknown variant
+  missing = [
+    f for f in ("meshes", "bandwidths", "strategies", "steps", "warmup", "config", "overrides") if f not in experiment
+  ]
+  if missing:
+    raise ValueError(
+      f"{path} is not a mesh experiment config (it has no {', '.join(missing)}); see configs/mesh_experiments.py"
+    )
   args.bandwidth = ",".join(experiment.bandwidths)
   args.strategies = ",".join(experiment.strategies)
   args.steps, args.warmup, args.config = experiment.steps, experiment.warmup, experiment.config
@@ -295,6 +305,9 @@ def check_args(args, meshes: list[tuple[int, int]]) -> tuple[dict[str, int | Non
   for nodes, local in meshes:
     if nodes < 1 or local < 1:
       raise ValueError(f"a mesh of {nodes} x {local} (nodes x devices): each must be at least 1")
+  for flag in ("peer_timeout", "timeout"):  # else every cell fails after the calibrations (nan: never stopped)
+    if not math.isfinite(getattr(args, flag)) or getattr(args, flag) <= 0:
+      raise ValueError(f"--{flag} {getattr(args, flag)} must be a number of seconds > 0")
   if args.steps < 1:  # no step to take the median of, after a calibration and a whole run
     raise ValueError(f"--steps {args.steps} must be at least 1 (the measured steps per cell)")
   if args.warmup < 0:  # a negative slice would keep the wrong records

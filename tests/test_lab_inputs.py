@@ -59,7 +59,7 @@ def test_a_calibration_file_loads_and_a_missing_one_is_named(tmp_path):
 
 def _lab_args(**changes):
   args = dict(bandwidth="50mbit,unshaped", strategies="hierarchical,hitopk@0.001", loopback=False, plot=None, steps=30,
-              warmup=5, config="configs/fashion_mnist.py", set=[])  # fmt: skip
+              warmup=5, config="configs/fashion_mnist.py", set=[], peer_timeout=60.0, timeout=900.0)  # fmt: skip
   return argparse.Namespace(**{**args, **changes})
 
 
@@ -81,6 +81,9 @@ def test_mesh_lab_bandwidth_labels_are_normalised_once():
     ({"bandwidth": "0.1bit,unshaped"}, "from 8bit to 1000gbit"),
     ({"steps": 0}, "--steps 0 must be at least 1"),  # no step to take the median of, after a whole run
     ({"warmup": -1}, "--warmup -1 must be at least 0"),  # would keep the wrong records
+    # Every cell failed after the calibrations (nan: a hung cell was never stopped).
+    ({"peer_timeout": 0.0}, "--peer_timeout 0.0 must be a number of seconds > 0"),
+    ({"timeout": float("nan")}, "--timeout nan must be a number of seconds > 0"),
     # What train.py would refuse in every cell, after the calibrations:
     ({"set": ["optimizer.bse_lr=0.1"]}, "hierarchical on 2 x 4: --config.optimizer.bse_lr: no such config field; Did"),
     ({"set": ["comm.compact_pairs=true"]}, "hierarchical on 2 x 4: .*compact"),
@@ -134,6 +137,9 @@ def test_mesh_lab_accepts_every_strategy_the_config_does():
     ("mesh_lab.py", ["--loopback"], "the 127.0.0.1 mode cannot shape links"),
     ("mesh_lab.py", ["--strategies", "hitopkk"], "'hitopkk' is unknown"),
     ("mesh_lab.py", ["--experiment", "configs/mesh_experiments.py:nope"], "unknown variant 'nope'"),
+    ("mesh_lab.py", ["--experiment", "configs/fashion_mnist.py"], "configs/fashion_mnist.py is not a mesh experiment"),
+    ("mesh_lab.py", ["--experiment", "configs/"], "no such file: configs/; give a mesh experiment config"),
+    ("fault_drill.py", ["--every_steps", "96"], "--every_steps 96 leaves no room for kills"),
     ("time_to_accuracy.py", ["--report_only", "--strategies", "hitopk@abc"], "is not a valid comm.density"),
     ("time_to_accuracy.py", ["--report_only", "--local", "0"], "--local 0: each must be at least 1"),
     ("time_to_accuracy.py", ["--report_only", "--target", "92"], "--target 92 must be a top-1 fraction"),

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, tmpfs
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -294,3 +294,21 @@ def test_gpu_check_refuses_a_flag_for_its_output_folder(tmp_path, argv, code, me
   result = subprocess.run(["bash", script, *argv], cwd=tmp_path, capture_output=True, text=True)
   assert result.returncode == code and message in result.stdout + result.stderr, result
   assert os.listdir(tmp_path) == []  # nothing made, here or in the repository's root
+
+
+def test_gpu_check_refused_leaves_an_earlier_runs_results_and_names_an_unwritable_folder(tmp_path):
+  """It emptied report.txt and steps.jsonl before finding no GPU; a read-only folder gave 32 lines and a traceback."""
+  script = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
+  if shutil.which("nvidia-smi") is None:  # a GPU machine would run the check
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "report.txt").write_text("the earlier run's tables")
+    result = subprocess.run(["bash", script, str(tmp_path / "earlier")], capture_output=True, text=True)
+    assert result.returncode == 2 and "nvidia-smi not found" in result.stderr, result
+    assert os.listdir(tmp_path / "earlier") == ["report.txt"]
+    assert (tmp_path / "earlier" / "report.txt").read_text() == "the earlier run's tables"
+  with tmpfs(tmp_path / "read_only", "ro,size=1m") as folder:
+    result = subprocess.run(["bash", script, str(folder), "--toy"], capture_output=True, text=True)
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result
+  assert result.stderr.strip() == (
+    f"error: cannot write in the output folder {folder} (permissions, or a read-only file system)"
+  )
