@@ -58,10 +58,12 @@ def main():
     "--cost_model", default="v100_nvlink_25gbe", help="preset or calibrated JSON file for the adaptive plans"
   )
   parser.add_argument("--device_tflops", type=float, default=15.0)
-  parser.add_argument("--examples_per_device", type=int, default=32)
+  parser.add_argument("--examples_per_device", type=cli.int_at_least(1), default=32)
   parser.add_argument("--model", default="resnet50", help="whose gradient shapes (a smaller one for quick checks)")
   args = parser.parse_args()
   cli.check_model(args.model)
+  if not 0 < args.device_tflops < float("inf"):  # the adaptive plans divide by it
+    cli.fail(f"--device_tflops={args.device_tflops}: must be a number > 0 (the device's TFLOP/s)")
   if args.nodes < 1 or args.local == 0 or args.local < -1:
     cli.fail(f"--nodes={args.nodes} --local={args.local}: each must be >= 1 (--local may be -1: every device here)")
   only = args.only.split(",") if args.only else list(VARIANTS)

@@ -48,15 +48,15 @@ except cli.FLAG_ERRORS as e:
     raise
   cli.fail(str(error))
 _MODEL = flags.DEFINE_string("model", "resnet50", "model.name")
-_IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "square image side, pixels")
-_BATCH = flags.DEFINE_integer("batch_per_device", 64, "images per device per step")
+_IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "square image side, pixels", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch_per_device", 64, "images per device per step", lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16", "float16"], "compute dtype (model.dtype)")
 _STEPS = flags.DEFINE_integer("steps", 20, "timed steps", lower_bound=1)
 _WARMUP = flags.DEFINE_integer("warmup", 3, "steps run before timing", lower_bound=0)
 _STRATEGY = flags.DEFINE_string("strategy", None, "comm strategy NAME[@DENSITY] (default: the config's)")
 _NODES = flags.DEFINE_integer("nodes", 1, "mesh nodes (the rest of the devices are local)", lower_bound=1)
-_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 1, "devices to simulate when running on CPU")
-_CLASSES = flags.DEFINE_integer("num_classes", 1000, "classifier outputs")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 1, "devices to simulate when running on CPU", lower_bound=1)
+_CLASSES = flags.DEFINE_integer("num_classes", 1000, "classifier outputs", lower_bound=1)
 _PROFILE_DIR = flags.DEFINE_string("profile_dir", None, "write a jax.profiler trace of a few steps here")
 _PROFILE_STEPS = flags.DEFINE_integer("profile_steps", 3, "steps to trace with --profile_dir", lower_bound=1)
 # Config fields the flags own: a --config.FIELD for one of them (or under it) would have no effect.
@@ -85,6 +85,8 @@ def peak_memory_bytes(compiled) -> int | None:
 def main(argv):
   del argv
   cli.check_model(_MODEL.value)
+  if _PROFILE_DIR.value:  # its folder made and written now: the trace failed after the timed steps
+    cli.output_path(os.path.join(_PROFILE_DIR.value, "trace"), "--profile_dir")
   for field in cli.overridden_fields(sys.argv):
     owner = next((f for f in FLAG_FIELDS if field == f or field.startswith(f + ".")), None)
     if owner:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -99,6 +100,9 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
     parser.error(f"--nodes {args.nodes} --local {args.local}: each must be at least 1")
   if not 0 < args.target <= 1:  # a fraction: 92 would never be reached, after hours of runs
     parser.error(f"--target {args.target:g} must be a top-1 fraction in (0, 1], e.g. 0.92")
+  for flag in ("peer_timeout", "timeout"):  # else every run fails, once the emulated cluster is up
+    if not math.isfinite(getattr(args, flag)) or getattr(args, flag) <= 0:
+      parser.error(f"--{flag} {getattr(args, flag)} must be a number of seconds > 0")
   try:
     rate = parse_rate(args.bandwidth)
     labels = [parse_strategy(text) for text in args.strategies.split(",")]
@@ -201,13 +205,28 @@ def main() -> None:
           f"{r['step_seconds']:>9.3f}{r['inter_node_bytes_per_step']:>18,}")  # fmt: skip
   if args.plot and results:
     plot_curves({label: runs[label] for label in results}, args.target, title, args.plot)
-  if not left_out:  # else results.json keeps the figures of the command that made the runs
-    os.makedirs(args.workdir, exist_ok=True)
-    with open(os.path.join(args.workdir, "results.json"), "w") as f:
-      json.dump({"bandwidth": args.bandwidth, "mesh": [args.nodes, args.local], "target": args.target, **results}, f)
+  if not left_out and results:  # else results.json keeps the figures of the command that made the runs
+    write_results(os.path.join(args.workdir, "results.json"), args, results)
   print(json.dumps(results))
   if failed:
     sys.exit(f"error: {', '.join(failed)} failed (see above); the other strategies are reported")
+
+
+def write_results(path: str, args, results: dict) -> None:
+  """results.json: these strategies' results, beside the other strategies' from earlier commands on the same
+  cluster and target (a command for one strategy, or --report_only for some, replaced the file with theirs alone)."""
+  setting = {"bandwidth": args.bandwidth, "mesh": [args.nodes, args.local], "target": args.target}
+  earlier = {}
+  try:
+    with open(path) as f:
+      earlier = json.load(f)
+  except (OSError, ValueError):  # none yet, or unreadable: written anew
+    pass
+  if not isinstance(earlier, dict) or any(earlier.get(k) != v for k, v in setting.items()):
+    earlier = {}  # another cluster or target: its figures do not compare with these
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump({**earlier, **setting, **results}, f)
 
 
 if __name__ == "__main__":

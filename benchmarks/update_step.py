@@ -38,8 +38,8 @@ from light_jax import cli  # noqa: E402
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="resnet50")
-  parser.add_argument("--image", type=int, default=224)
-  parser.add_argument("--batch_per_device", type=int, default=8)
+  parser.add_argument("--image", type=cli.int_at_least(1), default=224)
+  parser.add_argument("--batch_per_device", type=cli.int_at_least(1), default=8)
   parser.add_argument("--rounds", type=cli.int_at_least(1), default=5)
   parser.add_argument("--local", type=int, default=2, help="devices of the sharded-vs-replicated rows")
   args = parser.parse_args()

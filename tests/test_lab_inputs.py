@@ -143,6 +143,7 @@ def test_mesh_lab_accepts_every_strategy_the_config_does():
     ("time_to_accuracy.py", ["--report_only", "--strategies", "hitopk@abc"], "is not a valid comm.density"),
     ("time_to_accuracy.py", ["--report_only", "--local", "0"], "--local 0: each must be at least 1"),
     ("time_to_accuracy.py", ["--report_only", "--target", "92"], "--target 92 must be a top-1 fraction"),
+    ("time_to_accuracy.py", ["--report_only", "--timeout", "0"], "--timeout 0.0 must be a number of seconds > 0"),
     ("time_to_accuracy.py", ["--report_only", "--workdir", "README.md"], "--workdir=README.md is a file; give a"),
     ("large_batch.py", ["--report_only", "--workdir", "README.md"], "--workdir=README.md is a file; give a folder"),
     ("mesh_lab.py", ["--loopback", "--bandwidth", "unshaped", "--set", "foo=1"], "--config.foo: no such config"),
@@ -160,6 +161,28 @@ def test_the_lab_scripts_exit_with_a_usage_error(script, argv, message):
                           timeout=120)  # fmt: skip
   assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
   assert "Traceback" not in result.stderr and "calibrating" not in result.stderr and result.stdout == ""
+
+
+def test_time_to_accuracy_keeps_the_other_strategies_results_of_the_same_cluster(tmp_path):
+  """A command for one strategy (or --report_only for some) replaced results.json with its rows alone: the figures
+  of hours of runs were gone."""
+  import time_to_accuracy
+
+  path = str(tmp_path / "results.json")
+  args = argparse.Namespace(bandwidth="50mbit", nodes=2, local=4, target=0.92)
+  time_to_accuracy.write_results(path, args, {"hierarchical": {"seconds_to_target": 900.0}})
+  time_to_accuracy.write_results(path, args, {"gtopk@0.01": {"seconds_to_target": 400.0}})
+  with open(path) as f:
+    assert json.load(f) == {
+      "bandwidth": "50mbit",
+      "mesh": [2, 4],
+      "target": 0.92,
+      "hierarchical": {"seconds_to_target": 900.0},
+      "gtopk@0.01": {"seconds_to_target": 400.0},
+    }
+  time_to_accuracy.write_results(path, argparse.Namespace(**{**vars(args), "bandwidth": "10mbit"}), {"dense": {}})
+  with open(path) as f:  # another link: the earlier figures do not compare
+    assert set(json.load(f)) == {"bandwidth", "mesh", "target", "dense"}
 
 
 def _cell(buckets, step_seconds=0.5, strategy="hierarchical"):

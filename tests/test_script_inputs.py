@@ -131,6 +131,8 @@ TOY_THROUGHPUT = ["--model=resnet8_small", "--image_size=8", "--batch_per_device
     ("--config.global_batch_size=64", "--config.global_batch_size has no effect"),
     ("--config.data.image_size=32", "--config.data.image_size has no effect"),
     ("--nodes=2", "--nodes=2 does not divide the 1 devices; set --nodes to one of 1. (On CPU, --cpu_devices sets"),
+    ("--batch_per_device=0", "flag --batch_per_device=0: 0 is not a positive integer"),  # a ZeroDivisionError
+    ("--profile_dir=/proc/nope/trace", "--profile_dir=/proc/nope/trace/trace: cannot make its folder"),  # after it all
   ],
 )
 def test_throughput_refuses_what_it_would_ignore_or_fail_on(flag, message):
@@ -143,6 +145,21 @@ def test_collectives_checks_its_variants_and_cost_model_before_measuring(tmp_pat
   assert error.startswith("error: --only: no variant 'hierarchcal'; the variants are dense, hierarchical,")
   error = _fails("benchmarks/collectives.py", *toy, "--only=dense,hierarchical/adaptive", "--cost_model=v100")
   assert error.startswith("error: --cost_model: comm.cost_model='v100' is neither a preset")
+
+
+@pytest.mark.parametrize(
+  "script, flag, message",
+  [  # tracebacks, or a table of an empty batch's timings
+    ("benchmarks/update_step.py", "--image=0", "argument --image: 0 must be >= 1"),
+    ("benchmarks/train_step.py", "--channels=0", "argument --channels: 0 must be >= 1"),
+    ("benchmarks/collectives.py", "--device_tflops=0", "--device_tflops=0.0: must be a number > 0"),
+    ("benchmarks/collectives.py", "--examples_per_device=0", "argument --examples_per_device: 0 must be >= 1"),
+  ],
+)
+def test_benchmarks_refuse_sizes_of_zero(script, flag, message):
+  result = subprocess.run([sys.executable, script, flag], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+  assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_benchmarks_refuse_a_mesh_that_does_not_fit():
