@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -161,30 +162,48 @@ def read_records(workdir: str) -> list[dict]:
 def read(workdir: str) -> tuple[dict | None, list[dict]]:
   """(the run's figures, or None if it did not finish; its per-evaluation records, [] if none)."""
   records = read_records(workdir)
-  if not os.path.exists(os.path.join(workdir, "summary.json")):
+  path = os.path.join(workdir, "summary.json")
+  if not os.path.exists(path):
     return None, records
-  with open(os.path.join(workdir, "summary.json")) as f:
-    summary = json.load(f)
-  return {
-    "batch": summary["config"]["global_batch_size"],
-    "epochs": summary["config"]["num_epochs"],
-    "top1": summary["final_eval_top1"],
-    "top5": summary["final_eval_top5"],
-    "train_seconds": elapsed(records)[-1],
-    "images_per_sec": summary["images_per_sec_mean"],
-    "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
-    # The run's exact mean (summaries since commit 9e1ba31); for older ones, from the records: see mean_per_step.
-    "inter_node_bytes_mean": summary.get("inter_node_bytes_per_step_mean")
-    or mean_per_step(records, "inter_node_bytes_per_step"),
-    "intra_node_bytes_per_step": summary["intra_node_bytes_per_step"],
-    "nonfinite_steps": summary["nonfinite_steps"],
-  }, records
+  try:
+    with open(path) as f:
+      summary = json.load(f)
+    figures = {
+      "batch": summary["config"]["global_batch_size"],
+      "epochs": summary["config"]["num_epochs"],
+      "top1": summary["final_eval_top1"],
+      "top5": summary["final_eval_top5"],
+      "train_seconds": elapsed(records)[-1],
+      "images_per_sec": summary["images_per_sec_mean"],
+      "inter_node_bytes_per_step": summary["inter_node_bytes_per_step"],
+      # The run's exact mean (summaries since commit 9e1ba31); for older ones, from the records: see mean_per_step.
+      "inter_node_bytes_mean": summary.get("inter_node_bytes_per_step_mean")
+      or mean_per_step(records, "inter_node_bytes_per_step"),
+      "intra_node_bytes_per_step": summary["intra_node_bytes_per_step"],
+      "nonfinite_steps": summary["nonfinite_steps"],
+    }
+  except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # damaged: the other runs are still reported
+    raise metrics.MetricsError(
+      f"{path} is not a finished run's summary ({type(e).__name__}: {e}); run it again (--rerun --only LABEL)"
+    ) from None
+  return figures, records
 
 
 def check_workdir(parser: argparse.ArgumentParser, workdir: str) -> None:
-  """The study's --workdir, which holds a folder per run, must be a folder (or not exist yet)."""
+  """The study's --workdir, which holds a folder per run, must be a folder (or not exist yet) in a place this
+  process can write: else each run failed with a traceback, and the study with them."""
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     parser.error(f"--workdir={workdir} is a file; give a folder (each run gets a folder in it)")
+  existing = os.path.abspath(workdir)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    parser.error(f"--workdir={workdir}: {existing} is a file; give a folder")
+  try:  # by writing: os.access says yes to root, who may still meet a read-only file system
+    with tempfile.NamedTemporaryFile(dir=existing):
+      pass
+  except OSError as e:
+    parser.error(f"--workdir={workdir}: cannot write in {existing} ({e.strerror}); give a writable folder")
 
 
 def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str):

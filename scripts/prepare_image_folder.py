@@ -40,6 +40,9 @@ def main():
   args = parser.parse_args()
   logging.set_verbosity(logging.INFO)
   folder, splits = os.path.expanduser(args.folder), tuple(args.splits.split(","))
+  bad = [s for s in splits if not s or s in (".", "..") or os.sep in s]  # each names a file in --out
+  if bad or len(set(splits)) < len(splits):
+    cli.fail(f"--splits={args.splits}: give distinct split names, each a folder's name, e.g. train,val")
   for split in splits:  # before --out is made: a mistyped folder leaves nothing behind
     if not os.path.isdir(os.path.join(folder, split)):
       cli.fail(
@@ -54,10 +57,14 @@ def main():
     cli.fail(f"--out={args.out}: cannot create it ({e.strerror}); choose another directory")
   try:
     info = records.convert_image_folder(folder, out, splits)
-  except (DataError, OSError) as e:  # OSError: a failure of the file system (a full disk is a DataError)
-    if new:  # the folder this run made (a failed conversion leaves an existing one as it was)
+  except BaseException as e:  # a Ctrl-C too: the folder this run made goes (an existing one stays as it was)
+    if new:
       shutil.rmtree(out, ignore_errors=True)
-    cli.fail(str(e) if isinstance(e, DataError) else f"converting {folder} to {out} failed: {e}")
+    if isinstance(e, DataError):
+      cli.fail(str(e))
+    if isinstance(e, OSError):  # a failure of the file system (a full disk is a DataError)
+      cli.fail(f"converting {folder} to {out} failed: {e}")
+    raise
   print(f"{len(info['classes'])} classes -> {args.out}")
   for split, counts in info["splits"].items():
     print(

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from light_jax.emulated_cluster import LoopbackCluster
-from tests.helpers import ROOT
+from tests.helpers import ROOT, tmpfs
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import mesh_lab  # noqa: E402
@@ -211,3 +211,15 @@ def test_a_study_run_that_fails_is_one_line_and_the_later_runs_still_run(tmp_pat
   monkeypatch.setattr(sys, "argv", ["large_batch.py", f"--workdir={tmp_path / 'runs'}", "--report_only"])
   args, results, _ = train_runs.study("a study", runs, "runs", "")
   assert args.failed == ["good"] and "error: good: " in capsys.readouterr().err
+  # A damaged summary.json (a JSONDecodeError traceback before): named in one line too.
+  (tmp_path / "runs" / "good" / "metrics.jsonl").write_text('{"step": 10, "train_seconds": 1.0}\n')
+  (tmp_path / "runs" / "good" / "summary.json").write_text('{"config": ')
+  args, results, _ = train_runs.study("a study", runs, "runs", "")
+  err = capsys.readouterr().err
+  assert args.failed == ["good"] and "summary.json is not a finished run's summary (JSONDecodeError" in err
+  # A --workdir where nothing can be written: refused before any run (each failed with a traceback).
+  with tmpfs(tmp_path / "read_only", "ro,size=1m") as folder:
+    monkeypatch.setattr(sys, "argv", ["large_batch.py", f"--workdir={folder / 'runs'}"])
+    with pytest.raises(SystemExit):
+      train_runs.study("a study", runs, "runs", "")
+  assert f"--workdir={folder / 'runs'}: cannot write in {folder} (Read-only file system)" in capsys.readouterr().err
