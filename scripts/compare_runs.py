@@ -34,6 +34,11 @@ def main():
       cli.fail(f"{spec}: no {os.path.join(workdir, 'metrics.jsonl')}; give the workdir of a train.py run")
     except metrics.MetricsError as e:
       cli.fail(f"{spec}: {e}")
+    except OSError as e:  # a folder in its place, no permission
+      cli.fail(f"{spec}: cannot read {os.path.join(workdir, 'metrics.jsonl')} ({e.strerror})")
+    fields = ("epoch", "train_loss", "eval_top1", "eval_top5", "inter_node_bytes_per_step")
+    if any(not isinstance(r, dict) or any(f not in r for f in fields) for r in runs[label]):
+      cli.fail(f"{spec}: {os.path.join(workdir, 'metrics.jsonl')} holds a line that is not a train.py record")
     if not runs[label]:
       cli.fail(f"{spec}: {os.path.join(workdir, 'metrics.jsonl')} holds no evaluation yet; give a run that has one")
   metrics.plot_comparison(runs, args.out, args.title)

@@ -42,10 +42,13 @@ def main() -> None:
         summaries.append(json.load(f))
       except json.JSONDecodeError as e:
         cli.fail(f"{path} is not JSON ({e}): the run did not end cleanly; run it again (the same command resumes)")
-  config = summaries[0]["config"]
-  # The mesh the run resolved (the config's may say -1, all devices), which the checkpoints were saved on.
-  devices = {s["mesh"]["nodes"] * s["mesh"]["local"] for s in summaries}
-  models = {json.dumps(s["config"]["model"], sort_keys=True) for s in summaries}
+  try:
+    config = summaries[0]["config"]
+    # The mesh the run resolved (the config's may say -1, all devices), which the checkpoints were saved on.
+    devices = {s["mesh"]["nodes"] * s["mesh"]["local"] for s in summaries}
+    models = {json.dumps(s["config"]["model"], sort_keys=True) for s in summaries}
+  except (KeyError, TypeError) as e:
+    cli.fail(f"a summary.json of {', '.join(args.workdirs)} is not train.py's ({type(e).__name__}: {e})")
   if len(devices) > 1 or len(models) > 1:
     cli.fail(f"the runs differ in device count ({sorted(devices)}) or model; compare runs of one kind")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -66,7 +69,13 @@ def main() -> None:
 
   finals = {}
   for workdir in args.workdirs:
-    params = ocp.StandardCheckpointer().restore(os.path.abspath(newest_checkpoint(workdir)))["params"]
+    checkpoint = os.path.abspath(newest_checkpoint(workdir))
+    try:
+      params = ocp.StandardCheckpointer().restore(checkpoint)["params"]
+    except Exception as e:  # not an orbax checkpoint, or damaged: any error orbax raises
+      cli.fail(
+        f"{checkpoint} cannot be restored ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+      )
     finals[os.path.basename(os.path.normpath(workdir))] = kernel_norms(params)
   # The same model at initialisation: the classes from the classifier (the one 2-D kernel), the input
   # channels from the dataset; no kernel's shape depends on the image size.

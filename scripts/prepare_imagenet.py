@@ -23,6 +23,7 @@ import os
 import re
 import sys
 import tarfile
+import tempfile
 import time
 
 DATASET = "imagenet2012"
@@ -77,6 +78,18 @@ def check_data_dir(data_dir: str) -> None:
   imagenet2012 in another format than ArrayRecord, TFRecord say, TFDS's default ("File format is already set")."""
   if os.path.exists(data_dir) and not os.path.isdir(data_dir):
     raise PrepareError(f"--data_dir {data_dir} is a file, not a directory; give a directory (made if missing)")
+  existing = data_dir
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise PrepareError(f"--data_dir {data_dir}: {existing} is a file; give a directory")
+  try:  # by writing (os.access says yes to root, who may still meet a read-only file system): else after the tars
+    with tempfile.NamedTemporaryFile(dir=existing):
+      pass
+  except OSError as e:
+    raise PrepareError(
+      f"--data_dir {data_dir}: cannot write in {existing} ({e.strerror}); give a writable directory"
+    ) from None
   for info_path in sorted(glob.glob(os.path.join(glob.escape(data_dir), DATASET, "*", "dataset_info.json"))):
     try:
       with open(info_path) as f:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.helpers import flip_bytes, train_py
+from tests.helpers import flip_bytes, tmpfs, train_py
 from tests.ilsvrc_fixture import (
   CMYK_FIX_NAME,
   PNG_FIX_NAME,
@@ -253,6 +253,10 @@ def test_a_data_dir_holding_tfrecord_imagenet_or_a_file_is_refused_in_one_line(t
   result = _run_script("--manual_dir", str(tmp_path / "manual"), "--data_dir", str(tmp_path / "afile"), timeout=60)
   assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
   assert f"--data_dir {tmp_path / 'afile'} is a file, not a directory" in result.stderr, result.stderr
+  with tmpfs(tmp_path / "read_only", "ro,size=1m") as folder:  # an OSError traceback once the tars were checked
+    result = _run_script("--manual_dir", str(tmp_path / "manual"), "--data_dir", str(folder / "tfds"), timeout=60)
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert f"--data_dir {folder / 'tfds'}: cannot write in {folder} (Read-only file system)" in result.stderr
   # The training input on that folder says the same, not "prepare it there" (which failed).
   if HAS_TF:  # a real TFRecord preparation (TFDS reads its info, features and labels), in a child: TensorFlow
     shutil.rmtree(tmp_path / "tfds")

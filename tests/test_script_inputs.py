@@ -47,6 +47,13 @@ def test_compare_runs_names_a_bad_run_argument(tmp_path):
   shutil.copy(os.path.join(ROOT, "docs", "fashion_mnist_metrics.jsonl"), tmp_path / "run" / "metrics.jsonl")
   error = _fails("scripts/compare_runs.py", "--out", out, f"a={tmp_path / 'run'}", f"a={tmp_path / 'run'}")
   assert error.endswith("the label 'a' is given twice; give each run its own label")
+  # A metrics.jsonl that is a folder, or holds what train.py does not write: tracebacks before.
+  (tmp_path / "folder" / "metrics.jsonl").mkdir(parents=True)
+  assert "metrics.jsonl (Is a directory)" in _fails("scripts/compare_runs.py", "--out", out, f"a={tmp_path / 'folder'}")
+  (tmp_path / "other").mkdir()
+  (tmp_path / "other" / "metrics.jsonl").write_text("[1, 2]\n")
+  error = _fails("scripts/compare_runs.py", "--out", out, f"a={tmp_path / 'other'}")
+  assert error.endswith("metrics.jsonl holds a line that is not a train.py record")
 
 
 def test_kernel_norms_compares_the_resolved_meshes(tmp_path):
