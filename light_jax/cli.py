@@ -119,6 +119,8 @@ def output_path(path: str, flag: str) -> str:
 
 
 def _not_a_folder(path: str, flag: str) -> None:
+  if not path.strip():  # "" wrote ./.png.png
+    fail(f"{flag}= is empty; give a file's path")
   if path.endswith(os.sep) or os.path.isdir(path):
     fail(f"{flag}={path}: is a folder; give a file's path (in that folder, or elsewhere)")
 
