@@ -171,11 +171,15 @@ def main():
     f"\n{args.model}, global batch {args.batch}, mesh {args.nodes} x {args.local} "
     f"({devices} {jax.devices()[0].platform} devices), {args.rounds} rounds x {args.steps} steps, interleaved"
   )
-  print(f"{'variant':<22}{'median step (ms)':>18}{'min (ms)':>10}{'images/s':>10}{'vs plain jit':>14}")
+  names = ("plain_jit", *ours, *micro)
+  width = max(22, *(len(n) + 2 for n in names))  # a long variant name shifted every column after it
+  print(f"{'variant':<{width}}{'median step (ms)':>18}{'min (ms)':>10}{'images/s':>10}{'vs plain jit':>14}")
   result = {}
-  for name in ("plain_jit", *ours, *micro):
+  for name in names:
     med = statistics.median(times[name])
-    print(f"{name:<22}{1e3 * med:>18.1f}{1e3 * min(times[name]):>10.1f}{args.batch / med:>10.0f}{med / base:>13.3f}x")
+    print(
+      f"{name:<{width}}{1e3 * med:>18.1f}{1e3 * min(times[name]):>10.1f}{args.batch / med:>10.0f}{med / base:>13.3f}x"
+    )
     result[name] = {"step_seconds": med, "ratio_to_plain_jit": med / base}
   print(json.dumps(result))
 

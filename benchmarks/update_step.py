@@ -110,7 +110,8 @@ def main():
       runs[name][1:] = [p, s]
       if r:
         times[name].append(time.perf_counter() - start)
-    print(f"  round {r}: " + ", ".join(f"{n} {t[-1]:.4f} s" for n, t in times.items() if t), file=sys.stderr)
+    if any(times.values()):  # round 0 only compiles: nothing timed to print
+      print(f"  round {r}: " + ", ".join(f"{n} {t[-1]:.4f} s" for n, t in times.items() if t), file=sys.stderr)
 
   median = {name: statistics.median(t) for name, t in times.items()}
   num = sum(x.size for x in jax.tree.leaves(params))
@@ -211,7 +212,8 @@ def sharded_vs_replicated(args, loss, params, images, labels, tx, schedule) -> d
       arms[name][1:] = [p, s]
       if r:
         times[name].append(time.perf_counter() - start)
-    print(f"  round {r}: " + ", ".join(f"{n} {t[-1]:.4f} s" for n, t in times.items() if t), file=sys.stderr)
+    if any(times.values()):  # round 0 only compiles: nothing timed to print
+      print(f"  round {r}: " + ", ".join(f"{n} {t[-1]:.4f} s" for n, t in times.items() if t), file=sys.stderr)
   # The same optimizer, so the same parameters after the same updates (a check on the comparison itself).
   diff = max(
     float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(a)) + 1e-12))
