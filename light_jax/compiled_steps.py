@@ -91,10 +91,7 @@ class CompiledSteps:
     if comm.residual_units == "update":
       self.residual_rescale = schedules.residual_rescale(optimizer.schedule)
     # Only the top-k strategies have a density (config.validate refuses a density schedule for the others).
-    self.density_warmup_steps = plan.step_at(comm.density_warmup_epochs)
-    self.final_density = None  # (first step, density) of the last comm.final_density_epochs epochs
-    if comm.final_density_epochs > 0:
-      self.final_density = (plan.step_at(plan.num_epochs - comm.final_density_epochs), comm.final_density)
+    self.density_warmup_steps, self.final_density = schedules.density_steps(comm, plan)
     # Where the epoch's loss accumulators restart and DiLoCo's machines sync: each epoch's first step, and the
     # run's end, which a max_steps may put inside an epoch: its evaluation must see one model, not stale shared
     # parameters.

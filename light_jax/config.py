@@ -321,8 +321,8 @@ def _choice(name: str, value, allowed) -> None:
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
   # NaN passes both comparisons: a NaN learning rate trained a run of NaN weights to the end, exit 0.
-  if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-    finite = isinstance(value, (int, float)) and math.isfinite(value)
+  finite = isinstance(value, (int, float)) and math.isfinite(value)
+  if not finite or value < 0 or (value == 0 and not allow_zero):
     raise ConfigError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}{'' if finite else ' and finite'}.")
 
 

@@ -214,7 +214,7 @@ class EpochEvaluation:
     train_loss = evaluation.epoch_mean_loss(info.state)  # waits for the step: the clock below then counts it
     self.clock.pause()
     train_seconds = self.clock.seconds() - self._start_seconds  # since the last record
-    images = sum(self.plan.batch_size_at(s) for s in range(self._start_step, info.step))
+    images = self.plan.images(self._start_step, info.step)
     skipped = skipped_steps(info.state)
     record = epoch_record(
       info.step,

@@ -74,7 +74,7 @@ class EpochPlan:
   def __init__(self, num_examples: int, num_epochs: int, phases: tuple[Phase, ...], default_batch_size: int):
     phases = tuple(sorted((Phase(*p) for p in phases), key=lambda p: p.first_epoch)) or (Phase(0, None),)
     first_epochs = [p.first_epoch for p in phases]
-    self.num_epochs = num_epochs
+    self.phases, self.num_epochs = phases, num_epochs  # phases from num_epochs on are not in the plan
     self.batch_sizes, self.image_sizes = [], []
     for epoch in range(num_epochs):
       phase = phases[bisect.bisect_right(first_epochs, epoch) - 1]
@@ -102,6 +102,10 @@ class EpochPlan:
 
   def batch_size_at(self, step: int) -> int:
     return self.batch_sizes[self.epoch_at(step)]
+
+  def images(self, first: int, last: int) -> int:
+    """The examples that steps ``first`` to ``last`` - 1 train on."""
+    return sum(self.batch_size_at(s) for s in range(first, last))
 
   def image_size_at(self, step: int) -> int | None:
     return self.image_sizes[self.epoch_at(step)]
@@ -216,6 +220,15 @@ def residual_rescale(schedule: optax.Schedule) -> Callable[[jax.Array], jax.Arra
     return jnp.where(now > 0, before / jnp.where(now > 0, now, 1.0), 1.0).astype(jnp.float32)
 
   return factor
+
+
+def density_steps(comm: ml_collections.ConfigDict, plan: EpochPlan) -> tuple[int, tuple[int, float] | None]:
+  """(the density warm-up's steps, (first step, density) of the last ``comm.final_density_epochs`` epochs or
+  None): ``density_at``'s ``warmup_steps`` and ``final`` for the run's ``comm`` settings."""
+  final = None
+  if comm.final_density_epochs > 0:
+    final = (plan.step_at(plan.num_epochs - comm.final_density_epochs), comm.final_density)
+  return plan.step_at(comm.density_warmup_epochs), final
 
 
 def density_at(

@@ -335,10 +335,7 @@ def phases_of(config: ml_collections.ConfigDict, num_train: int) -> list[Phase]:
   plan = epoch_plan(config, num_train)
   total = schedules.total_steps(config.max_steps, plan)
   comm = config.comm
-  warmup_steps = plan.step_at(comm.density_warmup_epochs)
-  final = None
-  if comm.final_density_epochs > 0:
-    final = (plan.step_at(plan.num_epochs - comm.final_density_epochs), comm.final_density)
+  warmup_steps, final = schedules.density_steps(comm, plan)  # as CompiledSteps has them
 
   def density(step: int) -> float:
     return schedules.density_at(step, comm.density, warmup_steps, final=final)
@@ -349,15 +346,11 @@ def phases_of(config: ml_collections.ConfigDict, num_train: int) -> list[Phase]:
     if first >= total:
       break
     end = min(first + plan.steps_per_epoch[epoch], total)
-    # (start, stop, density): one run, unless the density changes inside the epoch (warm-up, final density)
+    # (start, stop, density): one run, unless the density changes inside the epoch (warm-up, final density):
+    # then a run per step, which the loop below merges where the density stays
     runs = [(first, end, density(first))]
     if first < warmup_steps or (final is not None and first < final[0] < end):
-      runs = []
-      for step in range(first, end):
-        if runs and runs[-1][2] == density(step):
-          runs[-1] = (runs[-1][0], step + 1, runs[-1][2])
-        else:
-          runs.append((step, step + 1, density(step)))
+      runs = [(step, step + 1, density(step)) for step in range(first, end)]
     key = (plan.image_sizes[epoch] or image_size, plan.batch_sizes[epoch])
     for start, stop, d in runs:
       ends_epoch = int(stop == end)

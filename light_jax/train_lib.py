@@ -385,10 +385,7 @@ def images_per_sec_mean(records: list[dict[str, Any]], plan: schedules.EpochPlan
   record (cut by max_steps, the first after a resume at ``start_step``) weighs as little as it trained."""
   steps = [0] + [r["step"] for r in records]
   # A record's rate covers its steps since the previous record, or since the resume where that came before it.
-  images = [
-    sum(plan.batch_size_at(s) for s in range(start_step if a < start_step < b else a, b))
-    for a, b in zip(steps, steps[1:])
-  ]
+  images = [plan.images(start_step if a < start_step < b else a, b) for a, b in zip(steps, steps[1:])]
   trained = [(n, r["images_per_sec"]) for n, r in zip(images, records) if n]  # not a finished run's re-evaluation
   return sum(n for n, _ in trained) / sum(n / rate for n, rate in trained) if trained else None
 
@@ -421,8 +418,7 @@ def _log_setup(
       config.optimizer.warmup_epochs,
       plan.num_epochs,
     )
-  phases = schedules.parse_resolution_schedule(config.data.resolution_schedule, None)
-  if dropped := [p.first_epoch for p in phases if p.first_epoch >= plan.num_epochs]:
+  if dropped := [p.first_epoch for p in plan.phases if p.first_epoch >= plan.num_epochs]:
     logging.warning(
       "data.resolution_schedule: the phase(s) from epoch %s start after the run's last epoch (num_epochs=%d) "
       "and are left out",
