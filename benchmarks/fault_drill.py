@@ -80,7 +80,6 @@ def run_drill(args, root):
     f"--config.checkpoint.every_steps={args.every_steps}",
     "--config.log_every_steps=4",
   ]
-  total_steps = TOTAL_STEPS
   env = dict(os.environ, JAX_PLATFORMS="cpu")
 
   def start(workdir, *extra):
@@ -120,7 +119,7 @@ def run_drill(args, root):
     # Each kill lands a random moment after the first checkpoint past a random point ahead.
     resumed_from = progress(drill)
     target = resumed_from + rng.randint(1, args.every_steps)
-    if target >= total_steps - 2 * args.every_steps:
+    if target >= TOTAL_STEPS - 2 * args.every_steps:
       print(f"run too short for more kills after {kills}", file=sys.stderr)
       break
     proc = start(drill, "--config.train.time_steps=True")  # a record per step: where the kill landed
@@ -166,7 +165,7 @@ def run_drill(args, root):
   metrics_match = [{k: r[k] for k in keys} for r in rec_a] == [{k: r[k] for k in keys} for r in rec_b]
   result = {
     "kills": kills,
-    "kills_survived": kills if step_b == total_steps else 0,
+    "kills_survived": kills if step_b == TOTAL_STEPS else 0,
     "steps_lost_max": max(lost, default=0),
     "steps_lost_mean": float(np.mean(lost)) if lost else 0.0,
     "every_steps": args.every_steps,
@@ -177,7 +176,7 @@ def run_drill(args, root):
     "checkpoint_overhead_fraction": summary["checkpoint_overhead_fraction"],
   }
   print(
-    f"\nfault drill: {kills} kill -9 at random steps, checkpoint every {args.every_steps} steps, {total_steps} steps"
+    f"\nfault drill: {kills} kill -9 at random steps, checkpoint every {args.every_steps} steps, {TOTAL_STEPS} steps"
   )
   print(f"{'kills survived':<32}{result['kills_survived']}")
   print(f"{'steps lost per kill (max, mean)':<32}{result['steps_lost_max']}, {result['steps_lost_mean']:.1f}")

@@ -76,6 +76,12 @@ class TrialTakenOver(RuntimeError):
   """Another process sharing the study failed this running trial as killed (its heartbeat looked stale)."""
 
 
+def check_not_taken_over(trial: optuna.Trial) -> None:
+  """Raises TrialTakenOver where another process sharing the study has failed this running trial."""
+  if trial.study._storage.get_trial(trial._trial_id).state != TrialState.RUNNING:
+    raise TrialTakenOver(f"trial {trial.number} was failed by another process sharing the study")
+
+
 class TrialRejected(RuntimeError):
   """train.py rejected a new trial as bad input (exit code 2: its config, or the data): every trial would."""
 
@@ -180,10 +186,10 @@ def check_study_config(config_spec: str, overrides: list[str], space: dict[str, 
       "drop the override, or search another space (--space)"
     )
   for name, (kind, *args) in space.items():
-    if isinstance(_field(config, name), ml_collections.ConfigDict):
+    if isinstance(group := _field(config, name), ml_collections.ConfigDict):
       raise ValueError(
-        f"search space field {name} is a group of fields ({', '.join(sorted(_field(config, name)))}), not a field; "
-        f"sample one of them, e.g. {name}.{next(iter(sorted(_field(config, name))), 'x')}"
+        f"search space field {name} is a group of fields ({', '.join(sorted(group))}), not a field; "
+        f"sample one of them, e.g. {name}.{next(iter(sorted(group)), 'x')}"
       )
     # Each trial's value as train.py reads it: its bounds and choices, so that a value of the wrong type stops the
     # study here, not each trial (a value out of the field's valid range stays that trial's fault).
@@ -374,8 +380,7 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
         if exited:
           break
         # Failed from outside: its retry resumes in this workdir, where this run must not write on (stopped below).
-        if trial.study._storage.get_trial(trial._trial_id).state != TrialState.RUNNING:
-          raise TrialTakenOver(f"trial {trial.number} was failed by another process sharing the study")
+        check_not_taken_over(trial)
         time.sleep(1.0)
     except TrialTakenOver:
       process.kill()  # no checkpoint: the retry may already be reading or writing this workdir's
@@ -714,8 +719,7 @@ def main() -> None:
       n_startup_trials=args.startup_trials, seed=args.seed + trial.number
     )
     value = run_trial(trial, args, space)
-    if trial.study._storage.get_trial(trial._trial_id).state != TrialState.RUNNING:  # Optuna asserts on it
-      raise TrialTakenOver(f"trial {trial.number} was failed by another process sharing the study")
+    check_not_taken_over(trial)  # Optuna asserts on it
     return value
 
   while needs_a_trial(study, args.trials):

@@ -34,6 +34,7 @@ import struct
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 from absl import logging
@@ -79,14 +80,15 @@ def _writer(path: str):
   os.replace(tmp, path)
 
 
-def _read(source, index: int, path: str, fix: str):
+def _read(source, index: int, path: str | Callable[[int], str], fix: str):
   """Record ``index`` of ``source``; a file damaged or gone since it was opened (riegeli's RuntimeError: "chunk data
-  hash mismatch", "open() failed") is a DataError naming ``path`` and ``fix``, not a traceback after an epoch."""
+  hash mismatch", "open() failed") is a DataError naming ``path`` (or ``path(index)``, worked out only then) and
+  ``fix``, not a traceback after an epoch."""
   try:
     return source[index]
   except RuntimeError as e:
     reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    raise DataError(f"{path} is damaged or unreadable ({reason}); {fix}.") from None
+    raise DataError(f"{path(index) if callable(path) else path} is damaged or unreadable ({reason}); {fix}.") from None
 
 
 def _reader(path: str, fix: str):
@@ -130,8 +132,9 @@ class TfdsRecords:
       f"remove {version_dir} and prepare it again with `python scripts/prepare_imagenet.py --manual_dir "
       f"DIR_WITH_TARS --data_dir {data_dir}`"
     )
-    self._shards = [os.fspath(i.filename) for i in self._source.dataset_info.splits[split].file_instructions]
-    self._shard_ends = np.cumsum([i.take for i in self._source.dataset_info.splits[split].file_instructions])
+    instructions = self._source.dataset_info.splits[split].file_instructions
+    self._shards = [os.fspath(i.filename) for i in instructions]
+    self._shard_ends = np.cumsum([i.take for i in instructions])
     for path in self._shards:
       try:
         open(path, "rb").close()
@@ -152,10 +155,12 @@ class TfdsRecords:
   def __len__(self) -> int:
     return len(self._source)
 
+  def _shard_of(self, index: int) -> str:
+    """The shard holding record ``index``: riegeli's read error does not name the file."""
+    return self._shards[min(int(np.searchsorted(self._shard_ends, index, "right")), len(self._shards) - 1)]
+
   def __getitem__(self, index: int) -> tuple[bytes, int, str]:
-    # riegeli's error does not name the file: the shard holding ``index`` does.
-    shard = self._shards[min(int(np.searchsorted(self._shard_ends, index, "right")), len(self._shards) - 1)]
-    record = _read(self._source, index, shard, self._fix)
+    record = _read(self._source, index, self._shard_of, self._fix)
     name = record.get("file_name", b"")
     return record["image"], int(record["label"]), name.decode() if isinstance(name, bytes) else str(name)
 
