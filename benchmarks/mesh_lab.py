@@ -67,6 +67,7 @@ from light_jax.emulated_cluster import (  # noqa: E402
   ClusterError,
   EmulatedCluster,
   LoopbackCluster,
+  check_privileges,
   free_port,
   parse_rate,
   report_failure,
@@ -366,7 +367,9 @@ def main() -> None:
     parser.error(f"--experiment {args.experiment}: {e}")
   try:
     rates, requested = check_args(args, meshes)
-  except ValueError as e:
+    if not args.loopback:  # no root or iproute2: bad input (exit 2), said before any cell
+      check_privileges()
+  except (ValueError, ClusterError) as e:
     parser.error(str(e))
 
   results, calibrations, failed = {}, {}, []
@@ -376,7 +379,7 @@ def main() -> None:
     try:
       cells, calibration, mesh_failed = run_mesh(mesh_args, rates, requested)
     except ClusterError as e:
-      if not results:  # nothing ran (no root, no iproute2): the one line
+      if not results:  # nothing ran (a namespace or link could not be made): the one line
         sys.exit(f"error: {e}")
       print(f"error: the {nodes} x {local} mesh failed: {e}", file=sys.stderr)  # the earlier meshes' cells stay
       failed.append(f"{nodes}x{local}")

@@ -1,6 +1,6 @@
 """Light's claim in miniature, as time to accuracy: whole training runs on an emulated cluster.
 
-  sudo python benchmarks/time_to_accuracy.py --nodes 2 --local 4 --bandwidth 50mbit \\
+  sudo .venv/bin/python benchmarks/time_to_accuracy.py --nodes 2 --local 4 --bandwidth 50mbit \\
       --strategies hierarchical,hitopk@0.01,hitopk@0.001,gtopk@0.01 --target 0.92 \\
       --plot docs/time_to_accuracy.png          (or: make time-to-accuracy)
 
@@ -41,7 +41,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from light_jax import cli  # noqa: E402
-from light_jax.emulated_cluster import ClusterError, EmulatedCluster, parse_rate, report_failure  # noqa: E402
+from light_jax.emulated_cluster import (  # noqa: E402
+  ClusterError,
+  EmulatedCluster,
+  check_privileges,
+  parse_rate,
+  report_failure,
+)
 from light_jax.metrics import MetricsError  # noqa: E402
 
 
@@ -116,6 +122,11 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
   if args.plot:  # its folder now, not a traceback after hours of runs
     args.plot = cli.plot_path(args.plot, "--plot")
   train_runs.check_workdir(parser, args.workdir)
+  if not args.report_only:  # no root: said now, as bad input (exit 2), not after the checks as an error
+    try:
+      check_privileges()
+    except ClusterError as e:
+      parser.error(str(e))
   return args, rate, labels
 
 

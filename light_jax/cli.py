@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import contextlib
 import os
 import re
@@ -22,6 +23,8 @@ from light_jax.exit_codes import ExitCode
 FLAG_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError)
 _NOT_LOADED = "Configuration is not available because of an earlier failure to load: "
 
+
+_HELP_FLAGS = ("help", "?", "helpshort", "helpfull", "helpxml")  # absl's
 
 # Where to look next, after an error's one line.
 FIELDS_HINT = "base_config() in light_jax/config.py lists the fields"
@@ -53,6 +56,9 @@ def flags_parser(*config_file_flags):
       rest = _parse(flags.FLAGS, argv, [flag.name for flag in config_file_flags])
     except CommandLineError as e:
       fail(str(e))
+    except SystemExit as e:  # absl exits 1 after the help it was asked for, the code of an unexpected error here
+      asked_for_help = any(arg.split("=")[0].lstrip("-") in _HELP_FLAGS for arg in argv[1:])
+      sys.exit(ExitCode.OK if e.code == 1 and asked_for_help else e.code)
     if rest[1:]:  # an override without its dashes would be dropped without a word, and the run go on without it
       fail(f"unexpected argument(s) {' '.join(rest[1:])}: give flags only (a config override looks like "
            "--config.num_epochs=3)")  # fmt: skip
@@ -100,13 +106,21 @@ def check_model(name: str, flag: str = "--model") -> None:
 
 def output_path(path: str, flag: str) -> str:
   """``path``, a file the program will write at its end, with its folder made now: a folder it cannot make or
-  write in, or a ``path`` that is a folder, is ``fail``'s one line before any work, not a traceback after it."""
+  write in, or a ``path`` that is a folder, is ``fail``'s one line before any work, not a traceback after it.
+  The folders made here are removed at exit if still empty (a later refusal, or a run that wrote nothing)."""
   _not_a_folder(path, flag)
   folder = os.path.dirname(os.path.abspath(path))
+  missing = []  # the folders os.makedirs will make, innermost first
+  parent = folder
+  while not os.path.exists(parent):
+    missing.append(parent)
+    parent = os.path.dirname(parent)
   try:
     os.makedirs(folder, exist_ok=True)
   except OSError as e:
     fail(f"{flag}={path}: cannot make its folder ({e.strerror}); give a path in a writable folder")
+  if missing:
+    atexit.register(_remove_if_empty, missing)
   try:  # by writing: os.access says yes to root, who may still meet a read-only file system or /proc
     with tempfile.NamedTemporaryFile(dir=folder):
       pass
@@ -116,6 +130,14 @@ def output_path(path: str, flag: str) -> str:
   except OSError as e:
     fail(f"{flag}={path}: cannot write there ({e.strerror}); give a writable path")
   return path
+
+
+def _remove_if_empty(folders: list[str]) -> None:
+  for folder in folders:  # innermost first; one that holds something stays, and so do its parents
+    try:
+      os.rmdir(folder)
+    except OSError:
+      return
 
 
 def _not_a_folder(path: str, flag: str) -> None:

@@ -319,6 +319,9 @@ def _choice(name: str, value, allowed) -> None:
     raise ConfigError(f"{name}={value!r} is unknown; use one of {list(allowed)}.")
 
 
+MAX_EPOCHS = 10**6
+
+
 def _positive(name: str, value, allow_zero: bool = False) -> None:
   # NaN passes both comparisons: a NaN learning rate trained a run of NaN weights to the end, exit 0.
   finite = isinstance(value, (int, float)) and math.isfinite(value)
@@ -597,6 +600,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _positive("checkpoint.keep", config.checkpoint.keep)
   _positive("log_every_steps", config.log_every_steps)
   _positive("num_epochs", config.num_epochs)
+  if config.num_epochs > MAX_EPOCHS:  # the plan holds a few numbers per epoch: 10**9 filled the memory, silently
+    raise ConfigError(
+      f"num_epochs={config.num_epochs!r} is over {MAX_EPOCHS:,}; give the epochs the run should train (max_steps "
+      "stops it earlier)."
+    )
   _positive("max_steps", config.max_steps, allow_zero=True)
 
   try:

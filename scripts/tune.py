@@ -498,6 +498,11 @@ def print_table(study: optuna.Study) -> None:
     )
 
 
+def requested_grace(args) -> int:
+  """The heartbeat grace this command asks for: --heartbeat_grace, or the default."""
+  return args.heartbeat_grace or DEFAULT_HEARTBEAT_GRACE
+
+
 def study_grace(study: optuna.Study, args) -> int:
   """The study's heartbeat grace: the one it was created with (stored then), else --heartbeat_grace or the default,
   which it stores. A machine with a shorter one would fail the live trials of the others as killed.
@@ -507,7 +512,7 @@ def study_grace(study: optuna.Study, args) -> int:
   """
   stored = study.user_attrs.get("heartbeat_grace")
   if stored is None:  # a new study, or one from before the grace was stored
-    stored = args.heartbeat_grace or DEFAULT_HEARTBEAT_GRACE
+    stored = requested_grace(args)
     study.set_user_attr("heartbeat_grace", stored)
   elif args.heartbeat_grace not in (None, stored):
     raise ValueError(
@@ -556,9 +561,8 @@ def wait_for_killed_trials(study: optuna.Study, grace: int) -> None:
       if not waiting_for & running:
         break
       time.sleep(1)
-  except KeyboardInterrupt:
-    print("interrupted: the same command continues the study", file=sys.stderr)
-    sys.exit(130)
+  except KeyboardInterrupt:  # no trial of this process's is running
+    resume_later(study, [])
   failed = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
   retried = sorted(waiting_for & failed)  # not those another machine finished meanwhile
   if retried:
@@ -585,9 +589,8 @@ def needs_a_trial(study: optuna.Study, trials: int) -> bool:
         waiting = True
       time.sleep(2)
       optuna.storages.fail_stale_trials(study)  # a killed one's retry is queued, then counts as not running
-  except KeyboardInterrupt:
-    print("interrupted: the same command continues the study", file=sys.stderr)
-    sys.exit(130)
+  except KeyboardInterrupt:  # no trial of this process's is running
+    resume_later(study, [])
 
 
 def resume_later(study: optuna.Study, started: list[int]) -> NoReturn:
@@ -681,7 +684,7 @@ def main() -> None:
   warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # the heartbeat's, in Optuna 5
   url = args.storage or f"sqlite:///{os.path.abspath(os.path.join(args.study_dir, 'study.db'))}"
   try:
-    storage = open_storage(url, args.heartbeat_grace or DEFAULT_HEARTBEAT_GRACE)
+    storage = open_storage(url, requested_grace(args))
   except (sqlalchemy.exc.SQLAlchemyError, ImportError) as e:  # no driver for the URL, a database it cannot open
     reason = str(e).splitlines()[0][:300]
     cli.fail(f"--storage={url}: cannot open the study's database ({type(e).__name__}: {reason})")
@@ -694,7 +697,7 @@ def main() -> None:
     grace = study_grace(study, args)
   except ValueError as e:
     cli.fail(str(e))
-  if grace != (args.heartbeat_grace or DEFAULT_HEARTBEAT_GRACE):  # the study's: its trials beat every third of it
+  if grace != requested_grace(args):  # the study's: its trials beat every third of it
     storage = open_storage(url, grace)
     study = optuna.load_study(study_name=args.study_name, storage=storage, pruner=pruner)
   args.heartbeat_grace = grace

@@ -59,6 +59,7 @@ def test_default_configs_validate():
       {"comm__strategy": "hitopk", "comm__final_density_epochs": 6.0, "comm__density_warmup_epochs": 3.0},
       r"overlap in a run of num_epochs=8: the final phase would cut the warm-up short",
     ),
+    ({"num_epochs": 10**9}, r"num_epochs=1000000000 is over 1,000,000; give the epochs the run should train"),
     ({"comm__dtype": "float16"}, r"comm.dtype='float16' is unknown; use one of \['float32', 'bfloat16'\]"),
     ({"optimizer__name": "adam"}, r"optimizer.name='adam' is unknown; use one of \['sgd', 'lars', 'lamb'\]"),
     ({"optimizer__decay": "step"}, r"optimizer.decay='step' is unknown"),
@@ -243,6 +244,12 @@ def test_cli_bad_flags_get_one_error_line_and_exit_code_2(tmp_path, args, messag
   assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
   assert errors[0].endswith(f" ({hint})") if hint else not errors[0].endswith(("fields)", "flags)")), errors[0]
   assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
+
+
+def test_cli_help_exits_0():
+  """absl exits 1 after --help, which the exit codes (light_jax/exit_codes.py) read as an unexpected error."""
+  result = train_py("--help")
+  assert result.returncode == 0 and "--workdir" in result.stdout, result.stderr[-2000:]
 
 
 TYPO_CONFIG = """

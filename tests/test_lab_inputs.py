@@ -4,9 +4,11 @@ calibration files, strategies and flags; and the cleanup of the 127.0.0.1 cluste
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -161,6 +163,31 @@ def test_the_lab_scripts_exit_with_a_usage_error(script, argv, message):
                           timeout=120)  # fmt: skip
   assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
   assert "Traceback" not in result.stderr and "calibrating" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize(
+  "script, argv",
+  [
+    ("mesh_lab.py", []),
+    ("time_to_accuracy.py", ["--workdir", "{tmp}/runs"]),
+    ("calibrate_links.py", ["--emulate", "50mbit", "--out", "{tmp}/links.json"]),
+  ],
+)
+def test_the_lab_scripts_say_they_need_root_as_bad_input(script, argv):
+  """Run as a normal user: the one line that says root is needed, exit 2 (bad input), before any work."""
+  if os.geteuid() != 0 or not shutil.which("setpriv"):
+    pytest.skip("needs root and setpriv, to run the script as another user")
+  with tempfile.TemporaryDirectory() as tmp:  # not in tmp_path: pytest's root folder is root's alone
+    os.chmod(tmp, 0o777)
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    argv = [arg.format(tmp=tmp) for arg in argv]
+    result = subprocess.run([*as_nobody, sys.executable, f"benchmarks/{script}", *argv], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": tmp})  # fmt: skip
+    if "Permission denied" in result.stderr and "needs root" not in result.stderr:
+      pytest.skip(f"another user cannot read the checkout or its venv here: {result.stderr[-300:]}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "an emulated cluster needs root" in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert os.listdir(tmp) in ([], ["runs"])  # no run was started, nothing written
 
 
 def test_time_to_accuracy_keeps_the_other_strategies_results_of_the_same_cluster(tmp_path):

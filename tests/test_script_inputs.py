@@ -34,6 +34,10 @@ def _fails(script, *args, cwd=ROOT, **env):
 def test_compare_runs_names_a_bad_run_argument(tmp_path):
   out = str(tmp_path / "runs.png")
   assert "'dense' is not LABEL=WORKDIR" in _fails("scripts/compare_runs.py", "--out", out, "dense")
+  # The folders --out needed were made before the refusal, and removed at exit: a refused run leaves nothing.
+  nested = tmp_path / "made" / "for" / "it" / "runs.png"
+  assert "'dense' is not LABEL=WORKDIR" in _fails("scripts/compare_runs.py", "--out", str(nested), "dense")
+  assert not (tmp_path / "made").exists()
   error = _fails("scripts/compare_runs.py", "--out", out, f"dense={tmp_path / 'missing'}")
   assert "missing/metrics.jsonl; give the workdir of a train.py run" in error
   (tmp_path / "empty").mkdir()
