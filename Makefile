@@ -82,10 +82,12 @@ time-to-accuracy: .venv
 	$(PY) benchmarks/time_to_accuracy.py --nodes 2 --local 4 --bandwidth 50mbit \
 	  --strategies hierarchical,hitopk@0.01,hitopk@0.001,gtopk@0.01 --target 0.92 --plot docs/time_to_accuracy.png
 
-# The large-batch study (README "Large batch"): whole runs, one after the other; every row is about 40 hours on
-# these 2 cores (a 28-epoch run at batch 4,096 takes 16-18 minutes), so --only LABELS picks some.
+# The large-batch study (README "Large batch"): whole runs, one after the other, about 40 hours in all on
+# these 2 cores (a 28-epoch run at batch 4,096 takes 16-18 minutes), so ONLY=LABEL,LABEL picks some runs
+# (`python benchmarks/large_batch.py --help` lists them), e.g. make large-batch ONLY=sgd_256,sgd_4096.
+ONLY ?=
 large-batch: .venv
-	$(PY) benchmarks/large_batch.py --workdir runs/large_batch --plot docs/large_batch.png
+	$(PY) benchmarks/large_batch.py --workdir runs/large_batch --plot docs/large_batch.png $(if $(ONLY),--only $(ONLY))
 
 # The AutoML study behind configs/fashion_mnist.py:large_batch_lars (16 trials of 3 epochs; resumable), as it
 # ran: with poly decay, the variant's decay then (docs/measurements.md, "Large batch").

@@ -1,7 +1,7 @@
 """Fit the alpha-beta cost of each link level from measured all-reduces, here or on an emulated cluster.
 
   python benchmarks/calibrate_links.py --out runs/links.json [--nodes 2 --local 4]
-  sudo python benchmarks/calibrate_links.py --emulate 10mbit --nodes 2 --local 4 --out runs/links_10mbit.json
+  sudo .venv/bin/python benchmarks/calibrate_links.py --emulate 10mbit --nodes 2 --local 4 --out runs/links_10mbit.json
   python train.py ... --config.comm.fusion=adaptive --config.comm.cost_model=runs/links.json
 
 For each level, a psum over that mesh axis alone, at sizes from 4 KiB up, median of --repeats runs:
@@ -47,7 +47,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from light_jax import cli  # noqa: E402
-from light_jax.emulated_cluster import ClusterError, EmulatedCluster, free_port, parse_rate, report_failure  # noqa: E402
+from light_jax.emulated_cluster import (  # noqa: E402
+  ClusterError,
+  EmulatedCluster,
+  check_privileges,
+  free_port,
+  parse_rate,
+  report_failure,
+)
 
 
 def level_sizes(group_bytes_per_buffer_byte: float, max_bytes: int, link_bytes_budget: float | None) -> list[int]:
@@ -206,6 +213,10 @@ def main():
       rate = parse_rate(args.emulate)
     except ValueError as e:
       cli.fail(f"--emulate={args.emulate}: {e}")
+    try:  # no root or iproute2: bad input (exit 2), not an error
+      check_privileges()
+    except ClusterError as e:
+      cli.fail(str(e))
     try:
       with EmulatedCluster(args.nodes, rate) as cluster:
         cost, output = calibrate_on_cluster(cluster, args.local, args.out, args.repeats, args.max_seconds, args.max_mib)

@@ -12,6 +12,8 @@
 #   3. the input pipeline (benchmarks/input_pipeline.py), images/s per host core;
 #   3b. the optimizer update of ResNet-50 with LARS, norms per tensor against fused, and sharded against
 #       replicated across the GPUs when there are several (benchmarks/update_step.py);
+#   3c. the device's top-k selection rate, and the link between its GPUs when there are several
+#       (benchmarks/calibrate_links.py): the rate comm.strategy=auto and the simulator otherwise assume;
 #   4. a short training run (train.py on generated JPEGs, ResNet-50 at 128 px) with a profile of 5 steps.
 # Writes OUT_DIR/gpu_check.json (every step's JSON line, its exit code and seconds) and OUT_DIR/report.txt
 # (the tables), plus each step's log and the profile under OUT_DIR/train/profile.
@@ -71,6 +73,7 @@ if [ "$TOY" = "--toy" ]; then
   COLLECTIVES=(--nodes 1 --local 2 --repeats 1 --only hitopk@0.01/mstopk --model resnet8_small)
   INPUT=(--images 20 --rounds 1 --seconds 0.2)
   UPDATE=(--model resnet18 --image 32 --batch_per_device 2 --rounds 1)
+  LINKS=(--nodes 1 --local 2 --repeats 1 --max_mib 4)
   TRAIN=(--config.model.name=resnet8_small --config.model.width=8 --config.data.image_size=32
          --config.data.resolution_schedule= --config.mesh.cpu_devices=2 --config.num_epochs=3 --config.global_batch_size=16
          --config.max_steps=12 --config.data.eval_batch_size=20 --config.train.profile_steps=6:9)
@@ -87,6 +90,7 @@ else
                --only hierarchical,hitopk@0.01,hitopk@0.01/mstopk,hitopk@0.001,hitopk@0.001/mstopk,gtopk@0.01,topk@0.001,powersgd@4)
   INPUT=(--images 200 --rounds 2 --seconds 2)
   UPDATE=(--model resnet50 --batch_per_device 128 --rounds 10 --local "$(nvidia-smi -L | wc -l)")  # sharded: >= 2 GPUs
+  LINKS=(--nodes 1 --local "$(nvidia-smi -L | wc -l)" --repeats 5 --max_mib 64)
   # ResNet-50 itself (tiny's width 16 off), in bfloat16, its decoded cache at the training size.
   TRAIN=(--config.model.name=resnet50 --config.model.width=0 --config.model.dtype=bfloat16
          --config.data.image_size=128 --config.data.cache_size=128 --config.data.resolution_schedule=
@@ -106,6 +110,7 @@ done
 run collectives 120 "$PY" benchmarks/collectives.py "${COLLECTIVES[@]}"
 run input_pipeline 90 "$PY" benchmarks/input_pipeline.py "${INPUT[@]}"
 run update_step 400 "$PY" benchmarks/update_step.py "${UPDATE[@]}"  # compiles ~10 programs (2 on a mesh)
+run calibrate_links 120 "$PY" benchmarks/calibrate_links.py "${LINKS[@]}" --out "$OUT/links.json"
 
 # Training data: a small folder of generated JPEGs (10 classes), prepared as the README says.
 DATA="$OUT/data"
@@ -148,12 +153,16 @@ profile = sorted(glob.glob(os.path.join(out, "train", "profile", "**", "*.xplane
 tried = {s["step"].rsplit("_b", 1)[0] for s in steps if s["step"].startswith("throughput_")}
 failed = [t for t in sorted(tried) if not any(f"throughput_{k.replace('@', '_')}" == t for k in best)]
 failed += [s["step"] for s in steps if not s["step"].startswith("throughput_") and s["exit_code"] != 0]
-summary = {"steps": steps, "throughput": best, "profile": profile[0] if profile else None, "failed": failed}
+links = next((s["result"] for s in steps if s["step"] == "calibrate_links" and s["exit_code"] == 0), None)
+topk_rate = links["topk_elements_per_sec"] if links else None  # elements/s: auto and the simulator assume one
+summary = {"steps": steps, "throughput": best, "topk_elements_per_sec": topk_rate,
+           "profile": profile[0] if profile else None, "failed": failed}
 json.dump(summary, open(os.path.join(out, "gpu_check.json"), "w"), indent=1)
 with open(os.path.join(out, "report.txt"), "a") as f:
   f.write("\nthroughput (largest batch that fit): " + ", ".join(
     f"{k}: {v['images_per_sec']:.0f} images/s per device at batch {v['batch_per_device']}" for k, v in best.items()) + "\n")
+  f.write(f"top-k selection: {topk_rate and f'{topk_rate:.3g}'} elements/s\n")
   f.write(f"profile: {summary['profile']}\nfailed steps: {summary['failed'] or 'none'}\n")
-print(json.dumps({"throughput": {k: v["images_per_sec"] for k, v in best.items()}, "failed": summary["failed"],
-                  "profile": summary["profile"]}))
+print(json.dumps({"throughput": {k: v["images_per_sec"] for k, v in best.items()}, "topk_elements_per_sec": topk_rate,
+                  "failed": summary["failed"], "profile": summary["profile"]}))
 EOF

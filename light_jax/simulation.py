@@ -85,8 +85,8 @@ DEVICES = {
     topk_elements_per_sec=cost_model.ASSUMED_TOPK_RATES["v100"],
     source="images/s: NVIDIA DeepLearningExamples, ResNet-50 v1.5 mixed-precision training on V100 16 GB, about "
     "1,200-1,400 images/s per GPU (middle taken); memory: V100 datasheet, 900 GB/s HBM2; top-k: an "
-    f"assumption ({cost_model.ASSUMED_TOPK_RATES['v100']:.2g} elements/s), not measured; benchmarks/collectives.py "
-    "measures it on a device",
+    f"assumption ({cost_model.ASSUMED_TOPK_RATES['v100']:.2g} elements/s), not measured; "
+    "benchmarks/calibrate_links.py measures it on a device",
   ),
   "h200": DeviceProfile(
     "h200",

@@ -11,8 +11,10 @@ files are written in a hidden folder inside OUT (so OUT's disk needs room for a 
 OUT's at the end: a conversion that fails changes nothing in OUT (an OUT it made is removed). A class folder that
 cannot be read, or an OUT that cannot be written, is refused in one line. Then train with
 
-  python train.py --config configs/imagenet_resnet50.py --config.data.dataset=image_folder \\
-      --config.data.data_dir=OUT ...
+  python train.py --config configs/imagenet_resnet50.py:tiny --workdir runs/mine \\
+      --config.data.dataset=image_folder --config.data.data_dir=OUT
+
+(:tiny fits one machine; the config without a variant is Light's 16 x 8 GPUs.)
 """
 
 import argparse

@@ -81,4 +81,7 @@ def test_gpu_check_script_runs_every_step_at_toy_size_on_cpu(tmp_path):
   assert steps["collectives"]["result"] and steps["input_pipeline"]["result"]
   update = steps["update_step"]["result"]
   assert update["lars_fused"]["seconds"] > 0 and update["sharded_lars"]["seconds"] > 0  # 2 CPU devices
+  links = steps["calibrate_links"]["result"]  # the top-k rate, written where train.py's comm.cost_model reads it
+  assert summary["topk_elements_per_sec"] == links["topk_elements_per_sec"] > 0
+  assert json.loads((out / "links.json").read_text())["topk_elements_per_sec"] == links["topk_elements_per_sec"]
   assert json.loads(result.stdout.strip().splitlines()[-1])["failed"] == []
