@@ -9,7 +9,7 @@ import pytest
 from light_jax import config as config_lib
 from light_jax import optim
 from light_jax import train_step as step_lib
-from light_jax.parallel import diloco, strategies
+from light_jax.parallel import collectives, diloco, strategies
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel import reducer as reducer_lib
 from tests.helpers import TinyCNN, init_variables
@@ -93,8 +93,11 @@ def test_bytes_the_slow_link_carries_once_every_h_steps():
   n = 3 * 3 * 64 * 128 + 128
   reducer = diloco.DiLoCo(2, 4, sync_every=8)
   hierarchical = strategies.strategy_bytes("hierarchical", n, 4, 2, 4)
+  # The outer step inside the machine: the all-gather of a hierarchical all-reduce, not its reduce-scatter.
+  gather = 3 * (n // 4) * 4
+  assert hierarchical.intra_node == 2 * gather
   assert reducer.bytes_per_step(params) == strategies.CommBytes(
-    intra_node=strategies.ring_allreduce_bytes(4 * n, 4) + hierarchical.intra_node // 8,
+    intra_node=strategies.ring_allreduce_bytes(4 * n, 4) + gather // 8,
     inter_node=hierarchical.inter_node // 8,
   )
   # Epochs of 32 steps and H = 64: the machines also sync at each epoch's end, so every 32 steps, twice as often
@@ -103,6 +106,33 @@ def test_bytes_the_slow_link_carries_once_every_h_steps():
   assert epochs.bytes_per_step(params).inter_node == hierarchical.inter_node // 32
   cut = diloco.DiLoCo(2, 4, sync_every=64).for_run((0, 32, 40, 64, 96, 128), 40)
   assert cut.bytes_per_step(params).inter_node == hierarchical.inter_node * 2 // 40
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (8, 1), (1, 8)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("wire", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_the_outer_all_reduce_sums_the_machines_without_a_reduce_scatter_inside_them(shape, wire):
+  """collectives.machines_allreduce: every device of a machine holds the machine's change; the sum over the
+  machines, with no reduce-scatter over local (it would add `local` copies) and the bytes bytes_per_step counts."""
+  nodes, local = shape
+  d = 1_001  # not a multiple of local or nodes: padded
+  machines = np.random.default_rng(0).normal(size=(nodes, d)).astype(np.float32)
+  per_device = np.repeat(machines, local, axis=0)  # device (n, l) holds machine n's vector
+  mesh = mesh_lib.make_mesh(nodes, local)
+  summed = jax.jit(
+    jax.shard_map(
+      lambda x: collectives.machines_allreduce(x[0], wire)[None],
+      mesh=mesh,
+      in_specs=mesh_lib.BATCH_SPEC,
+      out_specs=mesh_lib.BATCH_SPEC,
+      check_vma=False,
+    )
+  )
+  text = summed.lower(per_device).as_text()
+  assert "reduce_scatter" not in text and ("all_to_all" not in text or nodes > 1), text[-2000:]
+  result = np.asarray(summed(per_device))
+  tolerance = 1e-5 if wire == jnp.float32 else 2e-2 * nodes
+  for device in range(nodes * local):
+    np.testing.assert_allclose(result[device], machines.sum(axis=0), atol=tolerance)
 
 
 def test_config_builds_diloco_with_the_inner_optimizer_and_refuses_bad_values():

@@ -112,9 +112,25 @@ def hierarchical_reduce_to_shard(x: jax.Array, wire_dtype=jnp.float32) -> jax.Ar
   narrow = jnp.dtype(wire_dtype) != x.dtype
   padded = hierarchical_padded_size(x.size, lax.axis_size(LOCAL), lax.axis_size(NODE), narrow)
   shard = _scatter_to_local_shard(x, wire_dtype, padded)  # this device's 1/n of the node's sum
-  if narrow:  # all-reduce over nodes as reduce-scatter + all-gather, to accumulate in float32
+  return _sum_over_nodes(shard, wire_dtype)
+
+
+def _sum_over_nodes(shard: jax.Array, wire_dtype) -> jax.Array:
+  """The all-reduce of a local shard over ``node``, the only inter-node traffic of the hierarchical reductions;
+  with a narrower wire dtype a reduce-scatter and an all-gather, to accumulate in float32."""
+  if jnp.dtype(wire_dtype) != shard.dtype:
     return _all_gather(_reduce_scatter(shard, NODE, wire_dtype), NODE, wire_dtype)
-  return lax.psum(shard, NODE)  # the only inter-node traffic
+  return lax.psum(shard, NODE)
+
+
+def machines_allreduce(x: jax.Array, wire_dtype=jnp.float32) -> jax.Array:
+  """Sum over the machines of flat ``x``, which every device of a machine holds the same (DiLoCo's change of the
+  parameters): each device takes its own 1/local slice, with no reduce-scatter inside the machine (it would only
+  add ``local`` copies), all-reduces it over ``node`` and all-gathers the slices over ``local``."""
+  local = lax.axis_size(LOCAL)
+  padded = hierarchical_padded_size(x.size, local, lax.axis_size(NODE), jnp.dtype(wire_dtype) != x.dtype)
+  own = jnp.pad(x, (0, padded - x.size)).reshape(local, -1)[lax.axis_index(LOCAL)]
+  return gather_local_shards(_sum_over_nodes(own, wire_dtype), wire_dtype)[: x.size]
 
 
 def gather_local_shards(shard: jax.Array, wire_dtype=jnp.float32) -> jax.Array:
