@@ -654,3 +654,19 @@ def test_local_gradient_clipping_clips_each_device_before_the_sum():
   clipped = grads[0] * np.minimum(1.0, limit / norms)
   assert (norms > limit).all()  # every device is clipped here
   np.testing.assert_allclose(outputs[0], clipped.mean(axis=0), rtol=1e-4, atol=1e-6)
+
+
+def test_the_reducer_refuses_16_bit_gradients():
+  """A float16 sum over every device overflowed to inf where the mean fits: the parameters, so the gradients, are
+  float32 in every config, and another dtype is refused when the step is traced."""
+  mesh = mesh_lib.make_mesh(2, 4)
+  reducer = reducer_lib.make_gradient_reducer("hierarchical", 2, 4)
+  step = jax.shard_map(
+    lambda g: reducer.reduce({"w": g[0]}, {})[0]["w"],
+    mesh=mesh,
+    in_specs=mesh_lib.BATCH_SPEC,
+    out_specs=P(),
+    check_vma=False,
+  )
+  with pytest.raises(TypeError, match="the reducer sums float32 gradients, not float16"):
+    jax.jit(step).lower(jnp.full((8, 9000), 60_000, jnp.float16))

@@ -281,6 +281,12 @@ class GradientReducer:
     if self.local_clip_norm:
       local_grads = compression.clip_local(local_grads, self.local_clip_norm, self.nodes * self.local)
     leaves, treedef = jax.tree.flatten(local_grads)
+    narrow = next((x.dtype for x in leaves if x.dtype != jnp.float32), None)
+    if narrow is not None:  # the parameters are float32 in every config; a 16-bit sum over every device overflows
+      raise TypeError(
+        f"the reducer sums float32 gradients, not {narrow}: a sum over every device in {narrow} overflows (float16) "
+        "or loses the small ones; cast the gradient to float32 (comm.dtype sets what the links carry)"
+      )
     order, buckets, sizes = self._bucket_sizes(leaves)
     wire_dtype = jnp.dtype(self.wire_dtype)
     new_state = {}
