@@ -79,15 +79,10 @@ def main():
   if not args.workdir:
     with tempfile.TemporaryDirectory(prefix="input_bench_") as workdir:
       return run(args, workdir)
-  try:  # before the minutes of work that end in it
-    os.makedirs(args.workdir, exist_ok=True)
-  except OSError as e:
-    cli.fail(f"--workdir={args.workdir}: cannot create it ({e.strerror}); choose another directory")
-  try:  # by writing: os.access says yes to root, who may still meet a read-only file system (/sys)
-    with tempfile.NamedTemporaryFile(dir=args.workdir):
-      pass
-  except OSError as e:
-    cli.fail(f"--workdir={args.workdir}: cannot write in it ({e.strerror}); choose another directory")
+  problem = cli.unwritable_folder(args.workdir)  # before the minutes of work that end in it
+  if problem:
+    cli.fail(f"--workdir={args.workdir}: {problem}")
+  os.makedirs(args.workdir, exist_ok=True)
   run(args, args.workdir)
 
 

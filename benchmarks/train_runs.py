@@ -17,7 +17,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -192,18 +191,9 @@ def read(workdir: str) -> tuple[dict | None, list[dict]]:
 def check_workdir(parser: argparse.ArgumentParser, workdir: str) -> None:
   """The study's --workdir, which holds a folder per run, must be a folder (or not exist yet) in a place this
   process can write: else each run failed with a traceback, and the study with them."""
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    parser.error(f"--workdir={workdir} is a file; give a folder (each run gets a folder in it)")
-  existing = os.path.abspath(workdir)
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing):
-    parser.error(f"--workdir={workdir}: {existing} is a file; give a folder")
-  try:  # by writing: os.access says yes to root, who may still meet a read-only file system
-    with tempfile.NamedTemporaryFile(dir=existing):
-      pass
-  except OSError as e:
-    parser.error(f"--workdir={workdir}: cannot write in {existing} ({e.strerror}); give a writable folder")
+  problem = cli.unwritable_folder(workdir)
+  if problem:
+    parser.error(f"--workdir={workdir}: {problem} (each run gets a folder in it)")
 
 
 def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str):

@@ -132,6 +132,25 @@ def output_path(path: str, flag: str) -> str:
   return path
 
 
+def unwritable_folder(folder: str) -> str | None:
+  """Why this process cannot write files in ``folder`` (made when missing), or None: it, or the nearest existing
+  folder above it, is a file or cannot be written in. Tested by writing: os.access says yes to root, who may
+  still meet a read-only file system."""
+  if os.path.exists(folder) and not os.path.isdir(folder):
+    return f"{folder} is a file; give a folder"
+  existing = os.path.abspath(folder)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    return f"{existing} is a file; give a folder"
+  try:
+    with tempfile.NamedTemporaryFile(dir=existing):
+      pass
+  except OSError as e:
+    return f"cannot write in {existing} ({e.strerror}); give a writable folder"
+  return None
+
+
 def _remove_if_empty(folders: list[str]) -> None:
   for folder in folders:  # innermost first; one that holds something stays, and so do its parents
     try:

@@ -146,8 +146,16 @@ def test_mesh_lab_accepts_every_strategy_the_config_does():
     ("time_to_accuracy.py", ["--report_only", "--local", "0"], "--local 0: each must be at least 1"),
     ("time_to_accuracy.py", ["--report_only", "--target", "92"], "--target 92 must be a top-1 fraction"),
     ("time_to_accuracy.py", ["--report_only", "--timeout", "0"], "--timeout 0.0 must be a number of seconds > 0"),
-    ("time_to_accuracy.py", ["--report_only", "--workdir", "README.md"], "--workdir=README.md is a file; give a"),
-    ("large_batch.py", ["--report_only", "--workdir", "README.md"], "--workdir=README.md is a file; give a folder"),
+    (
+      "time_to_accuracy.py",
+      ["--report_only", "--workdir", "README.md"],
+      "--workdir=README.md: README.md is a file; give a",
+    ),
+    (
+      "large_batch.py",
+      ["--report_only", "--workdir", "README.md"],
+      "--workdir=README.md: README.md is a file; give a folder",
+    ),
     ("mesh_lab.py", ["--loopback", "--bandwidth", "unshaped", "--set", "foo=1"], "--config.foo: no such config"),
     ("calibrate_links.py", ["--nodes", "0"], "argument --nodes: 0 must be >= 1"),
     (
