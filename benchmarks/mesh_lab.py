@@ -48,7 +48,6 @@ import contextlib
 import copy
 import importlib.util
 import json
-import math
 import os
 import statistics
 import sys
@@ -306,9 +305,7 @@ def check_args(args, meshes: list[tuple[int, int]]) -> tuple[dict[str, int | Non
   for nodes, local in meshes:
     if nodes < 1 or local < 1:
       raise ValueError(f"a mesh of {nodes} x {local} (nodes x devices): each must be at least 1")
-  for flag in ("peer_timeout", "timeout"):  # else every cell fails after the calibrations (nan: never stopped)
-    if not math.isfinite(getattr(args, flag)) or getattr(args, flag) <= 0:
-      raise ValueError(f"--{flag} {getattr(args, flag)} must be a number of seconds > 0")
+  cli.check_seconds(args, "peer_timeout", "timeout")  # else every cell fails after the calibrations
   if args.steps < 1:  # no step to take the median of, after a calibration and a whole run
     raise ValueError(f"--steps {args.steps} must be at least 1 (the measured steps per cell)")
   if args.warmup < 0:  # a negative slice would keep the wrong records

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import sys
@@ -106,10 +105,8 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
     parser.error(f"--nodes {args.nodes} --local {args.local}: each must be at least 1")
   if not 0 < args.target <= 1:  # a fraction: 92 would never be reached, after hours of runs
     parser.error(f"--target {args.target:g} must be a top-1 fraction in (0, 1], e.g. 0.92")
-  for flag in ("peer_timeout", "timeout"):  # else every run fails, once the emulated cluster is up
-    if not math.isfinite(getattr(args, flag)) or getattr(args, flag) <= 0:
-      parser.error(f"--{flag} {getattr(args, flag)} must be a number of seconds > 0")
   try:
+    cli.check_seconds(args, "peer_timeout", "timeout")  # else every run fails, once the emulated cluster is up
     rate = parse_rate(args.bandwidth)
     labels = [parse_strategy(text) for text in args.strategies.split(",")]
   except ValueError as e:

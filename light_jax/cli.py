@@ -6,6 +6,7 @@ import argparse
 import ast
 import atexit
 import contextlib
+import math
 import os
 import re
 import sys
@@ -94,6 +95,15 @@ def int_at_least(minimum: int):
     return value
 
   return parse
+
+
+def check_seconds(args: argparse.Namespace, *names: str) -> None:
+  """Raises ValueError naming the first flag of ``names`` (attributes of ``args``) that is not a finite number of
+  seconds > 0: a timeout of 0 fails every job, and nan never stops a hung one."""
+  for name in names:
+    value = getattr(args, name)
+    if not math.isfinite(value) or value <= 0:
+      raise ValueError(f"--{name} {value} must be a number of seconds > 0")
 
 
 def check_model(name: str, flag: str = "--model") -> None:
