@@ -330,7 +330,7 @@ RUNS = {
     [*CLIPPED, *AT_03, "--config.seed=1"],
     "the 0.3% float32 run with seed 1",
   ),
-  # Where the clipped run's 3,572 bytes go: 2,922 are the small tensors sent dense, 648 the 0.1% pairs. With the
+  # Where the clipped run's 3,572 bytes go: 2,924 are the small tensors sent dense, 648 the 0.1% pairs. With the
   # dense hops in bfloat16, 0.3% fits in 3,320 bytes: three times the entries for fewer bytes.
   "sgd_4096_w3_hitopk_clip_03pct_bf16": (
     BASE,
