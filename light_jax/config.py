@@ -517,6 +517,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       raise ConfigError(f"{why} comm.fusion 'fixed' or 'none', not 'adaptive'.")
     if config.optimizer.name not in sharded_lib.OPTIMIZERS:
       raise ConfigError(f"optimizer.sharded_update supports {sharded_lib.OPTIMIZERS}, not {config.optimizer.name!r}.")
+  if config.optimizer.lars_trust != "optax" and config.optimizer.name != "lars":  # it did nothing, silently
+    raise ConfigError(
+      f"optimizer.lars_trust={config.optimizer.lars_trust!r} chooses LARS's trust ratio; optimizer.name="
+      f"{config.optimizer.name!r} has none (LAMB's is its own). Set optimizer.name='lars', or leave lars_trust out."
+    )
   if config.optimizer.fused_norms and config.optimizer.name != "lars":
     raise ConfigError(
       f"optimizer.fused_norms computes LARS's trust ratios; optimizer.name={config.optimizer.name!r} has none "

@@ -418,6 +418,14 @@ def _log_setup(
       config.optimizer.warmup_epochs,
       plan.num_epochs,
     )
+  if config.comm.density_warmup_epochs > plan.num_epochs:  # only top-k strategies and auto take one
+    logging.warning(
+      "comm.density_warmup_epochs=%g is longer than the run (num_epochs=%d): the run ends inside the density "
+      "warm-up and never sends at comm.density=%g",
+      config.comm.density_warmup_epochs,
+      plan.num_epochs,
+      config.comm.density,
+    )
   if dropped := [p.first_epoch for p in plan.phases if p.first_epoch >= plan.num_epochs]:
     logging.warning(
       "data.resolution_schedule: the phase(s) from epoch %s start after the run's last epoch (num_epochs=%d) "

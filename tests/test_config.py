@@ -59,6 +59,11 @@ def test_default_configs_validate():
       {"comm__strategy": "hitopk", "comm__final_density_epochs": 6.0, "comm__density_warmup_epochs": 3.0},
       r"overlap in a run of num_epochs=8: the final phase would cut the warm-up short",
     ),
+    ({"optimizer__lars_trust": "mlperf"}, r"optimizer.lars_trust='mlperf' chooses LARS's trust ratio; optimizer.name="),
+    (
+      {"optimizer__name": "lamb", "optimizer__lars_trust": "mlperf"},
+      r"optimizer.name='lamb' has none \(LAMB's is its own\)",
+    ),
     ({"num_epochs": 10**9}, r"num_epochs=1000000000 is over 1,000,000; give the epochs the run should train"),
     ({"comm__dtype": "float16"}, r"comm.dtype='float16' is unknown; use one of \['float32', 'bfloat16'\]"),
     ({"optimizer__name": "adam"}, r"optimizer.name='adam' is unknown; use one of \['sgd', 'lars', 'lamb'\]"),

@@ -125,12 +125,20 @@ def test_the_runs_images_per_second_weighs_each_record_by_the_images_it_trained(
 
 
 def test_a_warm_up_longer_than_the_run_and_phases_after_it_are_named(tmp_path, caplog):
-  """Fine in a short trial of a long recipe, but not what the config says: the warm-up is cut to the run, and
-  the phases starting after its last epoch are left out."""
-  config = small_config(num_epochs=1, max_steps=2, optimizer__warmup_epochs=3.0, data__resolution_schedule="0:28,4:20")
+  """Fine in a short trial of a long recipe, but not what the config says: the warm-ups are cut to the run (the
+  density never reaches comm.density), and the phases starting after its last epoch are left out."""
+  config = small_config(
+    num_epochs=1,
+    max_steps=2,
+    optimizer__warmup_epochs=3.0,
+    data__resolution_schedule="0:28,4:20",
+    comm__strategy="hitopk",
+    comm__density_warmup_epochs=2.0,
+  )
   with caplog.at_level(logging.WARNING):
     train_lib.train_and_evaluate(config, str(tmp_path))
   assert "optimizer.warmup_epochs=3 is longer than the run (num_epochs=1): the warm-up is cut" in caplog.text
+  assert "comm.density_warmup_epochs=2 is longer than the run (num_epochs=1): the run ends inside" in caplog.text
   assert "data.resolution_schedule: the phase(s) from epoch 4 start after the run's last epoch" in caplog.text
 
 
