@@ -166,10 +166,12 @@ def main(argv):
   except Exception as e:
     if jax.process_count() == 1:
       raise
-    if isinstance(e, jax.errors.JaxRuntimeError) and liveness.is_connection_error(e):
+    lost_peer = isinstance(e, jax.errors.JaxRuntimeError) and liveness.is_connection_error(e)
+    if lost_peer or isinstance(e, liveness.PeerLost):  # PeerLost: a checkpoint's save or restore lost a peer
       # A collective whose peer is gone fails fast (gloo: connection reset) or hangs (the watchdog ends that).
       # A peer that failed with an error of its own said why before it exited: that is the reason to give.
-      failure = f"a collective failed ({str(e).splitlines()[0][:300]})"
+      first_line = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+      failure = first_line if isinstance(e, liveness.PeerLost) else f"a collective failed ({first_line})"
       reason = watchdog.peer_failure(wait_seconds=2 * watchdog.interval + 1)
       liveness.report_stop(
         jax.process_index(),
@@ -211,6 +213,12 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
   if jax.process_count() > 1:
     try:
       checkpoint_lib.check_shared_directory(_WORKDIR.value)
+    except checkpoint_lib.CheckpointError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return ExitCode.BAD_INPUT, str(e)
+  if jax.process_index() == 0:  # the run's: the other processes of a multi-process run share it
+    try:
+      checkpoint_lib.lock_workdir(_WORKDIR.value)
     except checkpoint_lib.CheckpointError as e:
       print(f"error: {e}", file=sys.stderr)
       return ExitCode.BAD_INPUT, str(e)

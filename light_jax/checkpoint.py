@@ -19,11 +19,13 @@ save or at ``close``, in one line; the unfinished save's folder is removed at th
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import gc
 import logging
 import os
 import re
+import socket
 import sys
 import tempfile
 import time
@@ -36,7 +38,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.metadata import array_metadata_store
 from orbax.checkpoint._src.serialization import type_handler_registry
 
-from light_jax import stderr_redirect
+from light_jax import liveness, stderr_redirect
 from light_jax.config import SAFE_TO_CHANGE, base_config, flat_fields
 
 
@@ -59,6 +61,39 @@ def _save_each_shard_whole() -> None:
 
 class CheckpointError(RuntimeError):
   """No checkpoint can be used; the message says why and what to do."""
+
+
+_WORKDIR_LOCKS: dict[str, Any] = {}  # the open lock file of each workdir this process holds, for its lifetime
+
+
+def lock_workdir(workdir: str) -> None:
+  """Takes ``workdir`` for this process (process 0 of a run) until it ends, or raises CheckpointError naming the
+  run that holds it. A second run in the same workdir (a job restarted while the old process lingers) deleted the
+  first one's save in flight, and each broke the other. A POSIX lock (lockf): the kernel drops it when the process
+  ends, however, and the processes it forks do not inherit it; but closing any descriptor of the file drops it, so
+  nothing else opens it. A file system without locks is not checked."""
+  import fcntl
+
+  path = os.path.join(workdir, ".lock")
+  lock_file = open(path, "a+")
+  try:
+    fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    lock_file.seek(0)
+    holder = lock_file.read().strip() or "another process"
+    lock_file.close()
+    if e.errno not in (errno.EACCES, errno.EAGAIN):  # no locks here (ENOLCK): nothing to check with
+      logging.warning("cannot lock %s (%s): a second run in this workdir would not be refused", path, e.strerror)
+      return
+    raise CheckpointError(
+      f"--workdir={workdir} is in use by another run ({holder}): two runs in one workdir delete each other's "
+      "checkpoints. Wait for it to end or stop it, or give another --workdir."
+    ) from None
+  lock_file.seek(0)
+  lock_file.truncate()
+  lock_file.write(f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+  lock_file.flush()
+  _WORKDIR_LOCKS[os.path.abspath(workdir)] = lock_file
 
 
 def check_shared_directory(directory: str, wait_seconds: float = 10.0) -> None:
@@ -149,11 +184,14 @@ class Checkpointer:
       raise self._save_failed(self._in_flight, e) from None
     self._in_flight = None
 
-  def _save_failed(self, step: int | None, error: Exception) -> CheckpointError:
+  def _save_failed(self, step: int | None, error: Exception) -> CheckpointError | liveness.PeerLost:
     """The one-line error for a save that failed: what the file system said, and how to go on without losing
-    more than the steps since the newest finished checkpoint."""
+    more than the steps since the newest finished checkpoint; or PeerLost, where a collective of the save failed
+    because another process died (its orbax barriers and gathers: not the file system's fault)."""
     self._failed = True
     reason = _file_system_reason(error)
+    if _lost_a_peer(error):
+      return liveness.PeerLost(f"saving the checkpoint at step {step}: a collective failed ({reason[:300]})")
     try:
       saved = [s for s in self.manager.all_steps() if s != step]
     except Exception:  # the file system may fail this too
@@ -198,8 +236,9 @@ class Checkpointer:
       try:
         with _quiet_if_it_fails():
           meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-      except Exception as e:  # a damaged checkpoint: any error orbax or the file system raises
+      except Exception as e:  # a damaged checkpoint: any error orbax or the file system raises, but these two
         _raise_an_interruption(e)
+        _raise_a_lost_peer(e)
         self._damaged(step, e)
         continue
       breaking, safe = config_changes(meta["config"], config)
@@ -238,6 +277,7 @@ class Checkpointer:
           state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
       except Exception as e:
         _raise_an_interruption(e)
+        _raise_a_lost_peer(e)
         self._damaged(step, e)
         continue
       return step, convert(state) if convert else state, meta
@@ -280,6 +320,19 @@ def _raise_an_interruption(error: Exception) -> None:
       raise cause
     seen.add(id(cause))
     cause = cause.__cause__ or cause.__context__
+
+
+def _lost_a_peer(error: Exception) -> bool:
+  return jax.process_count() > 1 and liveness.is_connection_error(error)
+
+
+def _raise_a_lost_peer(error: Exception) -> None:
+  """Raises PeerLost where a multi-process restore's collective failed because another process died: every good
+  checkpoint read as damaged, and the run was told to move them away (exit 2), not that a peer was gone (4)."""
+  if _lost_a_peer(error):
+    raise liveness.PeerLost(
+      f"restoring a checkpoint: a collective failed ({str(error).splitlines()[0][:300]})"
+    ) from None
 
 
 def _file_system_reason(error: Exception) -> str:

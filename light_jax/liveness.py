@@ -178,6 +178,11 @@ _CONNECTION_MARKERS = (
 )
 
 
+class PeerLost(RuntimeError):
+  """A collective of a multi-process step, save or restore failed because another process is gone: not this
+  process's fault, nor damage or a file-system error (train.py stops with the peer's reason, exit 4)."""
+
+
 def is_connection_error(error: BaseException) -> bool:
   """Whether a runtime error looks like a lost peer (as opposed to, e.g., running out of memory here)."""
   return any(marker.lower() in str(error).lower() for marker in _CONNECTION_MARKERS)

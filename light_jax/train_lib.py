@@ -146,12 +146,13 @@ def train_and_evaluate(
         return ends_record(step) or signalled or (every > 0 and step % every == 0)
 
       hooks.add(nonfinite, every=config.log_every_steps, when=may_save)
-      # With several processes the check is a collective, so not every step.
-      hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
       evaluations = EpochEvaluation(
         evaluate, writer, plan, host_schedule, prefetcher, bar, start_step, total_steps, clock
       )
       hooks.add(evaluations, when=ends_record)
+      # After the evaluation, which may take long: a signal during it stops the run at this step, not the next.
+      # With several processes the check is a collective, so not every step.
+      hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
       saver = CheckpointSaver(checkpointer, meta, clock)
       hooks.add(saver, every=config.checkpoint.every_steps)
       if config.train.time_steps and is_main:

@@ -613,3 +613,80 @@ def test_a_signal_during_set_up_stops_it_at_once(tmp_path):
     "(or resume) the run."
   )
   assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+def test_a_peer_lost_during_a_multi_process_restore_or_save_is_not_damage_nor_the_disks_fault(tmp_path, monkeypatch):
+  """Process 1 killed while a two-process run restored its state: process 0's gathers failed (gloo: connection
+  closed) and every good checkpoint was read as damaged, the run told to move them away (exit 2). Killed during
+  a save: "fix what the file system says" (exit 2). Both are a lost peer: PeerLost, which train.py stops on with
+  the peer's reason (exit 4), the checkpoints untouched. (The error is the one gloo raised in those runs.)"""
+  lost = RuntimeError("UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [127.0.0.1]:6314")
+  state = {"w": jax.numpy.arange(1000.0)}
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  checkpointer.save(4, state, {"config": {}})
+  checkpointer.close()
+
+  def gather_fails(*args, **kwargs):
+    raise lost
+
+  resumed = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  monkeypatch.setattr(checkpoint_lib.jax, "process_count", lambda: 2)  # once orbax is set up for one process
+  monkeypatch.setattr(resumed.manager, "restore", gather_fails)
+  with pytest.raises(liveness.PeerLost, match=r"restoring a checkpoint: a collective failed \(UNKNOWN: Gloo"):
+    resumed.restore_latest(checkpoint_lib.abstract(state), {})
+  assert resumed.damaged_steps == set()
+  monkeypatch.setattr(resumed.manager, "save", gather_fails)
+  with pytest.raises(liveness.PeerLost, match=r"saving the checkpoint at step 8: a collective failed \(UNKNOWN: Gloo"):
+    resumed.save(8, state, {"config": {}})
+  monkeypatch.undo()
+  resumed.close()
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]
+  # One process: the same error is the checkpoint's own (no peer to lose).
+  alone = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  monkeypatch.setattr(alone.manager, "restore", gather_fails)
+  with pytest.raises(CheckpointError, match=r"none of the checkpoints .* \(steps \[4\]\) can be restored"):
+    alone.restore_latest(checkpoint_lib.abstract(state), {})
+  monkeypatch.undo()
+  alone.close()
+
+
+def test_a_second_run_in_a_workdir_in_use_is_refused_before_touching_it(tmp_path):
+  """Two runs in one workdir (a job restarted while the old process lingers): the second deleted the first's save
+  in flight and each broke the other. The workdir is taken by the first run's process 0 until it ends."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  checkpoint_lib.lock_workdir(str(workdir))  # this process: the run in progress
+  lock_file = checkpoint_lib._WORKDIR_LOCKS[str(workdir)]  # read through it: closing another descriptor of the
+  lock_file.seek(0)  # file would drop this process's lock
+  holder = lock_file.read().strip()
+  try:
+    result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(workdir), "--config.max_steps=1")
+    assert result.returncode == ExitCode.BAD_INPUT, result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error == (
+      f"error: --workdir={workdir} is in use by another run ({holder}): two runs in one workdir delete each other's "
+      "checkpoints. Wait for it to end or stop it, or give another --workdir."
+    )
+    assert holder.startswith(f"process {os.getpid()} on ")
+    assert sorted(os.listdir(workdir)) == [".lock"]  # nothing else written
+  finally:
+    checkpoint_lib._WORKDIR_LOCKS.pop(str(workdir)).close()  # the run ends: its lock goes with it
+  result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(workdir), "--config.max_steps=1",
+                    "--config.data.train_subset=512", "--config.data.eval_subset=96", "--config.global_batch_size=64",
+                    "--config.data.eval_batch_size=96")  # fmt: skip
+  assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_signal_during_an_epochs_evaluation_stops_the_run_after_that_step(tmp_path, monkeypatch):
+  """The preemption check ran before the evaluation: a SIGTERM during it (minutes, on ImageNet) was seen a step
+  later, which ran first."""
+  evaluate_epoch = train_lib.EpochEvaluation.__call__
+
+  def signalled_while_evaluating(self, info):
+    evaluate_epoch(self, info)
+    if info.step == 8:  # the first epoch's end
+      os.kill(os.getpid(), signal.SIGTERM)  # caught by the trainer's PreemptionGuard
+
+  monkeypatch.setattr(train_lib.EpochEvaluation, "__call__", signalled_while_evaluating)
+  assert train_lib.train_and_evaluate(_config(), str(tmp_path)) == {"stopped": "preempted", "steps": 8}
+  assert _steps(tmp_path) == [4, 8]
