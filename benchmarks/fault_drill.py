@@ -1,5 +1,6 @@
 """Fault drill: kill -9 a short Fashion-MNIST run N times at random steps, resume each time, and
-compare the end result with an uninterrupted run of the same config.
+compare the end result with an uninterrupted run of the same config. Every other kill lands while a save is
+being written (its folder STEP.orbax-checkpoint-tmp is there), so the resume must discard it whole.
 
   python benchmarks/fault_drill.py [--kills 10 --seed 0]
 
@@ -105,6 +106,10 @@ def run_drill(args, root):
     d = os.path.join(workdir, "checkpoints")
     return max((int(n) for n in os.listdir(d) if n.isdigit()), default=0) if os.path.isdir(d) else 0
 
+  def saving(workdir):  # a save in flight: orbax writes it in STEP.orbax-checkpoint-tmp until it commits
+    d = os.path.join(workdir, "checkpoints")
+    return os.path.isdir(d) and any(".orbax-checkpoint-tmp" in n for n in os.listdir(d))
+
   print("uninterrupted run ...", file=sys.stderr)
   clean = os.path.join(root, "uninterrupted")
   shutil.rmtree(clean, ignore_errors=True)
@@ -114,7 +119,7 @@ def run_drill(args, root):
   drill = os.path.join(root, "drill")
   shutil.rmtree(drill, ignore_errors=True)
   rng = random.Random(args.seed)
-  lost, kills = [], 0
+  lost, kills, mid_save = [], 0, 0
   while kills < args.kills:
     # Each kill lands a random moment after the first checkpoint past a random point ahead.
     resumed_from = progress(drill)
@@ -125,8 +130,13 @@ def run_drill(args, root):
     proc = start(drill, "--config.train.time_steps=True")  # a record per step: where the kill landed
     while proc.poll() is None and progress(drill) < target:
       time.sleep(0.02)
-    # Land the kill anywhere in the next checkpoint period (about 0.1-0.2 s per step here).
-    time.sleep(rng.uniform(0.0, args.every_steps * 0.15))
+    if kills % 2:  # every other kill lands while the next save is being written: it must be discarded whole
+      while proc.poll() is None and not saving(drill):
+        time.sleep(0.002)
+      time.sleep(rng.uniform(0.0, 0.02))
+    else:  # anywhere in the next checkpoint period (about 0.1-0.2 s per step here)
+      time.sleep(rng.uniform(0.0, args.every_steps * 0.15))
+    in_flight = saving(drill)
     if proc.poll() is not None:
       finish(proc, drill)
       print(f"run finished before the kill at {target}", file=sys.stderr)
@@ -134,6 +144,7 @@ def run_drill(args, root):
     proc.kill()
     proc.wait()
     kills += 1
+    mid_save += in_flight
     # Steps lost: the run kept going for a moment after the checkpoint that triggered the kill; its step
     # records (train.time_steps; the resumed run drops those after its checkpoint) end at the last step done.
     proc.stdout.read()
@@ -141,7 +152,8 @@ def run_drill(args, root):
     saved = progress(drill)
     lost.append(max(reached - saved, 0))
     print(
-      f"kill {kills}: resumed from {resumed_from}, killed after checkpoint {saved} (step {reached} done)",
+      f"kill {kills}: resumed from {resumed_from}, killed after checkpoint {saved} (step {reached} done"
+      f"{', a save in flight' if in_flight else ''})",
       file=sys.stderr,
     )
   finish(start(drill), drill)
@@ -165,6 +177,7 @@ def run_drill(args, root):
   metrics_match = [{k: r[k] for k in keys} for r in rec_a] == [{k: r[k] for k in keys} for r in rec_b]
   result = {
     "kills": kills,
+    "kills_during_a_save": mid_save,
     "kills_survived": kills if step_b == TOTAL_STEPS else 0,
     "steps_lost_max": max(lost, default=0),
     "steps_lost_mean": float(np.mean(lost)) if lost else 0.0,
@@ -178,7 +191,7 @@ def run_drill(args, root):
   print(
     f"\nfault drill: {kills} kill -9 at random steps, checkpoint every {args.every_steps} steps, {TOTAL_STEPS} steps"
   )
-  print(f"{'kills survived':<32}{result['kills_survived']}")
+  print(f"{'kills survived':<32}{result['kills_survived']} ({mid_save} while a save was being written)")
   print(f"{'steps lost per kill (max, mean)':<32}{result['steps_lost_max']}, {result['steps_lost_mean']:.1f}")
   print(f"{'final step':<32}{step_b} (uninterrupted: {step_a})")
   print(f"{'state arrays that differ':<32}{len(mismatched)} {mismatched[:3]}")
