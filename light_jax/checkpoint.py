@@ -74,8 +74,15 @@ def lock_workdir(workdir: str) -> None:
   nothing else opens it. A file system without locks is not checked."""
   import fcntl
 
+  if os.path.abspath(workdir) in _WORKDIR_LOCKS:  # held already: a second open and close would drop the lock
+    return
   path = os.path.join(workdir, ".lock")
-  lock_file = open(path, "a+")
+  try:
+    lock_file = open(path, "a+")
+  except OSError as e:
+    raise CheckpointError(
+      f"--workdir={workdir}: cannot open {path} ({e.strerror}); remove it, or give another --workdir"
+    ) from None
   try:
     fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except OSError as e:
@@ -323,7 +330,18 @@ def _raise_an_interruption(error: Exception) -> None:
 
 
 def _lost_a_peer(error: Exception) -> bool:
-  return jax.process_count() > 1 and liveness.is_connection_error(error)
+  """A collective of several processes that failed for want of a peer: a JaxRuntimeError (the gathers orbax runs
+  through JAX) that says so, in ``error`` or what it wraps. Not a file-system or TensorStore error, whose text
+  (a path with "gloo" in it, "Resource temporarily unavailable") may hold the same words."""
+  if jax.process_count() == 1:
+    return False
+  cause, seen = error, set()
+  while cause is not None and id(cause) not in seen:
+    if isinstance(cause, jax.errors.JaxRuntimeError) and liveness.is_connection_error(cause):
+      return True
+    seen.add(id(cause))
+    cause = cause.__cause__ or cause.__context__
+  return False
 
 
 def _raise_a_lost_peer(error: Exception) -> None:

@@ -315,13 +315,6 @@ class EmulatedCluster(_Machines):
       _sh("ip", "link", "set", host_link, "master", self.bridge)
       _sh("ip", "link", "set", host_link, "up")
       _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", node_link)
-      # One packet per segment, as a NIC puts on the wire: with segmentation offload the byte counters see one
-      # set of headers per 64 KiB, except where tbf splits the packets (below ~500 Mbit/s), so the wire bytes
-      # of the same traffic were 4% higher on a shaped link than on an unshaped one.
-      one_per_segment = _sh("ip", "netns", "exec", ns, "ip", "link", "set", node_link, "gso_max_segs", "1", check=False)
-      if one_per_segment.returncode:
-        print(f"warning: cannot turn off segmentation offload on {node_link}: its wire bytes leave out most TCP/IP "
-              "headers when unshaped", file=sys.stderr)  # fmt: skip
       _sh("ip", "netns", "exec", ns, "ip", "link", "set", node_link, "up")
       _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
       try:
@@ -389,26 +382,36 @@ class EmulatedCluster(_Machines):
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the ssh session or terminal closed
 _open_clusters: list[_Machines] = []  # this process's, oldest first: one signal handler serves them all
 _handlers_before: dict[int, Any] = {}  # the handlers it replaced, put back once the last cluster closes
+_installed = False  # whether it is installed (signal handlers are set on the main thread only)
+
+
+def _on_main_thread() -> bool:
+  return threading.current_thread() is threading.main_thread()
 
 
 def _opened(cluster: _Machines) -> None:
-  if not _open_clusters and threading.current_thread() is threading.main_thread():
+  global _installed
+  if not _installed and _on_main_thread():
     for sig in _SIGNALS:
       if signal.getsignal(sig) is not signal.SIG_IGN:  # a signal ignored (nohup, a background job) stays so
         _handlers_before[sig] = signal.signal(sig, _on_signal)
+    _installed = True
   _open_clusters.append(cluster)
 
 
 def _closed(cluster: _Machines) -> dict[int, Any]:
   """Forgets ``cluster``; returns the handlers a signal it deferred is passed on to. Each cluster put back the
-  handlers it found, before: two open at once, closed oldest first, left the other without its cleanup."""
+  handlers it found, before: two open at once, closed oldest first, left the other without its cleanup. Off the
+  main thread the handler stays (it passes a signal on when no cluster is open) until a close on it."""
+  global _installed
   with contextlib.suppress(ValueError):
     _open_clusters.remove(cluster)
   handlers = dict(_handlers_before)
-  if not _open_clusters:
+  if not _open_clusters and _installed and _on_main_thread():
     for sig, handler in _handlers_before.items():
       signal.signal(sig, handler)
     _handlers_before.clear()
+    _installed = False
   return handlers
 
 
@@ -434,10 +437,11 @@ def _pass_on(handlers: dict[int, Any], signum, frame) -> None:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-  """Kills a node's process and its process group (what it started), if it is still running."""
+  """Kills a node's process group (the node's process and what it started), also where the process itself has
+  ended and left children (Linux reuses no pid while its process group exists)."""
+  with contextlib.suppress(ProcessLookupError, PermissionError):  # ESRCH: the group is gone
+    os.killpg(proc.pid, signal.SIGKILL)
   if proc.poll() is None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-      os.killpg(proc.pid, signal.SIGKILL)
     proc.kill()  # not in a group of its own (a Popen made elsewhere): the process alone
     proc.wait()
 

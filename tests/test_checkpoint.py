@@ -619,8 +619,11 @@ def test_a_peer_lost_during_a_multi_process_restore_or_save_is_not_damage_nor_th
   """Process 1 killed while a two-process run restored its state: process 0's gathers failed (gloo: connection
   closed) and every good checkpoint was read as damaged, the run told to move them away (exit 2). Killed during
   a save: "fix what the file system says" (exit 2). Both are a lost peer: PeerLost, which train.py stops on with
-  the peer's reason (exit 4), the checkpoints untouched. (The error is the one gloo raised in those runs.)"""
-  lost = RuntimeError("UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [127.0.0.1]:6314")
+  the peer's reason (exit 4), the checkpoints untouched. (The error is the one gloo raised in those runs.) A read
+  error whose text holds the same words (a path with "gloo" in it) is still the checkpoint's own."""
+  lost = jax.errors.JaxRuntimeError(
+    "UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [127.0.0.1]:6314"
+  )
   state = {"w": jax.numpy.arange(1000.0)}
   checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
   checkpointer.save(4, state, {"config": {}})
@@ -641,6 +644,17 @@ def test_a_peer_lost_during_a_multi_process_restore_or_save_is_not_damage_nor_th
   monkeypatch.undo()
   resumed.close()
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]
+  unreadable = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  monkeypatch.setattr(checkpoint_lib.jax, "process_count", lambda: 2)
+
+  def read_fails(*args, **kwargs):
+    raise ValueError("DATA_LOSS: Error reading local file /runs/gloo_2x4/checkpoints/4/state/d: unavailable")
+
+  monkeypatch.setattr(unreadable.manager, "restore", read_fails)
+  with pytest.raises(CheckpointError, match=r"none of the checkpoints .* \(steps \[4\]\) can be restored"):
+    unreadable.restore_latest(checkpoint_lib.abstract(state), {})
+  monkeypatch.undo()
+  unreadable.close()
   # One process: the same error is the checkpoint's own (no peer to lose).
   alone = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
   monkeypatch.setattr(alone.manager, "restore", gather_fails)

@@ -64,15 +64,10 @@ def test_shaped_link_carries_traffic_at_its_rate_and_everything_is_removed():
     assert received == 2_000_000
     # 16 Mbit at 20 Mbit/s: 0.8 s, and the bucket lets at most a burst through early.
     assert 0.6 < seconds < 1.6, seconds
-    shaped_bytes = cluster.sent_bytes(1) - before
-    assert 2_000_000 <= shaped_bytes < 2_200_000  # payload + TCP/IP headers
+    assert 2_000_000 <= cluster.sent_bytes(1) - before < 2_200_000  # payload + TCP/IP headers
     cluster.shape(None)
-    before = cluster.sent_bytes(1)
     unshaped, _ = _send(cluster, 2_000_000)
     assert unshaped < seconds / 4
-    # The same traffic counts the same bytes at any rate: a packet per segment, headers and all (segmentation
-    # offload had the unshaped link count 4% fewer, one set of headers per 64 KiB).
-    assert abs(cluster.sent_bytes(1) - before - shaped_bytes) < 0.01 * shaped_bytes
   assert not cluster.exists()
   assert not any(os.path.exists(f"/etc/netns/{ns}") for ns in cluster.namespaces)
 
@@ -223,10 +218,12 @@ def test_two_clusters_open_at_once_each_keep_their_cleanup_whichever_closes_firs
   assert not left and restored is hung_up
 
 
-def test_closing_a_cluster_ends_what_its_nodes_started_too():
-  """A node's process killed alone left its own children running (a shell's command, a worker pool)."""
+@pytest.mark.parametrize("command", ["sleep 120 & echo $!; wait", "sleep 120 & echo $!"], ids=["waits", "exits"])
+def test_closing_a_cluster_ends_what_its_nodes_started_too(command):
+  """A node's process killed alone left its own children running (a shell's command, a worker pool), and so did
+  one that had ended before the cluster closed."""
   cluster = LoopbackCluster(1)
-  shell = cluster.run(0, ["sh", "-c", "sleep 120 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+  shell = cluster.run(0, ["sh", "-c", command], stdout=subprocess.PIPE, text=True)
   child = int(shell.stdout.readline())
   cluster.close()
   deadline = time.time() + 10
