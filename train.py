@@ -210,18 +210,14 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
       f"error: --workdir={_WORKDIR.value}: cannot create it ({e.strerror}); choose another directory.", file=sys.stderr
     )
     return ExitCode.BAD_INPUT, f"cannot create the workdir: {e.strerror}"
-  if jax.process_count() > 1:
-    try:
+  try:
+    if jax.process_count() > 1:
       checkpoint_lib.check_shared_directory(_WORKDIR.value)
-    except checkpoint_lib.CheckpointError as e:
-      print(f"error: {e}", file=sys.stderr)
-      return ExitCode.BAD_INPUT, str(e)
-  if jax.process_index() == 0:  # the run's: the other processes of a multi-process run share it
-    try:
+    if jax.process_index() == 0:  # the run's: the other processes of a multi-process run share it
       checkpoint_lib.lock_workdir(_WORKDIR.value)
-    except checkpoint_lib.CheckpointError as e:
-      print(f"error: {e}", file=sys.stderr)
-      return ExitCode.BAD_INPUT, str(e)
+  except checkpoint_lib.CheckpointError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return ExitCode.BAD_INPUT, str(e)
   logging.info(
     "JAX %s, process %d of %d, %d devices (%d local)",
     jax.__version__,

@@ -321,27 +321,27 @@ def _raise_an_interruption(error: Exception) -> None:
   """Raises the interruption (a Ctrl-C, a stop signal in set-up: preemption.StoppedInSetup) that ``error`` wraps:
   orbax wraps what stops a read in an Exception of its own, which read as a damaged checkpoint (a good one was then
   passed over, or the run told to move its checkpoints away)."""
-  cause, seen = error, set()
-  while cause is not None and id(cause) not in seen:
+  for cause in _causes(error):
     if not isinstance(cause, Exception):
       raise cause
-    seen.add(id(cause))
-    cause = cause.__cause__ or cause.__context__
 
 
 def _lost_a_peer(error: Exception) -> bool:
   """A collective of several processes that failed for want of a peer: a JaxRuntimeError (the gathers orbax runs
   through JAX) that says so, in ``error`` or what it wraps. Not a file-system or TensorStore error, whose text
   (a path with "gloo" in it, "Resource temporarily unavailable") may hold the same words."""
-  if jax.process_count() == 1:
-    return False
-  cause, seen = error, set()
-  while cause is not None and id(cause) not in seen:
-    if isinstance(cause, jax.errors.JaxRuntimeError) and liveness.is_connection_error(cause):
-      return True
-    seen.add(id(cause))
-    cause = cause.__cause__ or cause.__context__
-  return False
+  return jax.process_count() > 1 and any(
+    isinstance(cause, jax.errors.JaxRuntimeError) and liveness.is_connection_error(cause) for cause in _causes(error)
+  )
+
+
+def _causes(error: BaseException):
+  """``error``, then what it wraps (raised from, or while handling), each once."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    yield error
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
 
 
 def _raise_a_lost_peer(error: Exception) -> None:

@@ -120,11 +120,7 @@ def output_path(path: str, flag: str) -> str:
   The folders made here are removed at exit if still empty (a later refusal, or a run that wrote nothing)."""
   _not_a_folder(path, flag)
   folder = os.path.dirname(os.path.abspath(path))
-  missing = []  # the folders os.makedirs will make, innermost first
-  parent = folder
-  while not os.path.exists(parent):
-    missing.append(parent)
-    parent = os.path.dirname(parent)
+  missing = _missing_folders(folder)  # what os.makedirs will make
   try:
     os.makedirs(folder, exist_ok=True)
   except OSError as e:
@@ -148,9 +144,8 @@ def unwritable_folder(folder: str) -> str | None:
   still meet a read-only file system."""
   if os.path.exists(folder) and not os.path.isdir(folder):
     return f"{folder} is a file; give a folder"
-  existing = os.path.abspath(folder)
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
+  missing = _missing_folders(os.path.abspath(folder))
+  existing = os.path.dirname(missing[-1]) if missing else os.path.abspath(folder)
   if not os.path.isdir(existing):
     return f"{existing} is a file; give a folder"
   try:
@@ -159,6 +154,15 @@ def unwritable_folder(folder: str) -> str | None:
   except OSError as e:
     return f"cannot write in {existing} ({e.strerror}); give a writable folder"
   return None
+
+
+def _missing_folders(folder: str) -> list[str]:
+  """``folder`` (absolute) and the folders above it that do not exist yet, innermost first."""
+  missing = []
+  while not os.path.exists(folder):
+    missing.append(folder)
+    folder = os.path.dirname(folder)
+  return missing
 
 
 def _remove_if_empty(folders: list[str]) -> None:
