@@ -236,6 +236,7 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
     print(f"stopped: {e}", file=sys.stderr)
     return ExitCode.NONFINITE_STOP, None  # every process saw the same non-finite step and stopped after the same save
   except preemption.StoppedInSetup as e:
+    preemption.drop_what_set_up_left()
     stopped = f"stopped by {e} during set-up, before the first step: nothing to save"
     print(f"{stopped}; run the same command again to start (or resume) the run.", file=sys.stderr)
     return ExitCode.OK, stopped  # the others stop on this reason (a set-up step may wait for this process)

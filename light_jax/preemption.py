@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
+import warnings
 
 import jax
 import numpy as np
@@ -83,5 +85,18 @@ class PreemptionGuard:
   def __enter__(self) -> PreemptionGuard:
     return self
 
-  def __exit__(self, *exc_info) -> None:
+  def __exit__(self, exc_type, error, traceback) -> None:
     self.uninstall()
+    if error is not None and self.signal is not None and not self.armed and not isinstance(error, StoppedInSetup):
+      # The raise landed inside a library, which made an error of its own of it (numpy's C code: "SystemError:
+      # ... returned a result with an exception set"; orbax: an Exception wrapping it): a stop, not a failure.
+      raise StoppedInSetup(self.signal) from error
+
+
+def drop_what_set_up_left() -> None:
+  """For the rest of the process, which is ending after a stop in set-up: what the signal's raise cut short
+  complains as it is freed, after the run's last line, through sys.unraisablehook (an orbax object whose
+  ``__init__`` it interrupted: "Exception ignored in: ... __del__") or as a warning ("coroutine ... was never
+  awaited"). Those are dropped: nothing of them is saved or used again."""
+  sys.unraisablehook = lambda unraisable: None
+  warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
