@@ -311,6 +311,9 @@ class Checkpointer:
   def close(self) -> None:
     """Waits for the save in flight (its failure raises CheckpointError) and stops orbax's threads. After a failed
     save, which was reported already, it leaves them: in a multi-process run they wait at a barrier for minutes."""
+    # orbax removes the unfinished saves' folders in a thread it waits for at the first save only: a run that ends
+    # before one (a stop in set-up, a refused config) exited under it, and its error came after the run's last line.
+    getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
     if self._failed:
       return
     self._wait_for_save_in_flight()

@@ -13,14 +13,17 @@ except (OSError, AttributeError):  # not Linux
   _prctl = None
 
 
-def die_with_parent(signum: int = signal.SIGKILL) -> None:
-  """In a child process: the kernel sends it ``signum`` when the thread that started it ends (the main thread,
-  for the callers here: so, the process), so no worker outlives a parent killed with SIGKILL (out of memory, a
-  second signal, a peer's failure ending the run with os._exit). Linux only (prctl); elsewhere nothing changes.
-  For ``ProcessPoolExecutor(initializer=...)`` and ``subprocess.Popen(preexec_fn=...)``; the setting survives
-  an exec (``ip netns exec``'s too)."""
+def die_with_parent(parent: int, signum: int = signal.SIGKILL) -> None:
+  """In a child process of ``parent`` (its pid, taken in the parent: ``functools.partial(die_with_parent,
+  os.getpid())``): the kernel sends it ``signum`` when the thread that started it ends (the main thread, for the
+  callers here: so, the process), so no worker outlives a parent killed with SIGKILL (out of memory, a second
+  signal, a peer's failure ending the run with os._exit). Linux only (prctl); elsewhere nothing changes. For
+  ``ProcessPoolExecutor(initializer=...)`` and ``subprocess.Popen(preexec_fn=...)``; the setting survives an exec
+  (``ip netns exec``'s too)."""
   if _prctl is None:
     return
   _prctl(_PR_SET_PDEATHSIG, signum)
-  if os.getppid() == 1:  # the parent ended before the prctl took effect
+  # The parent ended before the prctl took effect: its orphan was adopted, by init or by a subreaper (a container's
+  # init, systemd --user), whose pid is not 1.
+  if os.getppid() != parent:
     os._exit(1)

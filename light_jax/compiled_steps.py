@@ -112,10 +112,15 @@ class CompiledSteps:
     reducer = self.reducer.at_density(self.density_at(step))
     return self._planned(reducer, self.batch_shape_at(step)) if self.replans_buckets_per_phase else reducer
 
-  def compile_phases(self, first_step: int, end_step: int, state: step_lib.TrainState) -> None:
-    """Compiles the step of every phase that steps ``first_step`` .. ``end_step`` - 1 reach."""
+  def compile_phases(
+    self, first_step: int, end_step: int, state: step_lib.TrainState, after_each: Callable[[], None] = lambda: None
+  ) -> None:
+    """Compiles the step of every phase that steps ``first_step`` .. ``end_step`` - 1 reach, calling ``after_each``
+    after each compile (the trainer's check for a stop signal that a library swallowed)."""
     for step in range(first_step, end_step):
-      self.for_step(step, state)
+      if (self.density_at(step), self.batch_shape_at(step)) not in self._compiled:
+        self.for_step(step, state)
+        after_each()
 
   def for_step(self, step: int, state: step_lib.TrainState) -> tuple[Callable, CommBytes]:
     key = (self.density_at(step), self.batch_shape_at(step))

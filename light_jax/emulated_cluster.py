@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import ipaddress
 import math
 import os
@@ -232,7 +233,10 @@ class _Machines:
     goes with it."""
     with self._making_something():
       proc = subprocess.Popen(
-        list(argv), preexec_fn=child_process.die_with_parent, start_new_session=True, **popen_kwargs
+        list(argv),
+        preexec_fn=functools.partial(child_process.die_with_parent, os.getpid()),
+        start_new_session=True,
+        **popen_kwargs,
       )
       self._processes.append(proc)
     return proc
@@ -472,7 +476,23 @@ def _last_lines(output: str, count: int = 3) -> str:
 
 
 def free_port() -> int:
-  """A TCP port free on this machine now, for a jax.distributed coordinator."""
-  with socket.socket() as s:
+  """A TCP port free on this machine now, for a jax.distributed coordinator, which binds it seconds later. Drawn
+  below the kernel's range for outgoing connections' ports (ip_local_port_range): a port from that range, free
+  now, can be taken by any connection in between (gloo's and grain's among them)."""
+  try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+      ephemeral_low = int(f.read().split()[0])
+  except (OSError, ValueError, IndexError):
+    ephemeral_low = 32768  # Linux's default
+  low = 10000 if ephemeral_low > 11000 else 1024
+  for _ in range(100):
+    port = random.randrange(low, ephemeral_low)
+    with socket.socket() as s:
+      try:
+        s.bind(("127.0.0.1", port))
+      except OSError:
+        continue
+      return port
+  with socket.socket() as s:  # that range is full: one the kernel picks
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]

@@ -9,6 +9,7 @@ the flag), so every process must call it at the same steps; the trainer does so 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -44,6 +45,7 @@ class PreemptionGuard:
     self.armed = False
     self._previous = {}
     if threading.current_thread() is threading.main_thread():
+      _drop_swallowed_stops()
       for sig in (signal.SIGTERM, signal.SIGINT):
         self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -91,6 +93,20 @@ class PreemptionGuard:
       # The raise landed inside a library, which made an error of its own of it (numpy's C code: "SystemError:
       # ... returned a result with an exception set"; orbax: an Exception wrapping it): a stop, not a failure.
       raise StoppedInSetup(self.signal) from error
+
+
+@functools.cache  # once per process, never taken back: a StoppedInSetup is only ever raised by a guard
+def _drop_swallowed_stops() -> None:
+  """A stop's raise that lands in a callback Python cannot raise from (JAX's garbage-collection callback) is
+  printed with a traceback ("Exception ignored in: ...") and set-up goes on; the guard has noted the signal, and
+  set-up stops at its next check (``check_set_up``). That print is left out."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not isinstance(unraisable.exc_value, StoppedInSetup):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
 
 
 def drop_what_set_up_left() -> None:

@@ -562,8 +562,17 @@ def test_an_image_too_long_for_the_cache_is_a_bad_record_not_a_failed_build():
   assert records._parse_cache_record(records._decode_for_cache((buffer.getvalue(), 3, "strip.png"), 16)) == (None, 3)
 
 
+def test_a_child_whose_parent_ended_before_it_was_bound_to_it_ends():
+  """The check that the parent is still there compared the parent's pid with 1: under a subreaper (a container's
+  init, systemd --user) an orphan's parent is the subreaper, and the orphan went on."""
+  code = "import sys; from light_jax import child_process; child_process.die_with_parent(int(sys.argv[1])); print('on')"
+  for parent, expected in ((os.getpid(), "on\n"), (os.getpid() + 1, "")):  # this test's process; another one
+    result = subprocess.run([sys.executable, "-c", code, str(parent)], cwd=ROOT, capture_output=True, text=True)
+    assert result.stdout == expected and result.returncode == (0 if expected else 1), result.stderr
+
+
 ORPHANS = """
-import concurrent.futures, multiprocessing, os, sys, time
+import concurrent.futures, functools, multiprocessing, os, sys, time
 from light_jax import child_process
 
 def pid_and_sleep(_):
@@ -571,9 +580,8 @@ def pid_and_sleep(_):
   return os.getpid()
 
 if __name__ == "__main__":
-  pool = concurrent.futures.ProcessPoolExecutor(
-    2, mp_context=multiprocessing.get_context("spawn"), initializer=child_process.die_with_parent
-  )
+  bound = functools.partial(child_process.die_with_parent, os.getpid())
+  pool = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=bound)
   print(" ".join(str(pid) for pid in set(pool.map(pid_and_sleep, range(4)))), flush=True)
   pool.submit(time.sleep, 60)
   time.sleep(60)

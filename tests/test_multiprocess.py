@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -10,17 +9,12 @@ import time
 import numpy as np
 import pytest
 
+from light_jax.emulated_cluster import free_port
 from light_jax.exit_codes import ExitCode
 from light_jax.metrics import read_metrics
 from tests.helpers import tmpfs
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _env():
@@ -34,7 +28,7 @@ def _env():
 
 
 def _run(num_processes, out, strategy, *extra):
-  port = _free_port()
+  port = free_port()
   procs = [
     subprocess.Popen(
       [
@@ -128,7 +122,7 @@ def _train_py(workdir, extra, port=None, process_id=None, stdout=subprocess.PIPE
 
 def test_train_py_on_two_processes_matches_one_process(tmp_path):
   """The CLI path: train.py --coordinator/--num_processes/--process_id, each process one node."""
-  port = _free_port()
+  port = free_port()
   procs = [_train_py(tmp_path / "two", ["--config.mesh.nodes=-1", "--config.mesh.local=-1"], port, i) for i in range(2)]
   procs.append(_train_py(tmp_path / "one", []))
   outputs = [p.communicate(timeout=400)[0] for p in procs]
@@ -147,7 +141,7 @@ def test_train_py_on_two_processes_matches_one_process(tmp_path):
 def test_a_workdir_of_each_machines_own_is_refused_before_training(tmp_path):
   """Orbax commits a multi-process save only where every process sees the others' files: with a local folder per
   machine no checkpoint was ever committed, and the run stalled for minutes. Both processes refuse it at once."""
-  port = _free_port()
+  port = free_port()
   procs = [
     _train_py(tmp_path / f"own{i}", ["--config.mesh.nodes=-1", "--config.mesh.local=-1"], port, i) for i in range(2)
   ]
@@ -163,7 +157,7 @@ def test_a_disk_that_fills_up_stops_both_processes_at_once_with_the_reason(tmp_p
   """Process 0's writes failed (no space left), process 1's went through: orbax's save threads then waited at two
   different barriers, and both processes sat 10 minutes until step_timeout blamed a stuck collective. Now the
   failing process stops at once with the reason, and the other on the reason it published."""
-  port = _free_port()
+  port = free_port()
   with tmpfs(tmp_path / "disk", "size=2m") as disk:  # a checkpoint of this model takes 2.8 MB
     procs = [_train_py(disk / "run", ["--config.mesh.nodes=-1", "--config.mesh.local=-1"], port, i) for i in range(2)]
     try:
@@ -187,7 +181,7 @@ PEER_TIMEOUT = 10
 
 
 def _start_pair(tmp_path, extra_per_process):
-  port = _free_port()
+  port = free_port()
   logs = [tmp_path / f"process{i}.log" for i in range(2)]
   procs = [
     _train_py(
@@ -261,8 +255,9 @@ def test_survivor_stops_when_a_process_dies_or_hangs(tmp_path, victim, sig):
   else:
     # A stopped peer keeps its sockets open and the collective hangs: the watchdog ends it.
     assert "process 1 has given no sign of life" in out, out[-3000:]
-    # The watchdog counts from the last change it saw, up to one interval before the stop.
-    assert seconds > PEER_TIMEOUT - 2
+    # The watchdog counts from the last change it saw: one interval (2 s here) before the stop, or two when the
+    # stopped process's heartbeat thread was held up just before it on a loaded machine. Not much earlier.
+    assert seconds > PEER_TIMEOUT - 5
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import glob
 import hashlib
 import json
@@ -479,7 +480,9 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
   # The workers take a Ctrl-C as this process does (no ignore_signals), and this process stops set-up at a stop
   # signal (preemption.StoppedInSetup): a build can take hours; the interrupted build leaves no partial file.
   pool = (
-    concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=child_process.die_with_parent)
+    concurrent.futures.ProcessPoolExecutor(
+      workers, mp_context=context, initializer=functools.partial(child_process.die_with_parent, os.getpid())
+    )
     if workers > 1
     else None
   )
