@@ -15,7 +15,10 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from light_jax import cli  # these three import nothing of JAX: devices are set up in main
+from light_jax import (
+  cli,  # these four import nothing of JAX: devices are set up in main
+  coordinator,
+)
 from light_jax import config as config_lib
 from light_jax.exit_codes import ExitCode
 
@@ -40,9 +43,36 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
   "init_timeout", 300, "Multi-process: seconds to wait for every process to join at start-up."
 )
 flags.mark_flags_as_required(["config", "workdir"])
-flags.register_validator("peer_timeout", lambda v: v > 0, message="--peer_timeout must be > 0 seconds")
-flags.register_validator("step_timeout", lambda v: v >= 0, message="--step_timeout must be >= 0 seconds (0: never)")
-flags.register_validator("init_timeout", lambda v: v > 0, message="--init_timeout must be > 0 seconds")
+_MAX_SECONDS = 1e6  # 11 days: JAX takes its timeouts as 32-bit ints (the heartbeat's is twice --peer_timeout)
+flags.register_validator(
+  "peer_timeout",
+  lambda v: cli.MIN_PEER_TIMEOUT <= v <= _MAX_SECONDS,
+  message=f"--peer_timeout must be from {cli.MIN_PEER_TIMEOUT:g} to {_MAX_SECONDS:.0f} seconds (below, a process "
+  "busy compiling or loading can miss its heartbeats and be stopped for dead)",
+)
+flags.register_validator(
+  "step_timeout",
+  lambda v: 0 <= v <= _MAX_SECONDS,
+  message=f"--step_timeout must be from 0 (never) to {_MAX_SECONDS:.0f} seconds",
+)
+flags.register_validator(
+  "init_timeout",
+  lambda v: 0 < v <= _MAX_SECONDS,
+  message=f"--init_timeout must be from 1 to {_MAX_SECONDS:.0f} seconds",
+)
+flags.register_validator(
+  "coordinator",
+  lambda v: v is None or _parses(v),
+  message="--coordinator must be host:port, the port from 1 to 65535 (an IPv6 host in brackets: [::1]:1234)",
+)
+
+
+def _parses(address: str) -> bool:
+  try:
+    coordinator.parse(address)
+  except coordinator.CoordinatorError:
+    return False
+  return True
 
 
 @flags.multi_flags_validator(
@@ -84,6 +114,7 @@ def _start_jax(config):
   )
   try:
     if explicit:
+      timeouts["initialization_timeout"] = _check_coordinator()
       jax.distributed.initialize(
         _COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value, **timeouts
       )
@@ -97,6 +128,27 @@ def _start_jax(config):
       "and --process_id; for one process, unset the cluster variables."
     )
   return jax
+
+
+def _check_coordinator() -> int:
+  """Before joining at --coordinator (light_jax/coordinator.py): the host resolves; process 0's port is free; the
+  others wait for process 0 to answer. Returns the seconds left of --init_timeout for JAX's own wait."""
+  host, port = coordinator.parse(_COORDINATOR.value)
+  try:
+    coordinator.resolve(host, port)
+    if _PROCESS_ID.value == 0:
+      coordinator.check_port_free(port)
+      logging.info(
+        "process 0: waiting for the other %d process(es) to join at port %d (up to --init_timeout=%d s)",
+        _NUM_PROCESSES.value - 1,
+        port,
+        _INIT_TIMEOUT.value,
+      )
+      return _INIT_TIMEOUT.value
+    left = coordinator.wait_for(host, port, _INIT_TIMEOUT.value, lambda line: logging.info("%s", line))
+  except coordinator.CoordinatorError as e:
+    cli.fail(str(e))
+  return max(int(left), 10)  # the others may still be joining
 
 
 def _exit(code: int, process_count: int):
@@ -196,8 +248,13 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
   """Validates and trains. Returns (exit code, reason to give the other processes or None)."""
   from light_jax import checkpoint as checkpoint_lib
   from light_jax import data as data_lib
-  from light_jax import metrics, preemption, schedules, train_lib
+  from light_jax import metrics, preemption, same_settings, schedules, train_lib
 
+  try:  # before the config is checked against the devices: a process started with another one fails differently
+    same_settings.check(config, _NUM_PROCESSES.value or jax.process_count(), _INIT_TIMEOUT.value)
+  except same_settings.SettingsDiffer as e:
+    print(f"error: {e}", file=sys.stderr)
+    return ExitCode.BAD_INPUT, str(e)
   try:
     config_lib.validate(config, jax.device_count(), jax.process_count())
   except config_lib.ConfigError as e:

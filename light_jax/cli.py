@@ -97,13 +97,21 @@ def int_at_least(minimum: int):
   return parse
 
 
+# train.py's --peer_timeout: below it, a process busy compiling or loading can miss its heartbeats, and its peers
+# stop it for dead.
+MIN_PEER_TIMEOUT = 5.0
+
+
 def check_seconds(args: argparse.Namespace, *names: str) -> None:
   """Raises ValueError naming the first flag of ``names`` (attributes of ``args``) that is not a finite number of
-  seconds > 0: a timeout of 0 fails every job, and nan never stops a hung one."""
+  seconds > 0 (``peer_timeout``: at least MIN_PEER_TIMEOUT): a timeout of 0 fails every job, and nan never stops a
+  hung one."""
   for name in names:
     value = getattr(args, name)
     if not math.isfinite(value) or value <= 0:
       raise ValueError(f"--{name} {value} must be a number of seconds > 0")
+    if name == "peer_timeout" and value < MIN_PEER_TIMEOUT:
+      raise ValueError(f"--peer_timeout {value} must be at least {MIN_PEER_TIMEOUT:g} seconds (train.py's floor)")
 
 
 def check_model(name: str, flag: str = "--model") -> None:

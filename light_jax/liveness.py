@@ -33,8 +33,9 @@ from light_jax.exit_codes import ExitCode
 _PREFIX = "light_jax/liveness/"
 
 
-def _client():
-  # The distributed runtime client jax.distributed.initialize created; orbax reaches it the same way.
+def client():
+  """The distributed runtime client jax.distributed.initialize created (its key-value store); orbax reaches it
+  the same way."""
   from jax._src import distributed
 
   return distributed.global_state.client
@@ -75,7 +76,7 @@ class PeerWatchdog:
     self._thread.join()
     self._thread = None
     try:
-      _client().key_value_set(
+      client().key_value_set(
         self._key(self.process_index), f"failed: {failure}" if failure else "done", allow_overwrite=True
       )
     except Exception:  # the coordinator is gone already: nothing left to tell
@@ -91,7 +92,7 @@ class PeerWatchdog:
     deadline = time.monotonic() + wait_seconds
     while True:
       try:
-        published = dict(_client().key_value_dir_get(_PREFIX))
+        published = dict(client().key_value_dir_get(_PREFIX))
       except Exception:  # the coordination service is gone (process 0): no reason to read
         return None
       failure = self._failed_peer(published)
@@ -111,7 +112,7 @@ class PeerWatchdog:
     return f"{_PREFIX}{index}"
 
   def _run(self) -> None:
-    client = _client()
+    store = client()
     counter = 0
     last_seen = {}  # process index -> (value, time it last changed)
     last_contact = time.monotonic()
@@ -126,8 +127,8 @@ class PeerWatchdog:
         return
       try:
         counter += 1
-        client.key_value_set(self._key(self.process_index), str(counter), allow_overwrite=True)
-        published = dict(client.key_value_dir_get(_PREFIX))
+        store.key_value_set(self._key(self.process_index), str(counter), allow_overwrite=True)
+        published = dict(store.key_value_dir_get(_PREFIX))
         last_contact = now
       except Exception as e:  # the service lives in process 0; one failed call may be a transient
         if now - last_contact > self.peer_timeout:

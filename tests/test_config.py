@@ -223,7 +223,10 @@ FLAGS = "--help lists the flags"
     (["--peer_timeout=abc"], "flag --peer_timeout=abc: could not convert string to float", FLAGS),
     (["--config.comm.compact_pairs=maybe"], "compact_pairs=maybe: 'maybe' is not a boolean; use true or false", FIELDS),
     (["--config.mesh.cpu_devices=-2"], "invalid config: mesh.cpu_devices=-2 must be >= 0", None),
-    (["--peer_timeout=0"], "--peer_timeout must be > 0 seconds", FLAGS),
+    (["--peer_timeout=0"], "--peer_timeout must be from 5 to 1000000 seconds", FLAGS),
+    (["--peer_timeout=inf"], "--peer_timeout must be from 5 to 1000000 seconds", FLAGS),  # was a traceback
+    (["--init_timeout=99999999999"], "--init_timeout must be from 1 to 1000000 seconds", FLAGS),
+    (["--coordinator=127.0.0.1", "--num_processes=2", "--process_id=0"], "--coordinator must be host:port", FLAGS),
     # without its dashes it was dropped, and the run went on at the default
     (["config.num_epochs=1"], "unexpected argument(s) config.num_epochs=1: give flags only", None),
   ],
@@ -238,6 +241,9 @@ FLAGS = "--help lists the flags"
     "not-a-boolean",
     "cpu-devices",
     "peer-timeout",
+    "peer-timeout-inf",
+    "init-timeout-huge",
+    "coordinator-no-port",
     "positional",
   ],  # fmt: skip
 )

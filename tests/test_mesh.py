@@ -52,6 +52,13 @@ def test_resolve_both_fill_names_the_process_count_when_it_does_not_divide():
     mesh_lib.resolve_mesh_shape(-1, -1, 8, num_processes=3)
 
 
+def test_resolve_refuses_a_node_split_over_two_processes():
+  """It was found only as the mesh was made: a traceback, exit 1, where a config error is one line and exit 2."""
+  with pytest.raises(mesh_lib.MeshError, match=r"mesh.local=8 would put one node's devices in two processes \(4"):
+    mesh_lib.resolve_mesh_shape(1, 8, 8, num_processes=2)
+  assert mesh_lib.resolve_mesh_shape(4, 2, 8, num_processes=2) == (4, 2)
+
+
 def test_make_mesh_is_node_major():
   mesh = mesh_lib.make_mesh(2, 4)
   assert mesh.axis_names == ("node", "local")

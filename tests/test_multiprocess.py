@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -151,6 +152,57 @@ def test_a_workdir_of_each_machines_own_is_refused_before_training(tmp_path):
     assert "is not one directory for every process: process(es) [1] do not see the file process 0 wrote" in text
     assert "Traceback" not in text
   assert not os.path.exists(tmp_path / "own0" / "checkpoints") and os.listdir(tmp_path / "own0") == []
+
+
+def test_processes_started_with_other_settings_both_stop_at_once_naming_them(tmp_path):
+  """Started by hand with another batch size, the two processes trained on silently, each with its own (another
+  max_steps: both hung at the step one did not take). Both refuse at once, naming the field."""
+  port = free_port()
+  base = ["--config.mesh.nodes=-1", "--config.mesh.local=-1", "--config.data.num_workers=0"]
+  procs = [
+    _train_py(tmp_path / "run", base, port, 0),
+    _train_py(tmp_path / "run", [*base, "--config.global_batch_size=256", "--config.data.num_workers=1"], port, 1),
+  ]
+  outputs = [p.communicate(timeout=300)[0] for p in procs]
+  for p, text in zip(procs, outputs):
+    assert p.returncode == ExitCode.BAD_INPUT and "Traceback" not in text, text[-3000:]
+  assert (
+    outputs[0]
+    .strip()
+    .splitlines()[-1]
+    .startswith(
+      "error: process 0 was started with other settings than process 1: global_batch_size=128 here, 256 on process 1. "
+    )
+  )
+  assert "error: process 1 was started with other settings than process 0: global_batch_size=256 here" in outputs[1]
+  assert "data.num_workers" not in outputs[1].split("settings than process 0:")[1].split(". Start")[0]  # a machine's
+
+
+def test_a_process_whose_coordinator_never_answers_says_so_and_stops_at_init_timeout(tmp_path):
+  """Process 1 alone, or at a wrong address: 300 s of silence, then a C++ abort blaming a dead peer (134)."""
+  start = time.monotonic()
+  process = _train_py(tmp_path / "run", ["--init_timeout=3"], free_port(), 1)
+  text = process.communicate(timeout=120)[0]
+  assert process.returncode == ExitCode.BAD_INPUT and "Traceback" not in text, text[-3000:]
+  assert "waiting for process 0 at 127.0.0.1:" in text
+  assert text.strip().splitlines()[-1].startswith("error: nothing answered at --coordinator=127.0.0.1:")
+  assert time.monotonic() - start < 60
+
+
+def test_a_process_0_whose_port_is_in_use_refuses_at_once(tmp_path):
+  """gRPC binds with SO_REUSEPORT: a second run's process 0 on the same port bound it too, and both runs, the one
+  already training included, aborted when their processes met the wrong coordinator."""
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    process = _train_py(tmp_path / "run", [], port, 0)
+    text = process.communicate(timeout=120)[0]
+  assert process.returncode == ExitCode.BAD_INPUT, text[-3000:]
+  assert text.strip().splitlines()[-1] == (
+    f"error: --coordinator: port {port} is in use on this machine (another run's coordinator, or another program); "
+    "choose another port, the same in --coordinator on every process"
+  )
 
 
 def test_a_disk_that_fills_up_stops_both_processes_at_once_with_the_reason(tmp_path):

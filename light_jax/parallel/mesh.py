@@ -73,6 +73,12 @@ def resolve_mesh_shape(
       f"mesh {nodes} x {local} = {nodes * local} devices, but {num_devices} are available; set {n} and {l} "
       f"so that their product is {num_devices}" + (" (or use -1 for one of them)." if names == CONFIG_NAMES else ".")
     )
+  per_process = num_devices // num_processes
+  if num_processes > 1 and per_process % local:  # a node's collectives inside one machine: its fast links
+    raise MeshError(
+      f"{l}={local} would put one node's devices in two processes ({per_process} devices per process); choose "
+      f"{l} dividing {per_process}."
+    )
   return nodes, local
 
 
@@ -98,11 +104,6 @@ def make_mesh(nodes: int = -1, local: int = -1, devices=None, names: tuple[str, 
       (1, per_process), (len(processes), 1), devices=devices, process_is_granule=True
     )
   else:
-    if len(processes) > 1 and per_process % local:
-      raise MeshError(
-        f"{names[1]}={local} would put one node's devices in two processes ({per_process} devices "
-        f"per process); choose {names[1]} dividing {per_process}."
-      )
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     grid = np.array(ordered, dtype=object).reshape(nodes, local)
   return Mesh(grid, AXES)

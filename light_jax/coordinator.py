@@ -1,0 +1,96 @@
+"""Checks before a multi-process run started by hand (``--coordinator host:port``) joins JAX's distributed runtime.
+
+Without them, most start-up mistakes were minutes of silence (``--init_timeout``, 300 s by default) and then a
+C++ abort that blamed a dead peer ("another task died", exit 134):
+
+* a host name that does not resolve, or nothing listening at the address (process 0 not started, not yet
+  started, or on another machine);
+* a port in use on process 0's machine: gRPC binds it with SO_REUSEPORT, so process 0 of a second run binds it
+  too, and then both runs' processes meet the wrong coordinator and both runs abort (a run already training
+  included).
+
+Every process resolves the host; process 0 checks that the port is free on its machine; the others wait for
+something to answer at the address, saying so, in a Python loop (Ctrl-C works there, not inside JAX's wait),
+and give up with one line at ``--init_timeout``.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+from collections.abc import Callable
+
+
+class CoordinatorError(ValueError):
+  """The coordinator address cannot work; the message says what to change."""
+
+
+def parse(address: str) -> tuple[str, int]:
+  """``host:port`` (an IPv6 host in brackets, ``[::1]:1234``) -> (host, port)."""
+  host, colon, port = address.rpartition(":")
+  if host.startswith("[") and host.endswith("]"):
+    host = host[1:-1]
+  if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    raise CoordinatorError(
+      f"--coordinator={address}: expected host:port, the port from 1 to 65535 (an IPv6 host in brackets: "
+      "[::1]:1234), the same on every process"
+    )
+  return host, int(port)
+
+
+def resolve(host: str, port: int) -> None:
+  """Raises CoordinatorError if ``host`` has no address."""
+  try:
+    socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+  except socket.gaierror as e:
+    raise CoordinatorError(
+      f"--coordinator={host}:{port}: cannot resolve {host!r} ({e.strerror}); give the name or IP address by which "
+      "every machine reaches process 0's machine"
+    ) from None
+
+
+def check_port_free(port: int) -> None:
+  """For process 0: raises CoordinatorError if ``port`` is in use on this machine. The probe takes SO_REUSEADDR
+  (a previous run's connections in TIME_WAIT do not count) but not SO_REUSEPORT (so a listener does)."""
+  for family, any_address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):  # gRPC listens on [::]
+    try:
+      probe = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:  # no IPv6 on this machine
+      continue
+    with probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      try:
+        probe.bind((any_address, port))
+      except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+          raise CoordinatorError(
+            f"--coordinator: port {port} is in use on this machine (another run's coordinator, or another "
+            "program); choose another port, the same in --coordinator on every process"
+          ) from None
+        continue  # an address family this machine does not serve
+      return
+
+
+def wait_for(host: str, port: int, timeout_seconds: float, say: Callable[[str], None]) -> float:
+  """For the processes other than 0: waits until something accepts a connection at host:port, saying once that it
+  waits; returns the seconds left of ``timeout_seconds``. Raises CoordinatorError when none did in time."""
+  deadline = time.monotonic() + timeout_seconds
+  said = False
+  while True:
+    left = deadline - time.monotonic()
+    try:
+      with socket.create_connection((host, port), timeout=max(min(5.0, left), 0.1)):
+        return max(deadline - time.monotonic(), 0.0)
+    except OSError as e:
+      reason = e.strerror or type(e).__name__
+    if time.monotonic() >= deadline:
+      raise CoordinatorError(
+        f"nothing answered at --coordinator={host}:{port} in {timeout_seconds:g} s (--init_timeout; last: "
+        f"{reason}): start process 0 there with the same --coordinator, or check the address, and that the port "
+        "is open between the machines"
+      )
+    if not said:
+      say(f"waiting for process 0 at {host}:{port} ({reason}), up to --init_timeout={timeout_seconds:g} s")
+      said = True
+    time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
