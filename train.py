@@ -9,7 +9,9 @@ launch under a cluster manager that jax.distributed detects by itself (SLURM, Op
 
 import logging as pylogging
 import os
+import signal
 import sys
+import threading
 import traceback
 
 from absl import app, flags, logging
@@ -115,11 +117,9 @@ def _start_jax(config):
   try:
     if explicit:
       timeouts["initialization_timeout"] = _check_coordinator()
-      jax.distributed.initialize(
-        _COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value, **timeouts
-      )
+      _join(jax, _COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value, **timeouts)
     elif detected:
-      jax.distributed.initialize(**timeouts)
+      _join(jax, **timeouts)
   except (ValueError, RuntimeError) as e:  # e.g. SLURM_JOB_ID set by salloc, but no srun task to join
     found = ", ".join(v for v in _CLUSTER_ENV if os.environ.get(v)) or "none"
     cli.fail(
@@ -128,6 +128,30 @@ def _start_jax(config):
       "and --process_id; for one process, unset the cluster variables."
     )
   return jax
+
+
+def _join(jax, *args, **kwargs) -> None:
+  """jax.distributed.initialize, which waits in C++ for every process (up to --init_timeout), where a Ctrl-C is
+  not seen: it runs in a thread, and this one waits for it and takes the Ctrl-C."""
+  failed = []
+
+  def initialize():
+    try:
+      jax.distributed.initialize(*args, **kwargs)
+    except BaseException as e:  # raised again in the main thread
+      failed.append(e)
+
+  joining = threading.Thread(target=initialize, name="jax.distributed.initialize", daemon=True)
+  joining.start()
+  try:
+    while joining.is_alive():
+      joining.join(0.5)
+  except KeyboardInterrupt:
+    print("stopped by SIGINT while waiting for the other processes to join; nothing to save.", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)  # without the exit handlers: JAX's waits for the other processes
+  if failed:
+    raise failed[0]
 
 
 def _check_coordinator() -> int:

@@ -189,6 +189,22 @@ def test_a_process_whose_coordinator_never_answers_says_so_and_stops_at_init_tim
   assert time.monotonic() - start < 60
 
 
+def test_a_ctrl_c_while_waiting_for_the_others_to_join_stops_at_once(tmp_path):
+  """JAX waits for every process in C++, where the Ctrl-C was not seen: up to --init_timeout (300 s), then an abort."""
+  process = _train_py(tmp_path / "run", [], free_port(), 0)
+  for line in process.stdout:
+    if "waiting for the other 1 process(es) to join" in line:
+      break
+  time.sleep(1)
+  start = time.monotonic()
+  process.send_signal(signal.SIGINT)
+  text = process.communicate(timeout=60)[0]
+  assert process.returncode == 128 + signal.SIGINT and time.monotonic() - start < 10, text[-3000:]
+  assert text.strip().splitlines()[-1] == (
+    "stopped by SIGINT while waiting for the other processes to join; nothing to save."
+  )
+
+
 def test_a_process_0_whose_port_is_in_use_refuses_at_once(tmp_path):
   """gRPC binds with SO_REUSEPORT: a second run's process 0 on the same port bound it too, and both runs, the one
   already training included, aborted when their processes met the wrong coordinator."""
