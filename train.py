@@ -17,10 +17,8 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from light_jax import (
-  cli,  # these four import nothing of JAX: devices are set up in main
-  coordinator,
-)
+# These import nothing of JAX: devices are set up in main.
+from light_jax import cli, coordinator
 from light_jax import config as config_lib
 from light_jax.exit_codes import ExitCode
 
@@ -45,7 +43,7 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
   "init_timeout", 300, "Multi-process: seconds to wait for every process to join at start-up."
 )
 flags.mark_flags_as_required(["config", "workdir"])
-_MAX_SECONDS = 1e6  # 11 days: JAX takes its timeouts as 32-bit ints (the heartbeat's is twice --peer_timeout)
+_MAX_SECONDS = cli.MAX_SECONDS
 flags.register_validator(
   "peer_timeout",
   lambda v: cli.MIN_PEER_TIMEOUT <= v <= _MAX_SECONDS,

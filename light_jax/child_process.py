@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 try:  # looked up here, in the parent: a child forked from a process with threads should do little before exec
@@ -27,3 +29,8 @@ def die_with_parent(parent: int, signum: int = signal.SIGKILL) -> None:
   # init, systemd --user), whose pid is not 1.
   if os.getppid() != parent:
     os._exit(1)
+
+
+def bound_to_this_process(signum: int = signal.SIGKILL) -> Callable[[], None]:
+  """``die_with_parent`` with this process as the parent: for a child's ``preexec_fn`` or a pool's ``initializer``."""
+  return functools.partial(die_with_parent, os.getpid(), signum)

@@ -6,7 +6,6 @@ import argparse
 import ast
 import atexit
 import contextlib
-import math
 import os
 import re
 import sys
@@ -100,16 +99,18 @@ def int_at_least(minimum: int):
 # train.py's --peer_timeout: below it, a process busy compiling or loading can miss its heartbeats, and its peers
 # stop it for dead.
 MIN_PEER_TIMEOUT = 5.0
+# The longest timeout: 11 days. JAX takes its timeouts as 32-bit ints (its heartbeat's is twice --peer_timeout).
+MAX_SECONDS = 1e6
 
 
 def check_seconds(args: argparse.Namespace, *names: str) -> None:
-  """Raises ValueError naming the first flag of ``names`` (attributes of ``args``) that is not a finite number of
-  seconds > 0 (``peer_timeout``: at least MIN_PEER_TIMEOUT): a timeout of 0 fails every job, and nan never stops a
-  hung one."""
+  """Raises ValueError naming the first flag of ``names`` (attributes of ``args``) that is not a number of seconds
+  > 0 and at most MAX_SECONDS (``peer_timeout``: at least MIN_PEER_TIMEOUT): a timeout of 0 fails every job, and
+  nan never stops a hung one."""
   for name in names:
     value = getattr(args, name)
-    if not math.isfinite(value) or value <= 0:
-      raise ValueError(f"--{name} {value} must be a number of seconds > 0")
+    if not 0 < value <= MAX_SECONDS:  # nan too
+      raise ValueError(f"--{name} {value} must be a number of seconds > 0 and at most {MAX_SECONDS:.0f}")
     if name == "peer_timeout" and value < MIN_PEER_TIMEOUT:
       raise ValueError(f"--peer_timeout {value} must be at least {MIN_PEER_TIMEOUT:g} seconds (train.py's floor)")
 

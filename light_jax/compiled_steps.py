@@ -118,15 +118,19 @@ class CompiledSteps:
     """Compiles the step of every phase that steps ``first_step`` .. ``end_step`` - 1 reach, calling ``after_each``
     after each compile (the trainer's check for a stop signal that a library swallowed)."""
     for step in range(first_step, end_step):
-      if (self.density_at(step), self.batch_shape_at(step)) not in self._compiled:
+      if self._phase(step) not in self._compiled:
         self.for_step(step, state)
         after_each()
 
   def for_step(self, step: int, state: step_lib.TrainState) -> tuple[Callable, CommBytes]:
-    key = (self.density_at(step), self.batch_shape_at(step))
+    key = self._phase(step)
     if key not in self._compiled:
       self._compiled[key] = self._compile(step, state)
     return self._compiled[key]
+
+  def _phase(self, step: int) -> tuple:
+    """What a step's compiled function depends on: the top-k density and the batch shape."""
+    return (self.density_at(step), self.batch_shape_at(step))
 
   def _compile(self, step: int, state: step_lib.TrainState) -> tuple[Callable, CommBytes]:
     batch_shape = self.batch_shape_at(step)

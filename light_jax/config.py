@@ -54,6 +54,13 @@ SAFE_TO_CHANGE = (
 )
 
 
+# The fields of one machine's own input pipeline (where its data and cache are, how many threads and worker
+# processes read it, how far ahead): the processes of one run may differ in these (light_jax/same_settings.py).
+MACHINE_FIELDS = frozenset(
+  {"data.data_dir", "data.cache_dir", "data.read_threads", "data.num_workers", "data.host_prefetch", "data.prefetch"}
+)
+
+
 def flat_fields(tree: dict, prefix: str = "") -> dict[str, Any]:
   """A config as a dict (``config.to_dict()``, or as JSON holds it) flattened to {"optimizer.base_lr": 0.1, ...}."""
   out = {}

@@ -17,6 +17,7 @@ and give up with one line at ``--init_timeout``.
 from __future__ import annotations
 
 import errno
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ def parse(address: str) -> tuple[str, int]:
   host, colon, port = address.rpartition(":")
   if host.startswith("[") and host.endswith("]"):
     host = host[1:-1]
-  if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+  if not colon or not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
     raise CoordinatorError(
       f"--coordinator={address}: expected host:port, the port from 1 to 65535 (an IPv6 host in brackets: "
       "[::1]:1234), the same on every process"
@@ -43,16 +44,18 @@ def resolve(host: str, port: int) -> None:
   """Raises CoordinatorError if ``host`` has no address."""
   try:
     socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-  except socket.gaierror as e:
+  except (socket.gaierror, UnicodeError) as e:  # UnicodeError: a label of over 63 characters
+    reason = e.strerror if isinstance(e, socket.gaierror) else str(e)
     raise CoordinatorError(
-      f"--coordinator={host}:{port}: cannot resolve {host!r} ({e.strerror}); give the name or IP address by which "
+      f"--coordinator={host}:{port}: cannot resolve {host!r} ({reason}); give the name or IP address by which "
       "every machine reaches process 0's machine"
     ) from None
 
 
 def check_port_free(port: int) -> None:
-  """For process 0: raises CoordinatorError if ``port`` is in use on this machine. The probe takes SO_REUSEADDR
-  (a previous run's connections in TIME_WAIT do not count) but not SO_REUSEPORT (so a listener does)."""
+  """For process 0: raises CoordinatorError if ``port`` is in use on this machine, on any address of either IP
+  version, or not to be had. The probes take SO_REUSEADDR (a previous run's connections in TIME_WAIT do not count)
+  but not SO_REUSEPORT (so a listener does)."""
   for family, any_address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):  # gRPC listens on [::]
     try:
       probe = socket.socket(family, socket.SOCK_STREAM)
@@ -60,6 +63,8 @@ def check_port_free(port: int) -> None:
       continue
     with probe:
       probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      if family == socket.AF_INET6:  # also IPv4's addresses, as gRPC's socket (whatever net.ipv6.bindv6only says)
+        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
       try:
         probe.bind((any_address, port))
       except OSError as e:
@@ -68,8 +73,12 @@ def check_port_free(port: int) -> None:
             f"--coordinator: port {port} is in use on this machine (another run's coordinator, or another "
             "program); choose another port, the same in --coordinator on every process"
           ) from None
-        continue  # an address family this machine does not serve
-      return
+        if e.errno == errno.EACCES:
+          raise CoordinatorError(
+            f"--coordinator: port {port} cannot be taken here ({e.strerror}: ports below 1024 need root); choose "
+            "a port from 1024 to 65535, the same in --coordinator on every process"
+          ) from None
+        # else an address family this machine does not serve
 
 
 def wait_for(host: str, port: int, timeout_seconds: float, say: Callable[[str], None]) -> float:

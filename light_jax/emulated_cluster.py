@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import ipaddress
 import math
 import os
@@ -39,7 +38,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from light_jax import child_process
+from light_jax import child_process, coordinator
 from light_jax.exit_codes import ExitCode
 
 
@@ -234,7 +233,7 @@ class _Machines:
     with self._making_something():
       proc = subprocess.Popen(
         list(argv),
-        preexec_fn=functools.partial(child_process.die_with_parent, os.getpid()),
+        preexec_fn=child_process.bound_to_this_process(),
         start_new_session=True,
         **popen_kwargs,
       )
@@ -476,23 +475,23 @@ def _last_lines(output: str, count: int = 3) -> str:
 
 
 def free_port() -> int:
-  """A TCP port free on this machine now, for a jax.distributed coordinator, which binds it seconds later. Drawn
-  below the kernel's range for outgoing connections' ports (ip_local_port_range): a port from that range, free
-  now, can be taken by any connection in between (gloo's and grain's among them)."""
+  """A TCP port free on this machine now (coordinator.check_port_free: process 0 takes it only then), for a
+  jax.distributed coordinator, which binds it seconds later. Drawn below the kernel's range for outgoing
+  connections' ports (ip_local_port_range): a port from that range, free now, can be taken by any connection in
+  between (gloo's and grain's among them). In an emulated machine's namespace every port is free."""
   try:
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
       ephemeral_low = int(f.read().split()[0])
   except (OSError, ValueError, IndexError):
     ephemeral_low = 32768  # Linux's default
-  low = 10000 if ephemeral_low > 11000 else 1024
-  for _ in range(100):
-    port = random.randrange(low, ephemeral_low)
-    with socket.socket() as s:
+  if ephemeral_low > 10000 + 100:  # else no range below it to draw from
+    for _ in range(100):
+      port = random.randrange(10000, ephemeral_low)
       try:
-        s.bind(("127.0.0.1", port))
-      except OSError:
+        coordinator.check_port_free(port)
+      except coordinator.CoordinatorError:
         continue
       return port
-  with socket.socket() as s:  # that range is full: one the kernel picks
+  with socket.socket() as s:  # one the kernel picks
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]

@@ -9,7 +9,6 @@ the flag), so every process must call it at the same steps; the trainer does so 
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ class StoppedInSetup(BaseException):
 
   def __init__(self, signum: int):
     super().__init__(signal.Signals(signum).name)
+    self.signum = signum
 
 
 class PreemptionGuard:
@@ -89,23 +89,43 @@ class PreemptionGuard:
 
   def __exit__(self, exc_type, error, traceback) -> None:
     self.uninstall()
-    if error is not None and self.signal is not None and not self.armed and not isinstance(error, StoppedInSetup):
+    if error is not None and not isinstance(error, StoppedInSetup) and wraps_a_stop(error):
       # The raise landed inside a library, which made an error of its own of it (numpy's C code: "SystemError:
       # ... returned a result with an exception set"; orbax: an Exception wrapping it): a stop, not a failure.
-      raise StoppedInSetup(self.signal) from error
+      raise StoppedInSetup(next(e for e in error_chain(error) if isinstance(e, StoppedInSetup)).signum) from error
 
 
-@functools.cache  # once per process, never taken back: a StoppedInSetup is only ever raised by a guard
+def error_chain(error: BaseException | None):
+  """``error``, then what it wraps (raised from, or while handling), each once."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    yield error
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+
+
+def wraps_a_stop(error: BaseException | None) -> bool:
+  return any(isinstance(e, StoppedInSetup) for e in error_chain(error))
+
+
+# What a stop in set-up may cut short: objects of the libraries set-up runs in.
+_SET_UP_LIBRARIES = frozenset({"orbax", "jax", "jaxlib", "grain", "flax", "optax", "asyncio", "concurrent"})
+
+
 def _drop_swallowed_stops() -> None:
   """A stop's raise that lands in a callback Python cannot raise from (JAX's garbage-collection callback) is
   printed with a traceback ("Exception ignored in: ...") and set-up goes on; the guard has noted the signal, and
-  set-up stops at its next check (``check_set_up``). That print is left out."""
+  set-up stops at its next check (``check_set_up``). That print is left out. Installed again by a guard that finds
+  the hook replaced (pytest puts back its own after each test)."""
+  if getattr(sys.unraisablehook, "drops_stops", False):
+    return
   previous = sys.unraisablehook
 
   def hook(unraisable):
-    if not isinstance(unraisable.exc_value, StoppedInSetup):
+    if not wraps_a_stop(unraisable.exc_value):
       previous(unraisable)
 
+  hook.drops_stops = True
   sys.unraisablehook = hook
 
 
@@ -113,6 +133,14 @@ def drop_what_set_up_left() -> None:
   """For the rest of the process, which is ending after a stop in set-up: what the signal's raise cut short
   complains as it is freed, after the run's last line, through sys.unraisablehook (an orbax object whose
   ``__init__`` it interrupted: "Exception ignored in: ... __del__") or as a warning ("coroutine ... was never
-  awaited"). Those are dropped: nothing of them is saved or used again."""
-  sys.unraisablehook = lambda unraisable: None
+  awaited"). Those are dropped when they come from the libraries set-up runs in: nothing of them is saved or used
+  again. Anything else is still reported."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    owner = getattr(unraisable.object, "__module__", None) or type(unraisable.object).__module__
+    if not (wraps_a_stop(unraisable.exc_value) or str(owner).split(".")[0] in _SET_UP_LIBRARIES):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
   warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)

@@ -7,8 +7,8 @@ summary with process 0's values) or hung at the first step one of them did not t
 process publishes its settings in the distributed runtime's key-value store and compares them with process 0's
 (process 0 with every other's): a difference stops every process, naming the fields.
 
-Left out: the fields of one machine's own input pipeline (where its data and cache are, how many threads and
-worker processes read it, how far ahead), which may differ between machines.
+Left out: the fields of one machine's own input pipeline (``config.MACHINE_FIELDS``), which may differ between
+machines.
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import jax
 import ml_collections
 
 from light_jax import liveness
+from light_jax.config import MACHINE_FIELDS, flat_fields
 
-MACHINE_FIELDS = frozenset(
-  {"data.data_dir", "data.cache_dir", "data.read_threads", "data.num_workers", "data.host_prefetch", "data.prefetch"}
-)
 _PREFIX = "light_jax/settings/"
 _SHOWN = 6  # differences named in the message; the rest are counted
 
@@ -35,25 +33,24 @@ class SettingsDiffer(ValueError):
 def settings(config: ml_collections.ConfigDict, num_processes: int) -> dict[str, Any]:
   """The config's fields by dotted name (less ``MACHINE_FIELDS``), the process count this process was started
   with and its device count."""
-  flat = {"--num_processes": num_processes, "local devices": jax.local_device_count()}
-
-  def add(prefix: str, value: Any) -> None:
-    if isinstance(value, dict):
-      for key, inner in value.items():
-        add(f"{prefix}.{key}" if prefix else key, inner)
-    elif prefix not in MACHINE_FIELDS:
-      flat[prefix] = value
-
-  add("", json.loads(config.to_json_best_effort()))
-  return flat
+  fields = flat_fields(json.loads(config.to_json_best_effort()))
+  return {
+    "--num_processes": num_processes,
+    "local devices": jax.local_device_count(),
+    **{name: value for name, value in fields.items() if name not in MACHINE_FIELDS},
+  }
 
 
 def differences(mine: dict[str, Any], theirs: dict[str, Any], other: int) -> list[str]:
-  unset = "(unset)"
+  """``name=value here, value on process N`` for each field whose JSON differs (NaN equals NaN there)."""
+
+  def shown(values: dict[str, Any], name: str) -> str:
+    return json.dumps(values[name]) if name in values else "unset"
+
   return [
-    f"{key}={json.dumps(mine.get(key, unset))} here, {json.dumps(theirs.get(key, unset))} on process {other}"
-    for key in sorted(set(mine) | set(theirs))
-    if mine.get(key, unset) != theirs.get(key, unset)
+    f"{name}={shown(mine, name)} here, {shown(theirs, name)} on process {other}"
+    for name in sorted(set(mine) | set(theirs))
+    if shown(mine, name) != shown(theirs, name)
   ]
 
 
@@ -71,8 +68,13 @@ def check(config: ml_collections.ConfigDict, num_processes: int, timeout_seconds
     found = differences(mine, theirs, other)
     if found:
       more = f"; and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+      devices = (
+        " and let each machine see as many devices (CUDA_VISIBLE_DEVICES, mesh.cpu_devices)"
+        if mine["local devices"] != theirs.get("local devices")
+        else ""
+      )
       raise SettingsDiffer(
         f"process {index} was started with other settings than process {other}: {'; '.join(found[:_SHOWN])}{more}. "
-        "Start every process with the same config file, variant, --config overrides and --num_processes (only "
-        f"the fields of a machine's own input may differ: {', '.join(sorted(MACHINE_FIELDS))})"
+        f"Start every process with the same config file, variant, --config overrides and --num_processes{devices} "
+        f"(only the fields of a machine's own input may differ: {', '.join(sorted(MACHINE_FIELDS))})"
       )

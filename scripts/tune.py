@@ -362,7 +362,7 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
       stderr=subprocess.STDOUT,
       cwd=ROOT,
       start_new_session=True,
-      preexec_fn=functools.partial(child_process.die_with_parent, os.getpid(), signal.SIGTERM),
+      preexec_fn=child_process.bound_to_this_process(signal.SIGTERM),
     )
     try:
       reported = set()

@@ -572,7 +572,7 @@ def test_a_child_whose_parent_ended_before_it_was_bound_to_it_ends():
 
 
 ORPHANS = """
-import concurrent.futures, functools, multiprocessing, os, sys, time
+import concurrent.futures, multiprocessing, os, sys, time
 from light_jax import child_process
 
 def pid_and_sleep(_):
@@ -580,7 +580,7 @@ def pid_and_sleep(_):
   return os.getpid()
 
 if __name__ == "__main__":
-  bound = functools.partial(child_process.die_with_parent, os.getpid())
+  bound = child_process.bound_to_this_process()
   pool = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=bound)
   print(" ".join(str(pid) for pid in set(pool.map(pid_and_sleep, range(4)))), flush=True)
   pool.submit(time.sleep, 60)

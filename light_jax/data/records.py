@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import glob
 import hashlib
 import json
@@ -481,7 +480,7 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
   # signal (preemption.StoppedInSetup): a build can take hours; the interrupted build leaves no partial file.
   pool = (
     concurrent.futures.ProcessPoolExecutor(
-      workers, mp_context=context, initializer=functools.partial(child_process.die_with_parent, os.getpid())
+      workers, mp_context=context, initializer=child_process.bound_to_this_process()
     )
     if workers > 1
     else None

@@ -1,0 +1,125 @@
+"""A multi-process run's start-up checks, on their own: the coordinator address (light_jax/coordinator.py) and the
+processes' settings (light_jax/same_settings.py). tests/test_multiprocess.py runs them through train.py."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from light_jax import coordinator, same_settings
+from light_jax.config import base_config
+
+
+@pytest.mark.parametrize(
+  "address,expected",
+  [
+    ("127.0.0.1:1234", ("127.0.0.1", 1234)),
+    ("[::1]:80", ("::1", 80)),
+    ("host-0.example:65535", ("host-0.example", 65535)),
+  ],
+)
+def test_a_coordinator_address_parses(address, expected):
+  assert coordinator.parse(address) == expected
+
+
+# No port (an IndexError inside JAX), a port JAX wrapped, one int() took from other digits, no host.
+@pytest.mark.parametrize("address", ["127.0.0.1", "127.0.0.1:abc", "127.0.0.1:99999", "h:0", "h:\uff11\uff12", ":1234"])
+def test_a_coordinator_address_that_cannot_work_is_refused(address):
+  with pytest.raises(coordinator.CoordinatorError, match="expected host:port, the port from 1 to 65535"):
+    coordinator.parse(address)
+
+
+def test_a_host_that_does_not_resolve_is_named():
+  with pytest.raises(coordinator.CoordinatorError, match="cannot resolve 'no-such-host.invalid'"):
+    coordinator.resolve("no-such-host.invalid", 1234)
+  with pytest.raises(coordinator.CoordinatorError, match="cannot resolve"):  # a label over 63 characters
+    coordinator.resolve("a" * 70 + ".example", 1234)
+
+
+@pytest.mark.parametrize(
+  "family,address", [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::1")]
+)
+def test_a_port_with_a_listener_on_any_address_is_in_use(family, address):
+  try:
+    listener = socket.socket(family, socket.SOCK_STREAM)
+  except OSError:
+    pytest.skip("no IPv6 here")
+  with listener:
+    listener.bind((address, 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    with pytest.raises(coordinator.CoordinatorError, match=f"port {port} is in use on this machine"):
+      coordinator.check_port_free(port)
+  coordinator.check_port_free(port)  # closed: free again
+
+
+def test_waiting_for_the_coordinator_returns_the_time_left_or_says_what_failed():
+  lines = []
+  with socket.socket() as listener:
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    assert 9 < coordinator.wait_for("127.0.0.1", port, 10, lines.append) <= 10
+  assert lines == []  # answered at once: nothing to say
+  start = time.monotonic()
+  with pytest.raises(coordinator.CoordinatorError, match=f"nothing answered at --coordinator=127.0.0.1:{port} in 1 s"):
+    coordinator.wait_for("127.0.0.1", port, 1, lines.append)
+  assert 1 <= time.monotonic() - start < 5
+  assert lines == [f"waiting for process 0 at 127.0.0.1:{port} (Connection refused), up to --init_timeout=1 s"]
+
+
+def test_settings_differ_in_what_a_run_shares_not_in_a_machines_own_input():
+  config = base_config()
+  mine = same_settings.settings(config, 2)
+  assert mine["--num_processes"] == 2 and mine["global_batch_size"] == config.global_batch_size
+  assert "data.data_dir" not in mine and "data.num_workers" not in mine
+  other = base_config()
+  other.data.num_workers, other.data.data_dir = 3, "/elsewhere"
+  assert same_settings.differences(mine, same_settings.settings(other, 2), 1) == []
+  other.global_batch_size, other.data.cache_budget_gb = 4096, float("nan")
+  config.data.cache_budget_gb = float("nan")  # the same on both: NaN != NaN refused a run one process accepts
+  assert same_settings.differences(same_settings.settings(config, 2), same_settings.settings(other, 3), 1) == [
+    "--num_processes=2 here, 3 on process 1",
+    f"global_batch_size={config.global_batch_size} here, 4096 on process 1",
+  ]
+  assert same_settings.differences({"a": 1}, {}, 0) == ["a=1 here, unset on process 0"]
+
+
+def test_a_real_error_after_a_swallowed_stop_stays_that_error():
+  """A stop a library swallowed, then a real error before set-up's next check: the error was reported as the
+  stop, exit 0 and "run the same command again", its message lost."""
+  code = """
+import os, signal
+from light_jax.preemption import PreemptionGuard
+
+class SignalledWhenFreed:
+  def __del__(self):
+    os.kill(os.getpid(), signal.SIGTERM)
+    (lambda: None)()
+
+with PreemptionGuard():
+  SignalledWhenFreed()
+  raise ValueError("the real error")
+"""
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == "ValueError: the real error"
+
+
+def test_after_a_stop_in_set_up_only_what_it_cut_short_goes_unreported():
+  code = """
+import asyncio
+from light_jax import preemption
+
+class Unrelated:
+  def __del__(self):
+    raise OSError(28, "No space left on device")
+
+preemption.drop_what_set_up_left()
+Unrelated()
+asyncio.sleep(1)  # a coroutine never awaited: dropped
+"""
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert "Exception ignored in: <function Unrelated.__del__" in result.stderr, result.stderr
+  assert "never awaited" not in result.stderr
