@@ -207,6 +207,14 @@ def _check_workdir(workdir: str) -> None:
     )
   if existing != os.path.abspath(workdir):  # not made yet: nothing inside
     return
+  records = os.path.join(existing, "metrics.jsonl")
+  if os.path.isfile(records):  # found damaged by the metrics writer, it was reported after compiling (minutes)
+    from light_jax.metrics import MetricsError, read_records
+
+    try:
+      read_records(records)
+    except MetricsError as e:
+      cli.fail(str(e))
   # A run resumed there writes into these too: found unwritable only at its first save, it failed after training.
   for name in ("checkpoints", "metrics.jsonl", "step_times.jsonl", "summary.json", "tensorboard"):
     path = os.path.join(existing, name)

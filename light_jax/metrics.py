@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,25 +32,29 @@ class MetricsWriter:
     self._tb = None
     if enabled:
       os.makedirs(workdir, exist_ok=True)
+      stamp = time.strftime("%Y%m%d-%H%M%S")
       path = os.path.join(workdir, "metrics.jsonl")
-      if os.path.exists(path):
+      if os.path.exists(path) and resume_step is None and read_records(path):
+        # A run started over where another left records but no checkpoint: they are kept aside, not dropped.
+        _keep_aside(path, stamp)
+      elif os.path.exists(path):
         not_final = lambda r: {**r, "final": False} if r.get("final") else r  # noqa: E731  (the run goes on past it)
         self.records, dropped = keep_records(path, resume_step, not_final if goes_on else None)
         if dropped:
-          logging.warning(
-            "%s: dropping %d record(s) %s",
-            path,
-            dropped,
-            f"after step {resume_step} (resumed there)"
-            if resume_step is not None
-            else "of a previous run without a checkpoint (starting over)",
-          )
+          logging.warning("%s: dropping %d record(s) after step %s (resumed there)", path, dropped, resume_step)
+      # The previous run's summary and plot: stale once this one trains on (a killed extension left a finished
+      # run's summary, which tools read as "done"), replaced when it ends (a rerun's timing over the run's).
+      for name in ("summary.json", "curves.png"):
+        _keep_aside(os.path.join(workdir, name), stamp)
       from tensorboardX import SummaryWriter  # imported here: only process 0 needs it
 
-      # A resumed run's events after its checkpoint, or a run started over's all, are hidden from then on (as
-      # metrics.jsonl drops those records): TensorBoard would draw both runs' points at those steps.
-      purge_step = 0 if resume_step is None else resume_step + 1
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=purge_step)
+      # TensorBoard is written again from the records kept, every earlier event hidden (purge_step 0): a resumed
+      # run's events after its checkpoint would be drawn beside the new ones, and a killed run's last events may
+      # never have reached the file (tensorboardX writes from a queue, on its own thread).
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=0)
+      for record in self.records:
+        self._mirror(record)
+      self._tb.flush()
 
   def write(self, record: dict[str, Any]) -> None:
     self.records.append(record)
@@ -57,21 +62,34 @@ class MetricsWriter:
       return
     with open(os.path.join(self.workdir, "metrics.jsonl"), "a") as f:
       f.write(json.dumps(record) + "\n")
+    self._mirror(record)
+    self._tb.flush()
+
+  def _mirror(self, record: dict[str, Any]) -> None:
     for key, value in record.items():
       if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
         self._tb.add_scalar(key, value, record["step"])
-    self._tb.flush()
 
   def write_summary(self, summary: dict[str, Any]) -> None:
     if not self.enabled:
       return
-    with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+    path = os.path.join(self.workdir, "summary.json")
+    with open(path + ".tmp", "w") as f:  # whole or not at all: tools read its presence as a finished run
       json.dump(summary, f, indent=2)
+    os.replace(path + ".tmp", path)
     plot_history(self.records, os.path.join(self.workdir, "curves.png"))
 
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
+
+
+def _keep_aside(path: str, stamp: str) -> None:
+  """Renames ``path`` (if there) to ``NAME.before-STAMP``, saying so."""
+  if os.path.exists(path):
+    kept = f"{path}.before-{stamp}"
+    os.replace(path, kept)
+    logging.warning("%s: a previous run's, kept as %s", path, os.path.basename(kept))
 
 
 def plot_history(records: list[dict[str, Any]], path: str, title: str = "") -> None:
@@ -126,20 +144,29 @@ def keep_records(
 def read_records(path: str) -> list[dict[str, Any]]:
   """The records of a JSON-lines file. A last line cut short (a crash or a full disk mid-append) is left out
   with a warning: it is the newest record, which a resumed run writes again. A bad line before it is an error."""
-  with open(path) as f:
+  with open(path, "rb") as f:
     lines = [line for line in f if line.strip()]
   records = []
   for number, line in enumerate(lines, 1):
     try:
-      records.append(json.loads(line))
-    except json.JSONDecodeError as e:
+      record = json.loads(line.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
       if number < len(lines):
-        raise MetricsError(
-          f"{path}, line {number}: not a JSON record ({e}); the file is damaged. Move it away to go on (a resumed "
-          "run then writes the records from its checkpoint on; the earlier ones stay in the moved file)."
-        ) from None
+        reason = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8 text"
+        raise MetricsError(_damaged(path, number, f"not a JSON record ({reason})")) from None
       logging.warning("%s: leaving out its last line, cut short: %r", path, line[:80])
+      continue
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+      raise MetricsError(_damaged(path, number, "not a record with a step"))
+    records.append(record)
   return records
+
+
+def _damaged(path: str, number: int, what: str) -> str:
+  return (
+    f"{path}, line {number}: {what}; the file is damaged. Move it away to go on (a resumed run then writes the "
+    "records from its checkpoint on; the earlier ones stay in the moved file)."
+  )
 
 
 def plot_comparison(runs: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> None:

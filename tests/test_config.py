@@ -470,3 +470,14 @@ def test_resolve_config_reads_overrides_as_train_py_does(tmp_path):
   buggy.write_text("from configs import fashion_mnist\n\ndef get_config():\n  return fashion_mnist.get_config().nope\n")
   with pytest.raises(AttributeError, match="nope"):
     cli.resolve_config(str(buggy), [])
+
+
+def test_a_damaged_metrics_jsonl_is_refused_before_the_devices_start(tmp_path):
+  """It was found by the metrics writer, after compiling every phase's step (minutes on a GPU)."""
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 4, "ep\n{"step": 8, "epoch": 2.0}\n')
+  result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "run"))
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: {tmp_path / 'run' / 'metrics.jsonl'}, line 1: not a JSON record"), last
+  assert "JAX" not in result.stderr  # train.py logs the JAX version once the devices are up

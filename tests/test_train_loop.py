@@ -258,6 +258,35 @@ def test_metrics_jsonl_with_a_last_line_cut_short_resumes_and_a_damaged_one_is_n
     MetricsWriter(str(tmp_path), resume_step=8)
 
 
+@pytest.mark.parametrize(
+  "line,what",
+  [
+    (b"[1, 2]", "not a record with a step"),  # a TypeError traceback
+    (b'{"epoch": 1.0}', "not a record with a step"),  # a KeyError traceback
+    (b'{"step": 4, "name": "\xff"}', r"not a JSON record \(not UTF-8 text\)"),  # a UnicodeDecodeError traceback
+    (b'{"step": 4,, "epoch": 1.0}', r"not a JSON record \(Expecting property name enclosed in double quotes at column"),
+  ],
+)
+def test_a_metrics_jsonl_line_that_is_not_a_record_is_named(tmp_path, line, what):
+  (tmp_path / "metrics.jsonl").write_bytes(line + b'\n{"step": 8, "epoch": 2.0}\n')
+  with pytest.raises(MetricsError, match=f"metrics.jsonl, line 1: {what}"):
+    MetricsWriter(str(tmp_path), resume_step=8)
+
+
+def test_a_previous_runs_records_summary_and_plot_are_kept_aside_not_dropped(tmp_path):
+  """A run started over where another left records but no checkpoint dropped its records with a warning; a rerun
+  replaced a finished run's summary (its timing) and plot, and an extension killed before its end left the old
+  summary, which tools read as a finished run."""
+  (tmp_path / "metrics.jsonl").write_text('{"step": 4, "epoch": 1.0}\n')
+  (tmp_path / "summary.json").write_text('{"steps": 4}')
+  (tmp_path / "curves.png").write_bytes(b"png")
+  MetricsWriter(str(tmp_path)).close()  # started over
+  kept = sorted(name for name in os.listdir(tmp_path) if ".before-" in name)
+  assert [name.split(".before-")[0] for name in kept] == ["curves.png", "metrics.jsonl", "summary.json"]
+  assert (tmp_path / kept[1]).read_text() == '{"step": 4, "epoch": 1.0}\n'
+  assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "summary.json").exists()
+
+
 def test_hitopk_on_one_node_trains_and_says_it_saves_nothing(tmp_path, caplog):
   with caplog.at_level(logging.WARNING):
     train_lib.train_and_evaluate(small_config("hitopk", max_steps=1, mesh__nodes=1, mesh__local=8), str(tmp_path))
