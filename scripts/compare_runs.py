@@ -37,18 +37,25 @@ def main():
     except OSError as e:  # a folder in its place, no permission
       cli.fail(f"{spec}: cannot read {os.path.join(workdir, 'metrics.jsonl')} ({e.strerror})")
     fields = ("epoch", "train_loss", "eval_top1", "eval_top5", "inter_node_bytes_per_step")
-    if any(not isinstance(r, dict) or any(f not in r for f in fields) for r in runs[label]):
-      cli.fail(f"{spec}: {os.path.join(workdir, 'metrics.jsonl')} holds a line that is not a train.py record")
+    missing = sorted({f for r in runs[label] for f in fields if f not in r})
+    if missing:  # an older train.py's records, or another program's
+      cli.fail(
+        f"{spec}: {os.path.join(workdir, 'metrics.jsonl')} holds records without {', '.join(missing)}; give the "
+        "workdir of a run of this train.py"
+      )
     if not runs[label]:
       cli.fail(f"{spec}: {os.path.join(workdir, 'metrics.jsonl')} holds no evaluation yet; give a run that has one")
   metrics.plot_comparison(runs, args.out, args.title)
   finals = {label: records[-1] for label, records in runs.items()}
-  print(f"{'run':<16}{'epochs':>8}{'test top-1':>12}{'test top-5':>12}{'inter-node B/step':>20}")
+  width = max(16, *(len(label) + 2 for label in finals))
+  print(f"{'run':<{width}}{'epochs':>8}{'test top-1':>12}{'test top-5':>12}{'inter-node B/step':>20}")
   for label, r in finals.items():
+    cut = "" if r.get("final") else "  (not finished)"  # the last record of a run still going, or killed
     print(
-      f"{label:<16}{r['epoch']:>8.2f}{100 * r['eval_top1']:>11.2f}%{100 * r['eval_top5']:>11.2f}%"
-      f"{r['inter_node_bytes_per_step']:>20,}"
+      f"{label:<{width}}{r['epoch']:>8.2f}{100 * r['eval_top1']:>11.2f}%{100 * r['eval_top5']:>11.2f}%"
+      f"{r['inter_node_bytes_per_step']:>20,}{cut}"
     )
+  print(f"plot: {args.out}", file=sys.stderr)
   print(
     json.dumps(
       {

@@ -37,11 +37,13 @@ def main() -> None:
     path = os.path.join(workdir, "summary.json")
     if not os.path.exists(path):
       cli.fail(f"{workdir}: no summary.json; kernel norms need a finished train.py run")
-    with open(path) as f:
-      try:
+    try:
+      with open(path) as f:
         summaries.append(json.load(f))
-      except json.JSONDecodeError as e:
-        cli.fail(f"{path} is not JSON ({e}): the run did not end cleanly; run it again (the same command resumes)")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      cli.fail(f"{path} is not JSON ({e}): the run did not end cleanly; run it again (the same command resumes)")
+    except OSError as e:  # a folder in its place, no permission
+      cli.fail(f"cannot read {path} ({e.strerror})")
   try:
     config = summaries[0]["config"]
     # The mesh the run resolved (the config's may say -1, all devices), which the checkpoints were saved on.

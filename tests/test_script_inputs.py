@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -57,7 +58,39 @@ def test_compare_runs_names_a_bad_run_argument(tmp_path):
   (tmp_path / "other").mkdir()
   (tmp_path / "other" / "metrics.jsonl").write_text("[1, 2]\n")
   error = _fails("scripts/compare_runs.py", "--out", out, f"a={tmp_path / 'other'}")
-  assert error.endswith("metrics.jsonl holds a line that is not a train.py record")
+  assert "metrics.jsonl, line 1: not a record with a step" in error
+  (tmp_path / "other" / "metrics.jsonl").write_text('{"step": 4, "epoch": 1.0, "train_loss": 1.0}\n')
+  error = _fails("scripts/compare_runs.py", "--out", out, f"a={tmp_path / 'other'}")
+  assert error.endswith(
+    "holds records without eval_top1, eval_top5, inter_node_bytes_per_step; give the workdir of a run of this train.py"
+  )
+
+
+def test_compare_runs_marks_a_run_not_finished_and_says_where_the_plot_is(tmp_path):
+  records = (Path(ROOT) / "docs" / "fashion_mnist_metrics.jsonl").read_text().splitlines()
+  for name, lines in (("done", records), ("cut", records[:3])):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+  long_label = "hitopk@0.01_dw5_compensated"
+  result = subprocess.run(
+    [sys.executable, "scripts/compare_runs.py", "--out", str(tmp_path / "runs.png"), f"done={tmp_path / 'done'}",
+     f"{long_label}={tmp_path / 'cut'}"],
+    cwd=ROOT, capture_output=True, text=True, timeout=120,
+  )  # fmt: skip
+  assert result.returncode == 0, result.stderr[-2000:]
+  header, done, cut = result.stdout.splitlines()[:3]
+  assert cut.startswith(long_label + "  ") and cut.endswith("(not finished)") and not done.endswith("(not finished)")
+  end = header.index("epochs") + len("epochs")  # every row's epochs end under the header's, the long label's too
+  assert done[end - 1].isdigit() and cut[end - 1].isdigit() and cut[end] == " ", (header, done, cut)
+  assert f"plot: {tmp_path / 'runs.png'}" in result.stderr and (tmp_path / "runs.png").exists()
+
+
+def test_kernel_norms_names_a_summary_it_cannot_read(tmp_path):
+  (tmp_path / "folder" / "summary.json").mkdir(parents=True)
+  assert "summary.json (Is a directory)" in _fails("scripts/kernel_norms.py", str(tmp_path / "folder"))
+  (tmp_path / "binary").mkdir()
+  (tmp_path / "binary" / "summary.json").write_bytes(b"\xff\xfe")
+  assert "summary.json is not JSON" in _fails("scripts/kernel_norms.py", str(tmp_path / "binary"))
 
 
 def test_kernel_norms_compares_the_resolved_meshes(tmp_path):
