@@ -130,7 +130,8 @@ def _start_jax(config):
 
 def _join(jax, *args, **kwargs) -> None:
   """jax.distributed.initialize, which waits in C++ for every process (up to --init_timeout), where a Ctrl-C is
-  not seen: it runs in a thread, and this one waits for it and takes the Ctrl-C."""
+  not seen: it runs in a thread, and this one waits for it and takes a Ctrl-C or SIGTERM (also where the shell
+  started this process with SIGINT ignored, as a script's background job)."""
   failed = []
 
   def initialize():
@@ -139,15 +140,22 @@ def _join(jax, *args, **kwargs) -> None:
     except BaseException as e:  # raised again in the main thread
       failed.append(e)
 
+  def stop(signum, frame):
+    del frame
+    name = signal.Signals(signum).name
+    print(f"stopped by {name} while waiting for the other processes to join; nothing to save.", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(128 + signum)  # without the exit handlers: JAX's waits for the other processes
+
+  previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
   joining = threading.Thread(target=initialize, name="jax.distributed.initialize", daemon=True)
   joining.start()
   try:
     while joining.is_alive():
       joining.join(0.5)
-  except KeyboardInterrupt:
-    print("stopped by SIGINT while waiting for the other processes to join; nothing to save.", file=sys.stderr)
-    sys.stderr.flush()
-    os._exit(128 + signal.SIGINT)  # without the exit handlers: JAX's waits for the other processes
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
   if failed:
     raise failed[0]
 

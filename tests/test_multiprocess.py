@@ -100,7 +100,7 @@ def test_two_processes_match_one_process(tmp_path, strategy):
   assert np.isfinite(single["__loss"]).all()
 
 
-def _train_py(workdir, extra, port=None, process_id=None, stdout=subprocess.PIPE):
+def _train_py(workdir, extra, port=None, process_id=None, stdout=subprocess.PIPE, **popen):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   args = [
     sys.executable,
@@ -118,7 +118,7 @@ def _train_py(workdir, extra, port=None, process_id=None, stdout=subprocess.PIPE
   ]
   if port is not None:
     args += [f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={process_id}"]
-  return subprocess.Popen(args, cwd=root, env=_env(), stdout=stdout, stderr=subprocess.STDOUT, text=True)
+  return subprocess.Popen(args, cwd=root, env=_env(), stdout=stdout, stderr=subprocess.STDOUT, text=True, **popen)
 
 
 def test_train_py_on_two_processes_matches_one_process(tmp_path):
@@ -190,8 +190,10 @@ def test_a_process_whose_coordinator_never_answers_says_so_and_stops_at_init_tim
 
 
 def test_a_ctrl_c_while_waiting_for_the_others_to_join_stops_at_once(tmp_path):
-  """JAX waits for every process in C++, where the Ctrl-C was not seen: up to --init_timeout (300 s), then an abort."""
-  process = _train_py(tmp_path / "run", [], free_port(), 0)
+  """JAX waits for every process in C++, where the Ctrl-C was not seen: up to --init_timeout (300 s), then an abort.
+  Started with SIGINT ignored, as a script's background job is (CI's): it is taken all the same."""
+  ignored = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731
+  process = _train_py(tmp_path / "run", [], free_port(), 0, preexec_fn=ignored)
   for line in process.stdout:
     if "waiting for the other 1 process(es) to join" in line:
       break
