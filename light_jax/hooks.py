@@ -294,7 +294,9 @@ class StepTimer:
 
   def __init__(self, path: str, resume_step: int = 0):
     self.path = path
-    if os.path.exists(path):  # a resumed run's steps after its checkpoint ran again: their first timing goes
+    if os.path.exists(path) and not resume_step:  # a run started over: the previous run's timings kept aside
+      metrics_lib.keep_aside(path)
+    elif os.path.exists(path):  # a resumed run's steps after its checkpoint ran again: their first timing goes
       metrics_lib.keep_records(path, resume_step)
     self._last_time, self._last_sent = time.perf_counter(), sent_bytes()
 

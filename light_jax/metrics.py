@@ -30,22 +30,24 @@ class MetricsWriter:
     self.enabled = enabled
     self.records: list[dict[str, Any]] = []
     self._tb = None
+    # A finished run resumed, which trains nothing, keeps its summary and plot (and their timing) as they are.
+    self._keeps_summary = resume_step is not None and not goes_on
     if enabled:
       os.makedirs(workdir, exist_ok=True)
-      stamp = time.strftime("%Y%m%d-%H%M%S")
       path = os.path.join(workdir, "metrics.jsonl")
       if os.path.exists(path) and resume_step is None and read_records(path):
         # A run started over where another left records but no checkpoint: they are kept aside, not dropped.
-        _keep_aside(path, stamp)
+        keep_aside(path)
       elif os.path.exists(path):
         not_final = lambda r: {**r, "final": False} if r.get("final") else r  # noqa: E731  (the run goes on past it)
         self.records, dropped = keep_records(path, resume_step, not_final if goes_on else None)
         if dropped:
           logging.warning("%s: dropping %d record(s) after step %s (resumed there)", path, dropped, resume_step)
-      # The previous run's summary and plot: stale once this one trains on (a killed extension left a finished
-      # run's summary, which tools read as "done"), replaced when it ends (a rerun's timing over the run's).
-      for name in ("summary.json", "curves.png"):
-        _keep_aside(os.path.join(workdir, name), stamp)
+      if not self._keeps_summary:
+        # A run that trains makes the previous run's summary and plot stale (a killed extension left a finished
+        # run's summary, which tools read as "done"): kept aside, not lost.
+        for name in ("summary.json", "curves.png"):
+          keep_aside(os.path.join(workdir, name))
       from tensorboardX import SummaryWriter  # imported here: only process 0 needs it
 
       # TensorBoard is written again from the records kept, every earlier event hidden (purge_step 0): a resumed
@@ -71,9 +73,9 @@ class MetricsWriter:
         self._tb.add_scalar(key, value, record["step"])
 
   def write_summary(self, summary: dict[str, Any]) -> None:
-    if not self.enabled:
-      return
     path = os.path.join(self.workdir, "summary.json")
+    if not self.enabled or (self._keeps_summary and os.path.exists(path)):
+      return
     with open(path + ".tmp", "w") as f:  # whole or not at all: tools read its presence as a finished run
       json.dump(summary, f, indent=2)
     os.replace(path + ".tmp", path)
@@ -84,12 +86,23 @@ class MetricsWriter:
       self._tb.close()
 
 
-def _keep_aside(path: str, stamp: str) -> None:
-  """Renames ``path`` (if there) to ``NAME.before-STAMP``, saying so."""
-  if os.path.exists(path):
-    kept = f"{path}.before-{stamp}"
+def keep_aside(path: str) -> None:
+  """Renames ``path`` (if there) to ``NAME.before-STAMP`` (the UTC time; a name taken gets a count), saying so."""
+  if not os.path.exists(path):
+    return
+  stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+  kept, count = f"{path}.before-{stamp}", 1
+  while os.path.lexists(kept):  # two starts in one second: nothing kept before is replaced
+    count += 1
+    kept = f"{path}.before-{stamp}-{count}"
+  try:
     os.replace(path, kept)
-    logging.warning("%s: a previous run's, kept as %s", path, os.path.basename(kept))
+  except OSError as e:
+    raise MetricsError(
+      f"{path} is a previous run's, and cannot be moved aside to {os.path.basename(kept)} ({e.strerror}); move it "
+      "away, or choose another --workdir"
+    ) from None
+  logging.warning("%s: a previous run's, kept as %s", path, os.path.basename(kept))
 
 
 def plot_history(records: list[dict[str, Any]], path: str, title: str = "") -> None:

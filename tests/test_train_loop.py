@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from light_jax.metrics import MetricsError, MetricsWriter, read_metrics
 from light_jax.models import create_model
 from light_jax.parallel import fusion
 from light_jax.parallel import reducer as reducer_lib
-from tests.helpers import small_config
+from tests.helpers import small_config, tmpfs
 
 
 def test_hooks_run_by_period_and_predicate_in_order():
@@ -285,6 +286,29 @@ def test_a_previous_runs_records_summary_and_plot_are_kept_aside_not_dropped(tmp
   assert [name.split(".before-")[0] for name in kept] == ["curves.png", "metrics.jsonl", "summary.json"]
   assert (tmp_path / kept[1]).read_text() == '{"step": 4, "epoch": 1.0}\n'
   assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "summary.json").exists()
+  (tmp_path / "summary.json").write_text('{"steps": 8}')
+  MetricsWriter(str(tmp_path)).close()  # again within the second: the first one kept stays
+  kept = sorted(name for name in os.listdir(tmp_path) if name.startswith("summary.json.before-"))
+  assert [(tmp_path / name).read_text() for name in kept] == ['{"steps": 4}', '{"steps": 8}']
+  # A finished run resumed trains nothing: its summary (its timing) stays as it is, and nothing piles up.
+  (tmp_path / "summary.json").write_text('{"steps": 8, "wall_seconds": 9.75}')
+  writer = MetricsWriter(str(tmp_path), resume_step=8, goes_on=False)
+  writer.write_summary({"steps": 8, "wall_seconds": 5.0})
+  assert json.loads((tmp_path / "summary.json").read_text())["wall_seconds"] == 9.75
+  assert len([name for name in os.listdir(tmp_path) if name.startswith("summary.json.before-")]) == 2
+
+
+def test_a_previous_runs_file_that_cannot_be_moved_aside_is_one_error(tmp_path):
+  """It was a PermissionError traceback, exit 1 (which benchmarks/train_runs.py retries as a run that died)."""
+  with tmpfs(tmp_path / "disk", "size=1m") as disk:
+    (disk / "summary.json").write_text('{"steps": 4}')
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    try:
+      with pytest.raises(MetricsError, match=r"summary.json is a previous run's, and cannot be moved aside to summ"):
+        MetricsWriter(str(disk)).close()
+    finally:
+      subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+    assert json.loads((disk / "summary.json").read_text()) == {"steps": 4}
 
 
 def test_hitopk_on_one_node_trains_and_says_it_saves_nothing(tmp_path, caplog):
