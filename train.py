@@ -9,9 +9,7 @@ launch under a cluster manager that jax.distributed detects by itself (SLURM, Op
 
 import logging as pylogging
 import os
-import signal
 import sys
-import threading
 import traceback
 
 from absl import app, flags, logging
@@ -43,31 +41,30 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
   "init_timeout", 300, "Multi-process: seconds to wait for every process to join at start-up."
 )
 flags.mark_flags_as_required(["config", "workdir"])
-_MAX_SECONDS = cli.MAX_SECONDS
 flags.register_validator(
   "peer_timeout",
-  lambda v: cli.MIN_PEER_TIMEOUT <= v <= _MAX_SECONDS,
-  message=f"--peer_timeout must be from {cli.MIN_PEER_TIMEOUT:g} to {_MAX_SECONDS:.0f} seconds (below, a process "
+  lambda v: cli.MIN_PEER_TIMEOUT <= v <= cli.MAX_SECONDS,
+  message=f"--peer_timeout must be from {cli.MIN_PEER_TIMEOUT:g} to {cli.MAX_SECONDS:.0f} seconds (below, a process "
   "busy compiling or loading can miss its heartbeats and be stopped for dead)",
 )
 flags.register_validator(
   "step_timeout",
-  lambda v: 0 <= v <= _MAX_SECONDS,
-  message=f"--step_timeout must be from 0 (never) to {_MAX_SECONDS:.0f} seconds",
+  lambda v: 0 <= v <= cli.MAX_SECONDS,
+  message=f"--step_timeout must be from 0 (never) to {cli.MAX_SECONDS:.0f} seconds",
 )
 flags.register_validator(
   "init_timeout",
-  lambda v: 0 < v <= _MAX_SECONDS,
-  message=f"--init_timeout must be from 1 to {_MAX_SECONDS:.0f} seconds",
+  lambda v: 0 < v <= cli.MAX_SECONDS,
+  message=f"--init_timeout must be from 1 to {cli.MAX_SECONDS:.0f} seconds",
 )
 flags.register_validator(
   "coordinator",
-  lambda v: v is None or _parses(v),
+  lambda v: v is None or _is_host_port(v),
   message="--coordinator must be host:port, the port from 1 to 65535 (an IPv6 host in brackets: [::1]:1234)",
 )
 
 
-def _parses(address: str) -> bool:
+def _is_host_port(address: str) -> bool:
   try:
     coordinator.parse(address)
   except coordinator.CoordinatorError:
@@ -112,73 +109,28 @@ def _start_jax(config):
   timeouts = dict(
     initialization_timeout=_INIT_TIMEOUT.value, heartbeat_timeout_seconds=max(int(2 * _PEER_TIMEOUT.value), 1)
   )
+  if explicit:  # before joining: the address resolves, process 0's port is free, the others wait for process 0
+    try:
+      timeouts["initialization_timeout"] = coordinator.wait_until_reachable(
+        _COORDINATOR.value, _PROCESS_ID.value, num_processes, _INIT_TIMEOUT.value
+      )
+    except coordinator.CoordinatorError as e:
+      cli.fail(str(e))
   try:
     if explicit:
-      timeouts["initialization_timeout"] = _check_coordinator()
-      _join(jax, _COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value, **timeouts)
+      coordinator.join(jax, _COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value, **timeouts)
     elif detected:
-      _join(jax, **timeouts)
-  except (ValueError, RuntimeError) as e:  # e.g. SLURM_JOB_ID set by salloc, but no srun task to join
+      coordinator.join(jax, **timeouts)
+  except (ValueError, RuntimeError) as e:
+    reason = f"jax.distributed could not start ({type(e).__name__}: {str(e)[:300]})"
+    if explicit:
+      cli.fail(f"{reason}; check --coordinator, --num_processes and --process_id on every process.")
     found = ", ".join(v for v in _CLUSTER_ENV if os.environ.get(v)) or "none"
-    cli.fail(
-      f"jax.distributed could not start ({type(e).__name__}: {str(e)[:300]}). Cluster variables set: {found}. "
-      "Start each process through the cluster manager (srun, mpirun), or give --coordinator, --num_processes "
-      "and --process_id; for one process, unset the cluster variables."
+    cli.fail(  # e.g. SLURM_JOB_ID set by salloc, but no srun task to join
+      f"{reason}. Cluster variables set: {found}. Start each process through the cluster manager (srun, mpirun), "
+      "or give --coordinator, --num_processes and --process_id; for one process, unset the cluster variables."
     )
   return jax
-
-
-def _join(jax, *args, **kwargs) -> None:
-  """jax.distributed.initialize, which waits in C++ for every process (up to --init_timeout), where a Ctrl-C is
-  not seen: it runs in a thread, and this one waits for it and takes a Ctrl-C or SIGTERM (also where the shell
-  started this process with SIGINT ignored, as a script's background job)."""
-  failed = []
-
-  def initialize():
-    try:
-      jax.distributed.initialize(*args, **kwargs)
-    except BaseException as e:  # raised again in the main thread
-      failed.append(e)
-
-  def stop(signum, frame):
-    del frame
-    name = signal.Signals(signum).name
-    print(f"stopped by {name} while waiting for the other processes to join; nothing to save.", file=sys.stderr)
-    sys.stderr.flush()
-    os._exit(128 + signum)  # without the exit handlers: JAX's waits for the other processes
-
-  previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-  joining = threading.Thread(target=initialize, name="jax.distributed.initialize", daemon=True)
-  joining.start()
-  try:
-    while joining.is_alive():
-      joining.join(0.5)
-  finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
-  if failed:
-    raise failed[0]
-
-
-def _check_coordinator() -> int:
-  """Before joining at --coordinator (light_jax/coordinator.py): the host resolves; process 0's port is free; the
-  others wait for process 0 to answer. Returns the seconds left of --init_timeout for JAX's own wait."""
-  host, port = coordinator.parse(_COORDINATOR.value)
-  try:
-    coordinator.resolve(host, port)
-    if _PROCESS_ID.value == 0:
-      coordinator.check_port_free(port)
-      logging.info(
-        "process 0: waiting for the other %d process(es) to join at port %d (up to --init_timeout=%d s)",
-        _NUM_PROCESSES.value - 1,
-        port,
-        _INIT_TIMEOUT.value,
-      )
-      return _INIT_TIMEOUT.value
-    left = coordinator.wait_for(host, port, _INIT_TIMEOUT.value, lambda line: logging.info("%s", line))
-  except coordinator.CoordinatorError as e:
-    cli.fail(str(e))
-  return max(int(left), 10)  # the others may still be joining
 
 
 def _exit(code: int, process_count: int):
@@ -202,7 +154,7 @@ class _QuietLibraries(pylogging.Filter):
 
 def _check_workdir(workdir: str) -> None:
   """Before anything heavy, and creating nothing: the workdir, or the folder it would be made in, must be a
-  directory this process can write."""
+  directory this process can write, and a metrics.jsonl there readable."""
   existing = os.path.abspath(workdir)
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
@@ -216,7 +168,7 @@ def _check_workdir(workdir: str) -> None:
   if existing != os.path.abspath(workdir):  # not made yet: nothing inside
     return
   records = os.path.join(existing, "metrics.jsonl")
-  if os.path.isfile(records):  # found damaged by the metrics writer, it was reported after compiling (minutes)
+  if os.path.isfile(records):  # damaged: found now, not by the metrics writer after minutes of compiling
     from light_jax.metrics import MetricsError, read_records
 
     try:

@@ -113,7 +113,7 @@ class CompiledSteps:
     return self._planned(reducer, self.batch_shape_at(step)) if self.replans_buckets_per_phase else reducer
 
   def compile_phases(
-    self, first_step: int, end_step: int, state: step_lib.TrainState, after_each: Callable[[], None] = lambda: None
+    self, first_step: int, end_step: int, state: step_lib.TrainState, after_each: Callable[[], None]
   ) -> None:
     """Compiles the step of every phase that steps ``first_step`` .. ``end_step`` - 1 reach, calling ``after_each``
     after each compile (the trainer's check for a stop signal that a library swallowed)."""

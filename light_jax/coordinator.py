@@ -1,4 +1,5 @@
-"""Checks before a multi-process run started by hand (``--coordinator host:port``) joins JAX's distributed runtime.
+"""Joining a multi-process run: the checks before a run started by hand (``--coordinator host:port``) joins JAX's
+distributed runtime, and the join itself (``join``: a Ctrl-C or SIGTERM is taken while it waits).
 
 Without them, most start-up mistakes were minutes of silence (``--init_timeout``, 300 s by default) and then a
 C++ abort that blamed a dead peer ("another task died", exit 134):
@@ -17,8 +18,13 @@ and give up with one line at ``--init_timeout``.
 from __future__ import annotations
 
 import errno
+import logging
+import os
 import re
+import signal
 import socket
+import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -103,3 +109,55 @@ def wait_for(host: str, port: int, timeout_seconds: float, say: Callable[[str], 
       say(f"waiting for process 0 at {host}:{port} ({reason}), up to --init_timeout={timeout_seconds:g} s")
       said = True
     time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+
+
+def wait_until_reachable(address: str, process_id: int, num_processes: int, init_timeout: int) -> int:
+  """Before joining at ``address`` (--coordinator): the host resolves; process 0's port is free; the others wait
+  for process 0 to answer. Returns the seconds left of ``init_timeout`` for JAX's own wait. Raises
+  CoordinatorError."""
+  host, port = parse(address)
+  resolve(host, port)
+  if process_id == 0:
+    check_port_free(port)
+    logging.info(
+      "process 0: waiting for the other %d process(es) to join at port %d (up to --init_timeout=%d s)",
+      num_processes - 1,
+      port,
+      init_timeout,
+    )
+    return init_timeout
+  left = wait_for(host, port, init_timeout, lambda line: logging.info("%s", line))
+  return max(int(left), 10)  # the others may still be joining
+
+
+def join(jax, *args, **kwargs) -> None:
+  """jax.distributed.initialize(*args, **kwargs), which waits in C++ for every process (up to --init_timeout),
+  where a Ctrl-C is not seen: it runs in a thread, and this one waits for it in 0.5 s slices (a signal handler runs
+  only between them) and takes a Ctrl-C or SIGTERM, with handlers of its own (a script's background job starts
+  with SIGINT ignored)."""
+  failed = []
+
+  def initialize():
+    try:
+      jax.distributed.initialize(*args, **kwargs)
+    except BaseException as e:  # raised again in the main thread
+      failed.append(e)
+
+  def stop(signum, frame):
+    del frame
+    name = signal.Signals(signum).name
+    print(f"stopped by {name} while waiting for the other processes to join; nothing to save.", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(128 + signum)  # without the exit handlers: JAX's waits for the other processes
+
+  previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+  joining = threading.Thread(target=initialize, name="jax.distributed.initialize", daemon=True)
+  joining.start()
+  try:
+    while joining.is_alive():
+      joining.join(0.5)
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+  if failed:
+    raise failed[0]

@@ -5,6 +5,9 @@ with a cache to build) there is nothing new to save: a signal then ends set-up a
 second signal exits at once. In a multi-process run ``requested`` is a collective (an all-gather of
 the flag), so every process must call it at the same steps; the trainer does so every
 ``log_every_steps`` steps, and all processes then stop after the same step.
+
+A stop's raise in set-up lands wherever the main thread is, inside libraries too: what it wraps or cuts short is
+handled here as well (``error_chain``, the unraisable reports it leaves).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class PreemptionGuard:
   Also a context manager that uninstalls on exit. The trainer installs it before set-up: until then a SIGTERM
   would reach the handler jax.distributed installs, which only records it and trains on. Until ``arm`` (just
   before the first step) a signal raises ``StoppedInSetup``; from then on it is noted, and the trainer saves and
-  stops after the current step.
+  stops after the current step. It also keeps the reports of a raise Python could not deliver off stderr (a
+  process-wide ``sys.unraisablehook`` filter, left installed).
   """
 
   def __init__(self):
@@ -89,10 +93,11 @@ class PreemptionGuard:
 
   def __exit__(self, exc_type, error, traceback) -> None:
     self.uninstall()
-    if error is not None and not isinstance(error, StoppedInSetup) and wraps_a_stop(error):
+    stop = next((e for e in error_chain(error) if isinstance(e, StoppedInSetup)), None)
+    if stop is not None and stop is not error:
       # The raise landed inside a library, which made an error of its own of it (numpy's C code: "SystemError:
       # ... returned a result with an exception set"; orbax: an Exception wrapping it): a stop, not a failure.
-      raise StoppedInSetup(next(e for e in error_chain(error) if isinstance(e, StoppedInSetup)).signum) from error
+      raise StoppedInSetup(stop.signum) from error
 
 
 def error_chain(error: BaseException | None):
@@ -104,7 +109,8 @@ def error_chain(error: BaseException | None):
     error = error.__cause__ or error.__context__
 
 
-def wraps_a_stop(error: BaseException | None) -> bool:
+def _wraps_a_stop(error: BaseException | None) -> bool:
+  """Whether ``error`` is a stop in set-up, or wraps one."""
   return any(isinstance(e, StoppedInSetup) for e in error_chain(error))
 
 
@@ -122,7 +128,7 @@ def _drop_swallowed_stops() -> None:
   previous = sys.unraisablehook
 
   def hook(unraisable):
-    if not wraps_a_stop(unraisable.exc_value):
+    if not _wraps_a_stop(unraisable.exc_value):
       previous(unraisable)
 
   hook.drops_stops = True
@@ -139,7 +145,7 @@ def drop_what_set_up_left() -> None:
 
   def hook(unraisable):
     owner = getattr(unraisable.object, "__module__", None) or type(unraisable.object).__module__
-    if not (wraps_a_stop(unraisable.exc_value) or str(owner).split(".")[0] in _SET_UP_LIBRARIES):
+    if not (_wraps_a_stop(unraisable.exc_value) or str(owner).split(".")[0] in _SET_UP_LIBRARIES):
       previous(unraisable)
 
   sys.unraisablehook = hook

@@ -101,7 +101,7 @@ def train_and_evaluate(
       start_step, state, seconds_before = restore(checkpointer, state, meta, plan)
       preemption.check_set_up()  # before compiling (minutes on a GPU): a signal during the restore may be swallowed
       finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
-      if not finished:  # every phase's step, before the clock starts
+      if not finished:  # compiled now: neither the training clock nor --step_timeout counts compilation
         compiled.compile_phases(start_step, total_steps, state, after_each=preemption.check_set_up)
 
       input_settings = tune_input(config, train_batches, start_step, info.image_shape, measure=not finished)
