@@ -202,36 +202,49 @@ def main(argv):
   watchdog = liveness.PeerWatchdog(
     jax.process_index(), jax.process_count(), _PEER_TIMEOUT.value, _WORKDIR.value, _STEP_TIMEOUT.value
   ).start()
-  failure = "unexpected error (see its log)"  # what the peers are told if this process fails
+  reason_for_peers = "unexpected error (see its log)"  # what the other processes are told if this one fails
   try:
-    exit_code, failure = _run(jax, config, watchdog)
+    exit_code, reason_for_peers = _run(jax, config, watchdog)
   except Exception as e:
     if jax.process_count() == 1:
       raise
-    lost_peer = isinstance(e, jax.errors.JaxRuntimeError) and liveness.is_connection_error(e)
-    if lost_peer or isinstance(e, liveness.PeerLost):  # PeerLost: a checkpoint's save or restore lost a peer
-      # A collective whose peer is gone fails fast (gloo: connection reset) or hangs (the watchdog ends that).
-      # A peer that failed with an error of its own said why before it exited: that is the reason to give.
-      first_line = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-      failure = first_line if isinstance(e, liveness.PeerLost) else f"a collective failed ({first_line})"
-      reason = watchdog.peer_failure(wait_seconds=2 * watchdog.interval + 1)
-      liveness.report_stop(
-        jax.process_index(),
-        jax.process_count(),
-        reason or f"{failure}: another process probably died; see its log",
-        _WORKDIR.value,
-      )
-      exit_code = ExitCode.PEER_FAILURE
-    else:  # this process's own fault (a bug, out of memory, ...): the peers are told and stop too
-      traceback.print_exc()
-      failure = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''} (see its log)"
-      exit_code = ExitCode.ERROR
+    exit_code, reason_for_peers = _failed(e, jax, watchdog)
   finally:
-    watchdog.close(failure)
+    watchdog.close(reason_for_peers)
   if exit_code == ExitCode.NONFINITE_STOP:
     sys.exit(int(exit_code))  # every process stopped after the same step and save: leave through the shutdown barrier
-  if exit_code or failure:  # failure with exit code 0: stopped in set-up, and the others may be waiting for it
+  if exit_code or reason_for_peers:  # a reason with exit code 0: stopped in set-up, the others may wait for it
     _exit(exit_code, jax.process_count())
+
+
+def _failed(e: Exception, jax, watchdog) -> tuple[int, str]:
+  """A multi-process run's error in this process: (exit code, reason to give the other processes)."""
+  from light_jax import liveness
+
+  lost_peer = isinstance(e, jax.errors.JaxRuntimeError) and liveness.is_connection_error(e)
+  if lost_peer or isinstance(e, liveness.PeerLost):  # PeerLost: a checkpoint's save or restore lost a peer
+    # A collective whose peer is gone fails fast (gloo: connection reset) or hangs (the watchdog ends that).
+    # A peer that failed with an error of its own said why before it exited: that is the reason to give.
+    first_line = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    failure = first_line if isinstance(e, liveness.PeerLost) else f"a collective failed ({first_line})"
+    reason = watchdog.peer_failure(wait_seconds=2 * watchdog.interval + 1)
+    liveness.report_stop(
+      jax.process_index(),
+      jax.process_count(),
+      reason or f"{failure}: another process probably died; see its log",
+      _WORKDIR.value,
+    )
+    return ExitCode.PEER_FAILURE, failure
+  # This process's own fault (a bug, out of memory, ...): the peers are told and stop too.
+  traceback.print_exc()
+  return ExitCode.ERROR, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''} (see its log)"
+
+
+def _refuse(message: str, for_peers: str | None = None) -> tuple[int, str]:
+  """Bad input, reported in one line: (exit code 2, the reason the other processes are told). Not cli.fail, which
+  exits: main must still tell the others."""
+  print(f"error: {message}", file=sys.stderr)
+  return ExitCode.BAD_INPUT, for_peers or message
 
 
 def _run(jax, config, watchdog) -> tuple[int, str | None]:
@@ -240,31 +253,29 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
   from light_jax import data as data_lib
   from light_jax import metrics, preemption, same_settings, schedules, train_lib
 
-  try:  # before the config is checked against the devices: a process started with another one fails differently
+  # First: with other settings, validate() below may pass on one process and fail on another, naming not the cause.
+  try:
     same_settings.check(config, _NUM_PROCESSES.value or jax.process_count(), _INIT_TIMEOUT.value)
   except same_settings.SettingsDiffer as e:
-    print(f"error: {e}", file=sys.stderr)
-    return ExitCode.BAD_INPUT, str(e)
+    return _refuse(str(e))
   try:
     config_lib.validate(config, jax.device_count(), jax.process_count())
   except config_lib.ConfigError as e:
-    print(f"error: invalid config: {e}", file=sys.stderr)
-    return ExitCode.BAD_INPUT, f"invalid config: {e}"
-  try:  # the config is valid: now the workdir may be made (/sys or /proc pass _check_workdir's access test)
+    return _refuse(f"invalid config: {e}")
+  try:  # made once the config is valid; it can fail where _check_workdir's access test passed (/proc, /sys)
     os.makedirs(_WORKDIR.value, exist_ok=True)
   except OSError as e:
-    print(
-      f"error: --workdir={_WORKDIR.value}: cannot create it ({e.strerror}); choose another directory.", file=sys.stderr
+    return _refuse(
+      f"--workdir={_WORKDIR.value}: cannot create it ({e.strerror}); choose another directory.",
+      f"cannot create the workdir: {e.strerror}",
     )
-    return ExitCode.BAD_INPUT, f"cannot create the workdir: {e.strerror}"
   try:
     if jax.process_count() > 1:
       checkpoint_lib.check_shared_directory(_WORKDIR.value)
-    if jax.process_index() == 0:  # the run's: the other processes of a multi-process run share it
+    if jax.process_index() == 0:  # one lock per run: the other processes share process 0's workdir
       checkpoint_lib.lock_workdir(_WORKDIR.value)
   except checkpoint_lib.CheckpointError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return ExitCode.BAD_INPUT, str(e)
+    return _refuse(str(e))
   logging.info(
     "JAX %s, process %d of %d, %d devices (%d local)",
     jax.__version__,
@@ -277,8 +288,7 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
   try:
     summary = train_lib.train_and_evaluate(config, _WORKDIR.value, extra_hooks=[(watchdog.step_done, 1)])
   except (data_lib.DataError, schedules.ScheduleError, checkpoint_lib.CheckpointError, metrics.MetricsError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return ExitCode.BAD_INPUT, str(e)
+    return _refuse(str(e))
   except train_lib.NonFiniteError as e:
     print(f"stopped: {e}", file=sys.stderr)
     return ExitCode.NONFINITE_STOP, None  # every process saw the same non-finite step and stopped after the same save
