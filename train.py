@@ -225,8 +225,8 @@ def _failed(e: Exception, jax, watchdog) -> tuple[int, str]:
   if lost_peer or isinstance(e, liveness.PeerLost):  # PeerLost: a checkpoint's save or restore lost a peer
     # A collective whose peer is gone fails fast (gloo: connection reset) or hangs (the watchdog ends that).
     # A peer that failed with an error of its own said why before it exited: that is the reason to give.
-    first_line = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-    failure = first_line if isinstance(e, liveness.PeerLost) else f"a collective failed ({first_line})"
+    said = liveness.first_line(e) or type(e).__name__
+    failure = said if isinstance(e, liveness.PeerLost) else f"a collective failed ({said})"
     reason = watchdog.peer_failure(wait_seconds=2 * watchdog.interval + 1)
     liveness.report_stop(
       jax.process_index(),
@@ -237,7 +237,7 @@ def _failed(e: Exception, jax, watchdog) -> tuple[int, str]:
     return ExitCode.PEER_FAILURE, failure
   # This process's own fault (a bug, out of memory, ...): the peers are told and stop too.
   traceback.print_exc()
-  return ExitCode.ERROR, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''} (see its log)"
+  return ExitCode.ERROR, f"{type(e).__name__}: {liveness.first_line(e)} (see its log)"
 
 
 def _refuse(message: str, for_peers: str | None = None) -> tuple[int, str]:

@@ -346,9 +346,7 @@ def _raise_a_lost_peer(error: Exception) -> None:
   """Raises PeerLost where a multi-process restore's collective failed because another process died: every good
   checkpoint read as damaged, and the run was told to move them away (exit 2), not that a peer was gone (4)."""
   if _lost_a_peer(error):
-    raise liveness.PeerLost(
-      f"restoring a checkpoint: a collective failed ({str(error).splitlines()[0][:300]})"
-    ) from None
+    raise liveness.PeerLost(f"restoring a checkpoint: a collective failed ({liveness.first_line(error)})") from None
 
 
 def _file_system_reason(error: Exception) -> str:
@@ -397,16 +395,11 @@ def _ignore_abandoned_reads() -> None:
   reported); any other unraisable exception or asyncio record passes as before. (TensorStore's threads also print
   "Event loop is closed" tracebacks straight to stderr while a failing restore runs: ``_settle_quietly`` takes
   those that come after it.)"""
-  previous = sys.unraisablehook
-  if getattr(previous, "drops_abandoned_reads", False):
-    return
-
-  def hook(unraisable):
-    if getattr(unraisable.object, "__qualname__", None) != _ORBAX_READ:
-      previous(unraisable)
-
-  hook.drops_abandoned_reads = True
-  sys.unraisablehook = hook
+  if getattr(sys.unraisablehook, "drops_abandoned_reads", False):
+    return  # the filters below are on already
+  stderr_redirect.drop_unraisables(
+    lambda unraisable: getattr(unraisable.object, "__qualname__", None) == _ORBAX_READ, marker="drops_abandoned_reads"
+  )
 
   # The reads' tasks and TensorStore's futures under them: asyncio logs "Task (or Future) exception was never
   # retrieved" for each, the exception a read error ("Error reading ...", "error while reading ...").
@@ -454,14 +447,11 @@ def _watch_failed_saves() -> None:
     return "exception was never retrieved" not in message or "writing" not in message
 
   logging.getLogger("asyncio").addFilter(keep)
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    abandoned_write = getattr(unraisable.object, "__qualname__", "").endswith(_ORBAX_WRITE)
-    if not (abandoned_write or _late_callback(unraisable)):
-      previous(unraisable)
-
-  sys.unraisablehook = hook
+  stderr_redirect.drop_unraisables(
+    lambda unraisable: (
+      getattr(unraisable.object, "__qualname__", "").endswith(_ORBAX_WRITE) or _late_callback(unraisable)
+    )
+  )
 
 
 # The coroutine of one array's write in orbax, which a failed save abandons.

@@ -184,6 +184,11 @@ class PeerLost(RuntimeError):
   process's fault, nor damage or a file-system error (train.py stops with the peer's reason, exit 4)."""
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+  """The first line of ``error``'s message, at most ``limit`` characters ("" for none): what one line reports."""
+  return (str(error).splitlines() or [""])[0][:limit]
+
+
 def is_connection_error(error: BaseException) -> bool:
   """Whether a runtime error looks like a lost peer (as opposed to, e.g., running out of memory here)."""
   return any(marker.lower() in str(error).lower() for marker in _CONNECTION_MARKERS)

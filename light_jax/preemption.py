@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import warnings
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+
+from light_jax import stderr_redirect
 
 
 class StoppedInSetup(BaseException):
@@ -123,16 +124,7 @@ def _drop_swallowed_stops() -> None:
   printed with a traceback ("Exception ignored in: ...") and set-up goes on; the guard has noted the signal, and
   set-up stops at its next check (``check_set_up``). That print is left out. Installed again by a guard that finds
   the hook replaced (pytest puts back its own after each test)."""
-  if getattr(sys.unraisablehook, "drops_stops", False):
-    return
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    if not _wraps_a_stop(unraisable.exc_value):
-      previous(unraisable)
-
-  hook.drops_stops = True
-  sys.unraisablehook = hook
+  stderr_redirect.drop_unraisables(lambda unraisable: _wraps_a_stop(unraisable.exc_value), marker="drops_stops")
 
 
 def drop_what_set_up_left() -> None:
@@ -141,12 +133,10 @@ def drop_what_set_up_left() -> None:
   ``__init__`` it interrupted: "Exception ignored in: ... __del__") or as a warning ("coroutine ... was never
   awaited"). Those are dropped when they come from the libraries set-up runs in: nothing of them is saved or used
   again. Anything else is still reported."""
-  previous = sys.unraisablehook
 
-  def hook(unraisable):
+  def cut_short(unraisable) -> bool:
     owner = getattr(unraisable.object, "__module__", None) or type(unraisable.object).__module__
-    if not (_wraps_a_stop(unraisable.exc_value) or str(owner).split(".")[0] in _SET_UP_LIBRARIES):
-      previous(unraisable)
+    return _wraps_a_stop(unraisable.exc_value) or str(owner).split(".")[0] in _SET_UP_LIBRARIES
 
-  sys.unraisablehook = hook
+  stderr_redirect.drop_unraisables(cut_short)
   warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)

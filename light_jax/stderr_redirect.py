@@ -5,6 +5,9 @@ a second, to drop the noise of its abandoned reads (``checkpoint``). The peer wa
 to say why it stops the process in that half second, and then ends it at once with ``os._exit``: the file would
 never be read. ``write`` reaches the real stderr in either case. A lock keeps the two apart, so that ``write``
 never uses a descriptor that the end of a redirection is closing.
+
+``drop_unraisables`` keeps reports of exceptions Python cannot raise ("Exception ignored in: ...") off stderr,
+by a filter each caller names.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import contextlib
 import os
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 _lock = threading.Lock()
 _real_stderr: int | None = None  # a duplicate of fd 2 from before the redirection, while one lasts
@@ -45,3 +50,20 @@ def write(text: str) -> None:
   sys.stderr.flush()
   with _lock:
     os.write(2 if _real_stderr is None else _real_stderr, text.encode())
+
+
+def drop_unraisables(drops: Callable[[Any], bool], marker: str | None = None) -> None:
+  """Chains a filter on ``sys.unraisablehook``: the reports ``drops`` returns True for are not printed, the others
+  pass to the hook installed before. With ``marker``: nothing is done while the hook installed last carries it
+  (a filter put on once, again where something put back an older hook)."""
+  previous = sys.unraisablehook
+  if marker is not None and getattr(previous, marker, False):
+    return
+
+  def hook(unraisable):
+    if not drops(unraisable):
+      previous(unraisable)
+
+  if marker is not None:
+    setattr(hook, marker, True)
+  sys.unraisablehook = hook
