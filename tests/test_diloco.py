@@ -174,7 +174,7 @@ def test_a_run_that_max_steps_ends_between_syncs_syncs_at_its_end(tmp_path):
   from light_jax import train_lib
   from tests.helpers import small_config
 
-  config = small_config(comm__strategy="diloco", comm__sync_every=8, max_steps=5, model__width=8)
+  config = small_config(comm__strategy="diloco", comm__sync_every=8, max_steps=5)
   train_lib.train_and_evaluate(config, str(tmp_path))
   saved = ocp.StandardCheckpointer().restore(tmp_path / "checkpoints" / "5" / "state")
   assert saved["step"] == 5 and all(not np.any(d) for d in jax.tree.leaves(saved["comm_state"]["delta"]))

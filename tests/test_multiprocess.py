@@ -114,6 +114,7 @@ def _train_py(workdir, extra, port=None, process_id=None, stdout=subprocess.PIPE
     "--config.max_steps=6",
     "--config.global_batch_size=128",
     "--config.data.eval_batch_size=96",
+    "--config.model.width=8",  # resnet8_fast's own is 32: what these tests check does not depend on it
     *extra,
   ]
   if port is not None:
@@ -228,8 +229,9 @@ def test_a_disk_that_fills_up_stops_both_processes_at_once_with_the_reason(tmp_p
   different barriers, and both processes sat 10 minutes until step_timeout blamed a stuck collective. Now the
   failing process stops at once with the reason, and the other on the reason it published."""
   port = free_port()
-  with tmpfs(tmp_path / "disk", "size=2m") as disk:  # a checkpoint of this model takes 2.8 MB
-    procs = [_train_py(disk / "run", ["--config.mesh.nodes=-1", "--config.mesh.local=-1"], port, i) for i in range(2)]
+  with tmpfs(tmp_path / "disk", "size=2m") as disk:  # a checkpoint of this model at its own width takes 2.8 MB
+    mesh_and_width = ["--config.mesh.nodes=-1", "--config.mesh.local=-1", "--config.model.width=32"]
+    procs = [_train_py(disk / "run", mesh_and_width, port, i) for i in range(2)]
     try:
       outputs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
