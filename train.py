@@ -89,6 +89,15 @@ def _multi_process_flags(values) -> bool:
 _CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
 
 
+def _cluster_detected() -> bool:
+  return any(os.environ.get(v) for v in _CLUSTER_ENV)
+
+
+def _joins_other_processes() -> bool:
+  """Whether this process starts as one of several (jax.distributed, by flags or a cluster manager)."""
+  return _COORDINATOR.value is not None or _cluster_detected()
+
+
 def _start_jax(config):
   """Sets up devices; must run before anything touches a JAX backend (never at import time)."""
   from light_jax import xla_flags
@@ -97,7 +106,7 @@ def _start_jax(config):
   import jax
 
   explicit = _COORDINATOR.value is not None
-  detected = any(os.environ.get(v) for v in _CLUSTER_ENV)
+  detected = _cluster_detected()
   num_processes = _NUM_PROCESSES.value or 1
   if detected and not explicit:  # the process count the cluster manager announces, for the CPU devices' split
     num_processes = int(os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
@@ -152,21 +161,21 @@ class _QuietLibraries(pylogging.Filter):
     return record.levelno >= pylogging.WARNING or not noisy
 
 
-def _check_workdir(workdir: str) -> None:
-  """Before anything heavy, and creating nothing: the workdir, or the folder it would be made in, must be a
-  directory this process can write, and a metrics.jsonl there readable."""
+def _workdir_problem(workdir: str) -> str | None:
+  """Why this process cannot run in ``workdir``, or None. Creating nothing: the workdir, or the folder it would be
+  made in, must be a directory this process can write, and a metrics.jsonl there readable."""
   existing = os.path.abspath(workdir)
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
-    cli.fail(f"--workdir={workdir}: {existing} is a file, not a directory; choose another path.")
+    return f"--workdir={workdir}: {existing} is a file, not a directory; choose another path."
   if not os.access(existing, os.W_OK | os.X_OK):
-    cli.fail(
+    return (
       f"--workdir={workdir}: {existing} is not writable (permissions, or a read-only file system); "
       "choose another directory."
     )
   if existing != os.path.abspath(workdir):  # not made yet: nothing inside
-    return
+    return None
   records = os.path.join(existing, "metrics.jsonl")
   if os.path.isfile(records):  # damaged: found now, not by the metrics writer after minutes of compiling
     from light_jax.metrics import MetricsError, read_records
@@ -174,15 +183,16 @@ def _check_workdir(workdir: str) -> None:
     try:
       read_records(records)
     except MetricsError as e:
-      cli.fail(str(e))
+      return str(e)
   # A run resumed there writes into these too: found unwritable only at its first save, it failed after training.
   for name in ("checkpoints", "metrics.jsonl", "step_times.jsonl", "summary.json", "tensorboard"):
     path = os.path.join(existing, name)
     if os.path.exists(path) and not os.access(path, os.W_OK | (os.X_OK if os.path.isdir(path) else 0)):
-      cli.fail(
+      return (
         f"--workdir={workdir}: {path} is not writable (permissions, or a read-only file system), and the run "
         "writes there; make it writable, or choose another directory."
       )
+  return None
 
 
 def main(argv):
@@ -193,7 +203,11 @@ def main(argv):
     config_lib.check_fields(config)
   except config_lib.ConfigError as e:
     cli.fail(f"invalid config: {e}")
-  _check_workdir(_WORKDIR.value)
+  # Found before anything heavy. A process of a multi-process run joins the others first and tells them (a
+  # machine's own folder, say): refused before joining, it left them waiting for it until --init_timeout.
+  workdir_problem = _workdir_problem(_WORKDIR.value)
+  if workdir_problem and not _joins_other_processes():
+    cli.fail(workdir_problem)
   jax = _start_jax(config)
 
   from light_jax import liveness
@@ -204,7 +218,7 @@ def main(argv):
   ).start()
   reason_for_peers = "unexpected error (see its log)"  # what the other processes are told if this one fails
   try:
-    exit_code, reason_for_peers = _run(jax, config, watchdog)
+    exit_code, reason_for_peers = _run(jax, config, watchdog, workdir_problem)
   except Exception as e:
     if jax.process_count() == 1:
       raise
@@ -247,13 +261,15 @@ def _refuse(message: str, for_peers: str | None = None) -> tuple[int, str]:
   return ExitCode.BAD_INPUT, for_peers or message
 
 
-def _run(jax, config, watchdog) -> tuple[int, str | None]:
+def _run(jax, config, watchdog, workdir_problem: str | None) -> tuple[int, str | None]:
   """Validates and trains. Returns (exit code, reason to give the other processes or None)."""
   from light_jax import checkpoint as checkpoint_lib
   from light_jax import data as data_lib
   from light_jax import metrics, preemption, same_settings, schedules, train_lib
 
-  # First: with other settings, validate() below may pass on one process and fail on another, naming not the cause.
+  if workdir_problem:  # found before the join (a multi-process run): the others stop on it
+    return _refuse(workdir_problem)
+  # Before validate(): with other settings, it may pass on one process and fail on another, naming not the cause.
   try:
     same_settings.check(config, _NUM_PROCESSES.value or jax.process_count(), _INIT_TIMEOUT.value)
   except same_settings.SettingsDiffer as e:
@@ -262,7 +278,7 @@ def _run(jax, config, watchdog) -> tuple[int, str | None]:
     config_lib.validate(config, jax.device_count(), jax.process_count())
   except config_lib.ConfigError as e:
     return _refuse(f"invalid config: {e}")
-  try:  # made once the config is valid; it can fail where _check_workdir's access test passed (/proc, /sys)
+  try:  # made once the config is valid; it can fail where _workdir_problem's access test passed (/proc, /sys)
     os.makedirs(_WORKDIR.value, exist_ok=True)
   except OSError as e:
     return _refuse(

@@ -329,7 +329,7 @@ def test_cli_workdir_that_is_a_file(tmp_path):
   assert (tmp_path / "run").read_text() == "not a directory"
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="as another user, _check_workdir refuses /proc first")
+@pytest.mark.skipif(os.geteuid() != 0, reason="as another user, _workdir_problem refuses /proc first")
 def test_cli_workdir_that_passes_the_access_test_but_cannot_be_made():
   # /proc is writable by root as far as os.access can tell, but nothing can be made in it.
   result = train_py("--config", "configs/fashion_mnist.py", "--workdir", "/proc/light_jax_nope/run")

@@ -361,6 +361,27 @@ def test_survivor_stops_with_the_reason_when_a_process_fails(tmp_path):
   assert "error: stopping process 0 of 2: process 1 failed: Fashion-MNIST" in out, out[-3000:]
 
 
+def test_a_process_that_cannot_use_its_workdir_joins_and_tells_the_others(tmp_path):
+  """A workdir one machine cannot write (a file there, another user's folder) was refused before the join: the
+  other processes waited for it until --init_timeout (300 s), then JAX aborted them (134) blaming a dead peer."""
+  (tmp_path / "a_file").write_text("not a folder")
+  port = free_port()
+  logs = [tmp_path / f"process{i}.log" for i in range(2)]
+  workdirs = [tmp_path / "run", tmp_path / "a_file" / "run"]
+  start = time.monotonic()
+  procs = [_train_py(workdirs[i], [], port, i, stdout=open(logs[i], "w")) for i in range(2)]
+  for i in (1, 0):
+    _exit_within(procs[i], 120, logs[i])
+  seconds = time.monotonic() - start
+  outs = [log.read_text() for log in logs]
+  refused = f"--workdir={workdirs[1]}: {tmp_path / 'a_file'} is a file, not a directory; choose another path"
+  assert procs[1].returncode == ExitCode.BAD_INPUT and f"error: {refused}." in outs[1], outs[1][-3000:]
+  assert procs[0].returncode == ExitCode.PEER_FAILURE, outs[0][-3000:]
+  assert f"error: stopping process 0 of 2: process 1 failed: {refused}" in outs[0], outs[0][-3000:]
+  assert "Traceback" not in outs[0] + outs[1] and seconds < 60
+  assert not (tmp_path / "run").exists()  # process 0 made nothing
+
+
 def test_sigterm_to_one_process_stops_both_after_the_same_step_with_a_checkpoint(tmp_path):
   """Preemption through train.py: the processes agree on the signal (an all-gather every log step), so
   both save the same step and exit 0; rerunning the same command would resume there."""
