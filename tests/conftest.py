@@ -37,10 +37,17 @@ jax.config.update("jax_num_cpu_devices", 8)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# The files whose tests take longest (2-3 minutes each on 2 cores), collected first: `make test` hands files to
-# its two workers in collection order (--no-loadscope-reorder), and one of these collected last would run alone
-# at the end of the suite. The others follow in name order.
-SLOWEST_FILES = ("test_train_loop.py", "test_checkpoint.py", "test_multiprocess.py")
+# The files whose tests take longest (1-2 minutes each on 2 cores), slowest first, collected first: `make test`
+# hands files to its two workers in collection order (--no-loadscope-reorder), and one of these collected last
+# would run alone at the end of the suite. The others follow in name order.
+SLOWEST_FILES = (
+  "test_multiprocess.py",
+  "test_checkpoint.py",
+  "test_tune.py",
+  "test_train_loop.py",
+  "test_script_inputs.py",
+  "test_simulation.py",
+)
 
 
 def pytest_collection_modifyitems(items):
