@@ -265,7 +265,50 @@ def _run(jax, config, watchdog, workdir_problem: str | None) -> tuple[int, str |
   """Validates and trains. Returns (exit code, reason to give the other processes or None)."""
   from light_jax import checkpoint as checkpoint_lib
   from light_jax import data as data_lib
-  from light_jax import metrics, preemption, same_settings, schedules, train_lib
+  from light_jax import metrics, preemption, schedules, train_lib
+
+  try:
+    # From here on a signal stops set-up, as the trainer's own guard (which takes over inside it) does. Before, a
+    # SIGTERM during the checks killed the process without a word (the others took --peer_timeout to call it dead)
+    # and a Ctrl-C was a traceback.
+    with preemption.PreemptionGuard() as guard:
+      refused = _check_run(jax, config, workdir_problem)
+      if refused:
+        return refused
+      guard.check_set_up()  # a signal whose raise a library swallowed
+      logging.info(
+        "JAX %s, process %d of %d, %d devices (%d local)",
+        jax.__version__,
+        jax.process_index(),
+        jax.process_count(),
+        jax.device_count(),
+        jax.local_device_count(),
+      )
+      logging.info("resolved config:\n%s", config)
+      summary = train_lib.train_and_evaluate(config, _WORKDIR.value, extra_hooks=[(watchdog.step_done, 1)])
+  except (data_lib.DataError, schedules.ScheduleError, checkpoint_lib.CheckpointError, metrics.MetricsError) as e:
+    return _refuse(str(e))
+  except train_lib.NonFiniteError as e:
+    print(f"stopped: {e}", file=sys.stderr)
+    return ExitCode.NONFINITE_STOP, None  # every process saw the same non-finite step and stopped after the same save
+  except preemption.StoppedInSetup as e:
+    preemption.drop_what_set_up_left()
+    stopped = f"stopped by {e} during set-up, before the first step: nothing to save"
+    print(f"{stopped}; run the same command again to start (or resume) the run.", file=sys.stderr)
+    return ExitCode.OK, stopped  # the others stop on this reason (a set-up step may wait for this process)
+  if summary.get("stopped"):
+    print(
+      f"{summary['stopped']} after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "
+      f"run the same command again to resume.",
+      file=sys.stderr,
+    )
+  return ExitCode.OK, None
+
+
+def _check_run(jax, config, workdir_problem: str | None) -> tuple[int, str] | None:
+  """The checks before training, in the order that names a cause: _refuse's (exit code, reason), or None."""
+  from light_jax import checkpoint as checkpoint_lib
+  from light_jax import same_settings
 
   if workdir_problem:  # found before the join (a multi-process run): the others stop on it
     return _refuse(workdir_problem)
@@ -292,34 +335,7 @@ def _run(jax, config, watchdog, workdir_problem: str | None) -> tuple[int, str |
       checkpoint_lib.lock_workdir(_WORKDIR.value)
   except checkpoint_lib.CheckpointError as e:
     return _refuse(str(e))
-  logging.info(
-    "JAX %s, process %d of %d, %d devices (%d local)",
-    jax.__version__,
-    jax.process_index(),
-    jax.process_count(),
-    jax.device_count(),
-    jax.local_device_count(),
-  )
-  logging.info("resolved config:\n%s", config)
-  try:
-    summary = train_lib.train_and_evaluate(config, _WORKDIR.value, extra_hooks=[(watchdog.step_done, 1)])
-  except (data_lib.DataError, schedules.ScheduleError, checkpoint_lib.CheckpointError, metrics.MetricsError) as e:
-    return _refuse(str(e))
-  except train_lib.NonFiniteError as e:
-    print(f"stopped: {e}", file=sys.stderr)
-    return ExitCode.NONFINITE_STOP, None  # every process saw the same non-finite step and stopped after the same save
-  except preemption.StoppedInSetup as e:
-    preemption.drop_what_set_up_left()
-    stopped = f"stopped by {e} during set-up, before the first step: nothing to save"
-    print(f"{stopped}; run the same command again to start (or resume) the run.", file=sys.stderr)
-    return ExitCode.OK, stopped  # the others stop on this reason (a set-up step may wait for this process)
-  if summary.get("stopped"):
-    print(
-      f"{summary['stopped']} after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "
-      f"run the same command again to resume.",
-      file=sys.stderr,
-    )
-  return ExitCode.OK, None
+  return None
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ machines.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import jax
@@ -24,6 +25,7 @@ from light_jax.config import MACHINE_FIELDS, flat_fields
 
 _PREFIX = "light_jax/settings/"
 _SHOWN = 6  # differences named in the message; the rest are counted
+_WAIT_SLICE_MS = 500  # see _get
 
 
 class SettingsDiffer(ValueError):
@@ -64,7 +66,7 @@ def check(config: ml_collections.ConfigDict, num_processes: int, timeout_seconds
   mine = settings(config, num_processes)
   client.key_value_set(f"{_PREFIX}{index}", json.dumps(mine))
   for other in range(1, jax.process_count()) if index == 0 else [0]:
-    theirs = json.loads(client.blocking_key_value_get(f"{_PREFIX}{other}", int(timeout_seconds * 1000)))
+    theirs = json.loads(_get(client, f"{_PREFIX}{other}", timeout_seconds))
     found = differences(mine, theirs, other)
     if found:
       more = f"; and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
@@ -78,3 +80,17 @@ def check(config: ml_collections.ConfigDict, num_processes: int, timeout_seconds
         f"Start every process with the same config file, variant, --config overrides and --num_processes{devices} "
         f"(only the fields of a machine's own input may differ: {', '.join(sorted(MACHINE_FIELDS))})"
       )
+
+
+def _get(client, key: str, timeout_seconds: float) -> str:
+  """The value another process publishes at ``key``, waited for up to ``timeout_seconds``. In slices: a signal's
+  Python handler runs only once a blocking get returns, and one get for the whole timeout held a Ctrl-C or a
+  SIGTERM for up to --init_timeout while another process was slow to come."""
+  deadline = time.monotonic() + timeout_seconds
+  while True:
+    slice_ms = max(1, min(_WAIT_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
+    try:
+      return client.blocking_key_value_get(key, slice_ms)
+    except jax.errors.JaxRuntimeError as e:
+      if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
+        raise

@@ -100,11 +100,12 @@ def test_two_processes_match_one_process(tmp_path, strategy):
   assert np.isfinite(single["__loss"]).all()
 
 
-def _train_py(workdir, extra, port=None, process_id=None, stdout=subprocess.PIPE, **popen):
+def _train_py(workdir, extra, port=None, process_id=None, stdout=subprocess.PIPE, runner=None, **popen):
+  """train.py's command line, or ``runner``'s (Python code that runs train.py) with train.py's arguments."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   args = [
     sys.executable,
-    "train.py",
+    *(["-c", runner] if runner else ["train.py"]),
     "--config",
     "configs/fashion_mnist.py",
     "--workdir",
@@ -380,6 +381,48 @@ def test_a_process_that_cannot_use_its_workdir_joins_and_tells_the_others(tmp_pa
   assert f"error: stopping process 0 of 2: process 1 failed: {refused}" in outs[0], outs[0][-3000:]
   assert "Traceback" not in outs[0] + outs[1] and seconds < 60
   assert not (tmp_path / "run").exists()  # process 0 made nothing
+
+
+# Runs train.py late to the settings' comparison, the first wait for the other processes after the join (a slow
+# machine): it sleeps there first.
+_LATE = """
+import runpy, sys, time
+from light_jax import same_settings
+check = same_settings.check
+def late(*args, **kwargs):
+  print("late to compare the settings", flush=True)
+  time.sleep(60)
+  return check(*args, **kwargs)
+same_settings.check = late
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_signal_while_waiting_for_a_late_process_stops_set_up(tmp_path):
+  """A SIGTERM between the join and the trainer killed the process without a word (exit -15), and the other took
+  --peer_timeout (60 s) to call it dead. A Ctrl-C there waited in C++ for the late process (up to --init_timeout),
+  then was a traceback. Now set-up stops at once, and the other process on its reason."""
+  port = free_port()
+  logs = [tmp_path / f"process{i}.log" for i in range(2)]
+  procs = [
+    _train_py(tmp_path / "run", [], port, 0, stdout=open(logs[0], "w")),
+    _train_py(tmp_path / "run", [], port, 1, stdout=open(logs[1], "w"), runner=_LATE),
+  ]
+  _wait_for(logs[1], "late to compare the settings", procs)
+  time.sleep(2)  # process 0 waits for process 1's settings
+  procs[0].send_signal(signal.SIGTERM)
+  seconds = _exit_within(procs[0], 30, logs[0])
+  _exit_within(procs[1], 30, logs[1])
+  outs = [log.read_text() for log in logs]
+  assert procs[0].returncode == ExitCode.OK and seconds < 15, outs[0][-3000:]  # 5 s keeping the reason up
+  assert outs[0].strip().splitlines()[-1] == (
+    "stopped by SIGTERM during set-up, before the first step: nothing to save; run the same command again to start "
+    "(or resume) the run."
+  )
+  assert procs[1].returncode == ExitCode.PEER_FAILURE, outs[1][-3000:]
+  assert "process 0 failed: stopped by SIGTERM during set-up" in outs[1]
+  assert "Traceback" not in outs[0] + outs[1]
 
 
 def test_sigterm_to_one_process_stops_both_after_the_same_step_with_a_checkpoint(tmp_path):
