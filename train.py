@@ -93,9 +93,12 @@ def _cluster_detected() -> bool:
   return any(os.environ.get(v) for v in _CLUSTER_ENV)
 
 
-def _joins_other_processes() -> bool:
-  """Whether this process starts as one of several (jax.distributed, by flags or a cluster manager)."""
-  return _COORDINATOR.value is not None or _cluster_detected()
+def _num_processes() -> int:
+  """The run's process count: --num_processes, or the one a cluster manager announces (1 where it announces none,
+  as salloc without srun)."""
+  if _COORDINATOR.value is None and _cluster_detected():
+    return int(os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+  return _NUM_PROCESSES.value or 1
 
 
 def _start_jax(config):
@@ -107,9 +110,7 @@ def _start_jax(config):
 
   explicit = _COORDINATOR.value is not None
   detected = _cluster_detected()
-  num_processes = _NUM_PROCESSES.value or 1
-  if detected and not explicit:  # the process count the cluster manager announces, for the CPU devices' split
-    num_processes = int(os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+  num_processes = _num_processes()  # for the CPU devices' split
   if not isinstance(config.mesh.cpu_devices, int) or config.mesh.cpu_devices < 0:
     cli.fail(f"invalid config: mesh.cpu_devices={config.mesh.cpu_devices!r} must be >= 0 (0: the platform's own).")
   if config.mesh.cpu_devices:
@@ -164,9 +165,7 @@ class _QuietLibraries(pylogging.Filter):
 def _workdir_problem(workdir: str) -> str | None:
   """Why this process cannot run in ``workdir``, or None. Creating nothing: the workdir, or the folder it would be
   made in, must be a directory this process can write, and a metrics.jsonl there readable."""
-  existing = os.path.abspath(workdir)
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
+  existing = cli.nearest_existing(os.path.abspath(workdir))
   if not os.path.isdir(existing):
     return f"--workdir={workdir}: {existing} is a file, not a directory; choose another path."
   if not os.access(existing, os.W_OK | os.X_OK):
@@ -203,14 +202,14 @@ def main(argv):
     config_lib.check_fields(config)
   except config_lib.ConfigError as e:
     cli.fail(f"invalid config: {e}")
-  # Found before anything heavy. A process of a multi-process run joins the others first and tells them (a
-  # machine's own folder, say): refused before joining, it left them waiting for it until --init_timeout.
+  # Found before anything heavy. A process of several joins the others first, to tell them (a machine's own
+  # folder, say): else they would wait for it until --init_timeout.
   workdir_problem = _workdir_problem(_WORKDIR.value)
-  if workdir_problem and not _joins_other_processes():
+  if workdir_problem and _num_processes() == 1:
     cli.fail(workdir_problem)
   jax = _start_jax(config)
 
-  from light_jax import liveness
+  from light_jax import liveness, preemption
 
   # In a multi-process run, a process that dies or fails makes the others stop too, with a message.
   watchdog = liveness.PeerWatchdog(
@@ -218,7 +217,12 @@ def main(argv):
   ).start()
   reason_for_peers = "unexpected error (see its log)"  # what the other processes are told if this one fails
   try:
-    exit_code, reason_for_peers = _run(jax, config, watchdog, workdir_problem)
+    # From here on a signal stops set-up with one line; the trainer arms the same guard at the first step, and
+    # from then on a signal saves and stops.
+    with preemption.PreemptionGuard() as guard:
+      exit_code, reason_for_peers = _run(jax, config, watchdog, guard, workdir_problem)
+  except preemption.StoppedInSetup as e:
+    exit_code, reason_for_peers = _stopped_in_set_up(e)
   except Exception as e:
     if jax.process_count() == 1:
       raise
@@ -235,8 +239,7 @@ def _failed(e: Exception, jax, watchdog) -> tuple[int, str]:
   """A multi-process run's error in this process: (exit code, reason to give the other processes)."""
   from light_jax import liveness
 
-  lost_peer = isinstance(e, jax.errors.JaxRuntimeError) and liveness.is_connection_error(e)
-  if lost_peer or isinstance(e, liveness.PeerLost):  # PeerLost: a checkpoint's save or restore lost a peer
+  if liveness.lost_a_peer(e) or isinstance(e, liveness.PeerLost):  # PeerLost: a checkpoint's save or restore lost one
     # A collective whose peer is gone fails fast (gloo: connection reset) or hangs (the watchdog ends that).
     # A peer that failed with an error of its own said why before it exited: that is the reason to give.
     said = liveness.first_line(e) or type(e).__name__
@@ -261,41 +264,43 @@ def _refuse(message: str, for_peers: str | None = None) -> tuple[int, str]:
   return ExitCode.BAD_INPUT, for_peers or message
 
 
-def _run(jax, config, watchdog, workdir_problem: str | None) -> tuple[int, str | None]:
+def _stopped_in_set_up(e) -> tuple[int, str]:
+  """A signal before the first step: (exit code 0, the reason the other processes are told)."""
+  from light_jax import preemption
+
+  preemption.drop_what_set_up_left()
+  stopped = f"stopped by {e} during set-up, before the first step: nothing to save"
+  print(f"{stopped}; run the same command again to start (or resume) the run.", file=sys.stderr)
+  return ExitCode.OK, stopped  # the others stop on this reason (a set-up step may wait for this process)
+
+
+def _run(jax, config, watchdog, guard, workdir_problem: str | None) -> tuple[int, str | None]:
   """Validates and trains. Returns (exit code, reason to give the other processes or None)."""
+  if workdir_problem:  # found before the join (a multi-process run): the others stop on it
+    return _refuse(workdir_problem)
   from light_jax import checkpoint as checkpoint_lib
   from light_jax import data as data_lib
-  from light_jax import metrics, preemption, schedules, train_lib
+  from light_jax import metrics, schedules, train_lib
 
+  refused = _check_run(jax, config)
+  if refused:
+    return refused
+  logging.info(
+    "JAX %s, process %d of %d, %d devices (%d local)",
+    jax.__version__,
+    jax.process_index(),
+    jax.process_count(),
+    jax.device_count(),
+    jax.local_device_count(),
+  )
+  logging.info("resolved config:\n%s", config)
   try:
-    # From here on a signal stops set-up, as the trainer's own guard (which takes over inside it) does. Before, a
-    # SIGTERM during the checks killed the process without a word (the others took --peer_timeout to call it dead)
-    # and a Ctrl-C was a traceback.
-    with preemption.PreemptionGuard() as guard:
-      refused = _check_run(jax, config, workdir_problem)
-      if refused:
-        return refused
-      guard.check_set_up()  # a signal whose raise a library swallowed
-      logging.info(
-        "JAX %s, process %d of %d, %d devices (%d local)",
-        jax.__version__,
-        jax.process_index(),
-        jax.process_count(),
-        jax.device_count(),
-        jax.local_device_count(),
-      )
-      logging.info("resolved config:\n%s", config)
-      summary = train_lib.train_and_evaluate(config, _WORKDIR.value, extra_hooks=[(watchdog.step_done, 1)])
+    summary = train_lib.train_and_evaluate(config, _WORKDIR.value, [(watchdog.step_done, 1)], preemption=guard)
   except (data_lib.DataError, schedules.ScheduleError, checkpoint_lib.CheckpointError, metrics.MetricsError) as e:
     return _refuse(str(e))
   except train_lib.NonFiniteError as e:
     print(f"stopped: {e}", file=sys.stderr)
     return ExitCode.NONFINITE_STOP, None  # every process saw the same non-finite step and stopped after the same save
-  except preemption.StoppedInSetup as e:
-    preemption.drop_what_set_up_left()
-    stopped = f"stopped by {e} during set-up, before the first step: nothing to save"
-    print(f"{stopped}; run the same command again to start (or resume) the run.", file=sys.stderr)
-    return ExitCode.OK, stopped  # the others stop on this reason (a set-up step may wait for this process)
   if summary.get("stopped"):
     print(
       f"{summary['stopped']} after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "
@@ -305,13 +310,11 @@ def _run(jax, config, watchdog, workdir_problem: str | None) -> tuple[int, str |
   return ExitCode.OK, None
 
 
-def _check_run(jax, config, workdir_problem: str | None) -> tuple[int, str] | None:
+def _check_run(jax, config) -> tuple[int, str] | None:
   """The checks before training, in the order that names a cause: _refuse's (exit code, reason), or None."""
   from light_jax import checkpoint as checkpoint_lib
   from light_jax import same_settings
 
-  if workdir_problem:  # found before the join (a multi-process run): the others stop on it
-    return _refuse(workdir_problem)
   # Before validate(): with other settings, it may pass on one process and fail on another, naming not the cause.
   try:
     same_settings.check(config, _NUM_PROCESSES.value or jax.process_count(), _INIT_TIMEOUT.value)

@@ -197,7 +197,7 @@ class Checkpointer:
     because another process died (its orbax barriers and gathers: not the file system's fault)."""
     self._failed = True
     reason = _file_system_reason(error)
-    if _lost_a_peer(error):
+    if liveness.lost_a_peer(error):
       return liveness.PeerLost(f"saving the checkpoint at step {step}: a collective failed ({reason[:300]})")
     try:
       saved = [s for s in self.manager.all_steps() if s != step]
@@ -332,20 +332,10 @@ def _raise_an_interruption(error: Exception) -> None:
       raise cause
 
 
-def _lost_a_peer(error: Exception) -> bool:
-  """A collective of several processes that failed for want of a peer: a JaxRuntimeError (the gathers orbax runs
-  through JAX) that says so, in ``error`` or what it wraps. Not a file-system or TensorStore error, whose text
-  (a path with "gloo" in it, "Resource temporarily unavailable") may hold the same words."""
-  return jax.process_count() > 1 and any(
-    isinstance(cause, jax.errors.JaxRuntimeError) and liveness.is_connection_error(cause)
-    for cause in preemption.error_chain(error)
-  )
-
-
 def _raise_a_lost_peer(error: Exception) -> None:
   """Raises PeerLost where a multi-process restore's collective failed because another process died: every good
   checkpoint read as damaged, and the run was told to move them away (exit 2), not that a peer was gone (4)."""
-  if _lost_a_peer(error):
+  if liveness.lost_a_peer(error):
     raise liveness.PeerLost(f"restoring a checkpoint: a collective failed ({liveness.first_line(error)})") from None
 
 

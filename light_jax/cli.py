@@ -153,8 +153,7 @@ def unwritable_folder(folder: str) -> str | None:
   still meet a read-only file system."""
   if os.path.exists(folder) and not os.path.isdir(folder):
     return f"{folder} is a file; give a folder"
-  missing = _missing_folders(os.path.abspath(folder))
-  existing = os.path.dirname(missing[-1]) if missing else os.path.abspath(folder)
+  existing = nearest_existing(os.path.abspath(folder))
   if not os.path.isdir(existing):
     return f"{existing} is a file; give a folder"
   try:
@@ -172,6 +171,12 @@ def _missing_folders(folder: str) -> list[str]:
     missing.append(folder)
     folder = os.path.dirname(folder)
   return missing
+
+
+def nearest_existing(path: str) -> str:
+  """``path`` (absolute) if it exists, else the nearest folder above it that does."""
+  missing = _missing_folders(path)
+  return os.path.dirname(missing[-1]) if missing else path
 
 
 def _remove_if_empty(folders: list[str]) -> None:

@@ -148,7 +148,7 @@ class CompiledSteps:
       self.info,
       label_smoothing=self.config.optimizer.label_smoothing,
       inject_nan_at_step=self.config.train.inject_nan_at_step,
-      epoch_first_steps=self.record_boundaries,
+      record_boundaries=self.record_boundaries,
       micro_batches=self.config.micro_batches,
       loss_scale_period=self.config.model.loss_scale_period,
       local_tx=optim.local_transform(self.config),

@@ -194,6 +194,20 @@ def is_connection_error(error: BaseException) -> bool:
   return any(marker.lower() in str(error).lower() for marker in _CONNECTION_MARKERS)
 
 
+def lost_a_peer(error: BaseException) -> bool:
+  """Whether a collective of several processes failed for want of a peer: a JaxRuntimeError that says so (the
+  steps' collectives, the gathers orbax runs through JAX), in ``error`` or what it wraps. Not a file-system or
+  TensorStore error, whose text (a path with "gloo" in it, "Resource temporarily unavailable") may hold the same
+  words."""
+  import jax
+
+  from light_jax.preemption import error_chain
+
+  return jax.process_count() > 1 and any(
+    isinstance(cause, jax.errors.JaxRuntimeError) and is_connection_error(cause) for cause in error_chain(error)
+  )
+
+
 def report_stop(process_index: int, process_count: int, reason: str, workdir: str) -> None:
   """One line on stderr (and in the log): which process stops, why, and how to resume."""
   message = (

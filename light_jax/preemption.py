@@ -38,8 +38,8 @@ class StoppedInSetup(BaseException):
 class PreemptionGuard:
   """Installs the signal handlers on creation (main thread only); ``uninstall`` restores the old ones.
 
-  Also a context manager that uninstalls on exit. train.py installs one once the processes have joined, and the
-  trainer its own before set-up, which takes over until the run ends: without one, a SIGTERM ends the process
+  Also a context manager that uninstalls on exit. train.py installs one once the processes have joined and hands
+  it to the trainer, which otherwise installs its own before set-up: without one, a SIGTERM ends the process
   without a word and a Ctrl-C is a traceback. Until ``arm`` (just
   before the first step) a signal raises ``StoppedInSetup``; from then on it is noted, and the trainer saves and
   stops after the current step. It also keeps the reports of a raise Python could not deliver off stderr (a

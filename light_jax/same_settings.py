@@ -19,13 +19,15 @@ from typing import Any
 
 import jax
 import ml_collections
+from absl import logging
 
 from light_jax import liveness
 from light_jax.config import MACHINE_FIELDS, flat_fields
 
 _PREFIX = "light_jax/settings/"
 _SHOWN = 6  # differences named in the message; the rest are counted
-_WAIT_SLICE_MS = 500  # see _get
+_POLL_SECONDS = 0.2  # see _get
+_SAY_AFTER_SECONDS = 2.0  # a process later than this is logged as waited for
 
 
 class SettingsDiffer(ValueError):
@@ -66,7 +68,7 @@ def check(config: ml_collections.ConfigDict, num_processes: int, timeout_seconds
   mine = settings(config, num_processes)
   client.key_value_set(f"{_PREFIX}{index}", json.dumps(mine))
   for other in range(1, jax.process_count()) if index == 0 else [0]:
-    theirs = json.loads(_get(client, f"{_PREFIX}{other}", timeout_seconds))
+    theirs = json.loads(_get(client, f"{_PREFIX}{other}", other, timeout_seconds))
     found = differences(mine, theirs, other)
     if found:
       more = f"; and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
@@ -82,15 +84,25 @@ def check(config: ml_collections.ConfigDict, num_processes: int, timeout_seconds
       )
 
 
-def _get(client, key: str, timeout_seconds: float) -> str:
-  """The value another process publishes at ``key``, waited for up to ``timeout_seconds``. In slices: a signal's
-  Python handler runs only once a blocking get returns, and one get for the whole timeout held a Ctrl-C or a
-  SIGTERM for up to --init_timeout while another process was slow to come."""
-  deadline = time.monotonic() + timeout_seconds
+def _get(client, key: str, other: int, timeout_seconds: float) -> str:
+  """The settings process ``other`` publishes at ``key``, waited for up to ``timeout_seconds``. Polled, with Python
+  between the polls: a blocking get held a signal's handler in C++ until it returned, and each get that times out
+  stays pending in the coordination service until the key is set."""
+  start = time.monotonic()
+  said = False
   while True:
-    slice_ms = max(1, min(_WAIT_SLICE_MS, int((deadline - time.monotonic()) * 1000)))
     try:
-      return client.blocking_key_value_get(key, slice_ms)
+      return client.key_value_try_get(key)
     except jax.errors.JaxRuntimeError as e:
-      if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
+      if "NOT_FOUND" not in str(e):
         raise
+    waited = time.monotonic() - start
+    if waited >= timeout_seconds:
+      raise liveness.PeerLost(
+        f"process {other} did not come to compare its settings within --init_timeout={timeout_seconds:g} s after "
+        "joining"
+      )
+    if not said and waited >= _SAY_AFTER_SECONDS:
+      logging.info("waiting for process %d to compare its settings (up to --init_timeout=%g s)", other, timeout_seconds)
+      said = True
+    time.sleep(_POLL_SECONDS)

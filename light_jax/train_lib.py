@@ -59,7 +59,10 @@ class NonFiniteError(RuntimeError):
 
 
 def train_and_evaluate(
-  config: ml_collections.ConfigDict, workdir: str, extra_hooks: Sequence[tuple[Hook, int]] = ()
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  extra_hooks: Sequence[tuple[Hook, int]] = (),
+  preemption: PreemptionGuard | None = None,
 ) -> dict[str, Any]:
   """Trains ``config`` on the current devices, evaluating each epoch; returns summary.json's dict.
 
@@ -67,9 +70,12 @@ def train_and_evaluate(
   under ``train.on_nonfinite="stop"`` raises ``NonFiniteError``. Both saved a checkpoint to resume from.
 
   ``extra_hooks``: (hook, every) pairs run after each due step, before the trainer's own hooks.
+  ``preemption``: a guard installed before (train.py's, from the processes' join on), used and uninstalled here
+  instead of a new one.
   """
   wall_start = time.time()
-  with PreemptionGuard() as preemption:  # a signal in set-up stops it at once; armed at the first step, it saves
+  # A signal in set-up stops it at once; armed at the first step, the guard saves and stops.
+  with preemption or PreemptionGuard() as preemption:
     mesh = mesh_lib.make_mesh(config.mesh.nodes, config.mesh.local)
     logging.info("%s", mesh_lib.describe(mesh))
     train_batches, eval_batches, info = make_input(config)

@@ -169,7 +169,7 @@ def make_train_step(
   info: data_lib.DatasetInfo,
   label_smoothing: float,
   inject_nan_at_step: int = -1,
-  epoch_first_steps: tuple[int, ...] = (),
+  record_boundaries: tuple[int, ...] = (),
   micro_batches: int = 1,
   loss_scale_period: int = 2000,
   unroll_micro_batches: bool | None = None,
@@ -187,7 +187,7 @@ def make_train_step(
   kept, DiLoCo's outer step still taken; ``step``, ``nonfinite_steps``, the loss scale and the epoch's loss
   accumulators still move on).
   ``inject_nan_at_step`` >= 0 poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
-  ``epoch_first_steps`` (``CompiledSteps.record_boundaries``: each epoch's first step and the run's last)
+  ``record_boundaries`` (``CompiledSteps.record_boundaries``: each epoch's first step and the run's last)
   resets the epoch loss accumulators at each epoch's first step; DiLoCo's machines also sync at each epoch's
   end and the run's. ``micro_batches``: slices of the device's batch run one after the other, their gradients
   averaged before the one reduction (gradient accumulation; ``unroll_micro_batches``: None = unrolled on the
@@ -240,7 +240,7 @@ def make_train_step(
     grads, comm_state = reducer.reduce(local_grads, comm_state)
     if reducer.updates_parameters:  # DiLoCo's inner step (its outer one: after_step); the sharded update (shards)
       new_params, opt_state, comm_state = reducer.apply(
-        grads, state.params, state.opt_state, comm_state, state.step, epoch_first_steps
+        grads, state.params, state.opt_state, comm_state, state.step, record_boundaries
       )
     else:
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -261,8 +261,8 @@ def make_train_step(
       lambda new, old: jnp.where(finite, new, old), updated, kept
     )
     if reducer.updates_parameters:  # DiLoCo's outer step on a sync step, on what was kept: a skipped one syncs too
-      params, opt_state, comm_state = reducer.after_step(params, opt_state, comm_state, state.step, epoch_first_steps)
-    new_epoch = jnp.isin(state.step, jnp.asarray(epoch_first_steps, jnp.int32)) if epoch_first_steps else False
+      params, opt_state, comm_state = reducer.after_step(params, opt_state, comm_state, state.step, record_boundaries)
+    new_epoch = jnp.isin(state.step, jnp.asarray(record_boundaries, jnp.int32)) if record_boundaries else False
     loss_ok = jnp.isfinite(loss)
     new_state = state.replace(
       step=state.step + 1,

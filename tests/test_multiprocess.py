@@ -400,22 +400,23 @@ runpy.run_path("train.py", run_name="__main__")
 
 
 def test_a_signal_while_waiting_for_a_late_process_stops_set_up(tmp_path):
-  """A SIGTERM between the join and the trainer killed the process without a word (exit -15), and the other took
-  --peer_timeout (60 s) to call it dead. A Ctrl-C there waited in C++ for the late process (up to --init_timeout),
-  then was a traceback. Now set-up stops at once, and the other process on its reason."""
+  """A signal between the join and the trainer stops set-up at once, with one line, and the other process on its
+  reason. A SIGTERM there killed the process without a word (exit -15), and the other took --peer_timeout (60 s)
+  to call it dead; a Ctrl-C waited in C++ for the late process (up to --init_timeout), then was a traceback."""
   port = free_port()
   logs = [tmp_path / f"process{i}.log" for i in range(2)]
+  fast = ["--peer_timeout=5"]  # the watchdogs' ticks: 1 s (process 0 keeps its reason up for 3 s)
   procs = [
-    _train_py(tmp_path / "run", [], port, 0, stdout=open(logs[0], "w")),
-    _train_py(tmp_path / "run", [], port, 1, stdout=open(logs[1], "w"), runner=_LATE),
+    _train_py(tmp_path / "run", fast, port, 0, stdout=open(logs[0], "w")),
+    _train_py(tmp_path / "run", fast, port, 1, stdout=open(logs[1], "w"), runner=_LATE),
   ]
   _wait_for(logs[1], "late to compare the settings", procs)
-  time.sleep(2)  # process 0 waits for process 1's settings
+  _wait_for(logs[0], "waiting for process 1 to compare its settings", procs)
   procs[0].send_signal(signal.SIGTERM)
   seconds = _exit_within(procs[0], 30, logs[0])
   _exit_within(procs[1], 30, logs[1])
   outs = [log.read_text() for log in logs]
-  assert procs[0].returncode == ExitCode.OK and seconds < 15, outs[0][-3000:]  # 5 s keeping the reason up
+  assert procs[0].returncode == ExitCode.OK and seconds < 15, outs[0][-3000:]
   assert outs[0].strip().splitlines()[-1] == (
     "stopped by SIGTERM during set-up, before the first step: nothing to save; run the same command again to start "
     "(or resume) the run."

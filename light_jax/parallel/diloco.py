@@ -91,7 +91,7 @@ class DiLoCo:
 
   def for_run(self, boundaries: tuple[int, ...], total_steps: int) -> DiLoCo:
     """This DiLoCo with its byte accounting for a run of ``total_steps`` with these boundaries (``after_step``'s
-    ``epoch_first_steps``): it syncs after every H-th step and at each boundary, which is more often than every
+    ``record_boundaries``): it syncs after every H-th step and at each boundary, which is more often than every
     H steps where H does not divide an epoch (twice as often when H is two epochs)."""
     if total_steps <= 0:
       return self
@@ -134,7 +134,7 @@ class DiLoCo:
     opt_state: PyTree,
     comm_state: PyTree,
     step: jax.Array,
-    epoch_first_steps: tuple[int, ...] = (),
+    record_boundaries: tuple[int, ...] = (),
   ) -> tuple[PyTree, PyTree, PyTree]:
     """The inner step on this machine's parameters: returns (outer params, outer optimizer state, comm_state), the
     outer ones unchanged (``after_step`` takes the outer step)."""
@@ -149,17 +149,17 @@ class DiLoCo:
     opt_state: PyTree,
     comm_state: PyTree,
     step: jax.Array,
-    epoch_first_steps: tuple[int, ...] = (),
+    record_boundaries: tuple[int, ...] = (),
   ) -> tuple[PyTree, PyTree, PyTree]:
     """The outer step across machines after every ``sync_every``-th step and at each epoch's end (``step``,
-    counted from 0, is the one being taken; ``epoch_first_steps`` as ``CompiledSteps.record_boundaries``), so
+    counted from 0, is the one being taken; ``record_boundaries``: ``CompiledSteps.record_boundaries``), so
     evaluations and checkpoints see one model. After the train step's decision to keep or skip the inner step:
     a skipped sync step syncs the machines' changes so far. Returns (outer params, outer optimizer state,
     comm_state)."""
     done = step + 1
     sync = done % self.sync_every == 0
-    if epoch_first_steps:
-      sync = jnp.logical_or(sync, jnp.isin(done, jnp.asarray(epoch_first_steps[1:], jnp.int32)))
+    if record_boundaries:
+      sync = jnp.logical_or(sync, jnp.isin(done, jnp.asarray(record_boundaries[1:], jnp.int32)))
     delta = this_device(comm_state["delta"])
 
     def outer_step(params, opt_state, delta):

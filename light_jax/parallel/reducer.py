@@ -345,8 +345,8 @@ class Reducer(Protocol):
   """What the train step and CompiledSteps use of a gradient reducer: GradientReducer, powersgd.PowerSGDReducer,
   diloco.DiLoCo, and sharded_update.ShardedUpdate (which wraps a GradientReducer). Those with
   ``updates_parameters`` also have ``init_optimizer_state``, ``machine_params`` (the parameters the forward pass
-  runs on), ``apply(grads, params, opt_state, comm_state, step, epoch_first_steps)`` (the step calls them
-  instead of the optimizer) and ``after_step(params, opt_state, comm_state, step, epoch_first_steps)`` (after
+  runs on), ``apply(grads, params, opt_state, comm_state, step, record_boundaries)`` (the step calls them
+  instead of the optimizer) and ``after_step(params, opt_state, comm_state, step, record_boundaries)`` (after
   the decision to keep or skip the step: DiLoCo's outer step); those with error-feedback residuals of gradients
   (GradientReducer, ShardedUpdate) also ``rescale_residuals`` (``comm.residual_units="update"``)."""
 

@@ -193,10 +193,10 @@ class ShardedUpdate:
     return params
 
   def apply(
-    self, grads: PyTree, params: PyTree, opt_state: PyTree, comm_state: PyTree, step=None, epoch_first_steps=()
+    self, grads: PyTree, params: PyTree, opt_state: PyTree, comm_state: PyTree, step=None, record_boundaries=()
   ):
     """The optimizer on this device's shards; returns (all parameters, opt_state, comm_state). (``step`` and
-    ``epoch_first_steps``: the interface DiLoCo shares; unused here.)"""
+    ``record_boundaries``: the interface DiLoCo shares; unused here.)"""
     leaves, treedef = jax.tree.flatten(params)
     param_shards = [self._on_device(b, _take_pieces, leaves) for b in range(len(self.buckets))]
     grad_shards = [grads[_key(b)] for b in range(len(self.buckets))]
@@ -216,7 +216,7 @@ class ShardedUpdate:
     comm_state = dict(comm_state, optimizer=per_device(state))
     return jax.tree.unflatten(treedef, new), opt_state, comm_state
 
-  def after_step(self, params: PyTree, opt_state: PyTree, comm_state: PyTree, step=None, epoch_first_steps=()):
+  def after_step(self, params: PyTree, opt_state: PyTree, comm_state: PyTree, step=None, record_boundaries=()):
     """Nothing after the step (DiLoCo's outer step goes here)."""
     return params, opt_state, comm_state
 
