@@ -147,7 +147,12 @@ def train_all(args, rate: int | None, labels: list[tuple[str, list[str]]], workd
     with EmulatedCluster(args.nodes, rate) as cluster:
       for label, strategy_overrides in labels:
         overrides = run_overrides(args, strategy_overrides)
-        if not train_runs.prepare_workdir(label, workdirs[label], run_command(args, overrides), args.rerun):
+        try:
+          if not train_runs.prepare_workdir(label, workdirs[label], run_command(args, overrides), args.rerun):
+            continue
+        except train_runs.WorkdirInUse as e:
+          print(f"error: {e}", file=sys.stderr, flush=True)
+          failed.append(label)
           continue
         print(f"training with {label} on {args.nodes} x {args.local} at {args.bandwidth} ...", file=sys.stderr,
               flush=True)  # fmt: skip

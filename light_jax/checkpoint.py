@@ -103,6 +103,28 @@ def lock_workdir(workdir: str) -> None:
   _WORKDIR_LOCKS[os.path.abspath(workdir)] = lock_file
 
 
+def workdir_holder(workdir: str) -> str | None:
+  """Who holds ``workdir`` (``lock_workdir``'s line: "process N on HOST, since ..."), or None; takes nothing.
+  For a tool about to empty or replace a workdir, which would break the run going on there."""
+  import fcntl
+
+  if os.path.abspath(workdir) in _WORKDIR_LOCKS:
+    return f"this process ({os.getpid()})"
+  try:
+    lock_file = open(os.path.join(workdir, ".lock"), "r+")
+  except OSError:  # no lock file (no run yet, or one from before locks), or none this process may open
+    return None
+  with lock_file:  # closing it drops only this process's locks, and this process holds none on it
+    try:
+      fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno not in (errno.EACCES, errno.EAGAIN):  # no locks on this file system: nothing to tell
+        return None
+      return lock_file.read().strip() or "another process"
+    fcntl.lockf(lock_file, fcntl.LOCK_UN)
+  return None
+
+
 def check_shared_directory(directory: str, wait_seconds: float = 10.0) -> None:
   """In a multi-process run, before any checkpoint: every process sees the file process 0 writes in
   ``directory``. Orbax's checkpoints need that: process 0 makes a save's folders and commits it once every

@@ -131,6 +131,31 @@ def test_a_study_run_that_aborts_resumes_from_its_checkpoint(stops_first, tmp_pa
   assert _processes(workdir) == (2 if stops_first else 1)
 
 
+def test_a_workdir_a_run_still_holds_is_not_emptied(tmp_path, monkeypatch):
+  """--rerun (or another command) while the run still trains there: its workdir was emptied under it."""
+  train_runs = _stand_in(tmp_path, monkeypatch, stops_first=False)
+  workdir = tmp_path / "run"
+  train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir))
+  before = sorted(os.listdir(workdir))
+  code = (  # train.py's process 0 takes its workdir so
+    f"import time; from light_jax import checkpoint; checkpoint.lock_workdir({str(workdir)!r}); "
+    "print('locked', flush=True); time.sleep(120)"
+  )
+  holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == "locked\n"
+    with pytest.raises(
+      train_runs.WorkdirInUse, match=rf"row: {workdir} is in use by a run still going \(process {holder.pid} on "
+    ):
+      train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir), rerun=True)
+    assert sorted(os.listdir(workdir)) == sorted([*before, ".lock"])  # kept, with the holder's lock file
+  finally:
+    holder.kill()
+    holder.wait()
+  train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir), rerun=True)  # the run has ended: started over
+  assert _processes(workdir) == 1
+
+
 def test_a_study_run_out_of_retries_resumes_when_the_study_runs_again(tmp_path, monkeypatch):
   train_runs = _stand_in(tmp_path, monkeypatch)
   workdir = tmp_path / "run"
