@@ -95,10 +95,16 @@ def _cluster_detected() -> bool:
 
 def _num_processes() -> int:
   """The run's process count: --num_processes, or the one a cluster manager announces (1 where it announces none,
-  as salloc without srun)."""
+  as salloc without srun, or JAX_COORDINATOR_ADDRESS, whose count JAX learns at the join)."""
   if _COORDINATOR.value is None and _cluster_detected():
     return int(os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
   return _NUM_PROCESSES.value or 1
+
+
+def _has_peers() -> bool:
+  """Whether other processes will wait for this one at the join: a count over 1, or a coordinator's address alone."""
+  announced = _COORDINATOR.value is not None or os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE")
+  return _num_processes() > 1 if announced else bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
 
 
 def _start_jax(config):
@@ -205,21 +211,22 @@ def main(argv):
   # Found before anything heavy. A process of several joins the others first, to tell them (a machine's own
   # folder, say): else they would wait for it until --init_timeout.
   workdir_problem = _workdir_problem(_WORKDIR.value)
-  if workdir_problem and _num_processes() == 1:
+  if workdir_problem and not _has_peers():
     cli.fail(workdir_problem)
   jax = _start_jax(config)
 
   from light_jax import liveness, preemption
 
+  # From the join on a signal stops set-up with one line; the trainer arms the same guard at the first step, and
+  # from then on a signal saves and stops.
+  guard = preemption.PreemptionGuard()
   # In a multi-process run, a process that dies or fails makes the others stop too, with a message.
   watchdog = liveness.PeerWatchdog(
     jax.process_index(), jax.process_count(), _PEER_TIMEOUT.value, _WORKDIR.value, _STEP_TIMEOUT.value
   ).start()
   reason_for_peers = "unexpected error (see its log)"  # what the other processes are told if this one fails
   try:
-    # From here on a signal stops set-up with one line; the trainer arms the same guard at the first step, and
-    # from then on a signal saves and stops.
-    with preemption.PreemptionGuard() as guard:
+    with guard:
       exit_code, reason_for_peers = _run(jax, config, watchdog, guard, workdir_problem)
   except preemption.StoppedInSetup as e:
     exit_code, reason_for_peers = _stopped_in_set_up(e)
@@ -285,6 +292,7 @@ def _run(jax, config, watchdog, guard, workdir_problem: str | None) -> tuple[int
   refused = _check_run(jax, config)
   if refused:
     return refused
+  guard.check_set_up()  # a signal during the checks whose raise a library swallowed
   logging.info(
     "JAX %s, process %d of %d, %d devices (%d local)",
     jax.__version__,
@@ -320,6 +328,9 @@ def _check_run(jax, config) -> tuple[int, str] | None:
     same_settings.check(config, _NUM_PROCESSES.value or jax.process_count(), _INIT_TIMEOUT.value)
   except same_settings.SettingsDiffer as e:
     return _refuse(str(e))
+  except same_settings.LateProcess as e:  # alive (the watchdog would have said otherwise), but not coming
+    print(f"error: {e}", file=sys.stderr)
+    return ExitCode.PEER_FAILURE, str(e)
   try:
     config_lib.validate(config, jax.device_count(), jax.process_count())
   except config_lib.ConfigError as e:

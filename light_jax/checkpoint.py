@@ -104,19 +104,22 @@ def lock_workdir(workdir: str) -> None:
 
 
 def workdir_holder(workdir: str) -> str | None:
-  """Who holds ``workdir`` (``lock_workdir``'s line: "process N on HOST, since ..."), or None; takes nothing.
-  For a tool about to empty or replace a workdir, which would break the run going on there."""
+  """Who holds ``workdir`` (``lock_workdir``'s line: "process N on HOST, since ..."), or None. For a tool about to
+  empty or replace a workdir, which would break the run going on there. It takes a shared lock for an instant: a
+  run starting in that instant is refused as if the workdir were in use."""
   import fcntl
 
-  if os.path.abspath(workdir) in _WORKDIR_LOCKS:
-    return f"this process ({os.getpid()})"
+  if not os.path.isdir(workdir):
+    return None
+  if any(os.path.samefile(held, workdir) for held in _WORKDIR_LOCKS if os.path.exists(held)):
+    return f"this process ({os.getpid()})"  # probed, its lock would go (closing any descriptor of the file drops it)
   try:
-    lock_file = open(os.path.join(workdir, ".lock"), "r+")
+    lock_file = open(os.path.join(workdir, ".lock"))  # read-only is enough for a shared lock: others' files too
   except OSError:  # no lock file (no run yet, or one from before locks), or none this process may open
     return None
-  with lock_file:  # closing it drops only this process's locks, and this process holds none on it
+  with lock_file:
     try:
-      fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      fcntl.lockf(lock_file, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as e:
       if e.errno not in (errno.EACCES, errno.EAGAIN):  # no locks on this file system: nothing to tell
         return None

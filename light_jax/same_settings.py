@@ -34,6 +34,10 @@ class SettingsDiffer(ValueError):
   """This process's settings differ from another's; the message names the fields."""
 
 
+class LateProcess(RuntimeError):
+  """Another process joined but did not publish its settings within the timeout."""
+
+
 def settings(config: ml_collections.ConfigDict, num_processes: int) -> dict[str, Any]:
   """The config's fields by dotted name (less ``MACHINE_FIELDS``), the process count this process was started
   with and its device count."""
@@ -59,7 +63,8 @@ def differences(mine: dict[str, Any], theirs: dict[str, Any], other: int) -> lis
 
 
 def check(config: ml_collections.ConfigDict, num_processes: int, timeout_seconds: float) -> None:
-  """Raises SettingsDiffer if this process's settings differ from process 0's (on process 0: from any other's).
+  """Raises SettingsDiffer if this process's settings differ from process 0's (on process 0: from any other's),
+  LateProcess if the other's settings do not come within ``timeout_seconds``.
   Every process must call it, after jax.distributed has started; a single process returns at once."""
   if jax.process_count() == 1:
     return
@@ -94,13 +99,13 @@ def _get(client, key: str, other: int, timeout_seconds: float) -> str:
     try:
       return client.key_value_try_get(key)
     except jax.errors.JaxRuntimeError as e:
-      if "NOT_FOUND" not in str(e):
+      if not str(e).startswith("NOT_FOUND"):
         raise
     waited = time.monotonic() - start
     if waited >= timeout_seconds:
-      raise liveness.PeerLost(
-        f"process {other} did not come to compare its settings within --init_timeout={timeout_seconds:g} s after "
-        "joining"
+      raise LateProcess(
+        f"process {other} joined, but did not come to compare its settings within --init_timeout="
+        f"{timeout_seconds:g} s (a start-up slower than that: see its log, or raise --init_timeout)"
       )
     if not said and waited >= _SAY_AFTER_SECONDS:
       logging.info("waiting for process %d to compare its settings (up to --init_timeout=%g s)", other, timeout_seconds)

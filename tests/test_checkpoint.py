@@ -593,6 +593,51 @@ def test_a_signal_during_set_up_stops_it_at_once_on_one_line(tmp_path, where):
   assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
 
 
+# Runs train.py with a SIGTERM sent from a __del__ inside the workdir's lock, one of train.py's checks before the
+# trainer: Python cannot raise there, and the guard's stop is swallowed (as JAX's gc callback swallows it).
+_SWALLOWED_IN_CHECKS = """
+import os, runpy, signal, sys
+from light_jax import checkpoint
+lock = checkpoint.lock_workdir
+class SignalledWhenFreed:
+  def __del__(self):
+    os.kill(os.getpid(), signal.SIGTERM)
+    (lambda: None)()  # the handler runs here at the latest, and raises inside __del__
+def lock_and_signal(workdir):
+  SignalledWhenFreed()
+  lock(workdir)
+checkpoint.lock_workdir = lock_and_signal
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_swallowed_signal_during_train_pys_checks_stops_before_the_data_is_loaded(tmp_path):
+  """The trainer's first check comes after the data (hours building a decoded cache on ImageNet) and the restore:
+  train.py checks for a stop a library swallowed as soon as its own checks are done."""
+  result = subprocess.run(
+    [
+      sys.executable,
+      "-c",
+      _SWALLOWED_IN_CHECKS,
+      "--config",
+      "configs/fashion_mnist.py",
+      "--workdir",
+      str(tmp_path / "run"),
+      "--config.data.train_subset=1024",
+    ],  # fmt: skip
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == ExitCode.OK, result.stderr[-3000:]
+  assert "received SIGTERM during set-up" in result.stderr and "Traceback" not in result.stderr
+  assert "data fashion_mnist:" not in result.stderr, result.stderr[-3000:]  # the trainer's input was never made
+  assert result.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM during set-up, before the first step")
+
+
 def test_the_orbax_wait_a_checkpointer_closes_with_is_there():
   """Checkpointer.close waits for orbax's removal of unfinished saves' folders through a private method (a run that
   ended before its first save exited under that thread): an orbax that renames it fails here, not silently."""
