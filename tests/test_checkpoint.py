@@ -553,6 +553,20 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
+def _train_py_through(runner, *args, target=None):
+  """``runner`` (Python code that runs train.py; ``target``, if any, its own first argument) with train.py's
+  ``args``, on fashion_mnist.py and 1,024 training images."""
+  config = ["--config", "configs/fashion_mnist.py", "--config.data.train_subset=1024"]
+  return subprocess.run(
+    [sys.executable, "-c", runner, *([target] if target else []), *config, *args],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+
+
 @pytest.mark.parametrize(
   "where",
   [
@@ -571,14 +585,8 @@ def test_a_signal_during_set_up_stops_it_at_once_on_one_line(tmp_path, where):
   """Before the first step there is nothing to save: set-up (data, a decoded cache to build, compiling) stops at
   once, and the stop's line is the last."""
   start = time.monotonic()
-  result = subprocess.run(
-    [sys.executable, "-c", _SIGNAL_AT, where, "--config", "configs/fashion_mnist.py"]
-    + ["--workdir", str(tmp_path / "run"), "--config.data.train_subset=1024", "--config.global_batch_size=128"],
-    cwd=ROOT,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    capture_output=True,
-    text=True,
-    timeout=300,
+  result = _train_py_through(
+    _SIGNAL_AT, "--workdir", str(tmp_path / "run"), "--config.global_batch_size=128", target=where
   )
   assert result.returncode == ExitCode.OK, result.stderr[-3000:]
   assert "received SIGTERM during set-up" in result.stderr  # the signal came where the test meant it to
@@ -615,23 +623,7 @@ runpy.run_path("train.py", run_name="__main__")
 def test_a_swallowed_signal_during_train_pys_checks_stops_before_the_data_is_loaded(tmp_path):
   """The trainer's first check comes after the data (hours building a decoded cache on ImageNet) and the restore:
   train.py checks for a stop a library swallowed as soon as its own checks are done."""
-  result = subprocess.run(
-    [
-      sys.executable,
-      "-c",
-      _SWALLOWED_IN_CHECKS,
-      "--config",
-      "configs/fashion_mnist.py",
-      "--workdir",
-      str(tmp_path / "run"),
-      "--config.data.train_subset=1024",
-    ],  # fmt: skip
-    cwd=ROOT,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  result = _train_py_through(_SWALLOWED_IN_CHECKS, "--workdir", str(tmp_path / "run"))
   assert result.returncode == ExitCode.OK, result.stderr[-3000:]
   assert "received SIGTERM during set-up" in result.stderr and "Traceback" not in result.stderr
   assert "data fashion_mnist:" not in result.stderr, result.stderr[-3000:]  # the trainer's input was never made
