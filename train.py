@@ -93,18 +93,18 @@ def _cluster_detected() -> bool:
   return any(os.environ.get(v) for v in _CLUSTER_ENV)
 
 
-def _num_processes() -> int:
-  """The run's process count: --num_processes, or the one a cluster manager announces (1 where it announces none,
-  as salloc without srun, or JAX_COORDINATOR_ADDRESS, whose count JAX learns at the join)."""
-  if _COORDINATOR.value is None and _cluster_detected():
-    return int(os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
-  return _NUM_PROCESSES.value or 1
-
-
-def _has_peers() -> bool:
-  """Whether other processes will wait for this one at the join: a count over 1, or a coordinator's address alone."""
-  announced = _COORDINATOR.value is not None or os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE")
-  return _num_processes() > 1 if announced else bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
+def _num_processes() -> int | None:
+  """The run's process count: --num_processes, or the one a cluster manager announces (1 where it announces
+  none, as salloc without srun); None where a coordinator's address alone (JAX_COORDINATOR_ADDRESS) announces the
+  run, whose count JAX learns at the join."""
+  if _COORDINATOR.value is not None:
+    return _NUM_PROCESSES.value  # given with it (the flags' validator)
+  if not _cluster_detected():
+    return 1
+  announced = os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE")
+  if announced:
+    return int(announced)
+  return None if os.environ.get("JAX_COORDINATOR_ADDRESS") else 1
 
 
 def _start_jax(config):
@@ -116,7 +116,7 @@ def _start_jax(config):
 
   explicit = _COORDINATOR.value is not None
   detected = _cluster_detected()
-  num_processes = _num_processes()  # for the CPU devices' split
+  num_processes = _num_processes() or 1  # for the CPU devices' split
   if not isinstance(config.mesh.cpu_devices, int) or config.mesh.cpu_devices < 0:
     cli.fail(f"invalid config: mesh.cpu_devices={config.mesh.cpu_devices!r} must be >= 0 (0: the platform's own).")
   if config.mesh.cpu_devices:
@@ -211,7 +211,7 @@ def main(argv):
   # Found before anything heavy. A process of several joins the others first, to tell them (a machine's own
   # folder, say): else they would wait for it until --init_timeout.
   workdir_problem = _workdir_problem(_WORKDIR.value)
-  if workdir_problem and not _has_peers():
+  if workdir_problem and _num_processes() == 1:  # no other process waits for this one at a join
     cli.fail(workdir_problem)
   jax = _start_jax(config)
 
