@@ -132,16 +132,35 @@ def _start_jax(config):
       )
     except coordinator.CoordinatorError as e:
       cli.fail(str(e))
+  found = ", ".join(v for v in _CLUSTER_ENV if os.environ.get(v)) or "none"
+  # JAX aborts a process whose peers do not all come (exit 134, "another task died"); join says this instead.
+  not_joined = (
+    f"not every process joined within --init_timeout={_INIT_TIMEOUT.value} s: one was not started, or stopped at "
+    "start-up (its command line or config refused: see its own output); "
+    + (
+      f"start every process with --coordinator={_COORDINATOR.value} and --num_processes={num_processes}, each with "
+      "its own --process_id, or raise --init_timeout"
+      if explicit
+      else f"cluster variables set: {found}; start each process through the cluster manager (srun, mpirun), or "
+      "raise --init_timeout"
+    )
+  )
   try:
     if explicit:
-      coordinator.join(jax, _COORDINATOR.value, num_processes=num_processes, process_id=_PROCESS_ID.value, **timeouts)
+      coordinator.join(
+        jax,
+        _COORDINATOR.value,
+        num_processes=num_processes,
+        process_id=_PROCESS_ID.value,
+        not_joined=not_joined,
+        **timeouts,
+      )
     elif detected:
-      coordinator.join(jax, **timeouts)
+      coordinator.join(jax, not_joined=not_joined, **timeouts)
   except (ValueError, RuntimeError) as e:
     reason = f"jax.distributed could not start ({type(e).__name__}: {str(e)[:300]})"
     if explicit:
       cli.fail(f"{reason}; check --coordinator, --num_processes and --process_id on every process.")
-    found = ", ".join(v for v in _CLUSTER_ENV if os.environ.get(v)) or "none"
     cli.fail(  # e.g. SLURM_JOB_ID set by salloc, but no srun task to join
       f"{reason}. Cluster variables set: {found}. Start each process through the cluster manager (srun, mpirun), "
       "or give --coordinator, --num_processes and --process_id; for one process, unset the cluster variables."

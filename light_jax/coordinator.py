@@ -12,7 +12,8 @@ C++ abort that blamed a dead peer ("another task died", exit 134):
 
 Every process resolves the host; process 0 checks that the port is free on its machine; the others wait for
 something to answer at the address, saying so, in a Python loop (Ctrl-C works there, not inside JAX's wait),
-and give up with one line at ``--init_timeout``.
+and give up with one line at ``--init_timeout``. The join itself gives up with one line too, where JAX aborted
+some seconds after ``--init_timeout`` when a process never came (not started, or stopped by its own start-up).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+
+from light_jax.exit_codes import ExitCode
 
 
 class CoordinatorError(ValueError):
@@ -130,11 +133,13 @@ def wait_until_reachable(address: str, process_id: int, num_processes: int, init
   return max(int(left), 10)  # the others may still be joining
 
 
-def join(jax, *args, **kwargs) -> None:
-  """jax.distributed.initialize(*args, **kwargs), which waits in C++ for every process (up to --init_timeout),
-  where a Ctrl-C is not seen: it runs in a thread, and this one waits for it in 0.5 s slices (a signal handler runs
-  only between them) and takes a Ctrl-C or SIGTERM, with handlers of its own (a script's background job starts
-  with SIGINT ignored)."""
+def join(jax, *args, not_joined: str, **kwargs) -> None:
+  """jax.distributed.initialize(*args, **kwargs), which waits in C++ for every process, where a Ctrl-C is not seen,
+  and aborts the process some seconds after ``initialization_timeout`` when one never comes (a C++ check failure
+  blaming "another task died", exit 134). It runs in a thread, and this one waits for it in 0.5 s slices (a signal
+  handler runs only between them): it takes a Ctrl-C or SIGTERM, with handlers of its own (a script's background
+  job starts with SIGINT ignored), and gives up at ``initialization_timeout`` with ``not_joined``'s line and exit
+  code 4."""
   failed = []
 
   def initialize():
@@ -143,19 +148,26 @@ def join(jax, *args, **kwargs) -> None:
     except BaseException as e:  # raised again in the main thread
       failed.append(e)
 
+  def leave(line: str, code: int):
+    print(line, file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(code)  # without the exit handlers: JAX's waits for the other processes
+
   def stop(signum, frame):
     del frame
     name = signal.Signals(signum).name
-    print(f"stopped by {name} while waiting for the other processes to join; nothing to save.", file=sys.stderr)
-    sys.stderr.flush()
-    os._exit(128 + signum)  # without the exit handlers: JAX's waits for the other processes
+    leave(f"stopped by {name} while waiting for the other processes to join; nothing to save.", 128 + signum)
 
+  timeout = kwargs.get("initialization_timeout")
+  deadline = None if timeout is None else time.monotonic() + timeout
   previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
   joining = threading.Thread(target=initialize, name="jax.distributed.initialize", daemon=True)
   joining.start()
   try:
     while joining.is_alive():
       joining.join(0.5)
+      if deadline is not None and joining.is_alive() and time.monotonic() >= deadline:
+        leave(f"error: {not_joined}", ExitCode.PEER_FAILURE)
   finally:
     for sig, handler in previous.items():
       signal.signal(sig, handler)

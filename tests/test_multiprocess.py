@@ -191,6 +191,20 @@ def test_a_process_whose_coordinator_never_answers_says_so_and_stops_at_init_tim
   assert time.monotonic() - start < 60
 
 
+def test_a_process_refused_before_joining_leaves_the_others_one_line_at_init_timeout(tmp_path):
+  """Process 1's override does not parse: it stops before joining. Process 0 waited for it until --init_timeout, and
+  JAX then aborted it some seconds later with a C++ stack blaming "another task died" (134)."""
+  start, port = time.monotonic(), free_port()
+  waiting = _train_py(tmp_path / "run", ["--init_timeout=3"], port, 0)
+  refused = _train_py(tmp_path / "run", ["--config.optimizer.no_such_field=1"], port, 1)
+  assert refused.wait(timeout=60) == ExitCode.BAD_INPUT
+  text = waiting.communicate(timeout=60)[0]
+  assert waiting.returncode == ExitCode.PEER_FAILURE and "Check failure" not in text, text[-3000:]
+  last = text.strip().splitlines()[-1]
+  assert last.startswith("error: not every process joined within --init_timeout=3 s: one was not started, or stopped")
+  assert time.monotonic() - start < 30
+
+
 def test_a_ctrl_c_while_waiting_for_the_others_to_join_stops_at_once(tmp_path):
   """JAX waits for every process in C++, where the Ctrl-C was not seen: up to --init_timeout (300 s), then an abort.
   Started with SIGINT ignored, as a script's background job is (CI's): it is taken all the same."""
