@@ -110,14 +110,22 @@ def run_drill(args, root):
     d = os.path.join(workdir, "checkpoints")
     return os.path.isdir(d) and any(".orbax-checkpoint-tmp" in n for n in os.listdir(d))
 
+  def empty(workdir):  # a drill's own folder, unless a run is still going there (another drill in the same --workdir)
+    from light_jax import checkpoint
+
+    holder = checkpoint.workdir_holder(workdir) if os.path.isdir(workdir) else None
+    if holder:
+      cli.fail(f"{workdir} is in use by a run still going ({holder}); wait for it to end, or give another --workdir")
+    shutil.rmtree(workdir, ignore_errors=True)
+
   print("uninterrupted run ...", file=sys.stderr)
   clean = os.path.join(root, "uninterrupted")
-  shutil.rmtree(clean, ignore_errors=True)
+  empty(clean)
   finish(start(clean), clean)
   summary = json.load(open(os.path.join(clean, "summary.json")))
 
   drill = os.path.join(root, "drill")
-  shutil.rmtree(drill, ignore_errors=True)
+  empty(drill)
   rng = random.Random(args.seed)
   lost, kills, mid_save = [], 0, 0
   while kills < args.kills:

@@ -150,7 +150,7 @@ def train_all(args, rate: int | None, labels: list[tuple[str, list[str]]], workd
         try:
           if not train_runs.prepare_workdir(label, workdirs[label], run_command(args, overrides), args.rerun):
             continue
-        except train_runs.WorkdirInUse as e:
+        except train_runs.UnusableWorkdir as e:
           print(f"error: {e}", file=sys.stderr, flush=True)
           failed.append(label)
           continue

@@ -62,15 +62,18 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
     )
 
 
-class WorkdirInUse(RuntimeError):
-  """A run's workdir that ``prepare_workdir`` would empty is taken by a train.py still running there."""
+class UnusableWorkdir(RuntimeError):
+  """A run's workdir that ``prepare_workdir`` cannot ready: a train.py still running there, or a file."""
 
 
 def prepare_workdir(label: str, workdir: str, command: str, rerun: bool = False, also: tuple[str, ...] = ()) -> bool:
   """Readies ``workdir`` for the run of ``command`` (its text, stamped in WORKDIR/command.txt; ``also``: older
   stamps of the same run). False when the workdir already holds that run's summary.json: nothing to run. Else
   True, and a checkpoint of the same command is kept, for the run to resume from; any other workdir (or any,
-  with ``rerun``) is emptied and stamped. Raises WorkdirInUse where a run still going there holds it."""
+  with ``rerun``) is emptied and stamped. Raises UnusableWorkdir where a run still going there holds it, or where
+  it is a file."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise UnusableWorkdir(f"{label}: {workdir} is a file, not a run's directory; move it away, then run this again")
   same_command = stamped_command(workdir) in (command, *also)
   if not rerun and same_command and os.path.exists(os.path.join(workdir, "summary.json")):
     print(f"{label}: reusing {workdir}", file=sys.stderr)
@@ -83,7 +86,7 @@ def prepare_workdir(label: str, workdir: str, command: str, rerun: bool = False,
 
     holder = checkpoint.workdir_holder(workdir)
     if holder:  # --rerun, or another command, while its run still trains: emptied, it broke that run
-      raise WorkdirInUse(
+      raise UnusableWorkdir(
         f"{label}: {workdir} is in use by a run still going ({holder}); wait for it to end or stop it, then run "
         "this again"
       )
@@ -237,7 +240,7 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
       except subprocess.CalledProcessError as e:  # its log says why; the other runs do not depend on it
         print(failure_line(label, e.returncode, workdir), file=sys.stderr, flush=True)
         args.failed.append(label)
-      except WorkdirInUse as e:
+      except UnusableWorkdir as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         args.failed.append(label)
   results, stopped = {}, {}

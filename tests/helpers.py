@@ -45,6 +45,22 @@ def tmpfs(folder, options: str):
     subprocess.run(["umount", str(folder)], check=True)
 
 
+@contextlib.contextmanager
+def workdir_held(workdir):
+  """A bare process that takes ``workdir``'s lock as train.py's process 0 does, for the duration; yields its pid."""
+  code = (
+    f"import time; from light_jax import checkpoint; checkpoint.lock_workdir({str(workdir)!r}); "
+    "print('locked', flush=True); time.sleep(120)"
+  )
+  holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == "locked\n"
+    yield holder.pid
+  finally:
+    holder.kill()
+    holder.wait()
+
+
 def override(config: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDict:
   """Sets dotted fields written with "__" for "." (``comm__strategy="dense"``); returns ``config``."""
   for dotted, value in fields.items():

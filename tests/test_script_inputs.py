@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, tmpfs
+from tests.helpers import ROOT, tmpfs, workdir_held
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -158,6 +158,17 @@ def test_fault_drill_stops_at_a_failing_train_py_with_its_output_and_removes_its
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "uninterrupted exited with 2" in errors[0], result.stderr[-3000:]
   assert os.listdir(tmp_path / "tmp") == []  # the runs' root, checkpoints and all
+
+
+def test_fault_drill_keeps_a_folder_a_run_still_holds(tmp_path):
+  """Two drills given the same --workdir: the second emptied the first's folders under its running train.py."""
+  workdir = tmp_path / "drill" / "uninterrupted"
+  workdir.mkdir(parents=True)
+  (workdir / "metrics.jsonl").write_text("")
+  with workdir_held(workdir) as holder:
+    message = _fails("benchmarks/fault_drill.py", f"--workdir={tmp_path / 'drill'}")
+  assert message.startswith(f"error: {workdir} is in use by a run still going (process {holder} on ")
+  assert sorted(os.listdir(workdir)) == [".lock", "metrics.jsonl"]
 
 
 # Toy settings: without the checks these would run to the end in seconds, not minutes.

@@ -11,7 +11,7 @@ import pytest
 
 from light_jax import cli
 from light_jax import config as config_lib
-from tests.helpers import ROOT
+from tests.helpers import ROOT, workdir_held
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 STUDIES = ("large_batch", "compression_accuracy")
@@ -137,23 +137,24 @@ def test_a_workdir_a_run_still_holds_is_not_emptied(tmp_path, monkeypatch):
   workdir = tmp_path / "run"
   train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir))
   before = sorted(os.listdir(workdir))
-  code = (  # train.py's process 0 takes its workdir so
-    f"import time; from light_jax import checkpoint; checkpoint.lock_workdir({str(workdir)!r}); "
-    "print('locked', flush=True); time.sleep(120)"
-  )
-  holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-  try:
-    assert holder.stdout.readline() == "locked\n"
+  with workdir_held(workdir) as holder:
     with pytest.raises(
-      train_runs.WorkdirInUse, match=rf"row: {workdir} is in use by a run still going \(process {holder.pid} on "
+      train_runs.UnusableWorkdir, match=rf"row: {workdir} is in use by a run still going \(process {holder} on "
     ):
       train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir), rerun=True)
     assert sorted(os.listdir(workdir)) == sorted([*before, ".lock"])  # kept, with the holder's lock file
-  finally:
-    holder.kill()
-    holder.wait()
   train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir), rerun=True)  # the run has ended: started over
   assert _processes(workdir) == 1
+
+
+def test_a_file_where_a_run_s_workdir_goes_is_named_and_kept(tmp_path, monkeypatch):
+  """It made the study fail with NotADirectoryError from shutil.rmtree."""
+  train_runs = _stand_in(tmp_path, monkeypatch)
+  workdir = tmp_path / "run"
+  workdir.write_text("notes")
+  with pytest.raises(train_runs.UnusableWorkdir, match=rf"row: {workdir} is a file, not a run's directory; move it"):
+    train_runs.run("row", "c.py", [], str(workdir))
+  assert workdir.read_text() == "notes"
 
 
 def test_a_study_run_out_of_retries_resumes_when_the_study_runs_again(tmp_path, monkeypatch):
