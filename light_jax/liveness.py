@@ -21,7 +21,10 @@ work. Checkpoints already committed stay valid: rerunning the same command on ev
 JAX's own heartbeat stays on as the backstop (train.py sets it to twice ``peer_timeout``).
 """
 
+import contextlib
 import os
+import signal
+import sys
 import threading
 import time
 
@@ -39,6 +42,29 @@ def client():
   from jax._src import distributed
 
   return distributed.global_state.client
+
+
+@contextlib.contextmanager
+def _signals_leave_at_once():
+  """A Ctrl-C or SIGTERM exits at once (128 + its number), as a second signal does in a run: the run is over, and
+  the peers stop on their own without the reason. Before, a Ctrl-C here was a KeyboardInterrupt traceback."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def leave(signum, frame):
+    del frame
+    name = signal.Signals(signum).name
+    print(f"stopped by {name} while keeping this process's reason up for the others; they stop on their own.",
+          file=sys.stderr, flush=True)  # fmt: skip
+    os._exit(128 + signum)
+
+  previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
 
 
 class PeerWatchdog:
@@ -83,7 +109,8 @@ class PeerWatchdog:
       return
     if failure and self.process_index == 0:
       # The key-value store lives in this process: keep it up until the peers have read the reason.
-      time.sleep(2 * self.interval + 1)
+      with _signals_leave_at_once():
+        time.sleep(2 * self.interval + 1)
 
   def peer_failure(self, wait_seconds: float) -> str | None:
     """The reason a peer published for its failure ("process i failed: ..."), waiting up to ``wait_seconds`` for

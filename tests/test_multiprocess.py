@@ -397,6 +397,31 @@ def test_a_process_that_cannot_use_its_workdir_joins_and_tells_the_others(tmp_pa
   assert not (tmp_path / "run").exists()  # process 0 made nothing
 
 
+_HOLDS_ITS_REASON = """
+import sys, jax
+from light_jax import liveness
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=1, process_id=0)
+watchdog = liveness.PeerWatchdog(0, 2, 60.0, ".").start()  # as process 0 of two
+print("failing", flush=True)
+watchdog.close("bad input")  # process 0 keeps the key-value store up until process 1 has read the reason
+"""
+
+
+def test_a_ctrl_c_while_process_0_keeps_its_reason_up_leaves_at_once():
+  """After a failure (or a stop in set-up) process 0 stays up about 5 s for the others to read why: an impatient
+  second Ctrl-C there was a KeyboardInterrupt traceback."""
+  process = subprocess.Popen([sys.executable, "-c", _HOLDS_ITS_REASON, str(free_port())], env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+  assert process.stdout.readline() == "failing\n"
+  time.sleep(1)  # inside the hold
+  process.send_signal(signal.SIGINT)
+  text = process.communicate(timeout=60)[0]
+  assert process.returncode == 128 + signal.SIGINT and "Traceback" not in text, text[-3000:]
+  assert text.strip().splitlines()[-1] == (
+    "stopped by SIGINT while keeping this process's reason up for the others; they stop on their own."
+  )
+
+
 # Runs train.py late to the settings' comparison, the first wait for the other processes after the join (a slow
 # machine): it sleeps there first.
 _LATE = """
