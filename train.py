@@ -141,8 +141,8 @@ def _start_jax(config):
       f"start every process with --coordinator={_COORDINATOR.value} and --num_processes={num_processes}, each with "
       "its own --process_id, or raise --init_timeout"
       if explicit
-      else f"cluster variables set: {found}; start each process through the cluster manager (srun, mpirun), or "
-      "raise --init_timeout"
+      else f"cluster variables set: {found}; start each process through the cluster manager (srun, mpirun), for "
+      "one process unset the cluster variables, or raise --init_timeout"
     )
   )
   try:

@@ -113,7 +113,7 @@ def run_drill(args, root):
   def empty(workdir):  # a drill's own folder, unless a run is still going there (another drill in the same --workdir)
     from light_jax import checkpoint
 
-    holder = checkpoint.workdir_holder(workdir) if os.path.isdir(workdir) else None
+    holder = checkpoint.workdir_holder(workdir)
     if holder:
       cli.fail(f"{workdir} is in use by a run still going ({holder}); wait for it to end, or give another --workdir")
     shutil.rmtree(workdir, ignore_errors=True)

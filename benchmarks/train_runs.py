@@ -63,15 +63,16 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
 
 
 class UnusableWorkdir(RuntimeError):
-  """A run's workdir that ``prepare_workdir`` cannot ready: a train.py still running there, or a file."""
+  """A run's workdir that ``prepare_workdir`` cannot ready: a train.py still running there, a file, a path that
+  cannot be made."""
 
 
 def prepare_workdir(label: str, workdir: str, command: str, rerun: bool = False, also: tuple[str, ...] = ()) -> bool:
   """Readies ``workdir`` for the run of ``command`` (its text, stamped in WORKDIR/command.txt; ``also``: older
   stamps of the same run). False when the workdir already holds that run's summary.json: nothing to run. Else
   True, and a checkpoint of the same command is kept, for the run to resume from; any other workdir (or any,
-  with ``rerun``) is emptied and stamped. Raises UnusableWorkdir where a run still going there holds it, or where
-  it is a file."""
+  with ``rerun``) is emptied and stamped. Raises UnusableWorkdir where a run still going there holds it, where it
+  is a file, or where it cannot be made."""
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise UnusableWorkdir(f"{label}: {workdir} is a file, not a run's directory; move it away, then run this again")
   same_command = stamped_command(workdir) in (command, *also)
@@ -91,7 +92,10 @@ def prepare_workdir(label: str, workdir: str, command: str, rerun: bool = False,
         "this again"
       )
     shutil.rmtree(workdir)
-  os.makedirs(workdir)
+  try:
+    os.makedirs(workdir)
+  except OSError as e:  # a file on the way there, say
+    raise UnusableWorkdir(f"{label}: cannot make {workdir} ({e.strerror}); choose another --workdir") from None
   with open(_stamp_path(workdir), "w") as f:
     f.write(command)
   print(f"{label}: {command}", file=sys.stderr, flush=True)
@@ -281,7 +285,7 @@ def stamped_command(workdir: str) -> str | None:
   try:
     with open(_stamp_path(workdir)) as f:
       return f.read()
-  except FileNotFoundError:
+  except (FileNotFoundError, NotADirectoryError):  # NotADirectoryError: a file on the way, refused after
     return None
 
 

@@ -13,7 +13,7 @@ C++ abort that blamed a dead peer ("another task died", exit 134):
 Every process resolves the host; process 0 checks that the port is free on its machine; the others wait for
 something to answer at the address, saying so, in a Python loop (Ctrl-C works there, not inside JAX's wait),
 and give up with one line at ``--init_timeout``. The join itself gives up with one line too, where JAX aborted
-some seconds after ``--init_timeout`` when a process never came (not started, or stopped by its own start-up).
+5 s after ``--init_timeout`` when a process never came (not started, or stopped by its own start-up).
 """
 
 from __future__ import annotations
@@ -135,8 +135,9 @@ def wait_until_reachable(address: str, process_id: int, num_processes: int, init
 
 def join(jax, *args, not_joined: str, **kwargs) -> None:
   """jax.distributed.initialize(*args, **kwargs), which waits in C++ for every process, where a Ctrl-C is not seen,
-  and aborts the process some seconds after ``initialization_timeout`` when one never comes (a C++ check failure
-  blaming "another task died", exit 134). It runs in a thread, and this one waits for it in 0.5 s slices (a signal
+  and aborts the process 5 s after ``initialization_timeout`` when one never comes (a C++ check failure blaming
+  "another task died", exit 134; a process that came later than process 0 goes on retrying the vanished
+  coordinator until its own timeout). It runs in a thread, and this one waits for it in 0.5 s slices (a signal
   handler runs only between them): it takes a Ctrl-C or SIGTERM, with handlers of its own (a script's background
   job starts with SIGINT ignored), and gives up at ``initialization_timeout`` with ``not_joined``'s line and exit
   code 4."""
@@ -150,6 +151,7 @@ def join(jax, *args, not_joined: str, **kwargs) -> None:
 
   def leave(line: str, code: int):
     print(line, file=sys.stderr)
+    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # without the exit handlers: JAX's waits for the other processes
 

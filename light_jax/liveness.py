@@ -56,7 +56,9 @@ def _signals_leave_at_once():
     del frame
     name = signal.Signals(signum).name
     print(f"stopped by {name} while keeping this process's reason up for the others; they stop on their own.",
-          file=sys.stderr, flush=True)  # fmt: skip
+          file=sys.stderr)  # fmt: skip
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(128 + signum)
 
   previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -202,7 +202,7 @@ def test_a_process_refused_before_joining_leaves_the_others_one_line_at_init_tim
   assert waiting.returncode == ExitCode.PEER_FAILURE and "Check failure" not in text, text[-3000:]
   last = text.strip().splitlines()[-1]
   assert last.startswith("error: not every process joined within --init_timeout=3 s: one was not started, or stopped")
-  assert time.monotonic() - start < 30
+  assert time.monotonic() - start < 60
 
 
 def test_a_ctrl_c_while_waiting_for_the_others_to_join_stops_at_once(tmp_path):

@@ -154,6 +154,8 @@ def test_a_file_where_a_run_s_workdir_goes_is_named_and_kept(tmp_path, monkeypat
   workdir.write_text("notes")
   with pytest.raises(train_runs.UnusableWorkdir, match=rf"row: {workdir} is a file, not a run's directory; move it"):
     train_runs.run("row", "c.py", [], str(workdir))
+  with pytest.raises(train_runs.UnusableWorkdir, match=rf"row: cannot make {workdir / 'run'} \(Not a directory\)"):
+    train_runs.run("row", "c.py", [], str(workdir / "run"))  # a file on the way
   assert workdir.read_text() == "notes"
 
 

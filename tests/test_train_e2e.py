@@ -1,4 +1,5 @@
-"""A short end-to-end `train.py` run on real Fashion-MNIST writes sane metrics, summary and plot.
+"""A short end-to-end `train.py` run on real Fashion-MNIST writes sane metrics, summary and plot, in a workdir that a
+killed run left its `.lock` file in.
 
 The loop's other behaviours are tested in-process: tests/test_train_loop.py."""
 
@@ -12,6 +13,8 @@ from tests.helpers import ROOT, train_py
 
 def test_train_py_short_run_writes_metrics_and_summary(tmp_path):
   workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / ".lock").write_text("process 1 on gone-host, since 2026-01-01 00:00:00\n")  # a killed run's: no lock
   result = train_py(
     "--config",
     "configs/fashion_mnist.py",
@@ -59,6 +62,7 @@ def test_train_py_short_run_writes_metrics_and_summary(tmp_path):
   assert 0 < summary["wall_seconds"] < 600
   assert (workdir / "curves.png").stat().st_size > 10_000
   assert any(name.startswith("events.out.tfevents") for name in os.listdir(workdir / "tensorboard"))
+  assert (workdir / ".lock").read_text().startswith("process ") and "gone-host" not in (workdir / ".lock").read_text()
 
   # scripts/kernel_norms.py: the trained kernels beside the same model at initialisation.
   norms = subprocess.run(
