@@ -93,6 +93,10 @@ def _cluster_detected() -> bool:
   return any(os.environ.get(v) for v in _CLUSTER_ENV)
 
 
+def _cluster_variables_set() -> str:
+  return ", ".join(v for v in _CLUSTER_ENV if os.environ.get(v)) or "none"
+
+
 def _num_processes() -> int | None:
   """The run's process count: --num_processes, or the one a cluster manager announces (1 where it announces
   none, as salloc without srun); None where a coordinator's address alone (JAX_COORDINATOR_ADDRESS) announces the
@@ -132,19 +136,7 @@ def _start_jax(config):
       )
     except coordinator.CoordinatorError as e:
       cli.fail(str(e))
-  found = ", ".join(v for v in _CLUSTER_ENV if os.environ.get(v)) or "none"
-  # JAX aborts a process whose peers do not all come (exit 134, "another task died"); join says this instead.
-  not_joined = (
-    f"not every process joined within --init_timeout={_INIT_TIMEOUT.value} s: one was not started, or stopped at "
-    "start-up (its command line or config refused: see its own output); "
-    + (
-      f"start every process with --coordinator={_COORDINATOR.value} and --num_processes={num_processes}, each with "
-      "its own --process_id, or raise --init_timeout"
-      if explicit
-      else f"cluster variables set: {found}; start each process through the cluster manager (srun, mpirun), for "
-      "one process unset the cluster variables, or raise --init_timeout"
-    )
-  )
+  not_joined = _not_joined(explicit, num_processes)
   try:
     if explicit:
       coordinator.join(
@@ -162,10 +154,32 @@ def _start_jax(config):
     if explicit:
       cli.fail(f"{reason}; check --coordinator, --num_processes and --process_id on every process.")
     cli.fail(  # e.g. SLURM_JOB_ID set by salloc, but no srun task to join
-      f"{reason}. Cluster variables set: {found}. Start each process through the cluster manager (srun, mpirun), "
-      "or give --coordinator, --num_processes and --process_id; for one process, unset the cluster variables."
+      f"{reason}. Cluster variables set: {_cluster_variables_set()}. Start each process through the cluster manager "
+      "(srun, mpirun), or give --coordinator, --num_processes and --process_id; for one process, unset the cluster "
+      "variables."
     )
   return jax
+
+
+def _not_joined(explicit: bool, num_processes: int) -> str:
+  """What a process says when the others do not all join by --init_timeout (JAX aborts it 5 s later with a C++ stack
+  blaming "another task died")."""
+  said = (
+    f"not every process joined within --init_timeout={_INIT_TIMEOUT.value} s: one was not started, or stopped at "
+    "start-up (its command line or config refused: see its own output); "
+  )
+  if not explicit:
+    return said + (
+      f"cluster variables set: {_cluster_variables_set()}; start each process through the cluster manager (srun, "
+      "mpirun), for one process unset the cluster variables, or raise --init_timeout"
+    )
+  said += (
+    f"start every process with --coordinator={_COORDINATOR.value} and --num_processes={num_processes}, each with "
+    "its own --process_id, or raise --init_timeout"
+  )
+  if _PROCESS_ID.value:  # something answered at the address: process 0, or another program on that port
+    said += " (if process 0 is up, check that nothing else answers at its address)"
+  return said
 
 
 def _exit(code: int, process_count: int):
