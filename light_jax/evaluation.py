@@ -8,6 +8,7 @@ runs it over a whole split, the BatchNorm statistics averaged over the mesh once
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -72,14 +73,15 @@ def evaluate(
   totals = None
   batch_stats = mesh_batch_stats(state.batch_stats)  # once per evaluation (a collective across the mesh)
   host_batches = batches.iterator(read_threads, buffer=buffer, workers=workers)
-  for batch in data_lib.DevicePrefetcher(host_batches, sharding):
-    sums = eval_step(state.params, batch_stats, batch["images"], batch["labels"], batch["mask"])
-    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    # One evaluation step in flight at a time. On 8 simulated CPU devices two 28-epoch runs hung in an
-    # epoch end's evaluation, 6 of 8 device threads waiting in its all-reduce for the other 2 (one for 10
-    # minutes, when XLA aborted it), while the split's steps were all dispatched ahead
-    # (light_jax/xla_flags.py). This is our guard against it; a guess, as the hang does not come on demand.
-    jax.block_until_ready(totals)
+  with contextlib.closing(data_lib.DevicePrefetcher(host_batches, sharding)) as prefetcher:  # closed on an error too
+    for batch in prefetcher:
+      sums = eval_step(state.params, batch_stats, batch["images"], batch["labels"], batch["mask"])
+      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+      # One evaluation step in flight at a time. On 8 simulated CPU devices two 28-epoch runs hung in an
+      # epoch end's evaluation, 6 of 8 device threads waiting in its all-reduce for the other 2 (one for 10
+      # minutes, when XLA aborted it), while the split's steps were all dispatched ahead
+      # (light_jax/xla_flags.py). This is our guard against it; a guess, as the hang does not come on demand.
+      jax.block_until_ready(totals)
   if totals is None:
     raise data_lib.DataError("the eval split has no examples: give data.dataset an eval split with images in it")
   totals = jax.device_get(totals)

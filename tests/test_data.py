@@ -269,3 +269,37 @@ def test_autotune_finds_the_prefetch_depth_that_keeps_the_read_threads_busy():
   assert capped == 2
   # Pinned values are kept without measuring.
   assert autotune.best_input_settings(lambda w, d: iter(()), workers=3, prefetch=5, read_threads=4) == (3, 5)
+
+
+def test_a_closed_prefetcher_s_thread_has_left_and_an_error_reaches_the_consumer():
+  """A daemon thread still inside a transfer when the interpreter exits is cut in C++ code, which aborts the process:
+  a run that had saved and stopped on a SIGTERM exited 134 ("FATAL: exception not rethrown")."""
+  import threading
+
+  import jax
+
+  from light_jax.data import DevicePrefetcher
+  from light_jax.parallel import mesh as mesh_lib
+
+  sharding = mesh_lib.batch_sharding(mesh_lib.make_mesh(2, 4))
+
+  def endless():
+    while True:
+      yield {"images": np.ones((16, 28, 28, 1), np.float32)}
+
+  before = set(threading.enumerate())
+  prefetcher = DevicePrefetcher(endless(), sharding, size=2)
+  assert next(prefetcher)["images"].shape == (16, 28, 28, 1)
+  prefetcher.close()
+  assert set(threading.enumerate()) == before
+
+  def failing():
+    yield {"images": np.ones((16, 28, 28, 1), np.float32)}
+    raise DataError("a corrupt image")
+
+  prefetcher = DevicePrefetcher(failing(), sharding, size=2)
+  assert isinstance(next(prefetcher)["images"], jax.Array)
+  with pytest.raises(DataError, match="a corrupt image"):
+    next(prefetcher)
+  prefetcher.close()
+  assert set(threading.enumerate()) == before

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 import jax
+from absl import logging
 
 _END = object()
 
@@ -31,18 +32,23 @@ class DevicePrefetcher:
   def _fill(self, host_batches):
     try:
       for batch in host_batches:
-        on_mesh = {k: jax.make_array_from_process_local_data(self._sharding, v) for k, v in batch.items()}
-        while not self._stop.is_set():
-          try:
-            self._queue.put(on_mesh, timeout=0.1)
-            break
-          except queue.Full:
-            continue
-        if self._stop.is_set():
+        if self._stop.is_set() or not self._put(
+          {k: jax.make_array_from_process_local_data(self._sharding, v) for k, v in batch.items()}
+        ):
           return
-      self._queue.put(_END)
+      self._put(_END)
     except BaseException as e:  # handed to the consumer, which re-raises it with its traceback
-      self._queue.put(e)
+      self._put(e)
+
+  def _put(self, item) -> bool:
+    """Queues ``item`` once there is room; False where the consumer closed this first."""
+    while not self._stop.is_set():
+      try:
+        self._queue.put(item, timeout=0.1)
+        return True
+      except queue.Full:
+        continue
+    return False
 
   def __iter__(self):
     return self
@@ -57,5 +63,13 @@ class DevicePrefetcher:
       raise item
     return item
 
-  def close(self):
+  def close(self, timeout: float = 60.0):
+    """Stops the thread and waits for it to leave, up to ``timeout`` seconds (it finishes the batch it is making).
+    A daemon thread still inside a transfer when the interpreter exits is cut in C++ code, which aborts the process:
+    a run that had saved and stopped on a SIGTERM then exited 134 ("FATAL: exception not rethrown")."""
     self._stop.set()
+    self._thread.join(timeout)
+    if self._thread.is_alive():
+      logging.warning(
+        "the input thread did not stop within %g s of the run's end (a host batch still on its way)", timeout
+      )
