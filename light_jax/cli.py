@@ -25,6 +25,7 @@ _NOT_LOADED = "Configuration is not available because of an earlier failure to l
 
 
 _HELP_FLAGS = ("help", "?", "helpshort", "helpfull", "helpxml")  # absl's
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # configs/ is there (an editable install)
 
 # Where to look next, after an error's one line.
 FIELDS_HINT = "base_config() in light_jax/config.py lists the fields"
@@ -255,7 +256,11 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
       )
     return None
   if _NOT_LOADED in text:  # the config file did not load: why is on the last line
-    return CommandLineError(f"--config: cannot load the config file: {lines[-1].replace(_NOT_LOADED, '')}")
+    why = lines[-1].replace(_NOT_LOADED, "")
+    missing = re.search(r"No such file or directory: '([^']+)'", why)
+    if missing and not os.path.isabs(missing[1]) and os.path.isfile(os.path.join(_REPOSITORY, missing[1])):
+      why += f" (a path from the current folder, {os.getcwd()}; the repository's: {_REPOSITORY}/{missing[1]})"
+    return CommandLineError(f"--config: cannot load the config file: {why}")
   if isinstance(e, AttributeError) and "has no attribute 'get_config'" in text:  # another kind of Python file
     return CommandLineError(
       "--config: the file has no get_config(); a training config file defines get_config(variant=None) returning "

@@ -257,6 +257,18 @@ def test_cli_bad_flags_get_one_error_line_and_exit_code_2(tmp_path, args, messag
   assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
 
 
+def test_cli_a_config_path_from_another_folder_names_the_repository_s(tmp_path):
+  """train.py reads --config from the current folder (scripts/tune.py falls back to the repository's)."""
+  result = subprocess.run(
+    [sys.executable, os.path.join(ROOT, "train.py"), "--config=configs/fashion_mnist.py:lars", f"--workdir={tmp_path}"],
+    cwd=tmp_path, capture_output=True, text=True, timeout=120,
+  )  # fmt: skip
+  assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
+    "error: --config: cannot load the config file: [Errno 2] No such file or directory: 'configs/fashion_mnist.py' "
+    f"(a path from the current folder, {tmp_path}; the repository's: {ROOT}/configs/fashion_mnist.py)"
+  ), result.stderr[-2000:]
+
+
 def test_cli_help_exits_0():
   """absl exits 1 after --help, which the exit codes (light_jax/exit_codes.py) read as an unexpected error."""
   result = train_py("--help")
