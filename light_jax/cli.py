@@ -231,6 +231,30 @@ def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: li
   return parsed
 
 
+def _override_of_the_wrong_shape(argv: list[str]) -> CommandLineError | None:
+  """An override that sets a group of fields (``--config.comm=dense``) or goes through a field as if it were a group
+  (``--config.comm.strategy.x=1``): ml_collections' errors for these name no field ("string indices must be
+  integers", "Failed to parse 'dense' as a ConfigDict")."""
+  from light_jax.config import base_config
+
+  for path in overridden_fields(argv):
+    node, parts = base_config(), path.split(".")
+    for depth, part in enumerate(parts):
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        break
+      node = node[part]
+      if depth < len(parts) - 1 and not isinstance(node, ml_collections.ConfigDict):
+        field = ".".join(parts[: depth + 1])
+        return CommandLineError(f"--config.{path}: {field} is a field, not a group of fields", FIELDS_HINT)
+    else:
+      if isinstance(node, ml_collections.ConfigDict):
+        return CommandLineError(
+          f"--config.{path}: a group of fields, not one; set its fields one by one (--config.{path}.FIELD=VALUE)",
+          FIELDS_HINT,
+        )
+  return None
+
+
 def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | None:
   """One line from what absl and ml_collections raise (which may hold a whole traceback), with where to look
   next, or None where the error is not the command line's: a bug inside the config file, whose traceback says
@@ -266,6 +290,9 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
       "--config: the file has no get_config(); a training config file defines get_config(variant=None) returning "
       "base_config() with its changes (configs/fashion_mnist.py)"
     )
+  shape_error = _override_of_the_wrong_shape(argv)
+  if shape_error:
+    return shape_error
   if isinstance(e, (AttributeError, KeyError)):  # a --config.FIELD=VALUE naming no field, or a config file's bug
     name = lines[0].strip("'\"")  # the missing key, or a message that names the path looked up
     path = next((p for p in overridden_fields(argv) if p in text or name in p.split(".")), None)

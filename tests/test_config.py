@@ -212,6 +212,10 @@ FLAGS = "--help lists the flags"
     ),
     (["--config.optimizer.lr=0.1"], "--config.optimizer.lr: no such config field", FIELDS),
     (["--config.global_batch_size=abc"], "flag --config.global_batch_size=abc: invalid literal for int()", FIELDS),
+    # ml_collections: "Failed to parse 'dense' as a ConfigDict: ValueError('malformed node ...')"
+    (["--config.comm=dense"], "--config.comm: a group of fields, not one; set its fields one by one", FIELDS),
+    # ml_collections: "string indices must be integers, not 'str'"
+    (["--config.comm.strategy.x=1"], "--config.comm.strategy.x: comm.strategy is a field, not a group", FIELDS),
     # "./": not a path that tests/test_docs.py expects to exist
     (["--config=./configs/fashion_mnst.py"], "--config: cannot load the config file: [Errno 2] No such file", None),
     (
@@ -234,6 +238,8 @@ FLAGS = "--help lists the flags"
     "misspelled-field",
     "no-such-field",
     "wrong-type",
+    "a-group",
+    "through-a-field",
     "missing-config-file",
     "unknown-variant",
     "unknown-flag",
