@@ -475,7 +475,7 @@ def save_plots(study: optuna.Study, study_dir: str) -> list[str]:
         continue
       figure = (axes.flat[0] if hasattr(axes, "flat") else axes).get_figure()
       figure.set_size_inches(max(figure.get_size_inches()[0], 8), 5)
-      figure.tight_layout()
+      figure.set_layout_engine("constrained")  # tight_layout cannot place the slice plot's colour bar: it warned
       path = os.path.join(study_dir, f"{name}.png")
       figure.savefig(path, dpi=110)
       plt.close(figure)
