@@ -174,6 +174,12 @@ def test_auto_keeps_hidden_buckets_exact_and_compresses_where_the_link_is_slow()
   compressed = {k: sum(strategies.get(c).compressed for c in r.choices) for k, r in chosen.items()}
   # Fast: most buckets end before the next one is ready and stay exact; slow: most go compressed.
   assert compressed["fast"] <= len(chosen["fast"].choices) // 4 < len(chosen["slow"].choices) // 2 <= compressed["slow"]
+  # The compiled step's log line says how many (it said "top-k density 0.01" where the plan chose none).
+  assert (
+    chosen["slow"].compression == f"top-k density 0.01 in {compressed['slow']} of {len(chosen['slow'].choices)} buckets"
+  )
+  exact = dataclasses.replace(chosen["slow"], choices=("hierarchical",) * len(chosen["slow"].choices))
+  assert exact.compression == "" and base.compression == ""
   # The choice flips where the model says: the exact reduction of the first bucket ends after the backward.
   from light_jax import simulation
 

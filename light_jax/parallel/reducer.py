@@ -151,8 +151,14 @@ class GradientReducer:
     """How this reducer compresses, for the logs ("" when it does not)."""
     if not may_select_top_k(self.strategy):
       return ""
+    where = ""
+    if self.strategy == AUTO and self.choices is not None:  # planned: say in how many buckets
+      top_k = sum(may_select_top_k(choice) for choice in self.choices)
+      if not top_k:
+        return ""
+      where = f" in {top_k} of {len(self.choices)} buckets"
     return (
-      f"top-k density {self.density:.4g}"
+      f"top-k density {self.density:.4g}{where}"
       + (", k in proportion to sqrt(size)" if self.sqrt_crossover_size else "")
       + (", compact pairs (bfloat16 value, uint16 index)" if self.compact_pairs else "")
       + (", EF21 estimates" if self.feedback == "ef21" else "")
