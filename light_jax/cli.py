@@ -231,27 +231,29 @@ def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: li
   return parsed
 
 
-def _override_of_the_wrong_shape(argv: list[str]) -> CommandLineError | None:
-  """An override that sets a group of fields (``--config.comm=dense``) or goes through a field as if it were a group
-  (``--config.comm.strategy.x=1``): ml_collections' errors for these name no field ("string indices must be
-  integers", "Failed to parse 'dense' as a ConfigDict")."""
+def _override_of_the_wrong_shape(e: Exception, text: str, argv: list[str]) -> CommandLineError | None:
+  """ml_collections' errors, which name no field, for an override that sets a group of fields to what is not a dict
+  (``--config.comm=dense``: "Failed to parse 'dense' as a ConfigDict") or goes through a text field as if it were a
+  group (``--config.comm.strategy.x=1``: "string indices must be integers"); None for any other error."""
+  group = re.match(r"flag --config\.([\w.]+)=.*as a ConfigDict", text, re.DOTALL)
+  if group:
+    return CommandLineError(
+      f"--config.{group[1]}: a group of fields, not one; set its fields one by one (--config.{group[1]}.FIELD=VALUE)",
+      FIELDS_HINT,
+    )
+  if not (isinstance(e, TypeError) and "string indices must be" in text):
+    return None
   from light_jax.config import base_config
 
   for path in overridden_fields(argv):
     node, parts = base_config(), path.split(".")
-    for depth, part in enumerate(parts):
+    for depth, part in enumerate(parts[:-1]):
       if not isinstance(node, ml_collections.ConfigDict) or part not in node:
         break
       node = node[part]
-      if depth < len(parts) - 1 and not isinstance(node, ml_collections.ConfigDict):
+      if not isinstance(node, ml_collections.ConfigDict):
         field = ".".join(parts[: depth + 1])
         return CommandLineError(f"--config.{path}: {field} is a field, not a group of fields", FIELDS_HINT)
-    else:
-      if isinstance(node, ml_collections.ConfigDict):
-        return CommandLineError(
-          f"--config.{path}: a group of fields, not one; set its fields one by one (--config.{path}.FIELD=VALUE)",
-          FIELDS_HINT,
-        )
   return None
 
 
@@ -290,7 +292,7 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
       "--config: the file has no get_config(); a training config file defines get_config(variant=None) returning "
       "base_config() with its changes (configs/fashion_mnist.py)"
     )
-  shape_error = _override_of_the_wrong_shape(argv)
+  shape_error = _override_of_the_wrong_shape(e, text, argv)
   if shape_error:
     return shape_error
   if isinstance(e, (AttributeError, KeyError)):  # a --config.FIELD=VALUE naming no field, or a config file's bug

@@ -9,6 +9,7 @@ resnet8_small of --width. Process 0 writes the final parameters.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -77,8 +78,11 @@ def main():
     )
   state = step_lib.create_train_state(model, tx, reducer, info.image_shape, mesh, seed=0)
   step = step_lib.make_train_step(model, tx, reducer, mesh, info, label_smoothing=0.1)
-  for batch in data_lib.DevicePrefetcher(batches.iterator(), mesh_lib.batch_sharding(mesh)):
-    state, loss = step(state, batch["images"], batch["labels"])
+  with contextlib.closing(
+    data_lib.DevicePrefetcher(batches.iterator(), mesh_lib.batch_sharding(mesh))
+  ) as batches_on_mesh:
+    for batch in batches_on_mesh:  # closed on an error too: its thread left inside a transfer aborts the exit
+      state, loss = step(state, batch["images"], batch["labels"])
   # Replicated arrays: every process holds a full copy on its own devices.
   params = jax.tree_util.tree_leaves_with_path(state.params)
   arrays = {f"params/{jax.tree_util.keystr(k)}": np.asarray(v.addressable_data(0)) for k, v in params}

@@ -216,6 +216,12 @@ FLAGS = "--help lists the flags"
     (["--config.comm=dense"], "--config.comm: a group of fields, not one; set its fields one by one", FIELDS),
     # ml_collections: "string indices must be integers, not 'str'"
     (["--config.comm.strategy.x=1"], "--config.comm.strategy.x: comm.strategy is a field, not a group", FIELDS),
+    # a group given as a dict is valid: the error is the other override's
+    (
+      ["--config.comm={'strategy': 'dense'}", "--config.optimizer.bse_lr=1"],
+      "--config.optimizer.bse_lr: no such",
+      FIELDS,
+    ),
     # "./": not a path that tests/test_docs.py expects to exist
     (["--config=./configs/fashion_mnst.py"], "--config: cannot load the config file: [Errno 2] No such file", None),
     (
@@ -240,6 +246,7 @@ FLAGS = "--help lists the flags"
     "wrong-type",
     "a-group",
     "through-a-field",
+    "a-group-as-a-dict",
     "missing-config-file",
     "unknown-variant",
     "unknown-flag",

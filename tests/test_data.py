@@ -291,7 +291,7 @@ def test_a_closed_prefetcher_s_thread_has_left_and_an_error_reaches_the_consumer
   prefetcher = DevicePrefetcher(endless(), sharding, size=2)
   assert next(prefetcher)["images"].shape == (16, 28, 28, 1)
   prefetcher.close()
-  assert set(threading.enumerate()) == before
+  assert set(threading.enumerate()) <= before  # the prefetcher's gone (others may end meanwhile)
 
   def failing():
     yield {"images": np.ones((16, 28, 28, 1), np.float32)}
@@ -302,4 +302,4 @@ def test_a_closed_prefetcher_s_thread_has_left_and_an_error_reaches_the_consumer
   with pytest.raises(DataError, match="a corrupt image"):
     next(prefetcher)
   prefetcher.close()
-  assert set(threading.enumerate()) == before
+  assert set(threading.enumerate()) <= before  # the prefetcher's gone (others may end meanwhile)

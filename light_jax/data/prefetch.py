@@ -63,7 +63,7 @@ class DevicePrefetcher:
       raise item
     return item
 
-  def close(self, timeout: float = 60.0):
+  def close(self, timeout: float = 10.0):
     """Stops the thread and waits for it to leave, up to ``timeout`` seconds (it finishes the batch it is making).
     A daemon thread still inside a transfer when the interpreter exits is cut in C++ code, which aborts the process:
     a run that had saved and stopped on a SIGTERM then exited 134 ("FATAL: exception not rethrown")."""
