@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import re
-import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 
-from light_jax.exit_codes import ExitCode
+from light_jax.exit_codes import ExitCode, exit_now, signals_exit_at_once
 
 
 class CoordinatorError(ValueError):
@@ -149,29 +146,14 @@ def join(jax, *args, not_joined: str, **kwargs) -> None:
     except BaseException as e:  # raised again in the main thread
       failed.append(e)
 
-  def leave(line: str, code: int):
-    print(line, file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # without the exit handlers: JAX's waits for the other processes
-
-  def stop(signum, frame):
-    del frame
-    name = signal.Signals(signum).name
-    leave(f"stopped by {name} while waiting for the other processes to join; nothing to save.", 128 + signum)
-
   timeout = kwargs.get("initialization_timeout")
   deadline = None if timeout is None else time.monotonic() + timeout
-  previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-  joining = threading.Thread(target=initialize, name="jax.distributed.initialize", daemon=True)
-  joining.start()
-  try:
+  with signals_exit_at_once("waiting for the other processes to join; nothing to save."):
+    joining = threading.Thread(target=initialize, name="jax.distributed.initialize", daemon=True)
+    joining.start()
     while joining.is_alive():
       joining.join(0.5)
       if deadline is not None and joining.is_alive() and time.monotonic() >= deadline:
-        leave(f"error: {not_joined}", ExitCode.PEER_FAILURE)
-  finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
+        exit_now(f"error: {not_joined}", ExitCode.PEER_FAILURE)
   if failed:
     raise failed[0]

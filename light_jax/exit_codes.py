@@ -1,6 +1,11 @@
-"""Exit codes of ``train.py``, for scripts and cluster managers that restart runs."""
+"""Exit codes of ``train.py``, for scripts and cluster managers that restart runs, and leaving at once with one."""
 
+import contextlib
 import enum
+import os
+import signal
+import sys
+import threading
 
 
 class ExitCode(enum.IntEnum):
@@ -9,3 +14,32 @@ class ExitCode(enum.IntEnum):
   BAD_INPUT = 2  # invalid config, missing or corrupt data, unusable checkpoint: the message says what to fix
   NONFINITE_STOP = 3  # non-finite loss with train.on_nonfinite=stop: checkpoint saved, every process stopped
   PEER_FAILURE = 4  # another process of a multi-process run died, hung, failed, or never joined
+
+
+def exit_now(line: str, code: int):
+  """Prints ``line`` on stderr and exits with ``code`` at once, without Python's exit handlers (jax.distributed's
+  waits at a barrier for every process)."""
+  print(line, file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
+@contextlib.contextmanager
+def signals_exit_at_once(doing: str):
+  """While inside (main thread only; elsewhere it does nothing), a Ctrl-C or SIGTERM exits at once with
+  128 + its number and the line "stopped by SIGNAME while ``doing``"."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def leave(signum, frame):
+    del frame
+    exit_now(f"stopped by {signal.Signals(signum).name} while {doing}", 128 + signum)
+
+  previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)

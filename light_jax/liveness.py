@@ -21,17 +21,14 @@ work. Checkpoints already committed stay valid: rerunning the same command on ev
 JAX's own heartbeat stays on as the backstop (train.py sets it to twice ``peer_timeout``).
 """
 
-import contextlib
 import os
-import signal
-import sys
 import threading
 import time
 
 from absl import logging
 
 from light_jax import stderr_redirect
-from light_jax.exit_codes import ExitCode
+from light_jax.exit_codes import ExitCode, signals_exit_at_once
 
 _PREFIX = "light_jax/liveness/"
 
@@ -42,31 +39,6 @@ def client():
   from jax._src import distributed
 
   return distributed.global_state.client
-
-
-@contextlib.contextmanager
-def _signals_leave_at_once():
-  """A Ctrl-C or SIGTERM exits at once (128 + its number), as a second signal does in a run: the run is over, and
-  the peers stop on their own without the reason. Before, a Ctrl-C here was a KeyboardInterrupt traceback."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-
-  def leave(signum, frame):
-    del frame
-    name = signal.Signals(signum).name
-    print(f"stopped by {name} while keeping this process's reason up for the others; they stop on their own.",
-          file=sys.stderr)  # fmt: skip
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(128 + signum)
-
-  previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGINT, signal.SIGTERM)}
-  try:
-    yield
-  finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
 
 
 class PeerWatchdog:
@@ -111,7 +83,8 @@ class PeerWatchdog:
       return
     if failure and self.process_index == 0:
       # The key-value store lives in this process: keep it up until the peers have read the reason.
-      with _signals_leave_at_once():
+      # A signal meanwhile exits at once, as a second one does in a run (it was a KeyboardInterrupt traceback).
+      with signals_exit_at_once("keeping this process's reason up for the others; they stop on their own."):
         time.sleep(2 * self.interval + 1)
 
   def peer_failure(self, wait_seconds: float) -> str | None:
