@@ -37,6 +37,13 @@ _STEP_TIMEOUT = flags.DEFINE_float(
   "Multi-process: seconds without a finished training step, every process alive, before every process stops "
   "with an error (a stuck collective); counted from the first step. 0: never.",
 )
+_COMPILATION_CACHE_DIR = flags.DEFINE_string(
+  "compilation_cache_dir",
+  None,
+  "Where compiled programs are kept between runs, so that a resumed or repeated run skips compiling (JAX's "
+  "persistent compilation cache). Default: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/light_jax/compilation_cache/"
+  "HOST. An empty value turns it off.",
+)
 _INIT_TIMEOUT = flags.DEFINE_integer(
   "init_timeout", 300, "Multi-process: seconds to wait for every process to join at start-up."
 )
@@ -117,6 +124,10 @@ def _start_jax(config):
 
   xla_flags.apply()  # on GPUs: overlap the gradient collectives with the backward pass; on CPU: patience
   import jax
+
+  from light_jax import compilation_cache
+
+  compilation_cache.enable(_COMPILATION_CACHE_DIR.value)  # a resumed run reads its compiled programs
 
   explicit = _COORDINATOR.value is not None
   detected = _cluster_detected()

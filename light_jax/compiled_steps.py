@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from light_jax import checkpoint as checkpoint_lib
-from light_jax import optim, schedules
+from light_jax import compilation_cache, optim, schedules
 from light_jax import train_step as step_lib
 from light_jax.data import DatasetInfo
 from light_jax.parallel import cost_model
@@ -154,15 +154,17 @@ class CompiledSteps:
       local_tx=optim.local_transform(self.config),
       residual_rescale=self.residual_rescale,
     )
+    hits = compilation_cache.hits()
     compiled = train.lower(abstract_state, images, labels).compile()
     comm_bytes = reducer.bytes_per_step(abstract_state.params)
     logging.info(
-      "train step compiled in %.1f s (batch %s%s): %s intra-node and %s inter-node bytes per device per step",
+      "train step compiled in %.1f s (batch %s%s): %s intra-node and %s inter-node bytes per device per step%s",
       time.time() - start,
       "x".join(map(str, batch_shape)),
       f", {reducer.compression}" if reducer.compression else "",
       f"{comm_bytes.intra_node:,}",
       f"{comm_bytes.inter_node:,}",
+      "; read from the compilation cache" if compilation_cache.hits() > hits else "",
     )
     return compiled, comm_bytes
 

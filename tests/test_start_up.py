@@ -1,5 +1,6 @@
-"""A multi-process run's start-up checks, on their own: the coordinator address (light_jax/coordinator.py) and the
-processes' settings (light_jax/same_settings.py). tests/test_multiprocess.py runs them through train.py."""
+"""A run's start-up checks, on their own: the coordinator address (light_jax/coordinator.py), the processes' settings
+(light_jax/same_settings.py) and the compilation cache's folder (light_jax/compilation_cache.py).
+tests/test_multiprocess.py and tests/test_train_e2e.py run them through train.py."""
 
 import socket
 import subprocess
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from light_jax import coordinator, same_settings
+from light_jax import compilation_cache, coordinator, same_settings
 from light_jax.config import base_config
 
 
@@ -123,3 +124,25 @@ asyncio.sleep(1)  # a coroutine never awaited: dropped
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
   assert "Exception ignored in: <function Unrelated.__del__" in result.stderr, result.stderr
   assert "never awaited" not in result.stderr
+
+
+def test_the_compilation_cache_folder_is_the_flag_s_then_jax_s_variable_then_one_per_host(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "from_env"))
+  assert compilation_cache.directory_for(str(tmp_path / "flag")) == str(tmp_path / "flag")
+  assert compilation_cache.directory_for(None) == str(tmp_path / "from_env")
+  assert compilation_cache.directory_for("") is None  # --compilation_cache_dir= turns it off
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+  monkeypatch.setenv("HOME", str(tmp_path))
+  # An XLA:CPU entry is machine code for the CPU that compiled it: machines sharing a home keep their own.
+  assert compilation_cache.directory_for(None) == str(
+    tmp_path / ".cache" / "light_jax" / "compilation_cache" / socket.gethostname()
+  )
+
+
+def test_a_compilation_cache_folder_that_cannot_be_used_is_named(tmp_path):
+  (tmp_path / "file").write_text("")
+  assert (
+    compilation_cache.problem(str(tmp_path / "file" / "cache"))
+    == f"{tmp_path}/file/cache cannot be made (Not a directory)"
+  )
+  assert compilation_cache.problem(str(tmp_path / "new" / "cache")) is None and (tmp_path / "new" / "cache").is_dir()

@@ -1,5 +1,5 @@
 """A short end-to-end `train.py` run on real Fashion-MNIST writes sane metrics, summary and plot, in a workdir that a
-killed run left its `.lock` file in.
+killed run left its `.lock` file in; the same command again reads its compiled programs from the compilation cache.
 
 The loop's other behaviours are tested in-process: tests/test_train_loop.py."""
 
@@ -10,27 +10,32 @@ import sys
 
 from tests.helpers import ROOT, train_py
 
+RUN = [
+  "--config",
+  "configs/fashion_mnist.py",
+  "--config.data.train_subset=4096",
+  "--config.data.eval_subset=1000",
+  "--config.num_epochs=2",
+  "--config.global_batch_size=128",
+  "--config.data.eval_batch_size=96",
+  "--config.log_every_steps=8",
+  "--config.model.width=8",  # resnet8_fast's own is 32: twice the time, and nothing here depends on it
+]
+
 
 def test_train_py_short_run_writes_metrics_and_summary(tmp_path):
   workdir = tmp_path / "run"
   workdir.mkdir()
   (workdir / ".lock").write_text("process 1 on gone-host, since 2026-01-01 00:00:00\n")  # a killed run's: no lock
-  result = train_py(
-    "--config",
-    "configs/fashion_mnist.py",
-    "--workdir",
-    str(workdir),
-    "--config.data.train_subset=4096",
-    "--config.data.eval_subset=1000",
-    "--config.num_epochs=2",
-    "--config.global_batch_size=128",
-    "--config.data.eval_batch_size=96",
-    "--config.log_every_steps=8",
-    "--config.model.width=8",  # resnet8_fast's own is 32: twice the time, and nothing here depends on it
-  )
+  cache = f"--compilation_cache_dir={tmp_path}/cache"  # its own, not the tests' shared one: this run fills it
+  result = train_py(*RUN, "--workdir", str(workdir), cache)
   assert result.returncode == 0, result.stderr[-4000:]
   assert "mesh node x local = 2 x 4 (8 cpu devices" in result.stderr
   assert "resolved config" in result.stderr
+  assert (
+    f"compilation cache: {tmp_path}/cache" in result.stderr and "read from the compilation cache" not in result.stderr
+  )
+  assert any(name.startswith("jit_device_step-") for name in os.listdir(tmp_path / "cache"))
 
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == [32, 64]
@@ -74,3 +79,11 @@ def test_train_py_short_run_writes_metrics_and_summary(tmp_path):
   assert "Dense_0/kernel" in columns["init"] and "conv_init/kernel" in columns["init"]
   changed = [k for k in columns["init"] if abs(columns["run"][k] / columns["init"][k] - 1) > 0.01]
   assert len(changed) >= len(columns["init"]) // 2  # two epochs moved most kernels' norms by more than 1%
+
+  # The same command again (as a resumed run would) reads the train step from the cache, and trains the same.
+  again = train_py(*RUN, "--workdir", str(tmp_path / "again"), cache)
+  assert again.returncode == 0, again.stderr[-4000:]
+  assert "read from the compilation cache" in again.stderr
+  assert [json.loads(line) for line in (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()][-1][
+    "eval_top1"
+  ] == records[-1]["eval_top1"]
