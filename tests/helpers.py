@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -30,6 +31,25 @@ def train_py(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     text=True,
     timeout=timeout,
   )
+
+
+def main_refuses(monkeypatch, capsys, script: str, *argv: str) -> str:
+  """``main()`` of ``script`` (a path from the repository root) run in this process on ``argv``, refusing it as bad
+  input: exit 2, nothing on stdout, no traceback; returns its stderr. For a script's checks made before its work
+  (and before it sets a device count): in a subprocess each paid 2-3 s of imports. Every script keeps a
+  subprocess test of its own entry point."""
+  monkeypatch.setattr(sys, "path", list(sys.path))  # the script's own sys.path.insert, undone afterwards
+  monkeypatch.chdir(ROOT)
+  monkeypatch.setattr(sys, "argv", [os.path.basename(script), *argv])
+  name = "_script_" + os.path.splitext(os.path.basename(script))[0]
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, script))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  with pytest.raises(SystemExit) as stopped:
+    module.main()
+  out, err = capsys.readouterr()
+  assert stopped.value.code == 2 and out == "" and "Traceback" not in err, err[-2000:]
+  return err
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,9 +116,18 @@ def _assert_same_run(a, b):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+  """The whole run, the reference of the resumed ones; stopped at its last step as a SIGTERM there would stop the
+  loop, which must still finish the run (test_a_signal_at_the_last_step_finishes_the_run)."""
   workdir = tmp_path_factory.mktemp("uninterrupted")
-  train_lib.train_and_evaluate(_config(), str(workdir))
+  last = (lambda info: PREEMPTED if info.step == 24 else None, 1)
+  train_lib.train_and_evaluate(_config(), str(workdir), extra_hooks=[last])
   return workdir
+
+
+def _copy_of(run, tmp_path):
+  """``run``'s workdir copied into ``tmp_path`` (a test's own, to resume or damage)."""
+  shutil.copytree(run, tmp_path, dirs_exist_ok=True)
+  return tmp_path
 
 
 def test_kill9_after_a_checkpoint_then_resume_gives_the_same_run(uninterrupted, tmp_path, caplog):
@@ -197,28 +207,26 @@ def _tensorboard_events(workdir):
       at += 12 + length + 4
 
 
-def test_a_signal_at_the_last_step_finishes_the_run(uninterrupted, tmp_path):
-  """The run is complete: a summary, not "preempted, rerun to resume" (whose rerun only evaluated again)."""
-  last = (lambda info: PREEMPTED if info.step == 24 else None, 1)  # as a SIGTERM there stops the loop
-  summary = train_lib.train_and_evaluate(_config(), str(tmp_path), extra_hooks=[last])
-  assert summary["steps"] == 24 and "stopped" not in summary and (tmp_path / "summary.json").exists()
-  _assert_same_run(uninterrupted, tmp_path)
+def test_a_signal_at_the_last_step_finishes_the_run(uninterrupted):
+  """The run is complete: a summary, not "preempted, rerun to resume" (whose rerun only evaluated again). The
+  fixture's run was stopped so at step 24; the resumed runs of the tests above end equal to it."""
+  summary = json.loads((uninterrupted / "summary.json").read_text())
+  assert summary["steps"] == 24 and "stopped" not in summary and read_metrics(uninterrupted)[-1]["final"] is True
 
 
 def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path, caplog):
-  # Stopped by a hook, not by max_steps=12: that compiles another program (12 becomes a record boundary), which
-  # the tests' XLA flags may round differently (tests/conftest.py).
-  stop_at_12 = (lambda info: PREEMPTED if info.step == 12 else None, 1)
-  assert train_lib.train_and_evaluate(_config(), str(tmp_path), extra_hooks=[stop_at_12])["steps"] == 12
-  assert _steps(tmp_path)[-1] == 12
-  for root, _, files in os.walk(os.path.join(tmp_path, "checkpoints", "12", "state")):
+  """The finished run's newest checkpoint garbled: the rerun resumes from the one before, trains the last steps
+  again, saves over the damaged one, and ends the same."""
+  _copy_of(uninterrupted, tmp_path)
+  for root, _, files in os.walk(os.path.join(tmp_path, "checkpoints", "24", "state")):
     for name in files:
       with open(os.path.join(root, name), "wb") as f:
         f.write(b"garbage")
   with caplog.at_level(logging.INFO):
-    train_lib.train_and_evaluate(_config(), str(tmp_path))
-  assert "checkpoint at step 12" in caplog.text and "cannot be restored" in caplog.text
-  assert "falling back" in caplog.text and "resumed from the checkpoint at step 8" in caplog.text
+    summary = train_lib.train_and_evaluate(_config(), str(tmp_path))
+  assert "checkpoint at step 24" in caplog.text and "cannot be restored" in caplog.text
+  assert "falling back" in caplog.text and "resumed from the checkpoint at step 20" in caplog.text
+  assert summary["resumed_from_step"] == 20
   _assert_same_run(uninterrupted, tmp_path)
 
 
@@ -352,10 +360,9 @@ def test_a_checkpoint_with_other_communication_buckets_is_refused_and_not_called
   assert checkpointer.restore_latest(checkpoint_lib.abstract(state), {}, [2, 4], comm_state_shapes=saved)[0] == 3
 
 
-def test_incompatible_config_is_refused_with_exit_code_2(tmp_path):
-  train_lib.train_and_evaluate(_config(max_steps=4), str(tmp_path))
-  err = _run_cli(tmp_path, ExitCode.BAD_INPUT, max_steps=4, model__width=16)
-  assert "error: the checkpoint at step 4" in err and "model.width: 8 -> 16" in err and "Traceback" not in err
+def test_incompatible_config_is_refused_with_exit_code_2(uninterrupted, tmp_path):
+  err = _run_cli(_copy_of(uninterrupted, tmp_path), ExitCode.BAD_INPUT, model__width=16)
+  assert "error: the checkpoint at step 24" in err and "model.width: 8 -> 16" in err and "Traceback" not in err
 
 
 def test_the_mesh_fields_as_written_may_change_where_they_give_the_same_mesh():
@@ -385,25 +392,26 @@ def test_a_field_added_since_the_checkpoint_is_accepted_at_its_default_only():
 
 
 def test_nan_skip_policy_skips_the_step_and_goes_on(tmp_path):
-  summary = train_lib.train_and_evaluate(_config(train__inject_nan_at_step=5, max_steps=10), str(tmp_path))
-  assert summary["nonfinite_steps"] == 1 and summary["steps"] == 10
-  assert np.isfinite(summary["final_train_loss"])  # the skipped step's NaN loss is left out of the mean
+  # max_steps=8, an epoch's end: the program of the full run with that NaN, which the next tests compile too.
+  summary = train_lib.train_and_evaluate(_config(train__inject_nan_at_step=5, max_steps=8), str(tmp_path))
+  assert summary["nonfinite_steps"] == 1 and summary["steps"] == 8
+  assert np.isfinite(summary["final_train_loss"])  # the skipped step's NaN loss is left out of the epoch's mean
   step, state = _final_state(tmp_path)
-  assert step == 10 and all(np.all(np.isfinite(v)) for v in _flatten(state).values())  # nothing poisoned kept
+  assert step == 8 and all(np.all(np.isfinite(v)) for v in _flatten(state).values())  # nothing poisoned kept
 
 
 def test_a_signal_before_the_next_check_still_reports_a_non_finite_step(tmp_path):
-  """on_nonfinite=stop with the bad step (1) not yet checked (every 4 steps) when a SIGTERM stops the run at step
-  3: it stops as non-finite, not as preempted, else the resumed run would count the step as seen and go on."""
+  """on_nonfinite=stop with the bad step (5) not yet checked (every 4 steps) when a SIGTERM stops the run at step
+  7: it stops as non-finite, not as preempted, else the resumed run would count the step as seen and go on."""
 
   def send_sigterm(info):
-    if info.step == 3:
+    if info.step == 7:
       os.kill(os.getpid(), signal.SIGTERM)
 
-  config = _config(train__inject_nan_at_step=1, train__on_nonfinite="stop", log_every_steps=4)
+  config = _config(train__inject_nan_at_step=5, train__on_nonfinite="stop", log_every_steps=4)
   with pytest.raises(train_lib.NonFiniteError):
     train_lib.train_and_evaluate(config, str(tmp_path), extra_hooks=[(send_sigterm, 1)])
-  assert _steps(tmp_path)[-1] == 3
+  assert _steps(tmp_path)[-1] == 7
 
 
 def test_nan_stop_policy_saves_and_stops_with_exit_code_3(tmp_path):
@@ -450,22 +458,18 @@ def test_a_checkpoint_with_one_copy_of_the_batchnorm_statistics_resumes_with_a_c
     np.testing.assert_array_equal(np.asarray(per_device), np.broadcast_to(np.asarray(saved), per_device.shape))
 
 
-def test_checkpoints_that_cannot_restore_end_the_run_with_one_line_last(tmp_path):
+def test_checkpoints_that_cannot_restore_end_the_run_with_one_line_last(uninterrupted, tmp_path):
   """Every checkpoint's data cut short: the error is the last line, with none of the abandoned reads' tracebacks
   after it (coroutines and asyncio tasks finalized at exit printed thousands of lines there)."""
-  args = ["--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path), "--config.data.train_subset=1024",
-          "--config.data.eval_subset=200", "--config.num_epochs=1", "--config.global_batch_size=128",
-          "--config.data.eval_batch_size=200", "--config.checkpoint.every_steps=4",
-          "--config.model.width=8"]  # fmt: skip
-  assert train_py(*args).returncode == 0
+  _copy_of(uninterrupted, tmp_path)
   for root, _, files in os.walk(tmp_path / "checkpoints"):
     for name in files:
       if root.endswith(os.path.join("ocdbt.process_0", "d")):  # the arrays' data, not the metadata: reads fail
         os.truncate(os.path.join(root, name), 10)
-  result = train_py(*args)
+  result = train_py(*_train_py(tmp_path)[2:])
   assert result.returncode == 2, result.stderr[-2000:]
   last = result.stderr.rstrip().splitlines()[-1]
-  assert last.startswith("error: none of the checkpoints in") and "(steps [8, 4])" in last, result.stderr[-3000:]
+  assert last.startswith("error: none of the checkpoints in") and "(steps [24, 20, 16])" in last, result.stderr[-3000:]
   assert "TensorStore details" not in last
   for noise in ("Exception ignored", "never retrieved", "never awaited"):
     assert noise not in result.stderr, noise
@@ -808,10 +812,7 @@ def test_a_second_run_in_a_workdir_in_use_is_refused_before_touching_it(tmp_path
     assert sorted(os.listdir(workdir)) == [".lock"]  # nothing else written
   finally:
     checkpoint_lib._WORKDIR_LOCKS.pop(str(workdir)).close()  # the run ends: its lock goes with it
-  # Its .lock file stays behind, and takes nothing: the next run's process 0 locks it.
-  code = f"from light_jax import checkpoint; checkpoint.lock_workdir({str(workdir)!r}); print('locked')"
-  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert result.stdout == "locked\n", result.stderr[-2000:]
+  # Its .lock file stays behind and takes nothing: tests/test_train_e2e.py runs train.py in a workdir holding one.
 
 
 def test_a_signal_during_an_epochs_evaluation_stops_the_run_after_that_step(tmp_path, monkeypatch):

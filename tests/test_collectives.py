@@ -282,7 +282,9 @@ def test_auto_reduction_with_every_mix_of_strategies_equals_whole_batch_gradient
   base = reducer_lib.make_gradient_reducer("hierarchical", *shape, density=1.0, min_compress_elements=1)
   num_buckets = len(base.buckets(jax.tree.leaves(params))[1])
   names = list(strategies.NAMES)
-  for shift in range(len(names)):
+  # On 2 x 4 every strategy on every bucket; on the other meshes one mix, every strategy in it (each strategy on
+  # every tensor and mesh alone: test_reduced_gradient_equals_whole_batch_gradient).
+  for shift in range(len(names)) if shape == (2, 4) else range(1):
     choices = tuple(names[(b + shift) % len(names)] for b in range(num_buckets))
     reducer = dataclasses.replace(base, strategy="auto", choices=choices)
     reduced, state = reduce_on_mesh(reducer, mesh, model, params, images, labels)

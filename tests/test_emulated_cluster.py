@@ -346,12 +346,10 @@ def test_two_namespace_training_run_through_the_mesh_lab(loopback):
     )
 
 
-def test_the_loopback_mode_refuses_a_shaped_bandwidth_before_any_run():
-  result = _mesh_lab("--loopback", "--bandwidth", "10mbit,unshaped")
-  assert result.returncode == 2 and "calibrating" not in result.stderr and result.stdout == ""
-  assert "error: the 127.0.0.1 mode cannot shape links" in result.stderr and "--bandwidth unshaped" in result.stderr
+# The loopback mode's refusal of a shaped bandwidth: tests/test_lab_inputs.py (check_args, and mesh_lab.py itself).
 
 
+@pytest.mark.slow  # its check: test_lab_inputs.py::test_mesh_lab_refuses_bad_arguments_before_any_run
 def test_a_plot_without_a_shaped_and_an_unshaped_bandwidth_is_refused_before_any_run(tmp_path):
   """Predicted step times need both (the unshaped step, its collectives moved to the shaped link)."""
   result = _mesh_lab("--loopback", "--plot", str(tmp_path / "lab.png"))

@@ -15,7 +15,7 @@ import pytest
 
 from light_jax.emulated_cluster import LoopbackCluster, parse_rate
 from light_jax.parallel import cost_model
-from tests.helpers import ROOT
+from tests.helpers import ROOT, main_refuses
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import mesh_lab  # noqa: E402
@@ -133,16 +133,36 @@ def test_mesh_lab_accepts_every_strategy_the_config_does():
   assert len(requested) == 4
 
 
+# Each script's entry point once, as a subprocess; its other refusals in this process (tests/helpers.py main_refuses).
 @pytest.mark.parametrize(
   "script, argv, message",
   [
     ("mesh_lab.py", ["--loopback"], "the 127.0.0.1 mode cannot shape links"),
+    ("fault_drill.py", ["--every_steps", "96"], "--every_steps 96 leaves no room for kills"),
+    ("time_to_accuracy.py", ["--report_only", "--strategies", "hitopk@abc"], "is not a valid comm.density"),
+    (
+      "large_batch.py",
+      ["--report_only", "--workdir", "README.md"],
+      "--workdir=README.md: README.md is a file; give a folder",
+    ),
+    ("calibrate_links.py", ["--nodes", "0"], "argument --nodes: 0 must be >= 1"),
+  ],
+)
+def test_the_lab_scripts_exit_with_a_usage_error(script, argv, message):
+  result = subprocess.run([sys.executable, f"benchmarks/{script}", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+  assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+  assert "Traceback" not in result.stderr and "calibrating" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize(
+  "script, argv, message",
+  [
     ("mesh_lab.py", ["--strategies", "hitopkk"], "'hitopkk' is unknown"),
     ("mesh_lab.py", ["--experiment", "configs/mesh_experiments.py:nope"], "unknown variant 'nope'"),
     ("mesh_lab.py", ["--experiment", "configs/fashion_mnist.py"], "configs/fashion_mnist.py is not a mesh experiment"),
     ("mesh_lab.py", ["--experiment", "configs/"], "no such file: configs/; give a mesh experiment config"),
-    ("fault_drill.py", ["--every_steps", "96"], "--every_steps 96 leaves no room for kills"),
-    ("time_to_accuracy.py", ["--report_only", "--strategies", "hitopk@abc"], "is not a valid comm.density"),
+    ("mesh_lab.py", ["--loopback", "--bandwidth", "unshaped", "--set", "foo=1"], "--config.foo: no such config"),
     ("time_to_accuracy.py", ["--report_only", "--local", "0"], "--local 0: each must be at least 1"),
     ("time_to_accuracy.py", ["--report_only", "--target", "92"], "--target 92 must be a top-1 fraction"),
     ("time_to_accuracy.py", ["--report_only", "--timeout", "0"], "--timeout 0.0 must be a number of seconds > 0"),
@@ -152,13 +172,6 @@ def test_mesh_lab_accepts_every_strategy_the_config_does():
       "--workdir=README.md: README.md is a file; give a",
     ),
     (
-      "large_batch.py",
-      ["--report_only", "--workdir", "README.md"],
-      "--workdir=README.md: README.md is a file; give a folder",
-    ),
-    ("mesh_lab.py", ["--loopback", "--bandwidth", "unshaped", "--set", "foo=1"], "--config.foo: no such config"),
-    ("calibrate_links.py", ["--nodes", "0"], "argument --nodes: 0 must be >= 1"),
-    (
       "calibrate_links.py",
       ["--out", "/proc/light_jax_nope/links.json"],
       "--out=/proc/light_jax_nope/links.json: canno",
@@ -166,11 +179,9 @@ def test_mesh_lab_accepts_every_strategy_the_config_does():
     ("calibrate_links.py", ["--emulate", "fast"], "--emulate=fast: bandwidth 'fast' is not 'unshaped' or a rate"),
   ],
 )
-def test_the_lab_scripts_exit_with_a_usage_error(script, argv, message):
-  result = subprocess.run([sys.executable, f"benchmarks/{script}", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
-  assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
-  assert "Traceback" not in result.stderr and "calibrating" not in result.stderr and result.stdout == ""
+def test_the_lab_scripts_refuse_bad_arguments_before_any_work(script, argv, message, monkeypatch, capsys):
+  err = main_refuses(monkeypatch, capsys, f"benchmarks/{script}", *argv)
+  assert message in err and "calibrating" not in err, err[-2000:]
 
 
 @pytest.mark.parametrize(

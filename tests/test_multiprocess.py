@@ -141,13 +141,22 @@ def test_train_py_on_two_processes_matches_one_process(tmp_path):
   assert two["eval_examples"] == one["eval_examples"] == 500
 
 
+# train.py with check_shared_directory waiting 1 s, not 10, for the file process 0 wrote: here it never comes.
+_SHORT_SHARED_WAIT = """
+import functools, runpy, sys
+from light_jax import checkpoint
+checkpoint.check_shared_directory = functools.partial(checkpoint.check_shared_directory, wait_seconds=1.0)
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
 def test_a_workdir_of_each_machines_own_is_refused_before_training(tmp_path):
   """Orbax commits a multi-process save only where every process sees the others' files: with a local folder per
   machine no checkpoint was ever committed, and the run stalled for minutes. Both processes refuse it at once."""
   port = free_port()
-  procs = [
-    _train_py(tmp_path / f"own{i}", ["--config.mesh.nodes=-1", "--config.mesh.local=-1"], port, i) for i in range(2)
-  ]
+  own = ["--config.mesh.nodes=-1", "--config.mesh.local=-1", "--peer_timeout=5"]  # process 0's reason: up 3 s, not 5
+  procs = [_train_py(tmp_path / f"own{i}", own, port, i, runner=_SHORT_SHARED_WAIT) for i in range(2)]
   outputs = [p.communicate(timeout=300)[0] for p in procs]
   for p, text in zip(procs, outputs):
     assert p.returncode == ExitCode.BAD_INPUT, text[-3000:]
@@ -160,7 +169,8 @@ def test_processes_started_with_other_settings_both_stop_at_once_naming_them(tmp
   """Started by hand with another batch size, the two processes trained on silently, each with its own (another
   max_steps: both hung at the step one did not take). Both refuse at once, naming the field."""
   port = free_port()
-  base = ["--config.mesh.nodes=-1", "--config.mesh.local=-1", "--config.data.num_workers=0"]
+  # --peer_timeout: process 0 keeps its reason up for 3 s, not 5 (a flag, not a setting the processes compare).
+  base = ["--config.mesh.nodes=-1", "--config.mesh.local=-1", "--config.data.num_workers=0", "--peer_timeout=5"]
   procs = [
     _train_py(tmp_path / "run", base, port, 0),
     _train_py(tmp_path / "run", [*base, "--config.global_batch_size=256", "--config.data.num_workers=1"], port, 1),
@@ -183,7 +193,7 @@ def test_processes_started_with_other_settings_both_stop_at_once_naming_them(tmp
 def test_a_process_whose_coordinator_never_answers_says_so_and_stops_at_init_timeout(tmp_path):
   """Process 1 alone, or at a wrong address: 300 s of silence, then a C++ abort blaming a dead peer (134)."""
   start = time.monotonic()
-  process = _train_py(tmp_path / "run", ["--init_timeout=3"], free_port(), 1)
+  process = _train_py(tmp_path / "run", ["--init_timeout=1"], free_port(), 1)
   text = process.communicate(timeout=120)[0]
   assert process.returncode == ExitCode.BAD_INPUT and "Traceback" not in text, text[-3000:]
   assert "waiting for process 0 at 127.0.0.1:" in text
@@ -195,13 +205,13 @@ def test_a_process_refused_before_joining_leaves_the_others_one_line_at_init_tim
   """Process 1's override does not parse: it stops before joining. Process 0 waited for it until --init_timeout, and
   JAX then aborted it some seconds later with a C++ stack blaming "another task died" (134)."""
   start, port = time.monotonic(), free_port()
-  waiting = _train_py(tmp_path / "run", ["--init_timeout=3"], port, 0)
+  waiting = _train_py(tmp_path / "run", ["--init_timeout=1"], port, 0)
   refused = _train_py(tmp_path / "run", ["--config.optimizer.no_such_field=1"], port, 1)
   assert refused.wait(timeout=60) == ExitCode.BAD_INPUT
   text = waiting.communicate(timeout=60)[0]
   assert waiting.returncode == ExitCode.PEER_FAILURE and "Check failure" not in text, text[-3000:]
   last = text.strip().splitlines()[-1]
-  assert last.startswith("error: not every process joined within --init_timeout=3 s: one was not started, or stopped")
+  assert last.startswith("error: not every process joined within --init_timeout=1 s: one was not started, or stopped")
   assert time.monotonic() - start < 60
 
 
@@ -244,9 +254,10 @@ def test_a_disk_that_fills_up_stops_both_processes_at_once_with_the_reason(tmp_p
   different barriers, and both processes sat 10 minutes until step_timeout blamed a stuck collective. Now the
   failing process stops at once with the reason, and the other on the reason it published."""
   port = free_port()
-  with tmpfs(tmp_path / "disk", "size=2m") as disk:  # a checkpoint of this model at its own width takes 2.8 MB
-    mesh_and_width = ["--config.mesh.nodes=-1", "--config.mesh.local=-1", "--config.model.width=32"]
-    procs = [_train_py(disk / "run", mesh_and_width, port, i) for i in range(2)]
+  # A checkpoint of this run takes 424 KB (du); the same run as test_train_py_on_two_processes_matches_one_process,
+  # whose compiled programs it reads from the tests' compilation cache.
+  with tmpfs(tmp_path / "disk", "size=256k") as disk:
+    procs = [_train_py(disk / "run", ["--config.mesh.nodes=-1", "--config.mesh.local=-1"], port, i) for i in range(2)]
     try:
       outputs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
@@ -320,7 +331,7 @@ def _exit_within(proc, bound, log):
 def test_survivor_stops_when_a_process_dies_or_hangs(tmp_path, victim, sig):
   procs, logs = _start_pair(tmp_path, [[], []])
   _wait_for(logs[0], "step compiled", procs)
-  time.sleep(2)  # some steps in, collectives in flight
+  time.sleep(0.5)  # some steps in, collectives in flight
   procs[victim].send_signal(sig)
   survivor = 1 - victim
   try:

@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from configs import fashion_mnist, imagenet_resnet50
-from light_jax import schedules, simulation
+from light_jax import cli, schedules, simulation
 from light_jax.parallel import cost_model
 from tests.helpers import ROOT
 
@@ -161,7 +161,7 @@ def test_simulate_cli_prints_the_table_and_the_json_line():
   assert "input wait ms" in result.stdout  # the time the step waits for its input, not the input's time
 
 
-def test_simulate_cli_refuses_a_plot_it_cannot_write_before_the_sweep_and_names_the_file_it_writes(tmp_path):
+def test_simulate_cli_refuses_a_plot_it_cannot_write_before_the_sweep_and_names_the_file_it_writes(tmp_path, capsys):
   """--plot x.txt failed in matplotlib's savefig after the sweep; --plot /tmp wrote /tmp.png; --plot out wrote out.png
   and said it wrote out."""
 
@@ -172,10 +172,13 @@ def test_simulate_cli_refuses_a_plot_it_cannot_write_before_the_sweep_and_names_
       cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
+  # simulate.py checks --plot with cli.plot_path before the sweep (that order: the /proc/nope case below); its
+  # refusals here, in this process.
   for plot, message in ((tmp_path / "x.txt", "matplotlib cannot write .txt files"), (tmp_path, "is a folder")):
-    bad = simulate(str(plot))
-    assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr, bad.stderr[-2000:]
-    assert bad.stderr.strip().splitlines()[-1].startswith(f"error: --plot={plot}: {message}"), bad.stderr[-2000:]
+    with pytest.raises(SystemExit) as refused:
+      cli.plot_path(str(plot), "--plot")
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.strip().splitlines()[-1].startswith(f"error: --plot={plot}: {message}"), err
   assert list(tmp_path.iterdir()) == [] and not (tmp_path.parent / f"{tmp_path.name}.png").exists()
   good = simulate(str(tmp_path / "out"))
   assert good.returncode == 0, good.stderr[-2000:]
@@ -188,11 +191,19 @@ def test_simulate_cli_refuses_a_plot_it_cannot_write_before_the_sweep_and_names_
     (["--cluster", "nope"], "error: --cluster='nope': known presets"),
     (["--nodes", "0"], "error: flag --nodes=0: 0 is not a positive integer"),
     (["--inter_gbps", "0"], "error: flag --inter_gbps=0.0: --inter_gbps must be > 0"),
-    (["--strategies", "hitopk@2"], "error: strategy 'hitopk@2': comm.density=2.0 must be in (0, 1]"),
+    pytest.param(  # config.validate's refusal (tests/test_config.py), as --config.num_epochs=0's below
+      ["--strategies", "hitopk@2"],
+      "error: strategy 'hitopk@2': comm.density=2.0 must be in (0, 1]",
+      marks=pytest.mark.slow,
+    ),
     (["--cost_model", "/nope.json"], "error: --cost_model=/nope.json: comm.cost_model='/nope.json' is neither"),
     # What the trainer refuses, refused alike (config.validate on the cluster's mesh).
     (["--config.num_epochs=0"], "error: num_epochs=0 must be > 0."),
-    (["--nodes", "4", "--devices_per_node", "6"], "error: global_batch_size=32768 does not divide over 24 devices"),
+    pytest.param(  # config.validate's refusal on the cluster's mesh, as gtopk's below
+      ["--nodes", "4", "--devices_per_node", "6"],
+      "error: global_batch_size=32768 does not divide over 24 devices",
+      marks=pytest.mark.slow,
+    ),
     (
       ["--nodes", "3", "--strategies", "gtopk@0.01"],
       "error: comm.strategy='gtopk' pairs devices by the bits of their index and needs a power-of-two device count, "

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import optuna
 import pytest
@@ -55,7 +56,7 @@ def _finished(study_dir):
 
 def test_a_killed_study_resumes_to_its_trial_count_and_writes_the_best_config(tmp_path):
   study_dir = str(tmp_path / "study")
-  grace = "--heartbeat_grace=6"  # 60 s by default: the rerun waits that long to know trial 1 was killed
+  grace = "--heartbeat_grace=3"  # 60 s by default: the rerun waits that long to know trial 1 was killed
   first = _tune(study_dir, 2, grace, start_new_session=True)
   deadline = time.time() + 300
   running = os.path.join(study_dir, "trials", "0001.log")  # written once trial 1 runs (and beats)
@@ -115,7 +116,8 @@ def test_a_study_that_cannot_run_stops_before_its_first_trial(tmp_path):
   assert not study_dir.exists()  # no study, no trial
 
 
-def test_bad_study_flags_and_storage_get_one_line_before_any_trial(tmp_path):
+def test_bad_study_flags_and_storage_get_one_line_before_any_trial(tmp_path, monkeypatch, capsys):
+  tune = _tune_module()  # in this process: the killed study and the refused trial run tune.py itself
   flags = {  # Optuna's or numpy's tracebacks; a heartbeat every third of 2 s rounds to none
     "--seed=-1": "must be >= 0",
     "--startup_trials=-1": "must be >= 0",
@@ -123,15 +125,16 @@ def test_bad_study_flags_and_storage_get_one_line_before_any_trial(tmp_path):
     "--heartbeat_grace=2": "must be >= 3",
   }
   for flag, reason in flags.items():
-    command = [sys.executable, "scripts/tune.py", "--config=configs/fashion_mnist.py", f"--study_dir={tmp_path}/s",
-               "--trials=1", flag]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert f"error: --{flag[2:].split('=')[0]} {reason}" in result.stderr
-  error = _tune_fails(tmp_path / "study", "--storage=foo://bar")
+    monkeypatch.setattr(sys, "argv", ["tune.py", "--config=configs/fashion_mnist.py", f"--study_dir={tmp_path}/s",
+                                      "--trials=1", flag])  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+      tune.main()
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err, err[-2000:]
+    assert f"error: --{flag[2:].split('=')[0]} {reason}" in err
+  error = _main_fails(tune, monkeypatch, capsys, f"--study_dir={tmp_path}/study", "--trials=2", "--storage=foo://bar")
   assert error.startswith("error: --storage=foo://bar: cannot open the study's database (NoSuchModuleError")
-  error = _tune_fails(tmp_path / "study", "--storage=sqlite:////proc/light_jax_nope/study.db")
-  assert "cannot open the study's database (OperationalError" in error
+  # A database that cannot be made: test_a_failed_start_does_not_claim_the_study_dir.
 
 
 def test_a_trial_that_train_py_refuses_stops_the_study_with_its_error(tmp_path):
@@ -158,10 +161,24 @@ def test_a_bad_storage_or_search_space_stops_the_study_before_it_exists(tmp_path
 
 
 def _tune_module():
+  """scripts/tune.py, loaded afresh, for a study in this process. Its studies draw no plots (Optuna's three take
+  1-2 s a study): the killed study above, of real train.py runs, draws them and checks them."""
   spec = importlib.util.spec_from_file_location("tune", os.path.join(ROOT, "scripts", "tune.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
+  module.save_plots = lambda study, study_dir: []
   return module
+
+
+def _clock(tune, monkeypatch, sleep):
+  """tune.py's clock, its own only: ``sleep(seconds)`` instead of waiting, time moved on by what it slept."""
+  now = [time.time()]
+
+  def slept(seconds):
+    sleep(seconds)
+    now[0] += seconds
+
+  monkeypatch.setattr(tune, "time", types.SimpleNamespace(time=lambda: now[0], sleep=slept))
 
 
 def test_the_trials_log_and_table_show_string_choices(capsys):
@@ -360,6 +377,7 @@ def test_a_sample_train_py_refuses_fails_that_trial_not_the_study(tmp_path, monk
   config = f"--config={os.path.join(ROOT, 'configs', 'fashion_mnist.py')}:large_batch_lars"
   space = f"--space={os.path.join(ROOT, 'configs', 'search_spaces.py')}"
   monkeypatch.setattr(sys, "argv", ["tune.py", config, space, f"--study_dir={tmp_path}/study", "--trials=8"])
+  _clock(tune, monkeypatch, lambda seconds: time.sleep(min(seconds, 0.05)))  # polls its stand-in trials sooner
   with pytest.raises(SystemExit) as stopped:
     tune.main()
   err = capsys.readouterr().err
@@ -397,8 +415,8 @@ def test_a_study_waits_for_trials_running_elsewhere_instead_of_overshooting(tmp_
   _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1", "--heartbeat_grace=3")
   study = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{tmp_path}/study/study.db")
   elsewhere = study.ask()  # running on another machine (no heartbeat here: never stale)
-  sleep = time.sleep  # the study's wait for it (2 s) ends with it finished; the grace's wait (1 s) as it is
-  monkeypatch.setattr(tune.time, "sleep", lambda s: study.tell(elsewhere, 0.25) if s == 2 else sleep(s))
+  # The study's wait for it (2 s) ends with it finished; the grace's waits (1 s) only move the clock on.
+  _clock(tune, monkeypatch, lambda seconds: seconds == 2 and study.tell(elsewhere, 0.25))
   result = _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=2", "--heartbeat_grace=3")
   assert result["trials"] == 2 and result["completed"] == 2, result
   assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
@@ -457,10 +475,10 @@ def test_a_failed_start_does_not_claim_the_study_dir(tmp_path, monkeypatch, caps
   """A start whose storage did not open named the directory after its study, which then refused any other."""
   tune = _tune_module()
   study_dir = f"--study_dir={tmp_path}/study"
-  error = _main_fails(
-    tune, monkeypatch, capsys, study_dir, "--trials=1", "--storage=sqlite:////proc/light_jax_nope/x.db"
-  )
-  assert "cannot open the study's database" in error
+  with monkeypatch.context() as patched:
+    _clock(tune, patched, lambda seconds: None)  # its retries of the storage, without their waits
+    error = _main_fails(tune, patched, capsys, study_dir, "--trials=1", "--storage=sqlite:////proc/light_jax_nope/x.db")
+  assert "cannot open the study's database (OperationalError" in error
   assert _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1", "--study_name=other")["completed"] == 1
 
 
