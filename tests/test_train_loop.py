@@ -124,7 +124,23 @@ def test_the_runs_images_per_second_weighs_each_record_by_the_images_it_trained(
   assert train_lib.images_per_sec_mean([], plan) is None
 
 
-def test_a_warm_up_longer_than_the_run_and_phases_after_it_are_named(tmp_path, caplog):
+class _SetUpDone(Exception):
+  """Raised in place of a stage of train_and_evaluate: a test of set-up's log lines goes no further."""
+
+
+def _set_up_only(monkeypatch, config, workdir, until=(checkpoint_lib, "Checkpointer")):
+  """train_and_evaluate up to ``until`` (module, name), which raises instead: by default the checkpointer, made
+  after set-up's lines and before any step is compiled; ``(train_lib, "tune_input")`` after the compile."""
+
+  def done(*args, **kwargs):
+    raise _SetUpDone
+
+  monkeypatch.setattr(*until, done)
+  with pytest.raises(_SetUpDone):
+    train_lib.train_and_evaluate(config, str(workdir))
+
+
+def test_a_warm_up_longer_than_the_run_and_phases_after_it_are_named(tmp_path, caplog, monkeypatch):
   """Fine in a short trial of a long recipe, but not what the config says: the warm-ups are cut to the run (the
   density never reaches comm.density), and the phases starting after its last epoch are left out."""
   config = small_config(
@@ -136,16 +152,27 @@ def test_a_warm_up_longer_than_the_run_and_phases_after_it_are_named(tmp_path, c
     comm__density_warmup_epochs=2.0,
   )
   with caplog.at_level(logging.WARNING):
-    train_lib.train_and_evaluate(config, str(tmp_path))
+    _set_up_only(monkeypatch, config, tmp_path)
   assert "optimizer.warmup_epochs=3 is longer than the run (num_epochs=1): the warm-up is cut" in caplog.text
   assert "comm.density_warmup_epochs=2 is longer than the run (num_epochs=1): the run ends inside" in caplog.text
   assert "data.resolution_schedule: the phase(s) from epoch 4 start after the run's last epoch" in caplog.text
 
 
-def test_a_profile_the_run_ends_inside_of_is_still_written(tmp_path):
-  """train.profile_steps past the run's end: the trace started after step 2 is written when the run ends."""
-  train_lib.train_and_evaluate(small_config(max_steps=3, train__profile_steps="2:9"), str(tmp_path))
-  traces = [name for _, _, names in os.walk(tmp_path / "profile") for name in names if name.endswith(".xplane.pb")]
+TWO_EPOCHS = small_config(num_epochs=2, train__profile_steps="63:99")
+
+
+@pytest.fixture(scope="module")
+def two_epochs(tmp_path_factory):
+  """(workdir, summary) of a 64-step float32 run profiled from step 63 past its end: float16's reference, a
+  profile the run ends inside of, and a finished run to resume."""
+  workdir = tmp_path_factory.mktemp("two_epochs")
+  return workdir, train_lib.train_and_evaluate(TWO_EPOCHS, str(workdir))
+
+
+def test_a_profile_the_run_ends_inside_of_is_still_written(two_epochs):
+  """train.profile_steps past the run's end: the trace started after step 63 is written when the run ends."""
+  workdir, _ = two_epochs
+  traces = [name for _, _, names in os.walk(workdir / "profile") for name in names if name.endswith(".xplane.pb")]
   assert len(traces) == 1
 
 
@@ -177,15 +204,16 @@ def test_final_density_epochs_send_at_the_final_density(tmp_path, caplog):
   assert last["inter_node_bytes_per_step"] > first["inter_node_bytes_per_step"]
 
 
-def test_sqrt_k_allocation_and_auto_are_planned_by_the_trainer(tmp_path, caplog):
+def test_sqrt_k_allocation_and_auto_are_planned_by_the_trainer(tmp_path, caplog, monkeypatch):
   """CompiledSteps plans with cost_model.plan_reducer: the square-root share reaches the compiled step (its
   log line), and auto logs its choice per bucket."""
-  with caplog.at_level(logging.INFO):
-    train_lib.train_and_evaluate(small_config("hitopk", max_steps=2, comm__k_allocation="sqrt"), str(tmp_path / "a"))
+  with caplog.at_level(logging.INFO), monkeypatch.context() as patched:
+    config = small_config("hitopk", max_steps=2, comm__k_allocation="sqrt")
+    _set_up_only(patched, config, tmp_path / "a", until=(train_lib, "tune_input"))  # after the step's compile
   assert "top-k density 0.01, k in proportion to sqrt(size)" in caplog.text
   caplog.clear()
   with caplog.at_level(logging.INFO):
-    train_lib.train_and_evaluate(small_config(max_steps=2, comm__strategy="auto"), str(tmp_path / "b"))
+    _set_up_only(monkeypatch, small_config(max_steps=2, comm__strategy="auto"), tmp_path / "b")
   assert "comm.strategy=auto (v100_nvlink_25gbe, top-k at 1e+09 elements/s), per bucket:" in caplog.text
 
 
@@ -205,15 +233,14 @@ def test_compact_pairs_reach_the_trained_step_and_its_byte_count(tmp_path, caplo
   assert np.isfinite(summary["final_eval_top1"])
 
 
-def test_resuming_a_finished_run_reports_again_even_without_metrics_jsonl(tmp_path):
+def test_resuming_a_finished_run_reports_again_even_without_metrics_jsonl(two_epochs, tmp_path):
   """A finished run has no step left: it evaluates what it restored, on every process alike (before,
   the summary read the last metrics.jsonl record, which only process 0 has: a TypeError elsewhere)."""
-  config = small_config(max_steps=4)
-  first = train_lib.train_and_evaluate(config, str(tmp_path / "run"))
-  shutil.copytree(tmp_path / "run", tmp_path / "again")
+  run, first = two_epochs
+  shutil.copytree(run, tmp_path / "again")
   os.remove(tmp_path / "again" / "metrics.jsonl")
-  again = train_lib.train_and_evaluate(config, str(tmp_path / "again"))
-  assert again["steps"] == first["steps"] == 4 and again["resumed_from_step"] == 4
+  again = train_lib.train_and_evaluate(TWO_EPOCHS, str(tmp_path / "again"))
+  assert again["steps"] == first["steps"] == 64 and again["resumed_from_step"] == 64
   for key in ("final_eval_top1", "final_eval_top5", "final_train_loss"):
     assert again[key] == pytest.approx(first[key], abs=1e-6), key
   assert again["inter_node_bytes_per_step"] == first["inter_node_bytes_per_step"]
@@ -234,12 +261,12 @@ def test_a_run_stopped_on_a_nonfinite_step_resumes_past_it(tmp_path):
   assert summary["steps"] == 8 and summary["resumed_from_step"] == 4 and summary["nonfinite_steps"] == 1
 
 
-def test_float16_with_dynamic_loss_scaling_trains_like_float32(tmp_path):
-  fp32 = train_lib.train_and_evaluate(small_config(num_epochs=2), str(tmp_path / "fp32"))
+def test_float16_with_dynamic_loss_scaling_trains_like_float32(two_epochs, tmp_path):
+  fp32_run, fp32 = two_epochs  # its profile of the last step changes no number
   fp16 = train_lib.train_and_evaluate(small_config(num_epochs=2, model__dtype="float16"), str(tmp_path / "fp16"))
   records = read_metrics(tmp_path / "fp16")
   assert [r["loss_scale"] for r in records] == [2.0**15] * 2  # no overflow in 64 steps at this size
-  assert "loss_scale" not in read_metrics(tmp_path / "fp32")[0]
+  assert "loss_scale" not in read_metrics(fp32_run)[0]
   assert fp16["final_eval_top1"] > 0.3 and abs(fp16["final_eval_top1"] - fp32["final_eval_top1"]) < 0.05
   assert fp16["final_train_loss"] == pytest.approx(fp32["final_train_loss"], rel=0.05)
   assert fp16["final_train_loss"] != fp32["final_train_loss"]  # it did compute in float16
@@ -311,9 +338,9 @@ def test_a_previous_runs_file_that_cannot_be_moved_aside_is_one_error(tmp_path):
     assert json.loads((disk / "summary.json").read_text()) == {"steps": 4}
 
 
-def test_hitopk_on_one_node_trains_and_says_it_saves_nothing(tmp_path, caplog):
-  with caplog.at_level(logging.WARNING):
-    train_lib.train_and_evaluate(small_config("hitopk", max_steps=1, mesh__nodes=1, mesh__local=8), str(tmp_path))
+def test_hitopk_on_one_node_says_it_saves_nothing(tmp_path, caplog, monkeypatch):
+  with caplog.at_level(logging.WARNING):  # hitopk on 1 x 8 trains: tests/test_collectives.py
+    _set_up_only(monkeypatch, small_config("hitopk", max_steps=1, mesh__nodes=1, mesh__local=8), tmp_path)
   assert "comm.strategy=hitopk on one node (mesh 1 x 8)" in caplog.text
 
 
