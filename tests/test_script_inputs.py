@@ -115,11 +115,12 @@ def test_kernel_norms_compares_the_resolved_meshes(tmp_path):
   assert "no checkpoint under" in error  # past the comparison, at the first run's missing checkpoint
 
 
-def test_input_pipeline_creates_its_workdir_or_says_why_it_cannot(tmp_path):
+def test_input_pipeline_creates_its_workdir_or_says_why_it_cannot(tmp_path, monkeypatch, capsys):
   (tmp_path / "file").write_text("")
-  error = _fails("benchmarks/input_pipeline.py", f"--workdir={tmp_path / 'file' / 'bench'}")
+  refused = functools.partial(_refused, monkeypatch, capsys)  # in this process; the run below, a subprocess
+  error = refused("benchmarks/input_pipeline.py", f"--workdir={tmp_path / 'file' / 'bench'}")
   assert error.endswith(f"--workdir={tmp_path / 'file' / 'bench'}: {tmp_path / 'file'} is a file; give a folder")
-  error = _fails("benchmarks/input_pipeline.py", "--rounds=0")  # its median of no rounds was a traceback
+  error = refused("benchmarks/input_pipeline.py", "--rounds=0")  # its median of no rounds was a traceback
   assert error.endswith("--images=200 --rounds=0 --seconds=2: each must be > 0")
   workdir = tmp_path / "new" / "bench"
   command = [sys.executable, os.path.join(ROOT, "benchmarks", "input_pipeline.py"), f"--workdir={workdir}"]
