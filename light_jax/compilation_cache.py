@@ -1,28 +1,38 @@
-"""JAX's persistent compilation cache for train.py: a run started again (a resume after a kill or a preemption, the
-next trial of a study, the same command twice) reads its compiled programs from disk instead of compiling them.
+"""JAX's persistent compilation cache for train.py: a run started again (a resume after a kill or a preemption, a
+retried trial of a study, the same command twice) reads its compiled programs from disk instead of compiling them.
+A program is the same only with the same config: each new hyper-parameter set (a study's next trial) compiles.
 
 JAX keeps the cache off unless a directory is set. train.py sets ``--compilation_cache_dir``, else JAX's own
-``JAX_COMPILATION_CACHE_DIR``, else ``~/.cache/light_jax/compilation_cache/HOST``. The host is in the default path
-because an XLA:CPU entry is machine code for the CPU that compiled it: machines that share a home folder keep
-apart, and none runs code built for another CPU. JAX writes entries from process 0 only, and only for programs
-that took at least ``jax_persistent_cache_min_compile_time_secs`` (1 s) to compile; a hit returns the executable
-that was compiled, so a run's numbers do not depend on it. The cache is trusted code: keep it in a folder only you
-can write. Measured on 2 CPU cores (README, "Checkpoints, resume and faults"): one epoch of 4,096 images with the
-default config took 26.6-28.3 s with an empty cache, 14.9-16.9 s with a filled one.
+``JAX_COMPILATION_CACHE_DIR``, else ``~/.cache/light_jax/compilation_cache/HOST``, capped at ``MAX_BYTES``. The host
+is in the default path because an XLA:CPU entry is machine code for the CPU that compiled it: machines that share a
+home folder keep apart, and none runs code built for another CPU. JAX writes entries from process 0 only (a run of
+several machines gains on all of them only from a folder they share, given by hand), and only for programs that
+took at least ``jax_persistent_cache_min_compile_time_secs`` (1 s) to compile. A hit returns the executable that was
+compiled, so a run's numbers do not depend on it.
+
+The cache is trusted code: a folder that another user owns or can write to is refused. An entry cut short (a
+process killed while writing it) is not written again: JAX warns at each start that it cannot read it, and
+compiles; delete the folder then. Measured on 2 CPU cores (README, "Checkpoints, resume and faults"): one epoch of
+4,096 images with the default config took 26.6-28.3 s with an empty cache, 14.9-16.9 s with a filled one.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import stat
 import threading
 
 import jax
 from absl import logging
 
+# JAX's cache grows with each new program (each config or hyper-parameter set): past this it drops the least recently
+# used entries (its eviction takes a file lock: the filelock package).
+MAX_BYTES = 4 * 2**30
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _hits = 0
 _hits_lock = threading.Lock()
+_listening = False
 
 
 def default_directory() -> str:
@@ -30,13 +40,22 @@ def default_directory() -> str:
 
 
 def problem(directory: str) -> str | None:
-  """Why ``directory`` cannot hold the cache (made here if missing), or None."""
+  """Why ``directory`` cannot hold the cache (made here, for this user only, if missing), or None. An entry is code
+  that runs: a folder another user can write to would let them run theirs in this process."""
   try:
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    info = os.stat(directory)
   except OSError as e:
     return f"{directory} cannot be made ({e.strerror})"
   if not os.access(directory, os.W_OK | os.X_OK):
     return f"{directory} is not writable"
+  if info.st_uid != os.geteuid():
+    return f"{directory} belongs to another user (uid {info.st_uid}), who could put code there that this run executes"
+  if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    return (
+      f"{directory} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}), who could put code there that "
+      "this run executes"
+    )
   return None
 
 
@@ -47,21 +66,28 @@ def directory_for(flag_value: str | None) -> str | None:
 
 
 def enable(flag_value: str | None) -> str | None:
-  """Turns the cache on (``directory_for``); returns its directory, or None where it stays off. Call before the
-  first compile. A directory that cannot be used is a warning, not an error: the run compiles as without a cache."""
+  """Turns the cache on (``directory_for``); returns its directory, or None where it stays off. Call once per
+  process, before its first compile (JAX sets its cache up then). A directory that cannot be used is a warning, not
+  an error: the run compiles as it would without a cache."""
+  global _listening
   directory = directory_for(flag_value)
+  if not jax.config.jax_enable_compilation_cache:  # JAX_ENABLE_COMPILATION_CACHE=false
+    return None
   reason = problem(directory) if directory else None
   if reason:
     logging.warning(
-      "compilation cache off: %s; each start compiles again. Give --compilation_cache_dir=DIR (a folder you can "
-      "write), or --compilation_cache_dir= to turn it off without this warning.",
+      "compilation cache off: %s; each start compiles again. Give --compilation_cache_dir=DIR (a folder only you "
+      "can write), or --compilation_cache_dir= to turn it off without this warning.",
       reason,
     )
   if not directory or reason:
     jax.config.update("jax_compilation_cache_dir", None)  # JAX_COMPILATION_CACHE_DIR would still point there
     return None
   jax.config.update("jax_compilation_cache_dir", directory)
-  jax.monitoring.register_event_listener(_count_hit)
+  jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+  if not _listening:
+    jax.monitoring.register_event_listener(_count_hit)
+    _listening = True
   logging.info("compilation cache: %s", directory)
   return directory
 

@@ -115,13 +115,17 @@ def _assert_same_run(a, b):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-  """The whole run, the reference of the resumed ones; stopped at its last step as a SIGTERM there would stop the
-  loop, which must still finish the run (test_a_signal_at_the_last_step_finishes_the_run)."""
+def whole_run(tmp_path_factory):
+  """(workdir, summary) of the whole run, the reference of the resumed ones; stopped at its last step as a SIGTERM
+  there would stop the loop, which must still finish the run (test_a_signal_at_the_last_step_finishes_the_run)."""
   workdir = tmp_path_factory.mktemp("uninterrupted")
   last = (lambda info: PREEMPTED if info.step == 24 else None, 1)
-  train_lib.train_and_evaluate(_config(), str(workdir), extra_hooks=[last])
-  return workdir
+  return workdir, train_lib.train_and_evaluate(_config(), str(workdir), extra_hooks=[last])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(whole_run):
+  return whole_run[0]
 
 
 def _copy_of(run, tmp_path):
@@ -207,11 +211,12 @@ def _tensorboard_events(workdir):
       at += 12 + length + 4
 
 
-def test_a_signal_at_the_last_step_finishes_the_run(uninterrupted):
+def test_a_signal_at_the_last_step_finishes_the_run(whole_run):
   """The run is complete: a summary, not "preempted, rerun to resume" (whose rerun only evaluated again). The
   fixture's run was stopped so at step 24; the resumed runs of the tests above end equal to it."""
-  summary = json.loads((uninterrupted / "summary.json").read_text())
-  assert summary["steps"] == 24 and "stopped" not in summary and read_metrics(uninterrupted)[-1]["final"] is True
+  workdir, summary = whole_run  # what train.py reads to say "preempted" or not
+  assert summary["steps"] == 24 and "stopped" not in summary
+  assert json.loads((workdir / "summary.json").read_text())["steps"] == 24 and read_metrics(workdir)[-1]["final"]
 
 
 def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path, caplog):

@@ -284,6 +284,7 @@ def test_auto_reduction_with_every_mix_of_strategies_equals_whole_batch_gradient
   names = list(strategies.NAMES)
   # On 2 x 4 every strategy on every bucket; on the other meshes one mix, every strategy in it (each strategy on
   # every tensor and mesh alone: test_reduced_gradient_equals_whole_batch_gradient).
+  assert num_buckets >= len(names)
   for shift in range(len(names)) if shape == (2, 4) else range(1):
     choices = tuple(names[(b + shift) % len(names)] for b in range(num_buckets))
     reducer = dataclasses.replace(base, strategy="auto", choices=choices)

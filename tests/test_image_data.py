@@ -389,6 +389,14 @@ def test_bad_records_are_replaced_by_the_next_good_one_with_its_own_label():
     all_bad.eval_example(0, 16)
 
 
+def test_a_decoded_cache_build_starts_worker_processes_only_where_they_finish_sooner():
+  """Starting them takes seconds (each imports light_jax.data): the first chunk's time per image decides."""
+  assert not records._pool_pays(0.001, 6, workers=2)  # a test folder: decoded before a pool would have started
+  assert records._pool_pays(0.001, 1_280_000, workers=2)  # ImageNet
+  assert records._pool_pays(0.1, 4_000, workers=64)  # a few thousand large photos on many cores
+  assert not records._pool_pays(0.1, 1_000_000, workers=1)
+
+
 def test_decoded_cache_gives_the_jpeg_paths_pixels(folder, tmp_path):
   source = records.FolderRecords(folder["dir"], "train")
   # A record list with a bad file in it: the cache keeps the slot empty, so indices stay aligned.

@@ -176,11 +176,15 @@ def test_the_lab_scripts_exit_with_a_usage_error(script, argv, message):
       ["--out", "/proc/light_jax_nope/links.json"],
       "--out=/proc/light_jax_nope/links.json: canno",
     ),
-    ("calibrate_links.py", ["--emulate", "fast"], "--emulate=fast: bandwidth 'fast' is not 'unshaped' or a rate"),
+    (  # --out: not its default runs/links.json, whose folder it would make in the repository
+      "calibrate_links.py",
+      ["--emulate", "fast", "--out", "{tmp}/links.json"],
+      "--emulate=fast: bandwidth 'fast' is not 'unshaped' or a rate",
+    ),
   ],
 )
-def test_the_lab_scripts_refuse_bad_arguments_before_any_work(script, argv, message, monkeypatch, capsys):
-  err = main_refuses(monkeypatch, capsys, f"benchmarks/{script}", *argv)
+def test_the_lab_scripts_refuse_bad_arguments_before_any_work(script, argv, message, tmp_path, monkeypatch, capsys):
+  err = main_refuses(monkeypatch, capsys, f"benchmarks/{script}", *(arg.format(tmp=tmp_path) for arg in argv))
   assert message in err and "calibrating" not in err, err[-2000:]
 
 

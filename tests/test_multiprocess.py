@@ -193,9 +193,12 @@ def test_processes_started_with_other_settings_both_stop_at_once_naming_them(tmp
 def test_a_process_whose_coordinator_never_answers_says_so_and_stops_at_init_timeout(tmp_path):
   """Process 1 alone, or at a wrong address: 300 s of silence, then a C++ abort blaming a dead peer (134)."""
   start = time.monotonic()
-  process = _train_py(tmp_path / "run", ["--init_timeout=1"], free_port(), 1)
+  # And a compilation cache folder that cannot be made: a warning, the run goes on (to its coordinator's check).
+  unusable = ["--init_timeout=1", "--compilation_cache_dir=/proc/light_jax_nope/cache"]
+  process = _train_py(tmp_path / "run", unusable, free_port(), 1)
   text = process.communicate(timeout=120)[0]
   assert process.returncode == ExitCode.BAD_INPUT and "Traceback" not in text, text[-3000:]
+  assert "compilation cache off: /proc/light_jax_nope/cache cannot be made (No such file or directory)" in text
   assert "waiting for process 0 at 127.0.0.1:" in text
   assert text.strip().splitlines()[-1].startswith("error: nothing answered at --coordinator=127.0.0.1:")
   assert time.monotonic() - start < 60
@@ -331,7 +334,7 @@ def _exit_within(proc, bound, log):
 def test_survivor_stops_when_a_process_dies_or_hangs(tmp_path, victim, sig):
   procs, logs = _start_pair(tmp_path, [[], []])
   _wait_for(logs[0], "step compiled", procs)
-  time.sleep(0.5)  # some steps in, collectives in flight
+  time.sleep(2)  # some steps in, collectives in flight
   procs[victim].send_signal(sig)
   survivor = 1 - victim
   try:

@@ -2,7 +2,9 @@
 (light_jax/same_settings.py) and the compilation cache's folder (light_jax/compilation_cache.py).
 tests/test_multiprocess.py and tests/test_train_e2e.py run them through train.py."""
 
+import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -140,9 +142,19 @@ def test_the_compilation_cache_folder_is_the_flag_s_then_jax_s_variable_then_one
 
 
 def test_a_compilation_cache_folder_that_cannot_be_used_is_named(tmp_path):
+  """An entry is code the run executes: a folder another user owns or can write to is refused too."""
   (tmp_path / "file").write_text("")
+  (tmp_path / "shared").mkdir(mode=0o777)
+  os.chmod(tmp_path / "shared", 0o1777)  # as /tmp: the sticky bit keeps others' files, not their new ones, out
+  assert compilation_cache.problem(str(tmp_path / "shared")).endswith(
+    "is writable by other users (mode 1777), who could put code there that this run executes"
+  )
+  (tmp_path / "theirs").mkdir(mode=0o755)
+  os.chown(tmp_path / "theirs", 65534, 65534)
+  assert "belongs to another user (uid 65534)" in compilation_cache.problem(str(tmp_path / "theirs"))
   assert (
     compilation_cache.problem(str(tmp_path / "file" / "cache"))
     == f"{tmp_path}/file/cache cannot be made (Not a directory)"
   )
-  assert compilation_cache.problem(str(tmp_path / "new" / "cache")) is None and (tmp_path / "new" / "cache").is_dir()
+  assert compilation_cache.problem(str(tmp_path / "new" / "cache")) is None
+  assert stat.S_IMODE(os.stat(tmp_path / "new" / "cache").st_mode) == 0o700  # made for this user alone

@@ -142,7 +142,8 @@ def _set_up_only(monkeypatch, config, workdir, until=(checkpoint_lib, "Checkpoin
 
 def test_a_warm_up_longer_than_the_run_and_phases_after_it_are_named(tmp_path, caplog, monkeypatch):
   """Fine in a short trial of a long recipe, but not what the config says: the warm-ups are cut to the run (the
-  density never reaches comm.density), and the phases starting after its last epoch are left out."""
+  density never reaches comm.density), and the phases starting after its last epoch are left out; set-up names
+  both (the run stops there: tests/test_tune.py's trials train with a warm-up cut so)."""
   config = small_config(
     num_epochs=1,
     max_steps=2,

@@ -468,33 +468,43 @@ def _remove_stale_partial_files(path: str) -> None:
         logging.warning("decoded cache: removed %s, left by a build that was killed", leftover)
 
 
-# Starting a pool of 2 decoding processes took 3 s on 2 cores (each imports light_jax.data), as long as decoding
-# 3,000 JPEGs of 500 x 375 px to a 160 px shorter side (1.0-1.4 ms each): a smaller build is sooner in this process.
-POOL_FROM_IMAGES = 4096
+# Starting a pool of 2 decoding processes took 3 s on 2 cores (each imports light_jax.data): as long as one process
+# decodes 3,000 JPEGs of 500 x 375 px to a 160 px shorter side (1.0-1.4 ms each).
+POOL_START_SECONDS = 3.0
+
+
+def _pool_pays(seconds_per_image: float, images_left: int, workers: int) -> bool:
+  """Whether ``workers`` processes decode the rest sooner than this one, their start-up included."""
+  return workers > 1 and images_left * seconds_per_image * (1 - 1 / workers) > POOL_START_SECONDS
 
 
 def build_disk_cache(records, path: str, shorter: int, workers: int | None = None) -> None:
-  """Decodes every record once (``workers`` processes; None: one per core this process may use, from
-  ``POOL_FROM_IMAGES`` records on) and writes the cache atomically, the records' fingerprint last."""
+  """Decodes every record once and writes the cache atomically, the records' fingerprint last. ``workers``
+  processes; None: the first chunk in this process, then one per core this process may use if the time the first
+  chunk took says they finish sooner (a small folder of small images: no pool to start)."""
   start, n = time.time(), len(records)
-  if not workers:  # the cores this process may use (taskset, cgroups' cpusets)
-    workers = len(os.sched_getaffinity(0)) if n >= POOL_FROM_IMAGES else 1
   chunk = 256
   # spawn, not fork: the caller is multithreaded (JAX), and forking it can deadlock.
   context = multiprocessing.get_context("spawn")
-  # The workers take a Ctrl-C as this process does (no ignore_signals), and this process stops set-up at a stop
-  # signal (preemption.StoppedInSetup): a build can take hours; the interrupted build leaves no partial file.
-  pool = (
-    concurrent.futures.ProcessPoolExecutor(
-      workers, mp_context=context, initializer=child_process.bound_to_this_process()
-    )
-    if workers > 1
-    else None
-  )
+  cores = len(os.sched_getaffinity(0))  # the cores this process may use (taskset, cgroups' cpusets)
   _remove_stale_partial_files(path)
   try:
-    with pool or contextlib.nullcontext(), _writer(path) as writer:
+    with contextlib.ExitStack() as stack:
+      writer = stack.enter_context(_writer(path))
+      pool = None
       for first in range(0, n, chunk):
+        if workers:  # given: from the start
+          processes = workers if first == 0 and workers > 1 else 0
+        else:  # after the first chunk, if the time it took says so
+          processes = cores if first == chunk and _pool_pays((time.time() - start) / chunk, n - first, cores) else 0
+        if processes:
+          # The workers take a Ctrl-C as this process does (no ignore_signals), and this process stops set-up at a
+          # stop signal (preemption.StoppedInSetup): a build can take hours; the interrupted one leaves no file.
+          pool = stack.enter_context(
+            concurrent.futures.ProcessPoolExecutor(
+              processes, mp_context=context, initializer=child_process.bound_to_this_process()
+            )
+          )
         items = [records[i] for i in range(first, min(first + chunk, n))]
         for record in (pool.map if pool else map)(_decode_for_cache, items, [shorter] * len(items)):
           writer.write(record)
