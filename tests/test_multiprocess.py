@@ -155,7 +155,7 @@ def test_a_workdir_of_each_machines_own_is_refused_before_training(tmp_path):
   """Orbax commits a multi-process save only where every process sees the others' files: with a local folder per
   machine no checkpoint was ever committed, and the run stalled for minutes. Both processes refuse it at once."""
   port = free_port()
-  own = ["--config.mesh.nodes=-1", "--config.mesh.local=-1", "--peer_timeout=5"]  # process 0's reason: up 3 s, not 5
+  own = ["--config.mesh.nodes=-1", "--config.mesh.local=-1"]  # the default --peer_timeout: see the next test
   procs = [_train_py(tmp_path / f"own{i}", own, port, i, runner=_SHORT_SHARED_WAIT) for i in range(2)]
   outputs = [p.communicate(timeout=300)[0] for p in procs]
   for p, text in zip(procs, outputs):
@@ -169,8 +169,9 @@ def test_processes_started_with_other_settings_both_stop_at_once_naming_them(tmp
   """Started by hand with another batch size, the two processes trained on silently, each with its own (another
   max_steps: both hung at the step one did not take). Both refuse at once, naming the field."""
   port = free_port()
-  # --peer_timeout: process 0 keeps its reason up for 3 s, not 5 (a flag, not a setting the processes compare).
-  base = ["--config.mesh.nodes=-1", "--config.mesh.local=-1", "--config.data.num_workers=0", "--peer_timeout=5"]
+  # The default --peer_timeout: at 5 (a watchdog tick a second), process 1 was once stopped on process 0's published
+  # refusal (exit 4) before its own comparison refused (exit 2).
+  base = ["--config.mesh.nodes=-1", "--config.mesh.local=-1", "--config.data.num_workers=0"]
   procs = [
     _train_py(tmp_path / "run", base, port, 0),
     _train_py(tmp_path / "run", [*base, "--config.global_batch_size=256", "--config.data.num_workers=1"], port, 1),
