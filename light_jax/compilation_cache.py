@@ -30,7 +30,6 @@ from absl import logging
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _hits = 0
 _hits_lock = threading.Lock()
-_listening = False
 
 
 def default_directory() -> str:
@@ -67,12 +66,8 @@ def enable(flag_value: str | None) -> str | None:
   """Turns the cache on (``directory_for``); returns its directory, or None where it stays off. Call once per
   process, before its first compile (JAX sets its cache up then). A directory that cannot be used is a warning, not
   an error: the run compiles as it would without a cache."""
-  global _listening
-  directory = directory_for(flag_value)
-  if not jax.config.jax_enable_compilation_cache:  # JAX_ENABLE_COMPILATION_CACHE=false
-    directory = None
-  if not directory:
-    logging.info("compilation cache: off")
+  # JAX_ENABLE_COMPILATION_CACHE=false keeps it off whatever the folder.
+  directory = directory_for(flag_value) if jax.config.jax_enable_compilation_cache else None
   reason = problem(directory) if directory else None
   if reason:
     logging.warning(
@@ -80,15 +75,14 @@ def enable(flag_value: str | None) -> str | None:
       "can write), or --compilation_cache_dir= to turn it off without this warning.",
       reason,
     )
-  if not directory or reason:
+  elif not directory:
+    logging.info("compilation cache: off")
+  if reason or not directory:
     jax.config.update("jax_compilation_cache_dir", None)  # JAX_COMPILATION_CACHE_DIR would still point there
     return None
   # No size cap: JAX's capped cache stops writing for good once one entry lacks its access-time file (an entry
   # written uncapped, or a process killed between the two writes). The folder grows with each new program.
   jax.config.update("jax_compilation_cache_dir", directory)
-  if not _listening:
-    jax.monitoring.register_event_listener(_count_hit)
-    _listening = True
   logging.info("compilation cache: %s", directory)
   return directory
 
@@ -98,6 +92,10 @@ def _count_hit(event: str, **_) -> None:
   if event == _HIT_EVENT:
     with _hits_lock:
       _hits += 1
+
+
+# Counted from import on, whoever turned the cache on (train.py's enable, or JAX_COMPILATION_CACHE_DIR alone).
+jax.monitoring.register_event_listener(_count_hit)
 
 
 def hits() -> int:

@@ -487,17 +487,19 @@ def build_disk_cache(records, path: str, shorter: int, workers: int | None = Non
   # spawn, not fork: the caller is multithreaded (JAX), and forking it can deadlock.
   context = multiprocessing.get_context("spawn")
   cores = len(os.sched_getaffinity(0))  # the cores this process may use (taskset, cgroups' cpusets)
+  # Given workers: a pool from the start; None: one per core after the first chunk, if the time it took says so.
+  pool_from, processes = (0, workers) if workers else (chunk, cores)
   _remove_stale_partial_files(path)
   try:
     with contextlib.ExitStack() as stack:
       writer = stack.enter_context(_writer(path))
       pool = None
       for first in range(0, n, chunk):
-        if workers:  # given: from the start
-          processes = workers if first == 0 and workers > 1 else 0
-        else:  # after the first chunk, if the time it took says so
-          processes = cores if first == chunk and _pool_pays((time.time() - start) / chunk, n - first, cores) else 0
-        if processes:
+        if (
+          first == pool_from
+          and processes > 1
+          and (workers or _pool_pays((time.time() - start) / chunk, n - first, processes))
+        ):
           # The workers take a Ctrl-C as this process does (no ignore_signals), and this process stops set-up at a
           # stop signal (preemption.StoppedInSetup): a build can take hours; the interrupted one leaves no file.
           pool = stack.enter_context(
