@@ -8,7 +8,7 @@ key-value store every ``interval`` seconds and reads everyone else's in one call
 * a peer whose counter has not moved for ``peer_timeout`` seconds is taken for dead (killed, out of
   memory, machine gone);
 * a peer that failed with a Python error (bad data on its machine, say) publishes the reason, so the
-  others stop at once and say why;
+  others stop within two intervals and say why (one that meets its own error meanwhile reports that);
 * losing the key-value store itself means the coordinator (process 0) is gone;
 * every process alive but no training step finished here for ``step_timeout`` seconds means a collective
   is stuck (gloo has been seen to deadlock with all processes alive, each waiting in an all-reduce):
@@ -142,7 +142,11 @@ class PeerWatchdog:
         continue
       failure = self._failed_peer(published)
       if failure:
-        self._fail(failure)
+        # A check every process makes alike (a workdir that is not shared) fails here in the same moment: this
+        # process's own error (its exit code, its line) is the one to report. Its main thread closes the watchdog
+        # within an interval then; a main thread stuck in a collective does not, and the peer's reason ends it.
+        if not self._stop.wait(self.interval):
+          self._fail(failure)
         return
       for index in range(self.process_count):
         if index == self.process_index:

@@ -437,6 +437,33 @@ def test_a_ctrl_c_while_process_0_keeps_its_reason_up_leaves_at_once():
   )
 
 
+_OWN_ERROR_FIRST = """
+import sys, time, jax
+from light_jax import liveness
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=1, process_id=0)
+liveness.client().key_value_set("light_jax/liveness/1", "failed: a workdir of its own")  # as process 1 of two would
+watchdog = liveness.PeerWatchdog(0, 2, 10.0, ".").start()  # ticks every 2 s
+time.sleep(3)  # seen at the first tick; this thread's own error is reported before the second
+watchdog.close()
+print("closed by its own thread", flush=True)
+liveness.PeerWatchdog(0, 2, 5.0, ".").start()  # a thread that never closes it (stuck in a collective)
+time.sleep(30)
+"""
+
+
+def test_a_peers_published_failure_gives_this_process_an_interval_to_report_its_own():
+  """A check every process makes alike (a workdir of each machine's own) fails in all of them at once: process 0's
+  watchdog once read process 1's published failure first and ended process 0 with exit 4 instead of its own exit
+  2. The watchdog now stops on the peer's reason only if this process does not close it within an interval."""
+  start = time.monotonic()
+  process = subprocess.run([sys.executable, "-c", _OWN_ERROR_FIRST, str(free_port())], env=_env(), timeout=60,
+                           capture_output=True, text=True)  # fmt: skip
+  text = process.stdout + process.stderr
+  assert process.returncode == ExitCode.PEER_FAILURE and "closed by its own thread" in process.stdout, text[-3000:]
+  assert "error: stopping process 0 of 2: process 1 failed: a workdir of its own" in process.stderr
+  assert time.monotonic() - start < 30
+
+
 # Runs train.py late to the settings' comparison, the first wait for the other processes after the join (a slow
 # machine): it sleeps there first.
 _LATE = """
