@@ -96,7 +96,7 @@ class _Machines:
   cleanup of what they started (and made) on ``close``, at exit and on SIGTERM/SIGINT/SIGHUP."""
 
   nodes: int
-  failure_grace = 10.0  # seconds the other nodes get to end once one has failed (process 0 lingers ~5 s to tell)
+  failure_grace = 10.0  # seconds the other nodes get to end once one has failed (process 0 lingers ~6 s to tell)
 
   def __init__(self):
     self._processes: list[subprocess.Popen] = []

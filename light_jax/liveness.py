@@ -8,7 +8,8 @@ key-value store every ``interval`` seconds and reads everyone else's in one call
 * a peer whose counter has not moved for ``peer_timeout`` seconds is taken for dead (killed, out of
   memory, machine gone);
 * a peer that failed with a Python error (bad data on its machine, say) publishes the reason, so the
-  others stop within two intervals and say why (one that meets its own error meanwhile reports that);
+  others stop within an interval and a second and say why (one that meets its own error in that second
+  reports its own);
 * losing the key-value store itself means the coordinator (process 0) is gone;
 * every process alive but no training step finished here for ``step_timeout`` seconds means a collective
   is stuck (gloo has been seen to deadlock with all processes alive, each waiting in an all-reduce):
@@ -53,6 +54,9 @@ class PeerWatchdog:
     self.step_timeout = step_timeout  # 0: off
     self._last_step: float | None = None  # monotonic time of the last finished step
     self.interval = min(2.0, peer_timeout / 5)
+    # After reading a peer's failure: how long this process's own thread has to report an error of its own first.
+    self.grace = min(self.interval, 1.0)
+    self._peer_failure_read: str | None = None
     self.workdir = workdir
     self._stop = threading.Event()
     self._thread = None
@@ -75,6 +79,8 @@ class PeerWatchdog:
     self._stop.set()
     self._thread.join()
     self._thread = None
+    if failure is None and self._peer_failure_read:  # a run that ended well as a peer failed: the peer's news
+      self._fail(self._peer_failure_read)
     try:
       client().key_value_set(
         self._key(self.process_index), f"failed: {failure}" if failure else "done", allow_overwrite=True
@@ -82,10 +88,11 @@ class PeerWatchdog:
     except Exception:  # the coordinator is gone already: nothing left to tell
       return
     if failure and self.process_index == 0:
-      # The key-value store lives in this process: keep it up until the peers have read the reason.
+      # The key-value store lives in this process: keep it up until the peers have read the reason and left (a
+      # tick, then the grace; JAX ends the others with exit 134 once this process is gone).
       # A signal meanwhile exits at once, as a second one does in a run (it was a KeyboardInterrupt traceback).
       with signals_exit_at_once("keeping this process's reason up for the others; they stop on their own."):
-        time.sleep(2 * self.interval + 1)
+        time.sleep(2 * self.interval + self.grace + 1)
 
   def peer_failure(self, wait_seconds: float) -> str | None:
     """The reason a peer published for its failure ("process i failed: ..."), waiting up to ``wait_seconds`` for
@@ -144,8 +151,9 @@ class PeerWatchdog:
       if failure:
         # A check every process makes alike (a workdir that is not shared) fails here in the same moment: this
         # process's own error (its exit code, its line) is the one to report. Its main thread closes the watchdog
-        # within an interval then; a main thread stuck in a collective does not, and the peer's reason ends it.
-        if not self._stop.wait(self.interval):
+        # within the grace then; a main thread stuck in a collective does not, and the peer's reason ends it.
+        self._peer_failure_read = failure
+        if not self._stop.wait(self.grace):
           self._fail(failure)
         return
       for index in range(self.process_count):
