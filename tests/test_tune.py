@@ -14,7 +14,7 @@ import pytest
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 
 from light_jax import config as config_lib
-from tests.helpers import ROOT
+from tests.helpers import ROOT, main_refuses
 
 TINY = [  # two epochs of 8 steps each: the study's mechanics, not its accuracy
   "--config.data.train_subset=1024",
@@ -124,14 +124,9 @@ def test_bad_study_flags_and_storage_get_one_line_before_any_trial(tmp_path, mon
     "--pruner_warmup_epochs=-5": "must be >= 0",
     "--heartbeat_grace=2": "must be >= 3",
   }
-  for flag, reason in flags.items():
-    monkeypatch.setattr(sys, "argv", ["tune.py", "--config=configs/fashion_mnist.py", f"--study_dir={tmp_path}/s",
-                                      "--trials=1", flag])  # fmt: skip
-    with pytest.raises(SystemExit) as stopped:
-      tune.main()
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2 and "Traceback" not in err, err[-2000:]
-    assert f"error: --{flag[2:].split('=')[0]} {reason}" in err
+  for flag, reason in flags.items():  # argparse's own lines: "tune.py: error: ..."
+    args = ["--config=configs/fashion_mnist.py", f"--study_dir={tmp_path}/s", "--trials=1", flag]
+    assert f"error: --{flag[2:].split('=')[0]} {reason}" in main_refuses(monkeypatch, capsys, "scripts/tune.py", *args)
   error = _main_fails(tune, monkeypatch, capsys, f"--study_dir={tmp_path}/study", "--trials=2", "--storage=foo://bar")
   assert error.startswith("error: --storage=foo://bar: cannot open the study's database (NoSuchModuleError")
   # A database that cannot be made: test_a_failed_start_does_not_claim_the_study_dir.
