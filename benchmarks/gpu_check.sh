@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check: everything we want measured on an accelerator, in one run of about 8 minutes.
 #
-#   bash benchmarks/gpu_check.sh OUT_DIR            on a GPU machine (installs '.[cuda]' first)
+#   bash benchmarks/gpu_check.sh OUT_DIR            on a GPU machine (installs '.[cuda]' first: into $PYTHON, an
+#                                                   activated environment, or the repository's .venv)
 #   bash benchmarks/gpu_check.sh OUT_DIR --toy      on CPU at toy sizes (the test suite runs this)
 #
 # Steps, each bounded by `timeout` and recorded even when it fails (the others still run):
@@ -30,7 +31,6 @@ if [ -n "$TOY" ] && [ "$TOY" != "--toy" ] || [ $# -gt 2 ]; then
   echo "error: unexpected arguments after OUT_DIR: ${*:2}; $USAGE" >&2
   exit 2
 fi
-PY=${PYTHON:-python3}
 # Before anything is written: a run refused here leaves an earlier run's results in OUT_DIR as they were.
 if [ "$TOY" != "--toy" ] && ! command -v nvidia-smi > /dev/null; then
   echo "error: nvidia-smi not found: this is not a GPU machine. On CPU run: bash $0 $OUT --toy" >&2
@@ -42,6 +42,15 @@ PROBE=$(mktemp "$OUT/.writable.XXXXXX" 2> /dev/null) \
   || { echo "error: cannot write in the output folder $OUT (permissions, or a read-only file system)" >&2; exit 2; }
 rm -f -- "$PROBE"
 cd "$(dirname "$0")/.."
+# The Python to install into and run: $PYTHON; else an activated venv or conda environment's; else the repository's
+# .venv (made here on a GPU machine without one: a system Python may refuse pip installs, PEP 668).
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -n "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] || [ "$TOY" = "--toy" ]; then PY=python3
+else
+  [ -x .venv/bin/python ] || python3 -m venv .venv \
+    || { echo "error: cannot create .venv (Debian/Ubuntu: sudo apt-get install -y python3-venv); or set PYTHON=" >&2; exit 2; }
+  PY=$PWD/.venv/bin/python
+fi
 : > "$OUT/steps.jsonl"
 
 run() {  # run NAME SECONDS COMMAND...: its output to OUT/NAME.log, a record to OUT/steps.jsonl
