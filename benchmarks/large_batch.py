@@ -474,11 +474,6 @@ RUNS = {
   ),
   "lars_4096": (f"{BASE}:lars", [*B4096, *E28], "LARS (optax trust ratio), the batch-1,024 values"),
   "lars_tuned_hitopk_ef": (LARS_4096, [*FIRST, *W2, *HITOPK], "+ hitopk at 0.1%, error feedback"),
-  "lars_tuned_hitopk_mc": (
-    LARS_4096,
-    [*FIRST, *W2, *HITOPK, "--config.comm.momentum_correction=True"],
-    "+ hitopk at 0.1%, DGC momentum correction",
-  ),
   "lars_tuned_hitopk_ltr": (
     LARS_4096,
     [*FIRST, *W2, *HITOPK, "--config.comm.local_trust_ratio=True"],
@@ -501,11 +496,6 @@ RUNS = {
   "sgd_4096_8ep": (BASE, [*B4096, *E8], "SGD, linear scaling rule, 1 epoch warm-up"),
   "lars_tuned_8ep": (LARS_4096, AT_8, "LARS, MLPerf trust ratio, values from the AutoML study"),
   "lars_tuned_hitopk_ef_8ep": (LARS_4096, [*AT_8, *HITOPK], "+ hitopk at 0.1%, error feedback"),
-  "lars_tuned_hitopk_mc_8ep": (
-    LARS_4096,
-    [*AT_8, *HITOPK, "--config.comm.momentum_correction=True"],
-    "+ hitopk at 0.1%, DGC momentum correction",
-  ),
   "fp16_256": (BASE, [*E8, "--config.model.dtype=float16"], "the default in float16, dynamic loss scaling"),
   "bf16_256": (BASE, [*E8, "--config.model.dtype=bfloat16"], "the default in bfloat16"),
 }

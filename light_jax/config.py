@@ -176,9 +176,9 @@ def base_config() -> ml_collections.ConfigDict:
     # DGC's accuracy compensation (docs/techniques.md section 11): momentum correction moves
     # optimizer.momentum into the reducer (a velocity per device, masked where entries were sent; the
     # optimizer then runs without momentum); local_clip_norm > 0 clips each device's gradient to
-    # local_clip_norm / sqrt(devices) before compression. With LARS, pair it with local_trust_ratio: else the
-    # trust ratio and weight decay act after the reduction, on the sum of the velocities sent (at 0.1% that
-    # diverged, docs/measurements.md).
+    # local_clip_norm / sqrt(devices) before compression. With LARS it needs local_trust_ratio (refused without:
+    # the trust ratio and weight decay would act after the reduction, on the mean velocity, undoing the
+    # momentum; at 0.1% that diverged, docs/measurements.md).
     momentum_correction=False,
     # DGC's momentum factor masking: the velocity is zeroed where entries were sent. False zeroes only the
     # accumulated step, so the velocity stays the device's momentum SGD's (light_jax/parallel/compression.py).
@@ -481,6 +481,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     )
   if config.comm.momentum_correction and config.optimizer.name == "lamb":
     raise ConfigError("comm.momentum_correction moves SGD/LARS momentum into the reducer; LAMB has none to move.")
+  if config.comm.momentum_correction and config.optimizer.name == "lars" and not config.comm.local_trust_ratio:
+    raise ConfigError(
+      "comm.momentum_correction with optimizer.name=lars needs comm.local_trust_ratio=True: without it LARS's trust "
+      "ratio rescales the reducer's velocity after the reduction, which undoes the momentum (at density 1, steps "
+      "1 - momentum times LARS's; at 0.1% it diverged, docs/measurements.md). Set comm.local_trust_ratio=True, or "
+      "comm.momentum_correction=False."
+    )
   if config.comm.local_trust_ratio and config.optimizer.name != "lars":
     raise ConfigError(
       f"comm.local_trust_ratio moves LARS's trust ratio before the reduction; optimizer.name="

@@ -92,6 +92,10 @@ def test_default_configs_validate():
       },
       r"optimizer.name=sgd and optimizer.sharded_update=False \(got True, 'lars', False\)",
     ),
+    (
+      {"comm__strategy": "hitopk", "comm__momentum_correction": True, "optimizer__name": "lars"},
+      r"comm.momentum_correction with optimizer.name=lars needs comm.local_trust_ratio=True: without it LARS's",
+    ),
     ({"comm__residual_units": "lr"}, r"comm.residual_units='lr' is unknown; use one of \['gradient', 'update'\]"),
     ({"comm__feedback": "ef22"}, r"comm.feedback='ef22' is unknown; use one of \['residual', 'ef21'\]"),
     (

@@ -11,7 +11,9 @@ see one model), the machines average how far they moved, the pseudo-gradient
 and an outer optimizer, SGD with Nesterov momentum (``comm.outer_lr``, ``comm.outer_momentum``), applies
 it to the shared parameters, from which every machine starts its next round. The slow link carries one
 hierarchical all-reduce of the parameters every H steps instead of the gradients every step: about H
-times fewer inter-node bytes. With H = 1, outer lr 1 and no outer momentum it is the synchronous run.
+times fewer inter-node bytes. With H = 1, outer lr 1 and no outer momentum it is the synchronous run for an inner
+optimizer linear in the gradient (SGD, with or without momentum; not LARS or LAMB, whose ratios come from each
+machine's own gradient).
 
 Layout in the train state: ``params`` and ``opt_state`` are the outer parameters and the outer
 optimizer's state (replicated, what evaluation and checkpoints use); each device's ``comm_state`` holds
