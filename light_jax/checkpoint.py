@@ -12,7 +12,7 @@ files are written in the background; the train step may then donate (overwrite) 
 distributed runtime). A save that did not finish (killed process) leaves no ``commit_success`` marker and
 orbax ignores it; a finished checkpoint whose files are damaged fails to restore, and ``restore_latest``
 falls back to the previous one and says so. The damaged one stays on disk until the resumed run saves at
-its step again, which replaces it. A save whose writes fail (a full disk) raises ``CheckpointError`` at the next
+its step again, which replaces it, or until ``checkpoint.keep`` removes it as the oldest saved. A save whose writes fail (a full disk) raises ``CheckpointError`` at the next
 save or at ``close``, in one line; the unfinished save's folder is removed at the next start.
 """
 
@@ -185,9 +185,11 @@ class Checkpointer:
     """Starts an asynchronous save of ``state`` at ``step``; False if that step is saved already (and
     restores: a damaged one is replaced, else a resumed run would fall back past it on every restart)."""
     if step in self.damaged_steps:
-      logging.warning("replacing the damaged checkpoint at step %d in %s", step, self.directory)
-      self.manager.delete(step)
       self.damaged_steps.discard(step)
+      # Unless checkpoint.keep has removed it since: orbax drops the oldest saved first, not the lowest step.
+      if step in self.manager.all_steps():
+        logging.warning("replacing the damaged checkpoint at step %d in %s", step, self.directory)
+        self.manager.delete(step)
     self._wait_for_save_in_flight()  # its error (a full disk, say) surfaces here, as a CheckpointError
     if step in self.manager.all_steps():
       return False

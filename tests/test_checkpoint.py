@@ -254,6 +254,31 @@ def test_a_damaged_checkpoint_is_replaced_when_the_resumed_run_saves_at_its_step
   assert step == 2 and np.array_equal(restored["w"], np.arange(4.0) + 20)
 
 
+def test_a_damaged_checkpoint_that_keep_removed_since_is_not_deleted_again(tmp_path):
+  """orbax's checkpoint.keep removes the oldest saved, not the lowest step: a resumed run that saves more often
+  (checkpoint.every_steps may change) drops the damaged step before it reaches that step again."""
+  state, meta = {"w": jax.numpy.arange(4.0)}, {"config": {}}
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=2)
+  for step in (10, 20):
+    checkpointer.save(step, state, meta)
+  checkpointer.close()
+  for root, _, files in os.walk(os.path.join(tmp_path, "checkpoints", "20", "state")):
+    for name in files:
+      with open(os.path.join(root, name), "wb") as f:
+        f.write(b"garbage")
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=2)
+  assert checkpointer.restore_latest(checkpoint_lib.abstract(state), {})[0] == 10
+  for step in (12, 14):
+    checkpointer.save(step, state, meta)
+  assert 20 not in checkpointer.manager.all_steps()  # removed by keep=2
+  assert checkpointer.save(20, jax.tree.map(lambda x: x + 20, state), meta)
+  checkpointer.close()
+  step, restored, _ = checkpoint_lib.Checkpointer(str(tmp_path), keep=2).restore_latest(
+    checkpoint_lib.abstract(state), {}
+  )
+  assert step == 20 and np.array_equal(restored["w"], np.arange(4.0) + 20)
+
+
 def test_saving_replicated_arrays_compiles_nothing_and_restores_them(tmp_path):
   """Each array is written whole by one replica: orbax's replica-parallel saving (its CPU default) would trace
   and compile a slicing program per shape here (shapes new to this process, so no cache hides one)."""

@@ -165,6 +165,18 @@ def test_a_folder_converted_again_gets_a_new_decoded_cache(tmp_path):
   assert isinstance(load_dataset(config)[0].records, records.FolderRecords)
 
 
+def test_a_budget_the_built_cache_exceeds_but_its_estimate_fits_reads_the_cache_every_time(folder, tmp_path):
+  """The budget is checked against the same estimate before and after the build: the file, a little larger than
+  the estimate, must not turn a resumed run of the same config to the JPEGs' pixels."""
+  config = _folder_config(folder["dir"], tmp_path / "cache", cache="disk", train_subset=0)
+  estimate = records.estimate_cache_bytes(records.FolderRecords(folder["dir"], "train"), config.cache_size)
+  config.cache_budget_gb = estimate * 1.001 / 1e9
+  assert isinstance(load_dataset(config)[0].records, records.DecodedCache)  # built
+  [name] = os.listdir(tmp_path / "cache")
+  assert os.path.getsize(tmp_path / "cache" / name) > config.cache_budget_gb * 1e9  # the file is over the budget
+  assert isinstance(load_dataset(config)[0].records, records.DecodedCache)  # and still read
+
+
 def test_missing_converted_folder_says_how_to_make_it(tmp_path):
   with pytest.raises(DataError, match="prepare_image_folder.py"):
     records.FolderRecords(str(tmp_path), "train")

@@ -126,9 +126,10 @@ def _decoded_cache(source, data_config):
         path, built_from = legacy, fingerprint
         break
   fresh = built_from in {fingerprint for _, fingerprint in names}
-  # The budget holds for a cache already there too: the same config must not train on the cache's pixels in one
-  # place and on the JPEGs in another, nor load any size of file into memory.
-  size = os.path.getsize(path) if fresh else records.estimate_cache_bytes(source, data_config.cache_size)
+  # The budget holds for a cache already there too, against the same estimate as before it was built: the same
+  # config must not train on the cache's pixels in one place or run and on the JPEGs in another (the file is a
+  # little larger than the estimate, so a budget between the two would read the JPEGs once the cache exists).
+  size = records.estimate_cache_bytes(source, data_config.cache_size)
   if size > data_config.cache_budget_gb * 1e9:
     logging.warning(
       "decoded cache: %d images at %d px %s %.1f GB, over data.cache_budget_gb=%g; reading the JPEGs instead "
