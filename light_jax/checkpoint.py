@@ -12,8 +12,9 @@ files are written in the background; the train step may then donate (overwrite) 
 distributed runtime). A save that did not finish (killed process) leaves no ``commit_success`` marker and
 orbax ignores it; a finished checkpoint whose files are damaged fails to restore, and ``restore_latest``
 falls back to the previous one and says so. The damaged one stays on disk until the resumed run saves at
-its step again, which replaces it, or until ``checkpoint.keep`` removes it as the oldest saved. A save whose writes fail (a full disk) raises ``CheckpointError`` at the next
-save or at ``close``, in one line; the unfinished save's folder is removed at the next start.
+its step again, which replaces it, or until ``checkpoint.keep`` removes it as the oldest saved. A save whose
+writes fail (a full disk) raises ``CheckpointError`` at the next save or at ``close``, in one line; the unfinished
+save's folder is removed at the next start.
 """
 
 from __future__ import annotations
