@@ -367,7 +367,7 @@ def run_summary(
       "processes": jax.process_count(),
       "platform": mesh.devices.flat[0].platform,
     },
-    "images_per_sec_mean": images_per_sec_mean(records, plan, start_step),
+    "images_per_sec_mean": images_per_sec_mean(records, plan),
     "nonfinite_steps": nonfinite_steps,
     "resumed_from_step": start_step,
     "checkpoint_blocking_seconds": checkpoint_seconds,
@@ -387,14 +387,13 @@ def run_summary(
   return summary
 
 
-def images_per_sec_mean(records: list[dict[str, Any]], plan: schedules.EpochPlan, start_step: int = 0) -> float | None:
-  """The records' images over their training seconds: each record's rate weighted by its images, so that a short
-  record (cut by max_steps, the first after a resume at ``start_step``) weighs as little as it trained."""
-  steps = [0] + [r["step"] for r in records]
-  # A record's rate covers its steps since the previous record, or since the resume where that came before it.
-  images = [plan.images(start_step if a < start_step < b else a, b) for a, b in zip(steps, steps[1:])]
-  trained = [(n, r["images_per_sec"]) for n, r in zip(images, records) if n]  # not a finished run's re-evaluation
-  return sum(n for n, _ in trained) / sum(n / rate for n, rate in trained) if trained else None
+def images_per_sec_mean(records: list[dict[str, Any]], plan: schedules.EpochPlan) -> float | None:
+  """The run's images over its training seconds. The last record's ``train_seconds`` is the whole run's training
+  time (a resumed run's clock goes on from its checkpoint's), so resumes leave this an uninterrupted run's figure:
+  not so the records' own rates, the first after a resume covering only that process's steps."""
+  if not records or not records[-1].get("train_seconds"):
+    return None
+  return plan.images(0, records[-1]["step"]) / records[-1]["train_seconds"]
 
 
 def _log_setup(

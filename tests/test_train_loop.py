@@ -105,22 +105,28 @@ def test_progressive_resizing_on_fashion_mnist_compiles_every_phase_before_the_l
   first, last = read_metrics(tmp_path)
   assert (first["step"], first["epoch"], last["step"], last["epoch"]) == (16, 1.0, 20, 1.125)
   assert summary["steps"] == 20 and np.isfinite(summary["final_train_loss"])
-  # The run's images/s: its images over its training seconds, the 4-step record weighing as little as it trained.
+  # The run's images/s: its images over its training seconds, which are its records' (to the clock's readings).
+  assert summary["images_per_sec_mean"] == pytest.approx((16 * 128 + 4 * 64) / last["train_seconds"])
   seconds = 16 * 128 / first["images_per_sec"] + 4 * 64 / last["images_per_sec"]
-  assert summary["images_per_sec_mean"] == pytest.approx((16 * 128 + 4 * 64) / seconds)
+  assert seconds == pytest.approx(last["train_seconds"], rel=1e-2)
   plan = schedules.EpochPlan(2048, 2, schedules.parse_resolution_schedule("0:20:128,1:28", None), 64)
   schedule = schedules.learning_rate_schedule(config.optimizer, plan)
   assert first["learning_rate"] == pytest.approx(float(schedule(15)))  # step 15 (from 0), at batch 128's rate
   assert last["learning_rate"] == pytest.approx(float(schedule(19)))
 
 
-def test_the_runs_images_per_second_weighs_each_record_by_the_images_it_trained():
+def test_the_runs_images_per_second_is_its_images_over_its_training_seconds_whatever_the_resumes():
   plan = schedules.EpochPlan(2048, 2, schedules.parse_resolution_schedule("0:20:128,1:28", None), 64)
-  records = [{"step": 16, "images_per_sec": 1000.0}, {"step": 20, "images_per_sec": 500.0}]
   # 16 x 128 images at 1000/s, then 4 x 64 at 500/s
-  assert train_lib.images_per_sec_mean(records, plan) == pytest.approx(2304 / (2.048 + 0.512))
-  # Resumed at step 18: the second record's rate covers steps 18-20 only (its process's), 2 x 64 images.
-  assert train_lib.images_per_sec_mean(records, plan, start_step=18) == pytest.approx(2176 / (2.048 + 0.256))
+  records = [
+    {"step": 16, "images_per_sec": 1000.0, "train_seconds": 2.048},
+    {"step": 20, "images_per_sec": 500.0, "train_seconds": 2.56},
+  ]
+  assert train_lib.images_per_sec_mean(records, plan) == pytest.approx(2304 / 2.56)
+  # Resumed at step 19: the last record's rate covers step 19-20 alone (its process's; a slower one here), but its
+  # train_seconds, carried by the checkpoint, the whole run's: the figure is the run's, not the records' weighed.
+  records[-1]["images_per_sec"] = 64 / 0.2
+  assert train_lib.images_per_sec_mean(records, plan) == pytest.approx(2304 / 2.56)
   assert train_lib.images_per_sec_mean([], plan) is None
 
 
