@@ -130,7 +130,10 @@ class NonFiniteCheck:
     self.seen = seen
 
   def __call__(self, info: StepInfo) -> str | None:
-    count = skipped_steps(info.state)
+    return self.check(info.state)
+
+  def check(self, state: step_lib.TrainState) -> str | None:
+    count = skipped_steps(state)
     if count <= self.seen:
       return None
     self.seen = count

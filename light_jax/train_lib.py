@@ -175,6 +175,10 @@ def train_and_evaluate(
         "training from step %d to step %d (a signal from now on saves after the current step)", start_step, total_steps
       )
       loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)
+      if loop.stop == PREEMPTED and nonfinite.check(loop.state) == NONFINITE:
+        # The signal came after the non-finite check's turn at this step: its skips are reported (and stop the run)
+        # before the save below counts them as seen.
+        loop = dataclasses.replace(loop, stop=NONFINITE)
       # Save the final state; a no-op when CheckpointSaver has just saved this step.
       checkpointer.save(loop.step, loop.state, {**meta, "train_seconds": clock.seconds()})
     if loop.stop == PREEMPTED and loop.step >= total_steps:  # the signal came with the last step: the run is done

@@ -25,7 +25,7 @@ import pytest
 
 from configs import fashion_mnist
 from light_jax import checkpoint as checkpoint_lib
-from light_jax import liveness, stderr_redirect, train_lib
+from light_jax import hooks, liveness, stderr_redirect, train_lib
 from light_jax.checkpoint import CheckpointError
 from light_jax.config import base_config
 from light_jax.exit_codes import ExitCode
@@ -441,6 +441,23 @@ def test_a_signal_before_the_next_check_still_reports_a_non_finite_step(tmp_path
   config = _config(train__inject_nan_at_step=5, train__on_nonfinite="stop", log_every_steps=4)
   with pytest.raises(train_lib.NonFiniteError):
     train_lib.train_and_evaluate(config, str(tmp_path), extra_hooks=[(send_sigterm, 1)])
+  assert _steps(tmp_path)[-1] == 7
+
+
+def test_a_signal_just_after_the_non_finite_checks_turn_still_reports_a_non_finite_step(tmp_path, monkeypatch):
+  """As above, but the SIGTERM comes at step 7 after the non-finite check's turn was decided (not due) and before
+  the preemption check reads it: microseconds in a run, made certain here."""
+  check = hooks.PreemptionCheck.__call__
+
+  def signalled_first(self, info):
+    if info.step == 7:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return check(self, info)
+
+  monkeypatch.setattr(hooks.PreemptionCheck, "__call__", signalled_first)
+  config = _config(train__inject_nan_at_step=5, train__on_nonfinite="stop", log_every_steps=4)
+  with pytest.raises(train_lib.NonFiniteError):
+    train_lib.train_and_evaluate(config, str(tmp_path))
   assert _steps(tmp_path)[-1] == 7
 
 
