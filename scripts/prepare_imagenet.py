@@ -54,14 +54,31 @@ def check_manual_dir(manual_dir: str) -> None:
     )
 
 
+def _member_names(path: str) -> list[str]:
+  """The names of the tar's members, from their headers (seconds, not a read of the whole tar). A tar cut inside a
+  member fails in tarfile; one cut at a member's end or inside the next header ends the listing without a word,
+  so the end-of-archive blocks (1,024 zero bytes after the last member) must be there too."""
+  try:
+    with tarfile.open(path, mode="r:") as tar:
+      names = tar.getnames()  # seeks from header to header
+      end = tar.offset
+  except tarfile.TarError as e:
+    raise PrepareError(f"{path} is not a readable tar ({e}); is the download complete?") from e
+  with open(path, "rb") as f:
+    f.seek(end)
+    marker = f.read(1024)
+  if len(marker) < 1024 or any(marker):
+    raise PrepareError(
+      f"{path} ends after {len(names)} members without the end-of-archive blocks: it was cut short; is the "
+      "download complete?"
+    )
+  return names
+
+
 def check_train_tar(train_tar: str) -> int:
   """Checks that the train tar is whole and holds only per-class tars, and returns how many: TFDS would find a cut
   only at its end, after reading the whole tar (hours), as a traceback. Reads the member headers only (seconds)."""
-  try:
-    with tarfile.open(train_tar, mode="r:") as tar:
-      names = tar.getnames()  # seeks from header to header: a tar cut inside a member fails here
-  except tarfile.TarError as e:
-    raise PrepareError(f"{train_tar} is not a readable tar ({e}); is the download complete?") from e
+  names = _member_names(train_tar)
   unexpected = [name for name in names if not _CLASS_TAR.fullmatch(name)]
   if unexpected:
     raise PrepareError(
@@ -114,12 +131,8 @@ def check_val_names(val_tar: str) -> int:
   TFDS pairs the *sorted names in the tar* with its list of 50000 validation labels by position, so a tar missing
   any image (a partial download, a subset) would silently shift every later label. The full tar passes.
   """
-  try:
-    with tarfile.open(val_tar, mode="r:") as tar:
-      # Every member's name, as TFDS takes them (tar.getnames()): a directory entry shifts its labels too.
-      names = sorted(tar.getnames())
-  except tarfile.TarError as e:
-    raise PrepareError(f"{val_tar} is not a readable tar ({e}); is the download complete?") from e
+  # Every member's name, as TFDS takes them (tar.getnames()): a directory entry shifts its labels too.
+  names = sorted(_member_names(val_tar))
   numbers = []
   for name in names:
     match = _VAL_NAME.fullmatch(name)
@@ -200,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     check_data_dir(data_dir)
     check_manual_dir(manual_dir)
     classes = check_train_tar(os.path.join(manual_dir, TRAIN_TAR))
-    # Not refused: a subset of the classes is a valid dataset (the tests' has 7), but a tar cut between two class
-    # tars reads as one.
+    # Not refused: a subset of the classes is a valid dataset (the tests' has 7); a cut tar is (_member_names).
     print(f"{TRAIN_TAR}: {classes} class tars (the full ImageNet has 1000)", flush=True)
-    check_val_names(os.path.join(manual_dir, VAL_TAR))
+    images = check_val_names(os.path.join(manual_dir, VAL_TAR))
+    print(f"{VAL_TAR}: {images} validation images (the full ImageNet has 50000)", flush=True)
     check_prepare_deps()
     start = time.time()
     builder = prepare(manual_dir, data_dir)

@@ -654,3 +654,22 @@ def test_a_jpeg_damaged_mid_file_is_a_bad_image_on_the_whole_image_path():
     with pytest.raises(transforms.BadImage):
       transforms.decode_crop_resize(bytes(damaged), 8, region_decode=False)
   assert transforms.decode_crop_resize(buffer.getvalue(), 8, region_decode=False).shape == (8, 8, 3)
+
+
+def test_evaluation_decodes_whole_so_a_jpeg_damaged_below_its_centre_box_counts_on_no_path():
+  """Damage near the bottom of a file that still ends with its end marker: the region decoder stops above it.
+  Evaluation decodes whole with or without the decoder built, so the image is bad (masked) either way."""
+  import io
+
+  from PIL import Image
+
+  buffer = io.BytesIO()
+  pixels = (np.random.default_rng(0).random((768, 256, 3)) * 255).astype(np.uint8)
+  Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+  damaged = bytearray(buffer.getvalue())
+  at = int(len(damaged) * 0.8)
+  damaged[at : at + 50] = np.random.default_rng(1).integers(0, 256, 50, dtype=np.uint8).tobytes()
+  assert damaged.endswith(b"\xff\xd9")
+  for region_decode in (True, False):
+    with pytest.raises(transforms.BadImage):
+      transforms.decode_crop_resize(bytes(damaged), 32, region_decode=region_decode)

@@ -218,6 +218,26 @@ def test_a_cut_or_foreign_train_tar_is_refused_before_the_preparation(tmp_path):
   assert not (tmp_path / "out").exists()
 
 
+def test_a_tar_cut_at_a_members_end_or_inside_a_header_is_refused(tmp_path):
+  """tarfile fails on a cut inside a member's data only: cut at a member's end or inside the next header, the
+  listing just ends, and a validation tar of 1..N-1 would pass as a smaller split."""
+  spec = importlib.util.spec_from_file_location("_prepare_imagenet", SCRIPT)
+  prepare = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(prepare)
+  make_ilsvrc_tars(tmp_path, SYNSETS, 1, VAL_COUNT)
+  for name, check, count in [(VAL_TAR, prepare.check_val_names, VAL_COUNT), (TRAIN_TAR, prepare.check_train_tar, 7)]:
+    path = tmp_path / name
+    whole = path.read_bytes()
+    assert check(str(path)) == count
+    with tarfile.open(path) as tar:
+      last = tar.getmembers()[-1]
+    for cut in (last.offset, last.offset + 100):  # at the last member's header, inside it
+      path.write_bytes(whole[:cut])
+      with pytest.raises(prepare.PrepareError, match=f"ends after {count - 1} members without the end-of-archive"):
+        check(str(path))
+    path.write_bytes(whole)
+
+
 def test_without_tensorflow_says_how_to_install_it(tmp_path):
   """Blocks ``import tensorflow`` in the child (a None entry in sys.modules is Python's way to make a module
   unimportable), so this runs whether or not the prepare extra is installed."""

@@ -323,7 +323,8 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
         f for f in entries if f.lower().endswith(IMAGE_EXTENSIONS) and os.path.isfile(os.path.join(class_dir, f))
       ]
       # Sub-folders and files of other kinds are not read: said, not dropped in silence.
-      ignored += [f"{name}/{f}" for f in entries if f not in names and not f.startswith(".")]
+      kept = set(names)  # a list here made a class of 40,000 files take 15 s
+      ignored += [f"{name}/{f}" for f in entries if f not in kept and not f.startswith(".")]
       if not names:
         empty.append(name)
         logging.warning("image folder: class %r has no images in %s", name, root)

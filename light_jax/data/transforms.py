@@ -269,8 +269,12 @@ def decode_crop_resize(
   wanted = (math.ceil(width * size / box_w), math.ceil(height * size / box_h)) if reduced_decode else (width, height)
   # Decoding stops at the box's last row, so damage below it would go unseen: a JPEG that does not end
   # with its end-of-image marker (a cut-off download, the usual damage) is decoded whole, which rejects
-  # it, so that a damaged file is bad for every crop, not for some.
-  if region_decode and jpeg_size is not None and _jpeg_region is not None and data.endswith(b"\xff\xd9"):
+  # it, so that it is bad for every crop, not for some. Damage inside a file that still ends with the marker
+  # (flipped bytes) shows only at the end of the scan: a training crop above it decodes. Evaluation (its centre
+  # box reaches nearly the last row anyway) decodes whole, so that whether an image counts does not depend on the
+  # decoder being built.
+  region = region_decode and rng is not None and _jpeg_region is not None
+  if region and jpeg_size is not None and data.endswith(b"\xff\xd9"):
     decoded = _decode_region(data, jpeg_size, _dct_denominator(width, height, *wanted), box, size)
     if decoded is not None:
       return crop_resize(*decoded, size, flip)
