@@ -66,6 +66,9 @@ def main():
       cli.fail(str(e))
     if isinstance(e, OSError):  # a failure of the file system (a full disk is a DataError)
       cli.fail(f"converting {folder} to {out} failed: {e}")
+    if isinstance(e, KeyboardInterrupt):
+      print(f"stopped by Ctrl-C: {'nothing written' if new else f'{args.out} left as it was'}", file=sys.stderr)
+      sys.exit(130)  # 128 + SIGINT, as a shell reports it
     raise
   print(f"{len(info['classes'])} classes -> {args.out}")
   for split, counts in info["splits"].items():

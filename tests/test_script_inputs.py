@@ -3,6 +3,7 @@ on bad input); and relative work directories given from outside the repository."
 
 import functools
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from absl import logging as absl_logging
 
+from light_jax.data import records
 from tests.helpers import ROOT, main_refuses, tmpfs, workdir_held
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -299,6 +301,23 @@ def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path, monk
     args = [f"--folder={tmp_path / 'folder'}", f"--out={tmp_path / 'out'}", f"--splits={splits}"]
     assert "give distinct split names, each a folder's name" in refused("scripts/prepare_image_folder.py", *args)
     assert not (tmp_path / "out").exists()
+  # Ctrl-C during the conversion: one line and exit 130 (a traceback before), the --out it made removed.
+  (tmp_path / "folder" / "train" / "cat").mkdir()
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(records, "convert_image_folder", interrupted)
+  monkeypatch.setattr(sys, "path", list(sys.path))  # the script's own sys.path.insert, undone afterwards
+  argv = ["prepare_image_folder.py", f"--folder={tmp_path / 'folder'}", f"--out={tmp_path / 'out'}"]
+  monkeypatch.setattr(sys, "argv", argv)
+  spec = importlib.util.spec_from_file_location("_prepare_image_folder", f"{ROOT}/scripts/prepare_image_folder.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  with pytest.raises(SystemExit) as stopped:
+    script.main()
+  assert stopped.value.code == 130 and capsys.readouterr().err == "stopped by Ctrl-C: nothing written\n"
+  assert not (tmp_path / "out").exists()
 
 
 def test_prepare_image_folder_on_unreadable_input_or_output(tmp_path):

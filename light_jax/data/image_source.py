@@ -82,11 +82,7 @@ class ImageSource:
         if file_name not in self.bad_records:
           self.bad_records.add(file_name)
           logging.warning(
-            "%s: skipping bad image %s (%s); record %d stands in for it",
-            self.name,
-            file_name,
-            e,
-            (index + offset + 1) % n,
+            "%s: skipping bad image %s (%s); the next good record stands in for it", self.name, file_name, e
           )
     raise DataError(
       f"{self.name}: {MAX_CONSECUTIVE_BAD} consecutive records from index {index} cannot be "
