@@ -18,7 +18,7 @@ from ml_collections import config_flags
 # These import nothing of JAX: devices are set up in main.
 from light_jax import cli, coordinator
 from light_jax import config as config_lib
-from light_jax.exit_codes import ExitCode
+from light_jax.exit_codes import ExitCode, signals_exit_at_once
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally with :VARIANT.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, plots and checkpoints.")
@@ -142,9 +142,10 @@ def _start_jax(config):
   )
   if explicit:  # before joining: the address resolves, process 0's port is free, the others wait for process 0
     try:
-      timeouts["initialization_timeout"] = coordinator.wait_until_reachable(
-        _COORDINATOR.value, _PROCESS_ID.value, num_processes, _INIT_TIMEOUT.value
-      )
+      with signals_exit_at_once(f"waiting for process 0 at --coordinator={_COORDINATOR.value}; nothing to save."):
+        timeouts["initialization_timeout"] = coordinator.wait_until_reachable(
+          _COORDINATOR.value, _PROCESS_ID.value, num_processes, _INIT_TIMEOUT.value
+        )
     except coordinator.CoordinatorError as e:
       cli.fail(str(e))
   not_joined = _not_joined(explicit, num_processes)

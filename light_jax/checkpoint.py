@@ -143,13 +143,16 @@ def check_shared_directory(directory: str, wait_seconds: float = 10.0) -> None:
   if jax.process_index() == 0:
     with open(path, "w") as f:
       f.write("written by process 0 to check that every process sees this directory; removed at once\n")
-  multihost_utils.sync_global_devices("light_jax shared directory: written")
-  deadline = time.monotonic() + wait_seconds  # a shared file system may show a new file late
-  while not (seen := os.path.exists(path)) and time.monotonic() < deadline:
-    time.sleep(0.5)
-  seen_by = multihost_utils.process_allgather(np.array(seen))
-  if jax.process_index() == 0:
-    os.remove(path)
+  try:  # removed also where a collective below fails (a peer gone) or a signal stops set-up
+    multihost_utils.sync_global_devices("light_jax shared directory: written")
+    deadline = time.monotonic() + wait_seconds  # a shared file system may show a new file late
+    while not (seen := os.path.exists(path)) and time.monotonic() < deadline:
+      time.sleep(0.5)
+    seen_by = multihost_utils.process_allgather(np.array(seen))
+  finally:
+    if jax.process_index() == 0:
+      with contextlib.suppress(OSError):
+        os.remove(path)
   blind = [int(i) for i in np.flatnonzero(~np.asarray(seen_by, bool))]
   if blind:
     raise CheckpointError(

@@ -20,9 +20,23 @@ def exit_now(line: str, code: int):
   """Prints ``line`` on stderr and exits with ``code`` at once, without Python's exit handlers (jax.distributed's
   waits at a barrier for every process)."""
   print(line, file=sys.stderr)
-  sys.stdout.flush()
-  sys.stderr.flush()
+  flush_output()
   os._exit(code)
+
+
+def flush_output(timeout: float = 1.0) -> None:
+  """Flushes stdout and stderr before an ``os._exit``, which drops what they buffer (the epochs' result lines, when
+  stdout is a file), waiting at most ``timeout``: from another thread, a main thread blocked writing to a full pipe
+  holds the buffer's lock, and a signal handler may have interrupted a write (a reentrant flush raises)."""
+
+  def flush():
+    for stream in (sys.stdout, sys.stderr):
+      with contextlib.suppress(Exception):
+        stream.flush()
+
+  flusher = threading.Thread(target=flush, daemon=True, name="flush-before-exit")
+  flusher.start()
+  flusher.join(timeout)
 
 
 @contextlib.contextmanager

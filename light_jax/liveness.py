@@ -29,7 +29,7 @@ import time
 from absl import logging
 
 from light_jax import stderr_redirect
-from light_jax.exit_codes import ExitCode, signals_exit_at_once
+from light_jax.exit_codes import ExitCode, flush_output, signals_exit_at_once
 
 _PREFIX = "light_jax/liveness/"
 
@@ -177,6 +177,7 @@ class PeerWatchdog:
     try:
       report_stop(self.process_index, self.process_count, reason, self.workdir)
     finally:  # a report that fails must not keep a stuck process alive
+      flush_output()
       os._exit(ExitCode.PEER_FAILURE)
 
 

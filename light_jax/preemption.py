@@ -23,6 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from light_jax import stderr_redirect
+from light_jax.exit_codes import flush_output
 
 
 class StoppedInSetup(BaseException):
@@ -58,6 +59,7 @@ class PreemptionGuard:
   def _handle(self, signum, frame):
     del frame
     if self.signal is not None:
+      flush_output()
       os._exit(128 + signum)  # second signal: no save, no cleanup
     self.signal = signum
     if not self.armed:

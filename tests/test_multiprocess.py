@@ -219,21 +219,29 @@ def test_a_process_refused_before_joining_leaves_the_others_one_line_at_init_tim
   assert time.monotonic() - start < 60
 
 
-def test_a_ctrl_c_while_waiting_for_the_others_to_join_stops_at_once(tmp_path):
-  """JAX waits for every process in C++, where the Ctrl-C was not seen: up to --init_timeout (300 s), then an abort.
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_a_ctrl_c_while_waiting_for_the_others_to_join_stops_at_once(tmp_path, process_id):
+  """Process 0: JAX waits for every process in C++, where the Ctrl-C was not seen: up to --init_timeout (300 s), then
+  an abort. Process 1, waiting for process 0 to answer: a KeyboardInterrupt traceback, or nothing (SIGINT ignored).
   Started with SIGINT ignored, as a script's background job is (CI's): it is taken all the same."""
   ignored = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731
-  process = _train_py(tmp_path / "run", [], free_port(), 0, preexec_fn=ignored)
+  port = free_port()
+  process = _train_py(tmp_path / "run", [], port, process_id, preexec_fn=ignored)
+  waiting = ["waiting for the other 1 process(es) to join", "waiting for process 0 at"][process_id]
   for line in process.stdout:
-    if "waiting for the other 1 process(es) to join" in line:
+    if waiting in line:
       break
   time.sleep(1)
   start = time.monotonic()
   process.send_signal(signal.SIGINT)
   text = process.communicate(timeout=60)[0]
   assert process.returncode == 128 + signal.SIGINT and time.monotonic() - start < 10, text[-3000:]
-  assert text.strip().splitlines()[-1] == (
-    "stopped by SIGINT while waiting for the other processes to join; nothing to save."
+  assert (
+    text.strip().splitlines()[-1]
+    == [
+      "stopped by SIGINT while waiting for the other processes to join; nothing to save.",
+      f"stopped by SIGINT while waiting for process 0 at --coordinator=127.0.0.1:{port}; nothing to save.",
+    ][process_id]
   )
 
 
@@ -461,7 +469,7 @@ print("closed by its own error", flush=True)
 read.clear()
 watchdog = Watchdog(1, 2, 5.0, ".").start()
 assert read.wait(30)
-print("read again", flush=True)
+print("read again")  # left in stdout's buffer (a file or pipe: no PYTHONUNBUFFERED): os._exit dropped it
 if sys.argv[2] == "ended":
   watchdog.close()  # the run ended well meanwhile: the peer's failure is still the news
 else:
@@ -474,8 +482,9 @@ def test_a_peers_published_failure_gives_this_process_a_second_to_report_its_own
   """A check every process makes alike (a workdir of each machine's own) fails in all of them at once: process 0's
   watchdog once read process 1's published failure first and ended process 0 with exit 4 instead of its own exit
   2. The watchdog now stops on the peer's reason only if this process does not report an error of its own within
-  a second; a run that ended well meanwhile stops on the peer's reason."""
-  process = subprocess.run([sys.executable, "-c", _OWN_ERROR_FIRST, str(free_port()), then], env=_env(),
+  a second; a run that ended well meanwhile stops on the peer's reason. Its stdout is flushed before it exits."""
+  env = {k: v for k, v in _env().items() if k != "PYTHONUNBUFFERED"}
+  process = subprocess.run([sys.executable, "-c", _OWN_ERROR_FIRST, str(free_port()), then], env=env,
                            timeout=120, capture_output=True, text=True)  # fmt: skip
   text = process.stdout + process.stderr
   assert process.returncode == ExitCode.PEER_FAILURE, text[-3000:]
