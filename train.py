@@ -332,7 +332,7 @@ def _run(jax, config, watchdog, guard, workdir_problem: str | None) -> tuple[int
     return _refuse(workdir_problem)
   from light_jax import checkpoint as checkpoint_lib
   from light_jax import data as data_lib
-  from light_jax import metrics, schedules, train_lib
+  from light_jax import metrics, same_settings, schedules, train_lib
 
   refused = _check_run(jax, config)
   if refused:
@@ -349,7 +349,13 @@ def _run(jax, config, watchdog, guard, workdir_problem: str | None) -> tuple[int
   logging.info("resolved config:\n%s", config)
   try:
     summary = train_lib.train_and_evaluate(config, _WORKDIR.value, [(watchdog.step_done, 1)], preemption=guard)
-  except (data_lib.DataError, schedules.ScheduleError, checkpoint_lib.CheckpointError, metrics.MetricsError) as e:
+  except (
+    data_lib.DataError,
+    schedules.ScheduleError,
+    checkpoint_lib.CheckpointError,
+    metrics.MetricsError,
+    same_settings.SettingsDiffer,  # the dataset each machine loaded
+  ) as e:
     return _refuse(str(e))
   except train_lib.NonFiniteError as e:
     print(f"stopped: {e}", file=sys.stderr)

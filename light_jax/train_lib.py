@@ -26,7 +26,7 @@ import ml_collections
 
 from light_jax import checkpoint as checkpoint_lib
 from light_jax import data as data_lib
-from light_jax import evaluation, optim, schedules
+from light_jax import evaluation, optim, same_settings, schedules
 from light_jax import metrics as metrics_lib
 from light_jax import train_step as step_lib
 from light_jax.compiled_steps import CompiledSteps
@@ -79,6 +79,8 @@ def train_and_evaluate(
     mesh = mesh_lib.make_mesh(config.mesh.nodes, config.mesh.local)
     logging.info("%s", mesh_lib.describe(mesh))
     train_batches, eval_batches, info = make_input(config)
+    # Each machine reads its own copy (data.data_dir): copies that differ would take other steps and evaluations.
+    same_settings.check_data(data_facts(train_batches, eval_batches, info), config.data.data_dir)
     plan = train_batches.plan  # step -> epoch, image size, batch size
     total_steps = schedules.total_steps(config.max_steps, plan)
 
@@ -280,6 +282,18 @@ def make_input(
     info.image_shape[0] if jpeg else None,
   )
   return train_batches, eval_batches, info
+
+
+def data_facts(
+  train_batches: data_lib.TrainBatches, eval_batches: data_lib.EvalBatches, info: data_lib.DatasetInfo
+) -> dict[str, Any]:
+  """What every process must have loaded alike (``same_settings.check_data``)."""
+  return {
+    "train examples": len(train_batches.source),
+    "eval examples": len(eval_batches.source),
+    "classes": info.num_classes,
+    "image shape": list(info.image_shape),
+  }
 
 
 def restore(

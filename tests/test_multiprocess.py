@@ -191,6 +191,47 @@ def test_processes_started_with_other_settings_both_stop_at_once_naming_them(tmp
   assert "data.num_workers" not in outputs[1].split("settings than process 0:")[1].split(". Start")[0]  # a machine's
 
 
+def _fashion_mnist_with_a_short_test_split(folder, images: int) -> str:
+  """A copy of Fashion-MNIST (Debian's IDX files) whose test split holds its first ``images`` images only."""
+  import gzip
+
+  source = "/usr/share/datasets/fashion-mnist"
+  os.makedirs(folder)
+  for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
+    os.symlink(os.path.join(source, name), os.path.join(folder, name))
+  for name, header in (("t10k-images-idx3-ubyte.gz", 16), ("t10k-labels-idx1-ubyte.gz", 8)):
+    with gzip.open(os.path.join(source, name)) as f:
+      data = bytearray(f.read())
+    per_item = (len(data) - header) // int.from_bytes(data[4:8], "big")
+    data[4:8] = images.to_bytes(4, "big")
+    with gzip.open(os.path.join(folder, name), "wb") as f:
+      f.write(data[: header + images * per_item])
+  return str(folder)
+
+
+def test_machines_whose_dataset_copies_differ_both_stop_naming_what_differs(tmp_path):
+  """Each machine reads its own data.data_dir. A copy with a shorter test split took another number of evaluation
+  collectives: both processes hung at the first evaluation until --step_timeout, then blamed gloo (exit 4)."""
+  short = _fashion_mnist_with_a_short_test_split(tmp_path / "short", 400)
+  port = free_port()
+  procs = [
+    _train_py(tmp_path / "run", [], port, 0),
+    _train_py(tmp_path / "run", [f"--config.data.data_dir={short}"], port, 1),
+  ]
+  outputs = [p.communicate(timeout=300)[0] for p in procs]
+  for p, text in zip(procs, outputs):
+    assert p.returncode == ExitCode.BAD_INPUT and "Traceback" not in text, text[-3000:]
+  assert outputs[0].strip().splitlines()[-1] == (
+    "error: process 0 loaded another dataset than process 1: eval examples=500 here, 400 on process 1. Every "
+    "machine's data.data_dir (/usr/share/datasets/fashion-mnist here) must hold the same dataset: copy it from one "
+    "machine, or share it"
+  )
+  assert (
+    f"error: process 1 loaded another dataset than process 0: eval examples=400 here, 500 on process 0. Every machine's data.data_dir ({short} here)"
+    in outputs[1]
+  )
+
+
 def test_a_process_whose_coordinator_never_answers_says_so_and_stops_at_init_timeout(tmp_path):
   """Process 1 alone, or at a wrong address: 300 s of silence, then a C++ abort blaming a dead peer (134)."""
   start = time.monotonic()
