@@ -269,7 +269,8 @@ def main(argv):
   watchdog = liveness.PeerWatchdog(
     jax.process_index(), jax.process_count(), _PEER_TIMEOUT.value, _WORKDIR.value, _STEP_TIMEOUT.value
   ).start()
-  reason_for_peers = "unexpected error (see its log)"  # what the other processes are told if this one fails
+  # What the other processes are told if this one fails (an exception that escapes: a signal's exit, say).
+  exit_code, reason_for_peers = ExitCode.ERROR, "unexpected error (see its log)"
   try:
     with guard:
       exit_code, reason_for_peers = _run(jax, config, watchdog, guard, workdir_problem)
@@ -280,7 +281,7 @@ def main(argv):
       raise
     exit_code, reason_for_peers = _failed(e, jax, watchdog)
   finally:
-    watchdog.close(reason_for_peers)
+    watchdog.close(reason_for_peers, because_of_a_peer=exit_code == ExitCode.PEER_FAILURE)
   if exit_code == ExitCode.NONFINITE_STOP:
     sys.exit(int(exit_code))  # every process stopped after the same step and save: leave through the shutdown barrier
   if exit_code or reason_for_peers:  # a reason with exit code 0: stopped in set-up, the others may wait for it

@@ -72,8 +72,10 @@ class PeerWatchdog:
     del info
     self._last_step = time.monotonic()
 
-  def close(self, failure: str | None = None) -> None:
-    """Stops watching. ``failure`` (a one-line reason) tells the peers to stop too, instead of waiting."""
+  def close(self, failure: str | None = None, because_of_a_peer: bool = False) -> None:
+    """Stops watching. ``failure`` (a one-line reason) tells the peers to stop too, instead of waiting;
+    ``because_of_a_peer``: this process stopped on another's fault (a collective that lost one), which the peers
+    name only where no process published a failure of its own (with 3 processes, one killed, a survivor was named)."""
     if self._thread is None:
       return
     self._stop.set()
@@ -82,8 +84,9 @@ class PeerWatchdog:
     if failure is None and self._peer_failure_read:  # a run that ended well as a peer failed: the peer's news
       self._fail(self._peer_failure_read)
     try:
+      marker = "lost: " if because_of_a_peer else "failed: "
       client().key_value_set(
-        self._key(self.process_index), f"failed: {failure}" if failure else "done", allow_overwrite=True
+        self._key(self.process_index), marker + failure if failure else "done", allow_overwrite=True
       )
     except Exception:  # the coordinator is gone already: nothing left to tell
       return
@@ -110,11 +113,13 @@ class PeerWatchdog:
       time.sleep(min(0.2, self.interval))
 
   def _failed_peer(self, published: dict[str, str]) -> str | None:
-    """ "process i failed: REASON" for the first peer that published a failure in ``published``, or None."""
-    for index in range(self.process_count):
-      value = published.get(self._key(index), "")
-      if index != self.process_index and value.startswith("failed: "):
-        return f"process {index} failed: {value[len('failed: ') :]}"
+    """ "process i failed: REASON" for the first peer that published a failure of its own in ``published``, else
+    "process i stopped because of another process: REASON" for the first that stopped on another's, or None."""
+    peers = [(i, published.get(self._key(i), "")) for i in range(self.process_count) if i != self.process_index]
+    for marker, says in (("failed: ", "failed"), ("lost: ", "stopped because of another process")):
+      for index, value in peers:
+        if value.startswith(marker):
+          return f"process {index} {says}: {value[len(marker) :]}"
     return None
 
   def _key(self, index: int) -> str:

@@ -227,8 +227,8 @@ def test_machines_whose_dataset_copies_differ_both_stop_naming_what_differs(tmp_
     "machine, or share it"
   )
   assert (
-    f"error: process 1 loaded another dataset than process 0: eval examples=400 here, 500 on process 0. Every machine's data.data_dir ({short} here)"
-    in outputs[1]
+    "error: process 1 loaded another dataset than process 0: eval examples=400 here, 500 on process 0. Every "
+    f"machine's data.data_dir ({short} here)" in outputs[1]
   )
 
 
@@ -594,3 +594,22 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_with_a_checkpoint
   stopped = {int(out.split("preempted after step ")[1].split(":")[0]) for out in outs}
   assert len(stopped) == 1, stopped  # the same step on both
   assert stopped <= {int(name) for name in os.listdir(tmp_path / "run" / "checkpoints") if name.isdigit()}
+
+
+def test_a_peers_own_failure_is_named_before_one_that_stopped_because_of_another():
+  """With 3 processes, process 2 killed: process 1's collective failed and it published that; process 0 then named
+  process 1, a survivor, as the one that failed. A failure of a process's own comes first; a stop because of
+  another process is named as such."""
+  from light_jax import liveness
+
+  watchdog = liveness.PeerWatchdog(0, 3, 60.0, ".")  # not started: no distributed runtime needed
+  lost = {"light_jax/liveness/1": "lost: a collective failed (Connection reset)", "light_jax/liveness/2": "beat 7"}
+  assert (
+    watchdog._failed_peer(lost)
+    == "process 1 stopped because of another process: a collective failed (Connection reset)"
+  )
+  own = {**lost, "light_jax/liveness/2": "failed: RuntimeError: out of memory (see its log)"}
+  assert watchdog._failed_peer(own) == "process 2 failed: RuntimeError: out of memory (see its log)"
+  assert (
+    watchdog._failed_peer({"light_jax/liveness/0": "failed: this one's own", "light_jax/liveness/1": "done"}) is None
+  )
