@@ -11,9 +11,11 @@ CONFIG ?= configs/fashion_mnist.py
 .venv: $(VENV)/.installed data
 
 $(VENV)/.installed: pyproject.toml setup.py light_jax/data/_jpeg_region.c
-	@$(MAKE) --no-print-directory python-deps jpeg-build-deps
-	@# A venv whose creation failed half-way (no ensurepip) has a python but no pip: made again.
-	$(PY) -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
+	@# Kept: a venv of Python 3.11 or newer with pip. Made anew: none, a half-made one (no ensurepip), an older one.
+	@$(PY) -c 'import sys, pip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  $(MAKE) --no-print-directory python-deps && rm -rf $(VENV) && echo "$(PYTHON) -m venv $(VENV)" \
+	  && $(PYTHON) -m venv $(VENV); }
+	@$(MAKE) --no-print-directory jpeg-build-deps
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e .
 	touch $@
@@ -23,36 +25,39 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
-# Python 3.11 or newer (jax 0.10, flax, grain and orbax ask for it), with its venv module (Debian and Ubuntu ship it
-# apart, as python3-venv).
+# $(PYTHON) to make the venv with: 3.11 or newer (jax 0.10, flax, grain and orbax ask for it), with its venv module
+# (Debian and Ubuntu ship it apart, as python3.X-venv).
+PY_VERSION = $$($(1) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
 python-deps:
-	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
-	  echo "error: $(PYTHON) is not Python 3.11 or newer ($$($(PYTHON) --version 2>&1)), which jax 0.10 needs:" \
-	       "install one and run  make PYTHON=python3.11 ..." >&2; exit 1; }
-	@if $(PYTHON) -c 'import ensurepip, venv' 2>/dev/null; then :; \
+	@version=$(call PY_VERSION,$(PYTHON)); \
+	if ! $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then \
+	  echo "error: $(PYTHON) is not Python 3.11 or newer ($${version:-not found}), which jax 0.10 needs: install one" \
+	       "and run  make PYTHON=python3.11 ..." >&2; exit 1; \
+	elif $(PYTHON) -c 'import ensurepip, venv' 2>/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  echo "installing python3-venv with apt-get (to create .venv)"; \
-	  (apt-get install -y -qq python3-venv || (apt-get update -qq && apt-get install -y -qq python3-venv)) >/dev/null; \
+	  echo "installing python$$version-venv with apt-get (to create .venv)"; \
+	  (apt-get install -y -qq python$$version-venv \
+	    || (apt-get update -qq && apt-get install -y -qq python$$version-venv)) >/dev/null; \
 	else \
-	  echo "error: $(PYTHON) cannot create a venv (no ensurepip): run  sudo apt-get install -y python3-venv" \
+	  echo "error: $(PYTHON) cannot create a venv (no ensurepip): run  sudo apt-get install -y python$$version-venv" \
 	       "then make again" >&2; exit 1; \
 	fi
 
-# The JPEG region decoder (light_jax/data/_jpeg_region.c) is compiled against libjpeg(-turbo) and Python's headers:
-# it needs a C compiler and both headers. Without them the install still works and decodes whole JPEGs (slower).
-JPEG_BUILD_PACKAGES := gcc libjpeg-dev python3-dev
+# The JPEG region decoder (light_jax/data/_jpeg_region.c) is compiled against libjpeg(-turbo) and the headers of the
+# venv's Python: it needs a C compiler and both headers. Without them the install still works and decodes whole
+# JPEGs (slower).
 jpeg-build-deps:
-	@if printf '#include <stdio.h>\n#include <jpeglib.h>\n#include <Python.h>\n' \
-	     | cc -E -I"$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" - >/dev/null 2>&1; then :; \
+	@py=$$([ -x $(PY) ] && echo $(PY) || echo $(PYTHON)); version=$(call PY_VERSION,$$py); \
+	packages="gcc libjpeg-dev python$$version-dev"; \
+	if printf '#include <stdio.h>\n#include <jpeglib.h>\n#include <Python.h>\n' \
+	     | cc -E -I"$$($$py -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" - >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  echo "installing $(JPEG_BUILD_PACKAGES) with apt-get (for the JPEG region decoder)"; \
-	  (apt-get install -y -qq $(JPEG_BUILD_PACKAGES) || (apt-get update -qq && apt-get install -y -qq $(JPEG_BUILD_PACKAGES))) \
-	    >/dev/null || echo "warning: apt-get could not install $(JPEG_BUILD_PACKAGES): the JPEG region decoder will not" \
-	                      "be built" >&2; \
+	  echo "installing $$packages with apt-get (for the JPEG region decoder)"; \
+	  (apt-get install -y -qq $$packages || (apt-get update -qq && apt-get install -y -qq $$packages)) >/dev/null \
+	    || echo "warning: apt-get could not install $$packages: the JPEG region decoder will not be built" >&2; \
 	else \
 	  echo "warning: no C compiler, libjpeg headers or Python headers: the JPEG region decoder will not be built" \
-	       "(whole JPEGs are decoded, slower). To build it: sudo apt-get install -y $(JPEG_BUILD_PACKAGES), then make" \
-	       "again." >&2; \
+	       "(whole JPEGs are decoded, slower). To build it: sudo apt-get install -y $$packages, then make again." >&2; \
 	fi
 
 # Fashion-MNIST from Debian's dataset-fashion-mnist package (IDX files in $(FASHION_MNIST_DIR)).

@@ -47,7 +47,8 @@ cd "$(dirname "$0")/.."
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -n "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] || [ "$TOY" = "--toy" ]; then PY=python3
 else
-  [ -x .venv/bin/python ] || python3 -m venv .venv \
+  # A half-made one (python3-venv missing when it was made) has no pip: made again.
+  .venv/bin/python -m pip --version > /dev/null 2>&1 || { rm -rf .venv && python3 -m venv .venv; } \
     || { echo "error: cannot create .venv (Debian/Ubuntu: sudo apt-get install -y python3-venv); or set PYTHON=" >&2; exit 2; }
   PY=$PWD/.venv/bin/python
 fi

@@ -86,9 +86,9 @@ def _load_jpeg_dataset(data_config) -> tuple[ImageSource, ImageSource, DatasetIn
     train = _decoded_cache(train, data_config)
   if not transforms.region_decoding_available():
     logging.warning(
-      "light_jax was installed without its JPEG region decoder (no C compiler or libjpeg headers "
+      "light_jax was installed without its JPEG region decoder (no C compiler, libjpeg or Python headers "
       "then), so whole JPEGs are decoded: about 10-20%% slower at 128 px. Fix: apt-get install gcc "
-      "libjpeg-dev, then pip install -e . again (or make clean .venv)."
+      "libjpeg-dev python3-dev, then pip install -e . again (or rm .venv/.installed; make .venv)."
     )
   scale = (data_config.random_scale_min, 1.0)
   info = DatasetInfo(

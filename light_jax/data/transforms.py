@@ -260,8 +260,8 @@ def decode_crop_resize(
   A JPEG is decoded only as far as the box needs: with ``reduced_decode`` at the smallest DCT scale
   (1, 1/2, 1/4, 1/8) that still leaves the box at least ``size`` pixels on each side (a box decoded
   at a reduced scale is only ever shrunk by the final resize; one under ``size`` pixels is decoded at full
-  scale and enlarged), and with ``region_decode`` (if the decoder was built) only the rows down to the
-  box's last one; for an intact JPEG the output pixels are the same as from decoding the whole image.
+  scale and enlarged), and for a training box with ``region_decode`` (if the decoder was built) only the rows
+  down to the box's last one; for an intact JPEG the output pixels are the same as from decoding the whole image.
   """
   (width, height), jpeg_size = _image_size(data)
   box = random_resized_crop_box(width, height, rng, scale) if rng is not None else center_crop_box(width, height)
