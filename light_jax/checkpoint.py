@@ -307,9 +307,15 @@ class Checkpointer:
         )
       for change in safe:
         logging.warning("config changed since the checkpoint (accepted): %s", change)
-      target, convert = (
-        restore_target(abstract_state, meta.get("state_layout", 1)) if restore_target else (abstract_state, None)
-      )
+      try:
+        target, convert = (
+          restore_target(abstract_state, meta.get("state_layout", 1)) if restore_target else (abstract_state, None)
+        )
+      except ValueError as e:  # a layout this code cannot read
+        raise CheckpointError(
+          f"the checkpoint at step {step} in {self.directory} was {e}: resume with the version that wrote it, or "
+          "use a new --workdir."
+        ) from None
       try:
         with _quiet_if_it_fails():
           state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state

@@ -137,8 +137,11 @@ def create_train_state(
 
 def restore_target(abstract_state: TrainState, layout: int) -> tuple[TrainState, Callable[[TrainState], TrainState]]:
   """What a checkpoint of ``layout`` restores as (shapes, dtypes and shardings), and how that becomes a state of
-  ``abstract_state``'s layout: a run resumes from a checkpoint that an earlier light_jax wrote."""
-  if layout >= STATE_LAYOUT:
+  ``abstract_state``'s layout: a run resumes from a checkpoint that an earlier light_jax wrote. ValueError for a
+  later light_jax's layout (a downgrade), whose arrays may have the shapes of this one's and mean otherwise."""
+  if layout > STATE_LAYOUT:
+    raise ValueError(f"written by a newer light_jax (train state layout {layout}; this one reads 1 to {STATE_LAYOUT})")
+  if layout == STATE_LAYOUT:
     return abstract_state, lambda state: state
   per_device = abstract_state.batch_stats  # layout 1 kept one replicated copy: each device starts from it
   mesh = jax.tree.leaves(per_device)[0].sharding.mesh if jax.tree.leaves(per_device) else None

@@ -481,6 +481,21 @@ def test_nan_stop_policy_saves_and_stops_with_exit_code_3(tmp_path):
   assert not (tmp_path / "summary.json").exists()  # a stopped run has no summary
 
 
+def test_a_checkpoint_of_a_newer_state_layout_is_refused_in_one_line(tmp_path):
+  """A downgrade: a checkpoint a later light_jax wrote, whose arrays may have this version's shapes and another
+  meaning, restored as this version's state without a word."""
+  from light_jax import train_step as step_lib
+
+  state = {"w": jax.numpy.arange(4.0)}
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=1)
+  checkpointer.save(4, state, {"config": {}, "state_layout": step_lib.STATE_LAYOUT + 1})
+  checkpointer.close()
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=1)
+  with pytest.raises(CheckpointError, match=r"at step 4 in .* was written by a newer light_jax \(train state layout "):
+    checkpointer.restore_latest(checkpoint_lib.abstract(state), {}, restore_target=step_lib.restore_target)
+  checkpointer.close()
+
+
 def test_a_checkpoint_with_one_copy_of_the_batchnorm_statistics_resumes_with_a_copy_per_device(tmp_path):
   """Layout 1 (before the statistics were kept per device) replicated them: each device resumes from that copy."""
   from light_jax import optim
