@@ -38,7 +38,10 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
   # A stamp from before workdirs were absolute names it relative to ROOT (the studies ran from there).
   relative = [*command[1:3], f"--workdir={os.path.relpath(workdir, ROOT)}", *command[4:]]
   if not rerun and os.path.exists(os.path.join(workdir, "summary.json")):
-    changed = config_changed(workdir, config, overrides)
+    try:
+      changed = config_changed(workdir, config, overrides)
+    except (OSError, ValueError) as e:  # a damaged summary (a half-written file): no result to keep
+      changed = f"its summary.json cannot be read: {type(e).__name__}: {e}"
     if changed:  # the same command gives another run now (a variant's values changed): its result is stale
       print(f"{label}: the command's config differs from its finished run's now ({changed}); running it again",
             file=sys.stderr, flush=True)  # fmt: skip
@@ -50,7 +53,9 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
     with open(log_path, "a") as log:  # a resumed run's output follows the stopped one's
       returncode = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     if returncode == 0:
-      return
+      if os.path.exists(os.path.join(workdir, "summary.json")):
+        return
+      raise subprocess.CalledProcessError(0, command)  # stopped by a signal after a save, or in set-up
     died = returncode < 0 or returncode in (ExitCode.ERROR, ExitCode.PEER_FAILURE)
     if attempt == retries or not died or not has_checkpoint(workdir):
       raise subprocess.CalledProcessError(returncode, command)
@@ -141,6 +146,8 @@ def config_changed(workdir: str, config: str, overrides: list[str]) -> str:
 def failure_line(label: str, returncode: int, workdir: str) -> str:
   """The one line that names a failed run, why, and what the next try should be."""
   how = f"exited {returncode}" if returncode > 0 else f"was killed by signal {-returncode}"
+  if returncode == 0:
+    how = "was stopped (a signal) before its end"
   if returncode == ExitCode.BAD_INPUT:  # the same command would be refused again
     hint = "train.py refused its input: fix the config or flag its log names (an unusable checkpoint: --rerun)"
   elif returncode == ExitCode.NONFINITE_STOP:
@@ -249,6 +256,13 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
         args.failed.append(label)
   results, stopped = {}, {}
   for label in labels:
+    config, overrides, _ = runs[label]
+    stale = other_run(os.path.abspath(os.path.join(args.workdir, label)), config, overrides)
+    if stale:  # --report_only, or a run refused above: its workdir holds another command's run
+      print(f"error: {label}: left out: {stale}; run it (--only {label})", file=sys.stderr, flush=True)
+      if label not in args.failed:
+        args.failed.append(label)
+      continue
     try:
       result, records = read(os.path.join(args.workdir, label))
     except metrics.MetricsError as e:  # a damaged metrics.jsonl: the other runs are still reported
@@ -260,6 +274,25 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
     elif records:  # stopped early: curves only
       stopped[label] = records
   return args, results, stopped
+
+
+def other_run(workdir: str, config: str, overrides: list[str]) -> str:
+  """Why ``workdir``'s run is not the run of ``config`` and ``overrides`` now ("" where it is, or where there is none
+  to read): another command stamped it, or its finished run recorded a config that differs where it matters."""
+  stamp = stamped_command(workdir)
+  if stamp is None:  # no run, or one from before the stamps: read as it is
+    return ""
+  command = ["train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
+  relative = [*command[:2], f"--workdir={os.path.relpath(workdir, ROOT)}", *command[3:]]
+  if stamp not in (shlex.join(command), shlex.join(relative)):
+    return f"{workdir} holds the run of another command ({stamp})"
+  if not os.path.exists(os.path.join(workdir, "summary.json")):
+    return ""
+  try:
+    changed = config_changed(workdir, config, overrides)
+  except (OSError, ValueError):  # a damaged summary: read() names it
+    return ""
+  return f"its finished run's config differs from the row's now ({changed})" if changed else ""
 
 
 def mean_per_step(records: list[dict], key: str) -> int:

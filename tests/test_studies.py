@@ -3,6 +3,7 @@ command lines: each resolves, through train.py's own flag parser, to a config th
 the 8 devices the studies use. No training: a typo in a row would otherwise surface an hour into a study."""
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -194,3 +195,34 @@ def test_elapsed_adds_the_seconds_of_a_process_resumed_from_an_older_checkpoint(
   train_runs = importlib.import_module("train_runs")
   assert train_runs.elapsed([{"train_seconds": s} for s in (5.0, 10.0, 3.0, 7.0)]) == [5.0, 10.0, 13.0, 17.0]
   assert train_runs.elapsed([{"train_seconds": s} for s in (5.0, 10.0, 14.0)]) == [5.0, 10.0, 14.0]
+
+
+def test_a_study_run_stopped_before_its_end_is_a_failure_the_same_command_resumes(tmp_path, monkeypatch):
+  """train.py exits 0 when a signal stops it after a save (or in set-up): the row counted as done, with no summary."""
+  train_runs = _stand_in(tmp_path, monkeypatch, exit_code=0)
+  workdir = tmp_path / "run"
+  with pytest.raises(subprocess.CalledProcessError) as failed:
+    train_runs.run("row", "c.py", [], str(workdir))
+  assert failed.value.returncode == 0 and _processes(workdir) == 1
+  line = train_runs.failure_line("row", 0, str(workdir))
+  assert line.startswith("error: row failed: train.py was stopped (a signal) before its end; the same command resumes")
+  train_runs.run("row", "c.py", [], str(workdir))
+  assert _processes(workdir) == 2 and (workdir / "summary.json").exists()
+
+
+def test_a_damaged_summary_runs_the_row_again_and_another_commands_run_is_not_reported_as_the_row(
+  tmp_path, monkeypatch
+):
+  """A half-written summary.json stopped the whole study with a JSONDecodeError traceback; --report_only reported a
+  workdir stamped by another command (another density, say) as the row's result."""
+  train_runs = _stand_in(tmp_path, monkeypatch, stops_first=False)
+  workdir = tmp_path / "run"
+  train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir))
+  assert train_runs.other_run(str(workdir), "c.py", ["--config.seed=1"]) == ""
+  assert train_runs.other_run(str(workdir), "c.py", ["--config.seed=2"]).startswith(
+    f"{workdir} holds the run of another command (train.py --config=c.py --workdir={workdir} --config.seed=1)"
+  )
+  assert train_runs.other_run(str(tmp_path / "none"), "c.py", []) == ""  # nothing to read
+  (workdir / "summary.json").write_text('{"config": {"se')
+  train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir))
+  assert _processes(workdir) == 1 and json.loads((workdir / "summary.json").read_text()) == {}  # run again
