@@ -227,8 +227,15 @@ def main() -> None:
 
 def write_results(path: str, args, results: dict) -> None:
   """results.json: these strategies' results, beside the other strategies' from earlier commands on the same
-  cluster and target (a command for one strategy, or --report_only for some, replaced the file with theirs alone)."""
-  setting = {"bandwidth": args.bandwidth, "mesh": [args.nodes, args.local], "target": args.target}
+  cluster and target, config and --set (a command for one strategy, or --report_only for some, replaced the file
+  with theirs alone; a smoke run's --set num_epochs=1 figures sat beside a whole run's)."""
+  setting = {
+    "bandwidth": args.bandwidth,
+    "mesh": [args.nodes, args.local],
+    "target": args.target,
+    "config": args.config,
+    "set": set_overrides(args),
+  }
   earlier = {}
   try:
     with open(path) as f:

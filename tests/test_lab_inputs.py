@@ -219,7 +219,9 @@ def test_time_to_accuracy_keeps_the_other_strategies_results_of_the_same_cluster
   import time_to_accuracy
 
   path = str(tmp_path / "results.json")
-  args = argparse.Namespace(bandwidth="50mbit", nodes=2, local=4, target=0.92)
+  args = argparse.Namespace(
+    bandwidth="50mbit", nodes=2, local=4, target=0.92, config="configs/fashion_mnist.py", set=[]
+  )
   time_to_accuracy.write_results(path, args, {"hierarchical": {"seconds_to_target": 900.0}})
   time_to_accuracy.write_results(path, args, {"gtopk@0.01": {"seconds_to_target": 400.0}})
   with open(path) as f:
@@ -227,12 +229,16 @@ def test_time_to_accuracy_keeps_the_other_strategies_results_of_the_same_cluster
       "bandwidth": "50mbit",
       "mesh": [2, 4],
       "target": 0.92,
+      "config": "configs/fashion_mnist.py",
+      "set": [],
       "hierarchical": {"seconds_to_target": 900.0},
       "gtopk@0.01": {"seconds_to_target": 400.0},
     }
-  time_to_accuracy.write_results(path, argparse.Namespace(**{**vars(args), "bandwidth": "10mbit"}), {"dense": {}})
-  with open(path) as f:  # another link: the earlier figures do not compare
-    assert set(json.load(f)) == {"bandwidth", "mesh", "target", "dense"}
+  for other in ({"bandwidth": "10mbit"}, {"set": ["num_epochs=1"]}):  # another link, a smoke run: not comparable
+    time_to_accuracy.write_results(path, argparse.Namespace(**{**vars(args), **other}), {"dense": {}})
+    with open(path) as f:
+      assert set(json.load(f)) == {"bandwidth", "mesh", "target", "config", "set", "dense"}
+    time_to_accuracy.write_results(path, args, {"hierarchical": {}})
 
 
 def _cell(buckets, step_seconds=0.5, strategy="hierarchical"):
