@@ -296,6 +296,23 @@ def suggest(trial: optuna.Trial, space: dict[str, tuple]) -> dict:
   return params
 
 
+def sample(trial: optuna.Trial, space: dict[str, tuple]) -> tuple[dict, int | None]:
+  """The trial's values of ``space``, and the number of the killed trial whose run it resumes (its workdir) or None.
+  A retry takes the killed trial's values; where the search space gained or lost a field since, its run would be
+  another config, which train.py refuses to resume from the killed run's checkpoint: it starts afresh."""
+  frozen = trial.study.get_trials(deepcopy=False)[trial.number]
+  inherited = set(frozen.params)  # a retry's, from the killed trial
+  retried = RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
+  params = suggest(trial, space)
+  if retried is not None and set(params) != inherited:
+    print(
+      f"trial {trial.number} retries trial {retried}, but the search space's fields changed since: it starts afresh",
+      flush=True,
+    )
+    retried = None
+  return params, retried
+
+
 def read_records(workdir: str) -> list[dict]:
   """The epoch records train.py has written so far (a line being written is left for the next read)."""
   try:
@@ -334,9 +351,7 @@ def claim_study_dir(args) -> None:
 
 def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
   """Trains one sample of ``space``; reports each epoch's test top-1 to the pruner; returns the final one."""
-  params = suggest(trial, space)
-  frozen = trial.study.get_trials(deepcopy=False)[trial.number]
-  retried = RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
+  params, retried = sample(trial, space)
   number = trial.number if retried is None else retried  # a retried trial resumes in its first workdir
   workdir = os.path.join(args.study_dir, "trials", f"{number:04d}")
   if retried is None and os.path.exists(workdir):  # left by an earlier study of this name: start afresh
@@ -564,9 +579,14 @@ def wait_for_killed_trials(study: optuna.Study, grace: int) -> None:
   except KeyboardInterrupt:  # no trial of this process's is running
     resume_later(study, [])
   failed = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
-  retried = sorted(waiting_for & failed)  # not those another machine finished meanwhile
+  killed = sorted(waiting_for & failed)  # not those another machine finished meanwhile
+  trials = study.get_trials(deepcopy=False)
+  retried = [n for n in killed if not trials[n].system_attrs.get("retry_history")]  # a retry is not retried again
   if retried:
     print(f"trials {retried} were killed with their study: each is retried once", flush=True)
+  if len(retried) < len(killed):
+    print(f"trials {sorted(set(killed) - set(retried))} were killed with their study, as retries: not retried again",
+          flush=True)  # fmt: skip
 
 
 def needs_a_trial(study: optuna.Study, trials: int) -> bool:
