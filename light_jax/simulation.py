@@ -20,7 +20,7 @@ For each phase (consecutive steps with one image size, global batch and top-k de
    backward pass and only what outlasts it is exposed; without (XLA on CPU), all of it is.
 3. The optimizer update: memory-bound, 20 bytes per parameter (read parameter, gradient and momentum,
    write parameter and momentum, float32) at the device's memory bandwidth; with ``optimizer.sharded_update``
-   each device updates 1/local of them.
+   each device updates 1/local of them, and the all-gathers inside the node, which carry the updates, follow it.
 4. Input: a host's share of the global batch at the host's input rate, which falls with the pixels;
    the pipeline runs ahead, so the step takes the slower of the input and everything else.
 
@@ -222,23 +222,33 @@ def simulate_step(
   overlap: bool = True,
   wire_itemsize: int = 4,
   topk_elements_per_sec: float = math.inf,
+  gather_after_update: bool = False,
 ) -> StepTime:
   """One step's timeline: ``backward_seconds`` per tensor in backward order, the buckets' collectives one
-  after the other, each from when its last gradient is ready (``overlap``) or after the whole backward."""
+  after the other, each from when its last gradient is ready (``overlap``) or after the whole backward.
+  ``gather_after_update`` (``optimizer.sharded_update``): each bucket's all-gather inside the node carries the
+  updates, after the optimizer has run on every shard, so it leaves the stream and follows the update, exposed."""
   ready, elapsed = [], forward_seconds
   for seconds in backward_seconds:
     elapsed += seconds
     ready.append(elapsed)
   compute = elapsed
   stream_free = 0.0 if overlap else compute
+  gathers = 0.0  # the sharded update's all-gathers, after the update
   for b in buckets:
     selection = b.selection_elements / topk_elements_per_sec if b.k else 0.0
     link = cost.reduction_seconds(
       b.strategy, b.elements, nodes, local, b.k, wire_itemsize=wire_itemsize, compact_pairs=b.compact_pairs
     )
+    if gather_after_update and local > 1:
+      # Half the node's bytes: its reduce-scatter stays in the stream, the all-gather of the updates moves out.
+      buffer = strategies.Buffer(b.elements, 4, nodes, local, b.k, wire_itemsize, b.compact_pairs)
+      gather_bytes = strategies.get(b.strategy).bytes(buffer).intra_node // 2
+      link -= cost.intra.beta * gather_bytes
+      gathers += cost.intra.seconds(gather_bytes)
     start = max(ready[min(b.last_position, len(ready) - 1)] if overlap else compute, stream_free)
     stream_free = start + selection + link
-  exposed = max(stream_free - compute, 0.0)
+  exposed = max(stream_free - compute, 0.0) + gathers
   busy = compute + exposed + update_seconds
   return StepTime(compute, exposed, update_seconds, max(input_seconds - busy, 0.0))
 
@@ -452,6 +462,7 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
       overlap,
       wire_itemsize,
       device.topk_elements_per_sec,
+      gather_after_update=config.optimizer.sharded_update,
     )
     eval_seconds = epochs * padded_eval / cluster.num_devices * seconds_per_image(eval_size) / 3
     reports.append(

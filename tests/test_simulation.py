@@ -327,10 +327,15 @@ def test_the_density_warm_up_and_the_final_density_are_phases_of_their_own():
   assert warm["seconds"] > plain["seconds"]
 
 
-def test_a_sharded_update_updates_a_devices_shard_only():
+def test_a_sharded_update_updates_a_devices_shard_only_then_gathers_the_updates():
+  """The all-gathers inside the node carry the updates, after the optimizer: not hidden behind the backward pass,
+  where the simulator had left them (the step came out 0.5 ms shorter instead of 0.4 ms longer)."""
   config = imagenet_resnet50.get_config("light")
+  config.comm.update(strategy="hitopk", density=0.01)  # its reduction hides behind the backward pass
   cluster = simulation.CLUSTERS["v100x128_25gbe"]
-  whole = simulation.simulate(config, cluster)["phases"][0]["step"]["update"]
+  whole = simulation.simulate(config, cluster)["phases"][0]["step"]
   config.optimizer.sharded_update = True
-  sharded = simulation.simulate(config, cluster)["phases"][0]["step"]["update"]
-  assert sharded == pytest.approx(whole / 8)
+  sharded = simulation.simulate(config, cluster)["phases"][0]["step"]
+  assert sharded["update"] == pytest.approx(whole["update"] / 8)
+  saved = whole["update"] - sharded["update"]
+  assert sharded["exposed_comm"] - whole["exposed_comm"] > saved  # here the gathers cost more than the update saves
