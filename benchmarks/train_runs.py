@@ -51,7 +51,7 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
   log_path = os.path.join(workdir, "train.log")
   for attempt in range(retries + 1):
     with open(log_path, "a") as log:  # a resumed run's output follows the stopped one's
-      returncode = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+      returncode = _wait_for(label, subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     if returncode == 0:
       if os.path.exists(os.path.join(workdir, "summary.json")):
         return
@@ -65,6 +65,21 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
       file=sys.stderr,
       flush=True,
     )
+
+
+def _wait_for(label: str, process: subprocess.Popen) -> int:
+  """``process``'s exit code. A terminal's Ctrl-C reaches train.py too, which saves after its step and exits: it is
+  waited for (subprocess.run killed it 0.25 s later, mid-save), and the KeyboardInterrupt raised again after."""
+  try:
+    return process.wait()
+  except KeyboardInterrupt:
+    print(f"{label}: stopping; train.py saves a checkpoint first (a second Ctrl-C stops it without)",
+          file=sys.stderr, flush=True)  # fmt: skip
+    try:
+      process.wait()
+    except KeyboardInterrupt:  # the second reached train.py too: it exits at once
+      process.wait()
+    raise
 
 
 class UnusableWorkdir(RuntimeError):
@@ -248,6 +263,9 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
       workdir = os.path.abspath(os.path.join(args.workdir, label))
       try:
         run(label, config, overrides, workdir, args.rerun)
+      except KeyboardInterrupt:
+        print(f"stopped by Ctrl-C during {label}: the same command resumes it", file=sys.stderr, flush=True)
+        sys.exit(130)  # 128 + SIGINT, as a shell reports it
       except subprocess.CalledProcessError as e:  # its log says why; the other runs do not depend on it
         print(failure_line(label, e.returncode, workdir), file=sys.stderr, flush=True)
         args.failed.append(label)

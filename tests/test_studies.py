@@ -226,3 +226,54 @@ def test_a_damaged_summary_runs_the_row_again_and_another_commands_run_is_not_re
   (workdir / "summary.json").write_text('{"config": {"se')
   train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir))
   assert _processes(workdir) == 1 and json.loads((workdir / "summary.json").read_text()) == {}  # run again
+
+
+# Saves for a second when a Ctrl-C reaches it (as train.py does after its step), then exits 0.
+SAVES_ON_CTRL_C = """
+import os, signal, sys, time
+workdir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--workdir="))
+def save(signum, frame):
+  time.sleep(1)
+  open(os.path.join(workdir, "saved"), "w").close()
+  sys.exit(0)
+signal.signal(signal.SIGINT, save)
+print("process with", flush=True)
+time.sleep(60)
+"""
+
+_STUDY_OF_ONE_ROW = """
+import sys
+sys.path.insert(0, "benchmarks")
+import train_runs
+train_runs.ROOT = sys.argv[1]
+sys.argv = ["study.py", "--workdir=" + sys.argv[2]]
+train_runs.study("one row", {"row": ("c.py", [], "")}, sys.argv[1], "")
+"""
+
+
+def test_a_ctrl_c_waits_for_the_run_to_save_then_stops_the_study_in_one_line(tmp_path):
+  """subprocess.run killed train.py 0.25 s after the Ctrl-C, in the middle of its save, and the study ended with a
+  KeyboardInterrupt traceback."""
+  import signal
+  import sys
+  import time
+
+  (tmp_path / "train.py").write_text(SAVES_ON_CTRL_C)
+  study = subprocess.Popen([sys.executable, "-c", _STUDY_OF_ONE_ROW, str(tmp_path), str(tmp_path / "runs")], cwd=ROOT,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+  deadline = time.monotonic() + 60
+  while "process with" not in _log_text(tmp_path / "runs" / "row"):
+    assert time.monotonic() < deadline and study.poll() is None
+    time.sleep(0.1)
+  os.killpg(study.pid, signal.SIGINT)  # a terminal's Ctrl-C: to the whole group
+  err = study.communicate(timeout=60)[1]
+  assert study.returncode == 130 and "Traceback" not in err, err
+  assert err.strip().splitlines()[-1] == "stopped by Ctrl-C during row: the same command resumes it"
+  assert (tmp_path / "runs" / "row" / "saved").exists()
+
+
+def _log_text(workdir):
+  try:
+    return (workdir / "train.log").read_text()
+  except FileNotFoundError:
+    return ""
