@@ -328,6 +328,10 @@ def check_args(args, meshes: list[tuple[int, int]]) -> tuple[dict[str, int | Non
         resolved = check_run(args.config, cell, nodes, local)
       except ValueError as e:
         raise ValueError(f"{label} on {nodes} x {local}: {e}") from None
+      if resolved.comm.strategy == "dense" and resolved.comm.dtype == "bfloat16" and (nodes, local) == meshes[0]:
+        # docs/techniques.md section 1: XLA's CPU backend widens a bfloat16 psum to float32.
+        print(f"warning: {label}: on CPU devices XLA carries dense's bfloat16 all-reduce as float32: twice the bytes "
+              "its row counts and its prediction assumes", file=sys.stderr, flush=True)  # fmt: skip
       every = resolved.comm.sync_every
       if resolved.comm.strategy == DILOCO and args.steps < 2 * every - 1:
         raise ValueError(

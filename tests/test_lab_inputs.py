@@ -71,6 +71,16 @@ def test_mesh_lab_bandwidth_labels_are_normalised_once():
   assert [label for label, _ in requested] == ["hierarchical", "hitopk@0.001"]
 
 
+def test_mesh_lab_warns_once_that_dense_in_bfloat16_crosses_the_cpus_links_in_float32(capsys):
+  """XLA's CPU backend widens a bfloat16 all-reduce to float32: the cell's bytes and prediction were half the real."""
+  mesh_lab.check_args(_lab_args(strategies="dense/bfloat16,hierarchical/bfloat16,dense"), [(2, 4), (1, 8)])
+  warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+  assert warnings == [
+    "warning: dense/bfloat16: on CPU devices XLA carries dense's bfloat16 all-reduce as float32: twice the bytes its "
+    "row counts and its prediction assumes"
+  ]
+
+
 @pytest.mark.parametrize(
   "changes, message",
   [
