@@ -15,13 +15,14 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from light_jax import cli, metrics  # noqa: E402
+from light_jax import child_process, cli, metrics  # noqa: E402
 from light_jax.exit_codes import ExitCode  # noqa: E402
 
 
@@ -37,11 +38,14 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
   command = [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
   # A stamp from before workdirs were absolute names it relative to ROOT (the studies ran from there).
   relative = [*command[1:3], f"--workdir={os.path.relpath(workdir, ROOT)}", *command[4:]]
-  if not rerun and os.path.exists(os.path.join(workdir, "summary.json")):
-    try:
-      changed = config_changed(workdir, config, overrides)
-    except (OSError, ValueError) as e:  # a damaged summary (a half-written file): no result to keep
-      changed = f"its summary.json cannot be read: {type(e).__name__}: {e}"
+  summary = os.path.join(workdir, "summary.json")
+  if not rerun and os.path.exists(summary) and not _readable_summary(summary):
+    # A damaged summary (a half-written file): the run's checkpoints are kept, and the same command resumes the
+    # finished run, which evaluates what it restored and writes the summary again.
+    print(f"{label}: {summary} is damaged; resuming the run to write it again", file=sys.stderr, flush=True)
+    os.remove(summary)
+  if not rerun and os.path.exists(summary):
+    changed = config_changed(workdir, config, overrides)
     if changed:  # the same command gives another run now (a variant's values changed): its result is stale
       print(f"{label}: the command's config differs from its finished run's now ({changed}); running it again",
             file=sys.stderr, flush=True)  # fmt: skip
@@ -51,7 +55,17 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
   log_path = os.path.join(workdir, "train.log")
   for attempt in range(retries + 1):
     with open(log_path, "a") as log:  # a resumed run's output follows the stopped one's
-      returncode = _wait_for(label, subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+      # In a session of its own (a terminal's Ctrl-C reaches the study, which passes it on: once, a save; twice,
+      # at once), and sent SIGTERM (a save) if the study dies.
+      process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=child_process.bound_to_this_process(signal.SIGTERM),
+      )
+      returncode = _wait_for(label, process)
     if returncode == 0:
       if os.path.exists(os.path.join(workdir, "summary.json")):
         return
@@ -68,18 +82,29 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
 
 
 def _wait_for(label: str, process: subprocess.Popen) -> int:
-  """``process``'s exit code. A terminal's Ctrl-C reaches train.py too, which saves after its step and exits: it is
-  waited for (subprocess.run killed it 0.25 s later, mid-save), and the KeyboardInterrupt raised again after."""
+  """``process``'s exit code. A Ctrl-C (SIGINT) is passed on to train.py, which saves after its step and exits, and
+  is waited for (subprocess.run killed it 0.25 s later, mid-save); a second makes it exit at once. The
+  KeyboardInterrupt is raised again after."""
   try:
     return process.wait()
   except KeyboardInterrupt:
     print(f"{label}: stopping; train.py saves a checkpoint first (a second Ctrl-C stops it without)",
           file=sys.stderr, flush=True)  # fmt: skip
+    process.send_signal(signal.SIGINT)
     try:
       process.wait()
-    except KeyboardInterrupt:  # the second reached train.py too: it exits at once
+    except KeyboardInterrupt:
+      process.send_signal(signal.SIGINT)
       process.wait()
     raise
+
+
+def _readable_summary(path: str) -> bool:
+  try:
+    with open(path) as f:
+      return isinstance(json.load(f), dict)
+  except (OSError, ValueError):
+    return False
 
 
 class UnusableWorkdir(RuntimeError):
@@ -306,9 +331,11 @@ def other_run(workdir: str, config: str, overrides: list[str]) -> str:
     return f"{workdir} holds the run of another command ({stamp})"
   if not os.path.exists(os.path.join(workdir, "summary.json")):
     return ""
+  if not _readable_summary(os.path.join(workdir, "summary.json")):  # damaged: read() names it
+    return ""
   try:
     changed = config_changed(workdir, config, overrides)
-  except (OSError, ValueError):  # a damaged summary: read() names it
+  except (ValueError, TypeError, AttributeError):  # a row whose config no longer resolves, a summary of another shape
     return ""
   return f"its finished run's config differs from the row's now ({changed})" if changed else ""
 

@@ -298,15 +298,19 @@ def suggest(trial: optuna.Trial, space: dict[str, tuple]) -> dict:
 
 def sample(trial: optuna.Trial, space: dict[str, tuple]) -> tuple[dict, int | None]:
   """The trial's values of ``space``, and the number of the killed trial whose run it resumes (its workdir) or None.
-  A retry takes the killed trial's values; where the search space gained or lost a field since, its run would be
-  another config, which train.py refuses to resume from the killed run's checkpoint: it starts afresh."""
+  A retry takes the killed trial's values, those of fields the search space has lost since too (the trial records
+  them, and the best config would hold them). A field the space gained since is sampled, which makes the run
+  another config than the killed run's checkpoint, which train.py refuses to resume from: it starts afresh."""
   frozen = trial.study.get_trials(deepcopy=False)[trial.number]
-  inherited = set(frozen.params)  # a retry's, from the killed trial
+  inherited = dict(frozen.params)  # a retry's, from the killed trial
   retried = RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
   params = suggest(trial, space)
-  if retried is not None and set(params) != inherited:
+  if retried is None:
+    return params, None
+  params |= {name: value for name, value in inherited.items() if name not in params}
+  if set(params) != set(inherited):
     print(
-      f"trial {trial.number} retries trial {retried}, but the search space's fields changed since: it starts afresh",
+      f"trial {trial.number} retries trial {retried}, but the search space has gained a field since: it starts afresh",
       flush=True,
     )
     retried = None

@@ -210,12 +210,10 @@ def test_a_study_run_stopped_before_its_end_is_a_failure_the_same_command_resume
   assert _processes(workdir) == 2 and (workdir / "summary.json").exists()
 
 
-def test_a_damaged_summary_runs_the_row_again_and_another_commands_run_is_not_reported_as_the_row(
-  tmp_path, monkeypatch
-):
+def test_a_damaged_summary_resumes_the_row_and_another_commands_run_is_not_reported_as_the_row(tmp_path, monkeypatch):
   """A half-written summary.json stopped the whole study with a JSONDecodeError traceback; --report_only reported a
   workdir stamped by another command (another density, say) as the row's result."""
-  train_runs = _stand_in(tmp_path, monkeypatch, stops_first=False)
+  train_runs = _stand_in(tmp_path, monkeypatch)
   workdir = tmp_path / "run"
   train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir))
   assert train_runs.other_run(str(workdir), "c.py", ["--config.seed=1"]) == ""
@@ -223,9 +221,11 @@ def test_a_damaged_summary_runs_the_row_again_and_another_commands_run_is_not_re
     f"{workdir} holds the run of another command (train.py --config=c.py --workdir={workdir} --config.seed=1)"
   )
   assert train_runs.other_run(str(tmp_path / "none"), "c.py", []) == ""  # nothing to read
+  assert _processes(workdir) == 2  # stopped, then resumed from its checkpoint
   (workdir / "summary.json").write_text('{"config": {"se')
   train_runs.run("row", "c.py", ["--config.seed=1"], str(workdir))
-  assert _processes(workdir) == 1 and json.loads((workdir / "summary.json").read_text()) == {}  # run again
+  # Resumed (its checkpoint kept, not started over), and the summary written again.
+  assert _processes(workdir) == 3 and json.loads((workdir / "summary.json").read_text()) == {}
 
 
 # Saves for a second when a Ctrl-C reaches it (as train.py does after its step), then exits 0.

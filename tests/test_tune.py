@@ -509,17 +509,20 @@ def test_a_study_that_holds_its_trials_prints_its_results_without_waiting(tmp_pa
   assert result["trials"] == 1
 
 
-def test_a_retry_whose_search_space_changed_since_starts_afresh(tmp_path):
+def test_a_retry_keeps_the_killed_trials_values_and_starts_afresh_where_the_space_gained_a_field(tmp_path):
   """A retry resumes the killed trial's run with the killed trial's values; a field added to the search space
   since was sampled anew (a removed one dropped), so the resumed run had another config, which train.py refused:
-  the killed trial was lost. Such a retry starts afresh."""
+  the killed trial was lost. A field the space lost keeps its value (the trial records it, and the best config
+  would hold it); one it gained makes the retry start afresh."""
   tune = _tune_module()
   study = optuna.create_study(storage=f"sqlite:///{tmp_path}/study.db")
   momentum = optuna.distributions.FloatDistribution(0.8, 0.95)
   killed = study.ask({"optimizer.momentum": momentum})
   study.tell(killed, state=optuna.trial.TrialState.FAIL)
   same = {"optimizer.momentum": ("float", 0.8, 0.95)}
-  for space, resumes in [(same, 0), ({**same, "optimizer.nesterov": ("choice", [True, False])}, None)]:
+  gained = {**same, "optimizer.nesterov": ("choice", [True, False])}
+  smoothing = {"optimizer.label_smoothing": ("float", 0.0, 0.2)}  # momentum lost, label smoothing gained
+  for space, resumes in [(same, 0), (gained, None), ({}, 0), (smoothing, None)]:
     study.add_trial(optuna.create_trial(state=optuna.trial.TrialState.WAITING, params=killed.params,
                                         distributions=killed.distributions,
                                         system_attrs={"failed_trial": 0, "retry_history": [0]}))  # fmt: skip
