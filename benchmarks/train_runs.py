@@ -282,6 +282,9 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
     args.plot = cli.plot_path(args.plot, "--plot")
   check_workdir(parser, args.workdir)
   args.failed = []
+  # A Ctrl-C is a KeyboardInterrupt even where the study started with SIGINT ignored (a script's background job):
+  # it must reach train.py through the study, in its own session.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   if not args.report_only:
     for label in labels:
       config, overrides, _ = runs[label]
