@@ -16,6 +16,7 @@ resumes from its last checkpoint (benchmarks/train_runs.py). The last line is on
 
 from __future__ import annotations
 
+import os
 import sys
 
 import train_runs  # benchmarks/, this script's directory
@@ -505,14 +506,35 @@ RUNS = {
 REFERENCE = {28: "sgd_256", 8: "sgd_256_8ep"}
 
 
-def report(results: dict[str, dict], stopped: dict[str, list[dict]]) -> None:
-  """The table of finished runs, then the runs stopped before the end."""
+def reference_top1(workdir: str, results: dict[str, dict]) -> dict[int, float]:
+  """Test top-1 of the batch-256 run of each epoch count: this report's, else its finished run's in ``workdir`` (the
+  "vs 256" column was blank unless its row was in --only); none where it has not run as its row says now."""
+  top1 = {}
+  for epochs, label in REFERENCE.items():
+    if label in results:
+      top1[epochs] = results[label]["top1"]
+      continue
+    config, overrides, _ = RUNS[label]
+    run_dir = os.path.abspath(os.path.join(workdir, label))
+    if train_runs.other_run(run_dir, config, overrides):
+      continue
+    try:
+      figures, _ = train_runs.read(run_dir)
+    except train_runs.metrics.MetricsError:
+      continue
+    if figures:
+      top1[epochs] = figures["top1"]
+  return top1
+
+
+def report(results: dict[str, dict], stopped: dict[str, list[dict]], references: dict[int, float]) -> None:
+  """The table of finished runs, then the runs stopped before the end; ``references``: ``reference_top1``."""
   header = ("run", "epochs", "batch", "top-1", "vs 256", "top-5", "train s", "img/s", "inter B/step", "mean", "skipped")
   width = max(map(len, [*results, *stopped, "run"]))
   columns = "{:>6} {:>5} {:>7} {:>7} {:>7} {:>8} {:>6} {:>13} {:>9} {:>7}  what"
   print(f"{header[0]:{width}} " + columns.format(*header[1:]))
   for label, r in results.items():
-    reference = results.get(REFERENCE.get(r["epochs"], ""), {}).get("top1")
+    reference = references.get(r["epochs"])
     delta = f"{100 * (r['top1'] - reference):+.2f}" if reference is not None else ""
     print(
       f"{label:{width}} {r['epochs']:6d} {r['batch']:5d} {100 * r['top1']:6.2f}% {delta:>7} {100 * r['top5']:6.2f}% "
@@ -580,7 +602,7 @@ def main() -> None:
   args, results, stopped = train_runs.study(
     __doc__.split("\n\n")[0], RUNS, "runs/large_batch", "PNG of test top-1 against epoch and training seconds"
   )
-  report(results, stopped)
+  report(results, stopped, reference_top1(args.workdir, results))
   if args.plot and (results or stopped):
     plot(results, stopped, args.plot)
   print(train_runs.figures(results))

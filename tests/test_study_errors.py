@@ -223,3 +223,27 @@ def test_a_study_run_that_fails_is_one_line_and_the_later_runs_still_run(tmp_pat
     with pytest.raises(SystemExit):
       train_runs.study("a study", runs, "runs", "")
   assert f"--workdir={folder / 'runs'}: cannot write in {folder} (Read-only file system)" in capsys.readouterr().err
+
+
+def test_the_large_batch_report_compares_with_the_batch_256_run_outside_only(tmp_path, monkeypatch, capsys):
+  """The "vs 256" column was blank unless the batch-256 row was in --only (docs/measurements.md showed such tables)."""
+  import large_batch
+
+  (tmp_path / "train.py").write_text(STUDY_TRAIN_PY)
+  monkeypatch.setattr(train_runs, "ROOT", str(tmp_path))
+  runs = {"ref": ("c.py", [], "the reference"), "big": ("c.py", ["--config.seed=1"], "a large batch")}
+  monkeypatch.setattr(large_batch, "RUNS", runs)
+  monkeypatch.setattr(large_batch, "REFERENCE", {1: "ref"})
+  monkeypatch.setattr(sys, "argv", ["large_batch.py", f"--workdir={tmp_path / 'runs'}"])
+  train_runs.study("a study", runs, "runs", "")
+  monkeypatch.setattr(sys, "argv", ["large_batch.py", f"--workdir={tmp_path / 'runs'}", "--only=big", "--report_only"])
+  args, results, stopped = train_runs.study("a study", runs, "runs", "")
+  assert list(results) == ["big"] and large_batch.reference_top1(args.workdir, results) == {1: 0.9}
+  capsys.readouterr()
+  monkeypatch.setattr(large_batch, "epoch_table", lambda results: None)  # the stand-in's records have no epochs
+  large_batch.report(results, stopped, large_batch.reference_top1(args.workdir, results))
+  row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("big"))
+  assert " +0.00 " in row
+  # A reference run another command made (another seed, say) is not this row's: no comparison.
+  (tmp_path / "runs" / "ref" / "command.txt").write_text("train.py --config=c.py --config.seed=7")
+  assert large_batch.reference_top1(args.workdir, results) == {}
