@@ -18,7 +18,7 @@ from ml_collections import config_flags
 # These import nothing of JAX: devices are set up in main.
 from light_jax import cli, coordinator
 from light_jax import config as config_lib
-from light_jax.exit_codes import ExitCode, signals_exit_at_once
+from light_jax.exit_codes import ExitCode, flush_output, signals_exit_at_once
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally with :VARIANT.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, plots and checkpoints.")
@@ -198,8 +198,7 @@ def _exit(code: int, process_count: int):
   if process_count > 1:
     # jax.distributed's exit handler waits at a barrier for every process, and after an error here the
     # others may never come (they stop on their own: liveness.PeerWatchdog). Leave without it.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    flush_output()
     os._exit(code)
   sys.exit(code)
 

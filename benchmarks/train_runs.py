@@ -36,8 +36,6 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
   a non-finite loss), which would stop again. ``rerun`` starts over."""
   workdir = os.path.abspath(workdir)  # train.py runs in ROOT: a relative one would be read here and written there
   command = [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
-  # A stamp from before workdirs were absolute names it relative to ROOT (the studies ran from there).
-  relative = [*command[1:3], f"--workdir={os.path.relpath(workdir, ROOT)}", *command[4:]]
   summary = os.path.join(workdir, "summary.json")
   if not rerun and os.path.exists(summary) and not _readable_summary(summary):
     # A damaged summary (a half-written file): the run's checkpoints are kept, and the same command resumes the
@@ -50,7 +48,8 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
       print(f"{label}: the command's config differs from its finished run's now ({changed}); running it again",
             file=sys.stderr, flush=True)  # fmt: skip
       rerun = True
-  if not prepare_workdir(label, workdir, shlex.join(command[1:]), rerun, also=(shlex.join(relative),)):
+  stamp, older_stamp = _stamps(workdir, config, overrides)
+  if not prepare_workdir(label, workdir, stamp, rerun, also=(older_stamp,)):
     return
   log_path = os.path.join(workdir, "train.log")
   for attempt in range(retries + 1):
@@ -97,6 +96,14 @@ def _wait_for(label: str, process: subprocess.Popen) -> int:
       process.send_signal(signal.SIGINT)
       process.wait()
     raise
+
+
+def _stamps(workdir: str, config: str, overrides: list[str]) -> tuple[str, str]:
+  """The stamp of the row's run in ``workdir`` (absolute), and the one it had before workdirs were absolute, relative
+  to ROOT (the studies ran from there)."""
+  command = ["train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
+  relative = [*command[:2], f"--workdir={os.path.relpath(workdir, ROOT)}", *command[3:]]
+  return shlex.join(command), shlex.join(relative)
 
 
 def _readable_summary(path: str) -> bool:
@@ -328,13 +335,9 @@ def other_run(workdir: str, config: str, overrides: list[str]) -> str:
   stamp = stamped_command(workdir)
   if stamp is None:  # no run, or one from before the stamps: read as it is
     return ""
-  command = ["train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
-  relative = [*command[:2], f"--workdir={os.path.relpath(workdir, ROOT)}", *command[3:]]
-  if stamp not in (shlex.join(command), shlex.join(relative)):
+  if stamp not in _stamps(workdir, config, overrides):
     return f"{workdir} holds the run of another command ({stamp})"
-  if not os.path.exists(os.path.join(workdir, "summary.json")):
-    return ""
-  if not _readable_summary(os.path.join(workdir, "summary.json")):  # damaged: read() names it
+  if not _readable_summary(os.path.join(workdir, "summary.json")):  # none yet, or damaged (read() names it)
     return ""
   try:
     changed = config_changed(workdir, config, overrides)

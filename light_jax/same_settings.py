@@ -114,10 +114,10 @@ def _compare(prefix: str, mine: dict[str, Any], what: str, timeout_seconds: floa
       yield other, found, theirs
 
 
-def _get(client, key: str, other: int, timeout_seconds: float, what: str = "settings") -> str:
-  """The settings process ``other`` publishes at ``key``, waited for up to ``timeout_seconds``. Polled, with Python
-  between the polls: a blocking get held a signal's handler in C++ until it returned, and each get that times out
-  stays pending in the coordination service until the key is set."""
+def _get(client, key: str, other: int, timeout_seconds: float, what: str) -> str:
+  """The ``what`` (settings, data) process ``other`` publishes at ``key``, waited for up to ``timeout_seconds``.
+  Polled, with Python between the polls: a blocking get held a signal's handler in C++ until it returned, and each
+  get that times out stays pending in the coordination service until the key is set."""
   start = time.monotonic()
   said = False
   while True:

@@ -41,15 +41,21 @@ def main_refuses(monkeypatch, capsys, script: str, *argv: str) -> str:
   monkeypatch.setattr(sys, "path", list(sys.path))  # the script's own sys.path.insert, undone afterwards
   monkeypatch.chdir(ROOT)
   monkeypatch.setattr(sys, "argv", [os.path.basename(script), *argv])
-  name = "_script_" + os.path.splitext(os.path.basename(script))[0]
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, script))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = load_script(script)
   with pytest.raises(SystemExit) as stopped:
     module.main()
   out, err = capsys.readouterr()
   assert stopped.value.code == 2 and out == "" and "Traceback" not in err, err[-2000:]
   return err
+
+
+def load_script(script: str):
+  """``script`` (a path from the repository root) loaded afresh as a module, for its functions or its ``main()``."""
+  name = "_script_" + os.path.splitext(os.path.basename(script))[0]
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, script))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.helpers import flip_bytes, tmpfs, train_py
+from tests.helpers import flip_bytes, load_script, tmpfs, train_py
 from tests.ilsvrc_fixture import (
   CMYK_FIX_NAME,
   PNG_FIX_NAME,
@@ -221,9 +221,7 @@ def test_a_cut_or_foreign_train_tar_is_refused_before_the_preparation(tmp_path):
 def test_a_tar_cut_at_a_members_end_or_inside_a_header_is_refused(tmp_path):
   """tarfile fails on a cut inside a member's data only: cut at a member's end or inside the next header, the
   listing just ends, and a validation tar of 1..N-1 would pass as a smaller split."""
-  spec = importlib.util.spec_from_file_location("_prepare_imagenet", SCRIPT)
-  prepare = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(prepare)
+  prepare = load_script("scripts/prepare_imagenet.py")
   make_ilsvrc_tars(tmp_path, SYNSETS, 1, VAL_COUNT)
   for name, check, count in [(VAL_TAR, prepare.check_val_names, VAL_COUNT), (TRAIN_TAR, prepare.check_train_tar, 7)]:
     path = tmp_path / name

@@ -3,7 +3,6 @@ on bad input); and relative work directories given from outside the repository."
 
 import functools
 import importlib
-import importlib.util
 import json
 import os
 import shutil
@@ -15,7 +14,7 @@ import pytest
 from absl import logging as absl_logging
 
 from light_jax.data import records
-from tests.helpers import ROOT, main_refuses, tmpfs, workdir_held
+from tests.helpers import ROOT, load_script, main_refuses, tmpfs, workdir_held
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -311,11 +310,8 @@ def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path, monk
   monkeypatch.setattr(sys, "path", list(sys.path))  # the script's own sys.path.insert, undone afterwards
   argv = ["prepare_image_folder.py", f"--folder={tmp_path / 'folder'}", f"--out={tmp_path / 'out'}"]
   monkeypatch.setattr(sys, "argv", argv)
-  spec = importlib.util.spec_from_file_location("_prepare_image_folder", f"{ROOT}/scripts/prepare_image_folder.py")
-  script = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(script)
   with pytest.raises(SystemExit) as stopped:
-    script.main()
+    load_script("scripts/prepare_image_folder.py").main()
   assert stopped.value.code == 130 and capsys.readouterr().err == "stopped by Ctrl-C: nothing written\n"
   assert not (tmp_path / "out").exists()
 
