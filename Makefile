@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml setup.py light_jax/data/_jpeg_region.c
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
-# The tests also prepare a tiny TFDS imagenet2012, which needs TensorFlow (the `prepare` extra).
+# The tests also prepare a tiny TFDS imagenet2012, which needs TensorFlow (the `test` extra has it, as `prepare` does).
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@

@@ -128,7 +128,7 @@ def run_cell(
   (DiLoCo's: the means over its whole sync periods). ``links``: the calibration file of the current shaping, the
   cost model of comm.strategy=auto and adaptive fusion."""
   overrides = [
-    # One step more than measured: the run's last step ends with its evaluation, timed with it.
+    # One step more than measured, left out: the run's end, which syncs DiLoCo's machines off their period.
     f"--config.max_steps={args.warmup + args.steps + 1}",
     f"--config.comm.cost_model={links}",
     "--config.train.time_steps=True",

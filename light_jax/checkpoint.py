@@ -206,6 +206,10 @@ class Checkpointer:
     self._in_flight = step
     return True
 
+  def wait_until_saved(self) -> None:
+    """Waits for the save in flight; its failure raises CheckpointError (or PeerLost)."""
+    self._wait_for_save_in_flight()
+
   def _wait_for_save_in_flight(self) -> None:
     try:
       # Polled, not orbax's wait alone: in a multi-process run, a process whose writes failed has orbax's save

@@ -151,7 +151,9 @@ def base_config() -> ml_collections.ConfigDict:
     strategy="hierarchical",
     fusion="fixed",  # none | fixed (buckets of bucket_bytes) | adaptive (MG-WFBP)
     bucket_bytes=25 * 2**20,
-    dtype="float32",  # wire dtype of the dense hops: bfloat16 halves them (float32 accumulation)
+    # Wire dtype of the dense hops: bfloat16 halves them. hierarchical and hitopk sum in float32; dense (and the
+    # dense buckets of topk, gtopk) sum in bfloat16; diloco narrows its outer all-reduce, not its every-step one.
+    dtype="float32",
     cost_model="v100_nvlink_25gbe",  # adaptive, auto: a cost_model.PRESETS name or a calibrated JSON file
     device_tflops=15.0,  # adaptive, auto: sustained FLOP/s (x 1e12) for backward-time estimates
     # The top-k strategies (hitopk, topk, gtopk):
@@ -177,8 +179,9 @@ def base_config() -> ml_collections.ConfigDict:
     k_allocation="proportional",
     # DGC's accuracy compensation (docs/techniques.md section 11): momentum correction moves
     # optimizer.momentum into the reducer (a velocity per device, masked where entries were sent; the
-    # optimizer then runs without momentum); local_clip_norm > 0 clips each device's gradient to
-    # local_clip_norm / sqrt(devices) before compression. With LARS it needs local_trust_ratio (refused without:
+    # optimizer then runs without momentum); local_clip_norm > 0 clips what each device hands the reducer (its
+    # gradient, with SGD's weight decay wd w added under momentum correction) to local_clip_norm / sqrt(devices)
+    # before compression. With LARS it needs local_trust_ratio (refused without:
     # the trust ratio and weight decay would act after the reduction, on the mean velocity, undoing the
     # momentum; at 0.1% that diverged, docs/measurements.md).
     momentum_correction=False,
@@ -495,6 +498,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       f"comm.local_trust_ratio moves LARS's trust ratio before the reduction; optimizer.name="
       f"{config.optimizer.name!r} has none. Set optimizer.name=lars, or comm.local_trust_ratio=False."
     )
+  if config.comm.local_trust_ratio and config.comm.local_clip_norm > 0:
+    raise ConfigError(
+      "comm.local_clip_norm clips what each device hands the reducer, which comm.local_trust_ratio makes LARS's "
+      "scaled update: a gradient's threshold there would cut every layer's step by the largest one's (a bias's). "
+      "Set comm.local_clip_norm=0, or comm.local_trust_ratio=False."
+    )
   if config.comm.local_trust_ratio and config.comm.strategy == DILOCO:
     raise ConfigError(
       "comm.local_trust_ratio runs LARS's trust ratio on each device before the gradient reduction; "
@@ -533,6 +542,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       raise ConfigError(f"{why} comm.fusion 'fixed' or 'none', not 'adaptive'.")
     if config.optimizer.name not in sharded_lib.OPTIMIZERS:
       raise ConfigError(f"optimizer.sharded_update supports {sharded_lib.OPTIMIZERS}, not {config.optimizer.name!r}.")
+    if config.optimizer.fused_norms:  # it did nothing, silently
+      raise ConfigError(
+        "optimizer.fused_norms packs whole tensors to compute LARS's norms; optimizer.sharded_update computes "
+        "them from each device's shards its own way. Set optimizer.fused_norms=False."
+      )
   if config.optimizer.lars_trust != "optax" and config.optimizer.name != "lars":  # it did nothing, silently
     raise ConfigError(
       f"optimizer.lars_trust={config.optimizer.lars_trust!r} chooses LARS's trust ratio; optimizer.name="

@@ -97,7 +97,8 @@ class ProgressBar:
   the training seconds of ``clock`` (``TrainClock``: evaluations left out, which dropped the rate tenfold after
   each epoch's).
 
-  Reading step t's loss waits for step t only; the steps queued behind it keep running.
+  Reading step t's loss waits for step t, and the loop dispatches step t + 1 only after the hooks: the devices
+  wait for that dispatch once every ``log_every`` steps.
   """
 
   def __init__(self, bar, schedule: Callable[[int], Any], log_every: int, clock: TrainClock):
@@ -128,6 +129,7 @@ class NonFiniteCheck:
   def __init__(self, policy: str, seen: int = 0):
     self.policy = policy
     self.seen = seen
+    self.tripped = False  # it gave NONFINITE: another hook's stop reason at that step may have outranked it
 
   def __call__(self, info: StepInfo) -> str | None:
     return self.check(info.state)
@@ -140,6 +142,7 @@ class NonFiniteCheck:
     logging.warning(
       "%d step(s) with a non-finite loss or gradient so far (update skipped); policy: %s", count, self.policy
     )
+    self.tripped = self.tripped or self.policy == "stop"
     return NONFINITE if self.policy == "stop" else None
 
 
@@ -293,7 +296,10 @@ class ProfileTrace:
 
 class StepTimer:
   """Waits for each step, then appends its wall seconds and the bytes this machine's network interfaces
-  sent during it (loopback excluded; Linux sysfs counters) to a JSON-lines file."""
+  sent during it (loopback excluded; Linux sysfs counters) to a JSON-lines file.
+
+  The trainer runs it before its other hooks and ``restart`` after them, so that a step's seconds leave out the
+  previous step's evaluation or checkpoint save: they count its input, its dispatch and its computation."""
 
   def __init__(self, path: str, resume_step: int = 0):
     self.path = path
@@ -301,7 +307,7 @@ class StepTimer:
       metrics_lib.keep_aside(path)
     elif os.path.exists(path):  # a resumed run's steps after its checkpoint ran again: their first timing goes
       metrics_lib.keep_records(path, resume_step)
-    self._last_time, self._last_sent = time.perf_counter(), sent_bytes()
+    self.restart()
 
   def __call__(self, info: StepInfo) -> None:
     jax.block_until_ready(info.loss)
@@ -309,7 +315,10 @@ class StepTimer:
     with open(self.path, "a") as f:
       f.write(json.dumps({"step": info.step, "seconds": now - self._last_time, "sent_bytes": sent - self._last_sent}))
       f.write("\n")
-    self._last_time, self._last_sent = now, sent
+    self.restart(info)
+
+  def restart(self, info: StepInfo | None = None) -> None:
+    self._last_time, self._last_sent = time.perf_counter(), sent_bytes()
 
 
 def sent_bytes() -> int:

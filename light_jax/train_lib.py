@@ -66,8 +66,10 @@ def train_and_evaluate(
 ) -> dict[str, Any]:
   """Trains ``config`` on the current devices, evaluating each epoch; returns summary.json's dict.
 
-  A run a hook stopped (a signal, or one of ``extra_hooks``) returns only ``{"stopped", "steps"}``; a non-finite step
-  under ``train.on_nonfinite="stop"`` raises ``NonFiniteError``. Both saved a checkpoint to resume from.
+  A run a hook stopped (a signal, or one of ``extra_hooks``) before its last step returns only
+  ``{"stopped", "steps"}``; a non-finite step under ``train.on_nonfinite="stop"`` raises ``NonFiniteError``. Both
+  saved a checkpoint to resume from. So does a one-process run whose input fails between steps (a damaged record):
+  it saves the steps done, then raises the input's error.
 
   ``extra_hooks``: (hook, every) pairs run after each due step, before the trainer's own hooks.
   ``preemption``: a guard installed before (train.py's, from the processes' join on), used and uninstalled here
@@ -138,6 +140,10 @@ def train_and_evaluate(
       hooks = Hooks()
       for hook, every in extra_hooks:
         hooks.add(hook, every=every)
+      timer = None
+      if config.train.time_steps and is_main:  # first, and restarted last: a step's seconds leave out the hooks
+        timer = StepTimer(os.path.join(workdir, "step_times.jsonl"), start_step)
+        hooks.add(timer, every=1)
       # The logs' learning rate: one compiled program, not one dispatch (and one compile) per jnp op.
       host_schedule = jax.jit(schedule)
       clock = TrainClock(seconds_before)  # training seconds, evaluations left out
@@ -163,24 +169,26 @@ def train_and_evaluate(
       hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
       saver = CheckpointSaver(checkpointer, meta, clock)
       hooks.add(saver, every=config.checkpoint.every_steps)
-      if config.train.time_steps and is_main:
-        hooks.add(StepTimer(os.path.join(workdir, "step_times.jsonl"), start_step), every=1)
       if config.train.inject_hang_at_step >= 0:
         hooks.add(HangDrill(config.train.inject_hang_at_step), every=1)
       if config.train.profile_steps:
         first, last = parse_profile_steps(config.train.profile_steps)
         trace = opened.enter_context(closing(ProfileTrace(first, last, os.path.join(workdir, "profile"))))
         hooks.add(trace, every=1)
+      if timer is not None:
+        hooks.add(timer.restart, every=1)
 
       preemption.arm()
       logging.info(
         "training from step %d to step %d (a signal from now on saves after the current step)", start_step, total_steps
       )
       loop = train_loop(state, start_step, total_steps, prefetcher, compiled, hooks)
-      if loop.stop == PREEMPTED and nonfinite.check(loop.state) == NONFINITE:
-        # The signal came after the non-finite check's turn at this step: its skips are reported (and stop the run)
-        # before the save below counts them as seen.
+      if loop.stop and loop.stop != NONFINITE and (nonfinite.check(loop.state) == NONFINITE or nonfinite.tripped):
+        # Another stop (a signal after the non-finite check's turn at this step, or an extra hook's reason, which
+        # outranks it): skipped steps are reported, and stop the run, before the save below counts them as seen.
         loop = dataclasses.replace(loop, stop=NONFINITE)
+      if loop.input_error is not None and loop.step > start_step:
+        save_before_raising(checkpointer, loop, {**meta, "train_seconds": clock.seconds()})
       # Save the final state; a no-op when CheckpointSaver has just saved this step.
       checkpointer.save(loop.step, loop.state, {**meta, "train_seconds": clock.seconds()})
     if loop.stop == PREEMPTED and loop.step >= total_steps:  # the signal came with the last step: the run is done
@@ -209,6 +217,7 @@ class LoopResult:
   step: int  # steps done
   stop: str | None  # why the loop stopped early (hooks.PREEMPTED, hooks.NONFINITE, ...); None: it ran to the end
   seconds: float
+  input_error: Exception | None = None  # one process: reading the next batch failed (the state is whole)
 
 
 def train_loop(
@@ -223,12 +232,35 @@ def train_loop(
   start = time.perf_counter()
   step, stop = start_step, None
   while step < total_steps and not stop:
-    batch = next(batches)
+    try:
+      batch = next(batches)
+    except Exception as e:  # a damaged record, say: the steps done are whole, and one process can save them alone
+      if jax.process_count() > 1:  # the others wait in the next step's collectives: a save would hang
+        raise
+      return LoopResult(state, step, None, time.perf_counter() - start, input_error=e)
     step_fn, comm_bytes = compiled.for_step(step, state)
     state, loss = step_fn(state, batch["images"], batch["labels"])
     step += 1
     stop = hooks.run(StepInfo(step, state, loss, batch["labels"].shape[0], comm_bytes))
   return LoopResult(state, step, stop, time.perf_counter() - start)
+
+
+def save_before_raising(checkpointer: checkpoint_lib.Checkpointer, loop: LoopResult, meta: dict[str, Any]):
+  """Saves the steps done before the input failed (every hook of the last one ran), then raises its error, a
+  DataError saying that the run resumes from there once the input is mended. A save that fails too is logged."""
+  error = loop.input_error
+  try:
+    checkpointer.save(loop.step, loop.state, meta)
+    checkpointer.wait_until_saved()
+  except Exception as e:  # a full disk, say: the input's error is the one to report
+    logging.error("saving a checkpoint at step %d after the input failed did not work either: %s", loop.step, e)
+    raise error from None
+  if isinstance(error, data_lib.DataError):
+    raise data_lib.DataError(
+      f"{error} (the run's {loop.step} steps are saved: once mended, rerun the same command to resume)"
+    ) from None
+  logging.error("the input failed after step %d; a checkpoint at that step is saved, rerun to resume", loop.step)
+  raise error
 
 
 def stopped(loop: LoopResult) -> dict[str, Any]:

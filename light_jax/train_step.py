@@ -190,11 +190,12 @@ def make_train_step(
   kept, DiLoCo's outer step still taken; ``step``, ``nonfinite_steps``, the loss scale and the epoch's loss
   accumulators still move on).
   ``inject_nan_at_step`` >= 0 poisons that step's loss (a fault drill for tests and ``train.inject_nan_at_step``).
-  ``record_boundaries`` (``CompiledSteps.record_boundaries``: each epoch's first step and the run's last)
-  resets the epoch loss accumulators at each epoch's first step; DiLoCo's machines also sync at each epoch's
-  end and the run's. ``micro_batches``: slices of the device's batch run one after the other, their gradients
-  averaged before the one reduction (gradient accumulation; ``unroll_micro_batches``: None = unrolled on the
-  CPU only, see ``accumulate_gradients``). ``loss_scale_period``: finite steps after
+  ``record_boundaries`` (``CompiledSteps.record_boundaries``: each epoch's first step and the run's end, the
+  step count one past its last step, which ``state.step`` never reaches here) resets the epoch loss accumulators
+  at each epoch's first step; DiLoCo's machines also sync at each epoch's end and the run's. ``micro_batches``:
+  slices of the device's batch run one after the other, their gradients averaged before the one reduction
+  (gradient accumulation; ``unroll_micro_batches``: None = unrolled on the CPU only, see
+  ``accumulate_gradients``). ``loss_scale_period``: finite steps after
   which dynamic loss scaling doubles the scale (with ``state.loss_scale``). ``local_tx``: a stateless
   transformation of each device's gradient before the reduction (``optim.local_transform``).
   ``residual_rescale``: ``step -> factor`` for the reducer's error-feedback residuals before the step's

@@ -6,6 +6,7 @@ the exit codes of ``train.py``. A resumed run must end bitwise equal to an unint
 
 import contextlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ import pytest
 
 from configs import fashion_mnist
 from light_jax import checkpoint as checkpoint_lib
+from light_jax import data as data_lib
 from light_jax import hooks, liveness, stderr_redirect, train_lib
 from light_jax.checkpoint import CheckpointError
 from light_jax.config import base_config
@@ -193,6 +195,26 @@ def test_sigterm_saves_at_that_step_and_the_run_resumes_the_same(uninterrupted, 
   # The clock goes on from the checkpoint's: the first record after the resume (step 8) counts steps 0-8.
   seconds = [r["train_seconds"] for r in read_metrics(tmp_path)]
   assert 0 < seconds_at_6 < seconds[0] < seconds[1] < seconds[2]
+
+
+def test_an_input_that_fails_mid_run_saves_the_steps_done_and_the_run_resumes_the_same(uninterrupted, tmp_path):
+  """The 7th batch cannot be read (a damaged record, say): the 6 steps done (2 since the checkpoint at 4) are saved
+  before the error, which says so, and the rerun once the input is mended ends as the uninterrupted run."""
+  next_batch, batches = data_lib.DevicePrefetcher.__next__, itertools.count()
+
+  def damaged_seventh(self):
+    if next(batches) == 6:
+      raise data_lib.DataError("shard 3 is damaged")
+    return next_batch(self)
+
+  with pytest.MonkeyPatch.context() as patched:
+    patched.setattr(data_lib.DevicePrefetcher, "__next__", damaged_seventh)
+    with pytest.raises(data_lib.DataError, match=r"^shard 3 is damaged \(the run's 6 steps are saved: once mended"):
+      train_lib.train_and_evaluate(_config(), str(tmp_path))
+  assert _steps(tmp_path) == [4, 6]
+  summary = train_lib.train_and_evaluate(_config(), str(tmp_path))
+  assert summary["resumed_from_step"] == 6
+  _assert_same_run(uninterrupted, tmp_path)
 
 
 def _tensorboard_events(workdir):
@@ -459,6 +481,19 @@ def test_a_signal_just_after_the_non_finite_checks_turn_still_reports_a_non_fini
   with pytest.raises(train_lib.NonFiniteError):
     train_lib.train_and_evaluate(config, str(tmp_path))
   assert _steps(tmp_path)[-1] == 7
+
+
+@pytest.mark.parametrize("stop_at,reason", [(7, "halt"), (8, PREEMPTED)])
+def test_an_extra_hooks_stop_still_reports_a_non_finite_step(tmp_path, stop_at, reason):
+  """An extra hook (run first, its reason outranking the trainer's) stops the run after the bad step 5: at step 7,
+  where the non-finite check is not due, or at the log step 8, where its reason outranks the check's. Either way
+  the run stops as non-finite: the checkpoint counts the step as seen, and a resumed run would never report it."""
+  config = _config(train__inject_nan_at_step=5, train__on_nonfinite="stop", log_every_steps=4)
+  with pytest.raises(train_lib.NonFiniteError):
+    train_lib.train_and_evaluate(
+      config, str(tmp_path), extra_hooks=[(lambda info: reason if info.step == stop_at else None, 1)]
+    )
+  assert _steps(tmp_path)[-1] == stop_at
 
 
 def test_nan_stop_policy_saves_and_stops_with_exit_code_3(tmp_path):

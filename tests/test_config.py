@@ -121,6 +121,15 @@ def test_default_configs_validate():
     ({"comm__k_allocation": "log"}, r"comm.k_allocation='log' is unknown"),
     ({"comm__local_trust_ratio": True}, r"optimizer.name='sgd' has none. Set optimizer.name=lars"),
     (
+      {
+        "comm__local_trust_ratio": True,
+        "optimizer__name": "lars",
+        "comm__strategy": "hitopk",
+        "comm__local_clip_norm": 2.0,
+      },
+      r"comm.local_trust_ratio makes LARS's scaled update: a gradient's threshold there would cut every layer's",
+    ),
+    (
       {"comm__local_trust_ratio": True, "optimizer__name": "lars", "comm__strategy": "diloco"},
       r"comm.strategy=diloco applies the optimizer its own way",
     ),
@@ -135,6 +144,10 @@ def test_default_configs_validate():
     (
       {"comm__fusion": "adaptive", "optimizer__sharded_update": True},
       r"it needs comm.fusion 'fixed' or 'none', not 'adaptive'",
+    ),
+    (
+      {"optimizer__name": "lars", "optimizer__fused_norms": True, "optimizer__sharded_update": True},
+      r"optimizer.sharded_update computes them from each device's shards its own way",
     ),
     ({"micro_batches": 3}, r"global_batch_size=256 gives 32 examples per device, which do not split into"),
     ({"micro_batches": 0}, r"micro_batches=0 must be an integer >= 1"),

@@ -281,15 +281,16 @@ def test_mesh_lab_prediction_takes_each_cells_own_buckets():
 def test_a_cells_step_leaves_out_the_warmup_and_the_last_step_and_takes_diloco_over_whole_periods(
   tmp_path, monkeypatch, strategy
 ):
-  """The run takes warmup + steps + 1 steps; the last ends with the evaluation and is left out. A DiLoCo step
-  crosses the machines every sync_every steps: its cell is the mean over whole periods, not the median."""
+  """The run takes warmup + steps + 1 steps; the last, the run's end (a DiLoCo sync off its period), is left out.
+  A DiLoCo step crosses the machines every sync_every steps: its cell is the mean over whole periods, not the
+  median."""
   args = _lab_args(warmup=2, steps=9, local=4, config="configs/fashion_mnist.py", timeout=60, peer_timeout=6)
 
   def train_on_cluster(cluster, local, config, overrides, workdir, peer_timeout, timeout):
     assert f"--config.max_steps={2 + 9 + 1}" in overrides
     os.makedirs(workdir)
     with open(os.path.join(workdir, "step_times.jsonl"), "w") as f:
-      for step in range(1, 13):  # a sync after steps 4, 8 and 12 (the run's end, with its evaluation)
+      for step in range(1, 13):  # a sync after steps 4, 8 and 12 (the run's end)
         sync = step % 4 == 0
         seconds = 9.0 if step == 12 else 1.0 if sync else 0.1 * step
         f.write(json.dumps({"step": step, "seconds": seconds, "sent_bytes": 1000 if sync else 10}) + "\n")

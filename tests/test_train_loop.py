@@ -363,6 +363,27 @@ def test_step_times_of_a_resumed_run_keep_only_the_steps_up_to_its_checkpoint(tm
   assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
 
 
+def test_step_times_leave_out_the_evaluations_and_saves_after_a_step(tmp_path, monkeypatch):
+  """train.time_steps: each step's seconds are its input, dispatch and computation. The timer ran after the
+  evaluation and the checkpoint save, so an epoch's last step counted them (here 1 s each, made so)."""
+  import time
+
+  from light_jax import hooks
+
+  for hook in (hooks.EpochEvaluation, hooks.CheckpointSaver):
+
+    def slow(self, info, call=hook.__call__):
+      time.sleep(1.0)
+      return call(self, info)
+
+    monkeypatch.setattr(hook, "__call__", slow)
+  config = small_config(train__time_steps=True, data__train_subset=512, checkpoint__every_steps=4)
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  records = [json.loads(line) for line in (tmp_path / "step_times.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == list(range(1, 9))  # 8 steps: saves at 4 and 8, the evaluation at 8
+  assert max(r["seconds"] for r in records) < 1.0, records
+
+
 def test_the_progress_bars_images_per_second_leave_out_evaluations():
   """The bar's own timer ran through each epoch's evaluation: 1,976 images/s, then 199 right after one."""
   import time
