@@ -419,18 +419,22 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       f"{config.comm.strategy!r} sends none it can narrow. Use hitopk, topk, gtopk or auto (whose top-k "
       "buckets then send them), or set comm.compact_pairs=False."
     )
+  # auto may compress some buckets, but these compensations are measured and tested with single strategies only.
+  not_for = "chooses per bucket whether to compress, untried with it" if config.comm.strategy == AUTO else None
   if config.comm.local_clip_norm > 0 and not (top_k or config.comm.strategy == POWERSGD):
     raise ConfigError(
-      f"comm.local_clip_norm compensates gradient compression; comm.strategy={config.comm.strategy!r} does not "
-      "compress. Use a top-k strategy (hitopk, topk, gtopk) or powersgd, or set comm.local_clip_norm=0."
+      f"comm.local_clip_norm compensates gradient compression; comm.strategy={config.comm.strategy!r} "
+      f"{not_for or 'does not compress'}. Use a top-k strategy (hitopk, topk, gtopk) or powersgd, or set "
+      "comm.local_clip_norm=0."
     )
   _choice("comm.residual_units", config.comm.residual_units, RESIDUAL_UNITS)
   check_k_allocation(config)
   if config.comm.residual_units == "update" and not (top_k and config.comm.error_feedback):
     raise ConfigError(
       f"comm.residual_units='update' rescales the top-k strategies' error-feedback residuals; comm.strategy="
-      f"{config.comm.strategy!r} with comm.error_feedback={config.comm.error_feedback} keeps none. Use hitopk, "
-      "topk or gtopk with error feedback, or set comm.residual_units=gradient."
+      f"{config.comm.strategy!r} with comm.error_feedback={config.comm.error_feedback} "
+      f"{not_for or 'keeps none'}. Use hitopk, topk or gtopk with error feedback, or set "
+      "comm.residual_units=gradient."
     )
   if config.comm.strategy == POWERSGD:
     _positive("comm.rank", config.comm.rank)

@@ -137,6 +137,12 @@ def train_and_evaluate(
       def ends_record(step: int) -> bool:  # an epoch's last step, or the run's
         return plan.ends_epoch(step) or step == total_steps
 
+      # The hooks run in this order after a step, and the order is part of what they promise: the first stop
+      # reason given wins, so the non-finite check comes before the preemption check (exit 3, not 0); the
+      # evaluation before the saver, so that metrics.jsonl covers every checkpoint; the preemption check after
+      # the evaluation, so a signal during it stops at this step; the step timer first and restarted last. The
+      # extra hooks (train.py's watchdog) come first and may outrank the rest: the non-finite check is made once
+      # more after the loop (below).
       hooks = Hooks()
       for hook, every in extra_hooks:
         hooks.add(hook, every=every)
@@ -154,12 +160,12 @@ def train_and_evaluate(
       # not reported by then would never be. So at each checkpoint step, and at a stop for a signal (one process:
       # at any step, from the local flag; several: at the log steps, where the check runs anyway, since asking
       # the others is a collective).
-      def may_save(step: int) -> bool:
+      def nonfinite_check_due(step: int) -> bool:
         every = config.checkpoint.every_steps
         signalled = jax.process_count() == 1 and preemption.signal is not None
         return ends_record(step) or signalled or (every > 0 and step % every == 0)
 
-      hooks.add(nonfinite, every=config.log_every_steps, when=may_save)
+      hooks.add(nonfinite, every=config.log_every_steps, when=nonfinite_check_due)
       evaluations = EpochEvaluation(
         evaluate, writer, plan, host_schedule, prefetcher, bar, start_step, total_steps, clock
       )
@@ -342,9 +348,9 @@ def restore(
   )
   if restored is None:
     return 0, state, 0.0
-  step, state, meta = restored
+  step, state, saved_meta = restored
   logging.info("resumed from the checkpoint at step %d (epoch %.2f)", step, plan.epochs_done(step))
-  return step, state, float(meta.get("train_seconds", 0.0))
+  return step, state, float(saved_meta.get("train_seconds", 0.0))
 
 
 def tune_input(

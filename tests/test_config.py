@@ -116,6 +116,10 @@ def test_default_configs_validate():
       r"change comm.momentum_masking=True \(needs False: nothing is owed\), or set comm.feedback=residual",
     ),
     ({"comm__k_allocation": "sqrt"}, r"comm.strategy='hierarchical' compresses nothing"),
+    (
+      {"comm__strategy": "auto", "comm__local_clip_norm": 1.0},
+      r"comm.strategy='auto' chooses per bucket whether to compress, untried with it\. Use a top-k strategy",
+    ),
     ({"comm__compact_pairs": True}, r"comm.strategy='hierarchical' sends none it can narrow"),
     ({"comm__strategy": "auto", "comm__k_allocation": "sqrt"}, r"costs computed with the proportional k"),
     ({"comm__k_allocation": "log"}, r"comm.k_allocation='log' is unknown"),
