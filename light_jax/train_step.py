@@ -223,20 +223,22 @@ def make_train_step(
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
     # A reducer that updates the parameters says where the forward pass runs (DiLoCo: each machine's own copy).
-    params = reducer.machine_params(state.params, state.comm_state) if reducer.updates_parameters else state.params
+    forward_params = (
+      reducer.machine_params(state.params, state.comm_state) if reducer.updates_parameters else state.params
+    )
     # check_vma=False below: grad of replicated params is the *local* gradient, not JAX's implicit
     # psum of it, so the reducer is the only reduction (no silent double sum; tested).
     own_stats = this_device(state.batch_stats)  # this device's running statistics
     if micro_batches == 1:
-      local_grads, (loss, batch_stats) = grad_fn(params, own_stats, images, labels)
+      local_grads, (loss, new_stats) = grad_fn(forward_params, own_stats, images, labels)
     else:
-      local_grads, loss, batch_stats = accumulate_gradients(
-        grad_fn, params, own_stats, images, labels, micro_batches, unroll_micro_batches
+      local_grads, loss, new_stats = accumulate_gradients(
+        grad_fn, forward_params, own_stats, images, labels, micro_batches, unroll_micro_batches
       )
     # Unscaled before the reduction: error-feedback residuals outlive a change of scale.
     local_grads = scaling.unscale(local_grads)
     if local_tx is not None:  # optim.local_transform: LARS's trust ratio or SGD's decay per device
-      local_grads, _ = local_tx.update(local_grads, local_tx.init(params), params)
+      local_grads, _ = local_tx.update(local_grads, local_tx.init(forward_params), forward_params)
     comm_state = state.comm_state
     if residual_rescale is not None:  # residuals in units of this step's learning rate (comm.residual_units)
       # The optimizer's step count, which the schedule follows: skipped steps do not advance it.
@@ -259,8 +261,9 @@ def make_train_step(
     if state.loss_scale:  # lower the scale after an overflow, raise it after `loss_scale_period` good steps
       adjusted = scaling.adjust(finite)
       loss_scale = {"scale": adjusted.loss_scale, "counter": adjusted.counter}
-    updated = (new_params, per_device(batch_stats), opt_state, comm_state)
+    updated = (new_params, per_device(new_stats), opt_state, comm_state)
     kept = (state.params, state.batch_stats, state.opt_state, state.comm_state)
+    # From here: the new values where the step was finite, else the state's own.
     params, batch_stats, opt_state, comm_state = jax.tree.map(
       lambda new, old: jnp.where(finite, new, old), updated, kept
     )
