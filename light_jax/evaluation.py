@@ -48,6 +48,8 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.Dat
     logits = model.apply(
       {"params": params, "batch_stats": batch_stats}, normalize(images, info.mean, info.std), train=False
     )
+    # Ties go to the lower class index (lax.top_k's order, as torch.topk's): a model whose logits are all equal
+    # scores the share of classes 0-4 in top-5, not 100%.
     top5 = lax.top_k(logits, min(5, info.num_classes))[1]
     hits = top5 == labels[:, None]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)

@@ -66,10 +66,10 @@ def train_and_evaluate(
 ) -> dict[str, Any]:
   """Trains ``config`` on the current devices, evaluating each epoch; returns summary.json's dict.
 
-  A run a hook stopped (a signal, or one of ``extra_hooks``) before its last step returns only
-  ``{"stopped", "steps"}``; a non-finite step under ``train.on_nonfinite="stop"`` raises ``NonFiniteError``. Both
-  saved a checkpoint to resume from. So does a one-process run whose input fails between steps (a damaged record):
-  it saves the steps done, then raises the input's error.
+  A run a hook stopped (a signal before its last step, or one of ``extra_hooks``' own reasons at any step) returns
+  only ``{"stopped", "steps"}``; a non-finite step under ``train.on_nonfinite="stop"`` raises ``NonFiniteError``.
+  Both saved a checkpoint to resume from. So does a one-process run whose training input fails between steps (a
+  damaged record): it saves the steps done, then raises the input's error (``input_failed``).
 
   ``extra_hooks``: (hook, every) pairs run after each due step, before the trainer's own hooks.
   ``preemption``: a guard installed before (train.py's, from the processes' join on), used and uninstalled here
@@ -140,14 +140,14 @@ def train_and_evaluate(
       # The hooks run in this order after a step, and the order is part of what they promise: the first stop
       # reason given wins, so the non-finite check comes before the preemption check (exit 3, not 0); the
       # evaluation before the saver, so that metrics.jsonl covers every checkpoint; the preemption check after
-      # the evaluation, so a signal during it stops at this step; the step timer first and restarted last. The
-      # extra hooks (train.py's watchdog) come first and may outrank the rest: the non-finite check is made once
-      # more after the loop (below).
+      # the evaluation, so a signal during it stops at this step; the step timer before the others, restarted
+      # after them. The extra hooks (train.py's watchdog) come first and may outrank the rest: the non-finite
+      # check is made once more after the loop (below).
       hooks = Hooks()
       for hook, every in extra_hooks:
         hooks.add(hook, every=every)
       timer = None
-      if config.train.time_steps and is_main:  # first, and restarted last: a step's seconds leave out the hooks
+      if config.train.time_steps and is_main:  # before the trainer's hooks, restarted after them: a step's own time
         timer = StepTimer(os.path.join(workdir, "step_times.jsonl"), start_step)
         hooks.add(timer, every=1)
       # The logs' learning rate: one compiled program, not one dispatch (and one compile) per jnp op.
@@ -193,8 +193,8 @@ def train_and_evaluate(
         # Another stop (a signal after the non-finite check's turn at this step, or an extra hook's reason, which
         # outranks it): skipped steps are reported, and stop the run, before the save below counts them as seen.
         loop = dataclasses.replace(loop, stop=NONFINITE)
-      if loop.input_error is not None and loop.step > start_step:
-        save_before_raising(checkpointer, loop, {**meta, "train_seconds": clock.seconds()})
+      if loop.input_error is not None:
+        input_failed(checkpointer, loop, start_step, nonfinite, {**meta, "train_seconds": clock.seconds()})
       # Save the final state; a no-op when CheckpointSaver has just saved this step.
       checkpointer.save(loop.step, loop.state, {**meta, "train_seconds": clock.seconds()})
     if loop.stop == PREEMPTED and loop.step >= total_steps:  # the signal came with the last step: the run is done
@@ -251,21 +251,34 @@ def train_loop(
   return LoopResult(state, step, stop, time.perf_counter() - start)
 
 
-def save_before_raising(checkpointer: checkpoint_lib.Checkpointer, loop: LoopResult, meta: dict[str, Any]):
-  """Saves the steps done before the input failed (every hook of the last one ran), then raises its error, a
-  DataError saying that the run resumes from there once the input is mended. A save that fails too is logged."""
+def input_failed(
+  checkpointer: checkpoint_lib.Checkpointer,
+  loop: LoopResult,
+  start_step: int,
+  nonfinite: NonFiniteCheck,
+  meta: dict[str, Any],
+) -> None:
+  """The training input failed after ``loop.step`` steps (one process): saves them (every hook of the last one
+  ran) unless this process ran none, then raises. ``NonFiniteError`` when a skipped step is not reported yet (a
+  checkpoint never holds one unreported), else the input's error; a DataError also says whether the steps are
+  saved. A save that fails too is logged, and the input's error raised."""
   error = loop.input_error
+  if loop.step == start_step:  # nothing new to keep: a resumed run whose input still fails
+    raise error
+  unreported = nonfinite.check(loop.state) == NONFINITE
   try:
     checkpointer.save(loop.step, loop.state, meta)
     checkpointer.wait_until_saved()
+    saved = f"the run's {loop.step} steps are saved: once mended, rerun the same command to resume"
   except Exception as e:  # a full disk, say: the input's error is the one to report
     logging.error("saving a checkpoint at step %d after the input failed did not work either: %s", loop.step, e)
-    raise error from None
+    saved, unreported = f"no checkpoint could be saved at step {loop.step}: see the log above", False
+  if unreported:
+    logging.error("the training input failed after step %d: %s", loop.step, error)
+    stopped(dataclasses.replace(loop, stop=NONFINITE))  # raises
   if isinstance(error, data_lib.DataError):
-    raise data_lib.DataError(
-      f"{error} (the run's {loop.step} steps are saved: once mended, rerun the same command to resume)"
-    ) from None
-  logging.error("the input failed after step %d; a checkpoint at that step is saved, rerun to resume", loop.step)
+    raise data_lib.DataError(f"{error} ({saved})") from None
+  logging.error("the training input failed after step %d; %s", loop.step, saved)
   raise error
 
 

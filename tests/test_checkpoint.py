@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -197,24 +198,42 @@ def test_sigterm_saves_at_that_step_and_the_run_resumes_the_same(uninterrupted, 
   assert 0 < seconds_at_6 < seconds[0] < seconds[1] < seconds[2]
 
 
-def test_an_input_that_fails_mid_run_saves_the_steps_done_and_the_run_resumes_the_same(uninterrupted, tmp_path):
-  """The 7th batch cannot be read (a damaged record, say): the 6 steps done (2 since the checkpoint at 4) are saved
-  before the error, which says so, and the rerun once the input is mended ends as the uninterrupted run."""
+def _input_failing_at(batch):
+  """Reading the ``batch``-th batch (counted from 0) of the next runs raises a DataError (a damaged record, say)."""
   next_batch, batches = data_lib.DevicePrefetcher.__next__, itertools.count()
 
-  def damaged_seventh(self):
-    if next(batches) == 6:
+  def damaged(self):
+    if next(batches) == batch:
       raise data_lib.DataError("shard 3 is damaged")
     return next_batch(self)
 
-  with pytest.MonkeyPatch.context() as patched:
-    patched.setattr(data_lib.DevicePrefetcher, "__next__", damaged_seventh)
-    with pytest.raises(data_lib.DataError, match=r"^shard 3 is damaged \(the run's 6 steps are saved: once mended"):
-      train_lib.train_and_evaluate(_config(), str(tmp_path))
+  patched = pytest.MonkeyPatch()
+  patched.setattr(data_lib.DevicePrefetcher, "__next__", damaged)
+  return contextlib.closing(types.SimpleNamespace(close=patched.undo))
+
+
+def test_an_input_that_fails_mid_run_saves_the_steps_done_and_the_run_resumes_the_same(uninterrupted, tmp_path):
+  """The 7th batch cannot be read: the 6 steps done (2 since the checkpoint at 4) are saved before the error, which
+  says so. Rerun before the input is mended, the first batch fails: the error again, nothing saved, no summary.
+  Rerun once mended, the run ends as the uninterrupted one."""
+  with _input_failing_at(6), pytest.raises(data_lib.DataError, match=r"^shard 3 is damaged \(the run's 6 steps are"):
+    train_lib.train_and_evaluate(_config(), str(tmp_path))
   assert _steps(tmp_path) == [4, 6]
+  with _input_failing_at(0), pytest.raises(data_lib.DataError, match=r"^shard 3 is damaged$"):
+    train_lib.train_and_evaluate(_config(), str(tmp_path))
+  assert _steps(tmp_path) == [4, 6] and not (tmp_path / "summary.json").exists()
   summary = train_lib.train_and_evaluate(_config(), str(tmp_path))
   assert summary["resumed_from_step"] == 6
   _assert_same_run(uninterrupted, tmp_path)
+
+
+def test_an_input_that_fails_after_an_unreported_non_finite_step_stops_as_non_finite(tmp_path):
+  """Step 5 is bad, checked at step 8 (the log step) at the earliest; the input fails after step 6. The save then
+  holds the bad step, so it is reported first: exit 3's error, not the input's (a resumed run would count it seen)."""
+  config = _config(train__inject_nan_at_step=5, train__on_nonfinite="stop", log_every_steps=8)
+  with _input_failing_at(6), pytest.raises(train_lib.NonFiniteError, match="at or before step 6"):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  assert _steps(tmp_path) == [4, 6]
 
 
 def _tensorboard_events(workdir):

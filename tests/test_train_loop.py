@@ -365,15 +365,17 @@ def test_step_times_of_a_resumed_run_keep_only_the_steps_up_to_its_checkpoint(tm
 
 def test_step_times_leave_out_the_evaluations_and_saves_after_a_step(tmp_path, monkeypatch):
   """train.time_steps: each step's seconds are its input, dispatch and computation. The timer ran after the
-  evaluation and the checkpoint save, so an epoch's last step counted them (here 1 s each, made so)."""
+  evaluation and the checkpoint save, so a step with either counted them (here the save at step 4 and the
+  evaluation at step 8 take 2 s more, made so)."""
   import time
 
   from light_jax import hooks
 
-  for hook in (hooks.EpochEvaluation, hooks.CheckpointSaver):
+  for hook, at in ((hooks.CheckpointSaver, 4), (hooks.EpochEvaluation, 8)):
 
-    def slow(self, info, call=hook.__call__):
-      time.sleep(1.0)
+    def slow(self, info, call=hook.__call__, at=at):
+      if info.step == at:
+        time.sleep(2.0)
       return call(self, info)
 
     monkeypatch.setattr(hook, "__call__", slow)
@@ -381,7 +383,8 @@ def test_step_times_leave_out_the_evaluations_and_saves_after_a_step(tmp_path, m
   train_lib.train_and_evaluate(config, str(tmp_path))
   records = [json.loads(line) for line in (tmp_path / "step_times.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == list(range(1, 9))  # 8 steps: saves at 4 and 8, the evaluation at 8
-  assert max(r["seconds"] for r in records) < 1.0, records
+  # Step 1 waits for the first batch and runs the step's first execution: left out, as the mesh lab's warm-up.
+  assert max(r["seconds"] for r in records[1:]) < 1.5, records
 
 
 def test_the_progress_bars_images_per_second_leave_out_evaluations():

@@ -5,7 +5,8 @@ Two transforms for JPEG datasets, each "choose a box in the image, resize the bo
 - training: ``random_resized_crop_box`` (Inception/torchvision style: area fraction in ``scale``,
   aspect ratio log-uniform in ``ratio``) and a horizontal flip;
 - evaluation: ``center_crop_box``, the central square of side ``crop_fraction`` x the shorter side
-  (the same pixels as "resize the shorter side to size / 0.875, then centre-crop size").
+  (the same region as "resize the shorter side to size / 0.875, then centre-crop size", without that
+  pipeline's rounding of the resized side and of the crop's offset).
 
 ``decode_crop_resize`` works on JPEG bytes and decodes only what the box needs: a JPEG can be decoded
 at 1/2, 1/4 or 1/8 scale for less (libjpeg-turbo's DCT scaling), a box much larger than ``size``

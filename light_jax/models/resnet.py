@@ -10,13 +10,13 @@ Conventions (those of the large-batch ImageNet recipes, MLPerf and flax/examples
   device's shard of the batch, so mean and variance are those of the local batch (as in the ImageNet
   recipes that train at 32k-64k global batch, where cross-device BN would cost a collective per layer).
   Each device keeps the running averages of its own batches; evaluation averages them over the devices
-  (``train_step.py``), which gives the running averages of the devices' averaged statistics.
+  (``evaluation.mesh_batch_stats``), which gives the running averages of the devices' averaged statistics.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -92,7 +92,6 @@ class ResNet(nn.Module):
   stem_strides: int = 1
   dtype: Any = jnp.float32
   bn_momentum: float = 0.9
-  act: Callable = nn.relu
 
   @nn.compact
   def __call__(self, x, train: bool = True):
@@ -119,7 +118,9 @@ class ResNet(nn.Module):
         x = self.block_cls(self.num_filters * 2**i, conv=conv, norm=norm, strides=strides)(x)
     x = jnp.mean(x, axis=(1, 2))
     x = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=jnp.float32)(x)
-    return x.astype(jnp.float32)  # logits in float32 for a stable softmax
+    # The classifier computes in self.dtype (as flax's ImageNet example): the logits are rounded to it, then
+    # widened, so that the softmax and the loss run in float32.
+    return x.astype(jnp.float32)
 
 
 # name -> (stage sizes, block, first-stage width, small-input stem, small-stem stride)
