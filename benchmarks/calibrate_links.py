@@ -46,7 +46,7 @@ from collections.abc import Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from light_jax import cli  # noqa: E402
+from light_jax import cli, xla_flags  # noqa: E402
 from light_jax.emulated_cluster import (  # noqa: E402
   ClusterError,
   EmulatedCluster,
@@ -228,12 +228,20 @@ def main():
     print(output.rstrip())
     return
 
+  if args.nodes == args.local == 1:
+    cli.fail("--nodes=1 --local=1: one device has no link to measure; give more nodes or local devices")
   import jax
+
+  from light_jax.parallel import mesh as mesh_lib
 
   if args.coordinator:
     jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
   elif jax.config.jax_num_cpu_devices in (None, -1, 1):
     jax.config.update("jax_num_cpu_devices", args.nodes * args.local)
+  try:  # measure() builds it again; here a mesh that does not fit the devices is one line, before any work
+    mesh_lib.make_mesh(args.nodes, args.local, names=("--nodes", "--local"))
+  except mesh_lib.MeshError as e:
+    cli.fail(str(e))
   cost, rows = measure(args.nodes, args.local, args.repeats, args.max_mib, args.rate_bits or None, args.max_seconds)
   if jax.process_index() == 0:  # the rate it writes; the other processes stay out of its way (on one host too)
     rate, topk_rows = measure_topk_rate(args.repeats, topk_sizes(args.max_mib * 2**20))
@@ -248,4 +256,5 @@ def main():
 
 
 if __name__ == "__main__":
+  xla_flags.apply()  # before JAX starts: the flags train.py runs with (light_jax/xla_flags.py)
   main()

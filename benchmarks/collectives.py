@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from light_jax import cli  # noqa: E402
+from light_jax import cli, xla_flags  # noqa: E402
 
 VARIANTS = {
   # name: (strategy, fusion, density, selector); powersgd: (strategy, fusion, rank, None)
@@ -206,4 +206,5 @@ def make_reducer(name, nodes, local, profile, cost, args):
 
 
 if __name__ == "__main__":
+  xla_flags.apply()  # before JAX starts: the flags train.py runs with (light_jax/xla_flags.py)
   main()

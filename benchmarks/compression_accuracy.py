@@ -41,10 +41,10 @@ RUNS = {
 DENSE = "hierarchical"
 
 
-def report(results: dict[str, dict], stopped: dict[str, list[dict]]) -> None:
+def report(results: dict[str, dict], stopped: dict[str, list[dict]], reference: float | None) -> None:
+  """The table of finished runs; ``reference``: the dense run's top-1, for the "vs dense" column."""
   for label, records in stopped.items():
     print(f"{label}: stopped after epoch {records[-1]['epoch']:g} (top-1 {100 * records[-1]['eval_top1']:.2f}%)")
-  reference = results.get(DENSE, {}).get("top1")
   header = ("run", "top-1", "vs dense", "top-5", "inter B/step", "intra B/step", "train s")
   print("{:17} {:>7} {:>8} {:>7} {:>13} {:>13} {:>8}  what".format(*header))
   for label, r in results.items():
@@ -84,7 +84,8 @@ def main() -> None:
   args, results, stopped = train_runs.study(
     __doc__.split("\n\n")[0], RUNS, "runs/compression", "PNG: top-1 against epoch, final top-1 against inter-node bytes"
   )
-  report(results, stopped)
+  dense = train_runs.row_figures(DENSE, RUNS, args.workdir, results)  # this report's, or its finished run's
+  report(results, stopped, dense["top1"] if dense else None)
   if args.plot and results:
     plot(results, args.plot)
   print(train_runs.figures(results))

@@ -10,7 +10,8 @@ shapes, texture and noise), then measures one core (this process, one thread) pe
   and only the rows down to the crop's last one (the region decoder, _jpeg_region.c);
 - jpeg_whole: the same without the region decoder (whole JPEGs through simplejpeg), same pixels;
 - disk_cache: pixels pre-decoded at a shorter side of ``cache_px[size]`` in an ArrayRecord file on local
-  disk (built before timing), random-resized crop + resize + flip; no decoding;
+  disk (built before timing), random-resized crop + resize + flip; no decoding. The file was just written and is
+  small, so its reads come from the page cache: the rate of a cache that fits in memory, not of a disk's reads;
 - memory_cache: the same records held in memory.
 
 All paths use random-resized crop with area scale 0.08-1 and a random flip. Rounds interleave the paths,
@@ -74,8 +75,8 @@ def main():
   parser.add_argument("--seconds", type=float, default=2.0, help="per path, size and round")
   parser.add_argument("--workdir", default="", help="where the cache files go (default: a temporary dir)")
   args = parser.parse_args()
-  if args.images < 1 or args.rounds < 1 or not args.seconds > 0:
-    cli.fail(f"--images={args.images} --rounds={args.rounds} --seconds={args.seconds:g}: each must be > 0")
+  if args.images < 1 or args.rounds < 1 or not 0 < args.seconds < float("inf"):
+    cli.fail(f"--images={args.images} --rounds={args.rounds} --seconds={args.seconds:g}: each must be > 0 (and finite)")
   if not args.workdir:
     with tempfile.TemporaryDirectory(prefix="input_bench_") as workdir:
       return run(args, workdir)

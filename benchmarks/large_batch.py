@@ -16,7 +16,6 @@ resumes from its last checkpoint (benchmarks/train_runs.py). The last line is on
 
 from __future__ import annotations
 
-import os
 import sys
 
 import train_runs  # benchmarks/, this script's directory
@@ -511,17 +510,7 @@ def reference_top1(workdir: str, results: dict[str, dict]) -> dict[int, float]:
   "vs 256" column was blank unless its row was in --only); none where it has not run as its row says now."""
   top1 = {}
   for epochs, label in REFERENCE.items():
-    if label in results:
-      top1[epochs] = results[label]["top1"]
-      continue
-    config, overrides, _ = RUNS[label]
-    run_dir = os.path.abspath(os.path.join(workdir, label))
-    if train_runs.other_run(run_dir, config, overrides):
-      continue
-    try:
-      figures, _ = train_runs.read(run_dir)
-    except train_runs.metrics.MetricsError:
-      continue
+    figures = train_runs.row_figures(label, RUNS, workdir, results)
     if figures:
       top1[epochs] = figures["top1"]
   return top1

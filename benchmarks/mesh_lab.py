@@ -139,7 +139,13 @@ def run_cell(
   ]
   train_on_cluster(cluster, args.local, args.config, overrides, workdir, args.peer_timeout, args.timeout)
   with open(os.path.join(workdir, "step_times.jsonl")) as f:
-    steps = [json.loads(line) for line in f][args.warmup : args.warmup + args.steps]
+    timed = [json.loads(line) for line in f]
+  if len(timed) < args.warmup + args.steps + 1:  # the config's whole run is shorter: a median of fewer steps
+    raise RuntimeError(
+      f"the run took {len(timed)} steps, fewer than --warmup {args.warmup} + --steps {args.steps} + 1: lower them, or "
+      "lengthen the run (--set num_epochs=N, --set data.train_subset=N)"
+    )
+  steps = timed[args.warmup : args.warmup + args.steps]
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
   comm = summary["config"]["comm"]

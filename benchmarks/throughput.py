@@ -8,8 +8,10 @@ The step is the trainer's (light_jax/compiled_steps.py, light_jax/train_step.py)
 for LARS), per-device BatchNorm, over a (node, local) mesh of every device here (--nodes 1 by default).
 The batches are uint8 images already on the devices (random pixels, fixed before timing), so neither the
 input pipeline nor the host is measured. Reported: images/s per device and in all, median step seconds
-over --steps after --warmup, compile seconds, and the device memory the compiled step needs (XLA's
-memory analysis: arguments + outputs + temporaries - donated aliases, per device). On CPU,
+over --steps after --warmup (with diloco@H the mean over whole sync periods: one step in H crosses the
+machines; --steps a multiple of H), compile seconds (the train state's set-up and the step's compile), and
+the device memory the compiled step needs (XLA's memory analysis: arguments + outputs + temporaries - donated
+aliases, per device). On CPU,
 --cpu_devices simulates devices (tests run it at toy sizes). --profile_dir traces --profile_steps steps
 with jax.profiler (TensorBoard's profile plugin or Perfetto open it).
 
@@ -17,10 +19,13 @@ with jax.profiler (TensorBoard's profile plugin or Perfetto open it).
 density), micro_batches, seed. Flags own the rest, so these are refused: --config.model.name and .dtype (use
 --model, --dtype), --config.mesh.* (--nodes, --cpu_devices), --config.global_batch_size (--batch_per_device)
 and --config.data.* (the batches are synthetic: --image_size, --num_classes). The learning rate is a constant
-0.1, so the optimizer's schedule fields play no part, nor do epochs, checkpoints or logging.
+0.1, so the optimizer's schedule fields play no part, nor do epochs, checkpoints or logging. The config is
+checked as train.py checks it; a density schedule (comm.density_warmup_epochs, comm.final_density_epochs) is
+refused: one step program is timed, at --strategy's density.
 
 Last line: one JSON object with `images_per_sec` (per device), `images_per_sec_total`, `step_seconds`,
-`compile_seconds`, `peak_memory_bytes_per_device` and the settings.
+`step_seconds_min` and `_max` (the spread of the timed steps), `compile_seconds`, `peak_memory_bytes_per_device`
+and the settings, the --config overrides among them.
 """
 
 from __future__ import annotations
@@ -118,9 +123,25 @@ def main(argv):
     cli.fail(f"{e} (On CPU, --cpu_devices sets how many devices there are.)")
   size, per_device = _IMAGE_SIZE.value, _BATCH.value
   global_batch = per_device * mesh.size
+  nodes, local = mesh.devices.shape
+  config.global_batch_size = global_batch
+  config.mesh.update(nodes=nodes, local=local, cpu_devices=mesh.size)
+  try:
+    config_lib.validate(config, mesh.size)
+  except config_lib.ConfigError as e:
+    cli.fail(f"invalid config: {e}")
+  if config.comm.density_warmup_epochs or config.comm.final_density_epochs:
+    cli.fail(
+      "a density schedule (comm.density_warmup_epochs, comm.final_density_epochs) changes the step program "
+      "during a run; this benchmark times one: give the density to time in --strategy NAME@DENSITY instead"
+    )
+  sync_every = config.comm.sync_every if config.comm.strategy == "diloco" else None
+  if sync_every and _STEPS.value % sync_every:
+    cli.fail(f"--steps={_STEPS.value}: with diloco@{sync_every}, a multiple of {sync_every} (whole sync periods)")
   info = DatasetInfo(_CLASSES.value, (size, size, 3), IMAGENET_MEAN, IMAGENET_STD)
   steps = _WARMUP.value + _STEPS.value + (_PROFILE_STEPS.value if _PROFILE_DIR.value else 0)
-  plan = schedules.EpochPlan(global_batch * steps, 1, (schedules.Phase(0, size),), global_batch)
+  # DiLoCo also syncs at a run's end: the plan ends a period after the steps run, so none of them is one.
+  plan = schedules.EpochPlan(global_batch * (steps + (sync_every or 0)), 1, (schedules.Phase(0, size),), global_batch)
   model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
   optimizer = optim.from_config(config, optax.constant_schedule(0.1))
 
@@ -156,12 +177,17 @@ def main(argv):
     jax.block_until_ready(loss)
     jax.profiler.stop_trace()
 
-  step_seconds = statistics.median(seconds)
+  if sync_every:  # the timed steps start at the warm-up's end, not a period's: any sync_every in a row hold one sync
+    step_seconds = statistics.fmean(seconds)
+  else:
+    step_seconds = statistics.median(seconds)
   platform = mesh.devices.flat[0].platform
   result = {
     "images_per_sec": per_device / step_seconds,
     "images_per_sec_total": global_batch / step_seconds,
     "step_seconds": step_seconds,
+    "step_seconds_min": min(seconds),
+    "step_seconds_max": max(seconds),
     "compile_seconds": compile_seconds,
     "peak_memory_bytes_per_device": peak,
     "model": config.model.name,
@@ -169,6 +195,10 @@ def main(argv):
     "batch_per_device": per_device,
     "dtype": config.model.dtype,
     "strategy": _STRATEGY.value or config.comm.strategy,
+    "optimizer": config.optimizer.name,
+    "config_overrides": [arg for arg in sys.argv[1:] if arg.startswith("--config.")],
+    "steps": _STEPS.value,
+    "warmup": _WARMUP.value,
     "devices": mesh.size,
     "mesh": list(mesh.devices.shape),
     "platform": platform,
@@ -177,7 +207,6 @@ def main(argv):
     "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }
   memory = f"{peak / 2**30:.2f} GiB" if peak is not None else "n/a"
-  nodes, local = mesh.devices.shape
   print(f"\n{config.model.name} at {size} px, {per_device} images per device, {config.model.dtype}, "
         f"{result['strategy']}, mesh {nodes} x {local} {result['device_kind']}")  # fmt: skip
   print(f"{'images/s/device':>16}{'images/s':>11}{'step ms':>9}{'min ms':>8}{'compile s':>11}{'memory/device':>15}")

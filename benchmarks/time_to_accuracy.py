@@ -34,7 +34,7 @@ import shlex
 import sys
 
 import train_runs  # benchmarks/, this script's directory
-from mesh_lab import check_run, parse_strategy, set_overrides, train_on_cluster
+from mesh_lab import check_run, cluster_mesh, parse_strategy, set_overrides, train_on_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -147,8 +147,14 @@ def train_all(args, rate: int | None, labels: list[tuple[str, list[str]]], workd
     with EmulatedCluster(args.nodes, rate) as cluster:
       for label, strategy_overrides in labels:
         overrides = run_overrides(args, strategy_overrides)
+        rerun = args.rerun
+        changed = "" if rerun else stale(args, workdirs[label], overrides)
+        if changed:  # the same command gives another run now (the config file changed): its result is stale
+          print(f"{label}: the command's config differs from its finished run's now ({changed}); running it again",
+                file=sys.stderr, flush=True)  # fmt: skip
+          rerun = True
         try:
-          if not train_runs.prepare_workdir(label, workdirs[label], run_command(args, overrides), args.rerun):
+          if not train_runs.prepare_workdir(label, workdirs[label], run_command(args, overrides), rerun):
             continue
         except train_runs.UnusableWorkdir as e:
           print(f"error: {e}", file=sys.stderr, flush=True)
@@ -165,6 +171,18 @@ def train_all(args, rate: int | None, labels: list[tuple[str, list[str]]], workd
   except ClusterError as e:
     sys.exit(f"error: {e}")
   return failed
+
+
+def stale(args, workdir: str, overrides: list[str]) -> str:
+  """How the config of ``workdir``'s finished run differs from the one ``overrides`` give now (with the mesh flags
+  train_on_cluster adds), where it can change the result (``train_runs.config_changed``); "" where it does not, or
+  no finished run is readable."""
+  if not os.path.exists(os.path.join(workdir, "summary.json")):
+    return ""
+  try:
+    return train_runs.config_changed(workdir, args.config, [*cluster_mesh(args.nodes, args.local), *overrides])
+  except (OSError, ValueError):  # a damaged summary.json: the records are what the report reads
+    return ""
 
 
 def summarize(records: list[dict], target: float) -> dict:
@@ -193,6 +211,11 @@ def main() -> None:
     command = run_command(args, run_overrides(args, strategy_overrides))
     if stamped is not None and stamped != command:  # only --report_only reads a workdir it did not just stamp
       print(f"{label}: left out: {workdirs[label]} holds a run of another command: {stamped}", file=sys.stderr)
+      left_out.append(label)
+      continue
+    changed = stale(args, workdirs[label], run_overrides(args, strategy_overrides))
+    if changed:  # --report_only, after the config file changed: the run is not this command's now
+      print(f"{label}: left out: its run's config differs from the command's now ({changed})", file=sys.stderr)
       left_out.append(label)
       continue
     try:

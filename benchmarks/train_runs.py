@@ -329,6 +329,23 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
   return args, results, stopped
 
 
+def row_figures(label: str, runs: dict[str, tuple], workdir: str, results: dict[str, dict]) -> dict | None:
+  """The figures of the row ``label`` (a reference row, say): this report's (``results``), else its finished run's
+  in the study's ``workdir`` when that is the run its row names now (--only may have left it out of this report);
+  None where it has not run so."""
+  if label in results:
+    return results[label]
+  config, overrides, _ = runs[label]
+  run_dir = os.path.abspath(os.path.join(workdir, label))
+  if other_run(run_dir, config, overrides):
+    return None
+  try:
+    figures, _ = read(run_dir)
+  except metrics.MetricsError:
+    return None
+  return figures
+
+
 def other_run(workdir: str, config: str, overrides: list[str]) -> str:
   """Why ``workdir``'s run is not the run of ``config`` and ``overrides`` now ("" where it is, or where there is none
   to read): another command stamped it, or its finished run recorded a config that differs where it matters."""

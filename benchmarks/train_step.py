@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from light_jax import cli  # noqa: E402
+from light_jax import cli, xla_flags  # noqa: E402
 
 
 def main():
@@ -185,4 +185,5 @@ def main():
 
 
 if __name__ == "__main__":
+  xla_flags.apply()  # before JAX starts: the flags train.py runs with (light_jax/xla_flags.py)
   main()

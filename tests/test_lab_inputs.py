@@ -156,6 +156,8 @@ def test_mesh_lab_accepts_every_strategy_the_config_does():
       "--workdir=README.md: README.md is a file; give a folder",
     ),
     ("calibrate_links.py", ["--nodes", "0"], "argument --nodes: 0 must be >= 1"),
+    # Was a calibration of no link, written with alpha = beta = 0:
+    ("calibrate_links.py", ["--nodes", "1", "--local", "1"], "one device has no link to measure"),
   ],
 )
 def test_the_lab_scripts_exit_with_a_usage_error(script, argv, message):
@@ -163,6 +165,20 @@ def test_the_lab_scripts_exit_with_a_usage_error(script, argv, message):
                           timeout=120)  # fmt: skip
   assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
   assert "Traceback" not in result.stderr and "calibrating" not in result.stderr and result.stdout == ""
+
+
+def test_calibrate_links_refuses_a_mesh_that_does_not_fit_the_devices(tmp_path):
+  """8 devices set for the process, a mesh of 3 x 4: a MeshError traceback before."""
+  result = subprocess.run(
+    [sys.executable, "benchmarks/calibrate_links.py", "--nodes=3", f"--out={tmp_path}/links.json"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8"),
+  )
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert "error: mesh 3 x 4 = 12 devices, but 8 are available; set --nodes and --local so that" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -221,6 +237,26 @@ def test_the_lab_scripts_say_they_need_root_as_bad_input(script, argv):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "an emulated cluster needs root" in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert os.listdir(tmp) in ([], ["runs"])  # no run was started, nothing written
+
+
+def test_time_to_accuracy_finds_a_finished_run_whose_config_has_changed_since(tmp_path):
+  """The same command after an edit of the config file reused (and reported) the run of the old values."""
+  import time_to_accuracy
+  from mesh_lab import cluster_mesh
+
+  from light_jax import cli
+
+  args = argparse.Namespace(nodes=2, local=4, config="configs/fashion_mnist.py")
+  overrides = ["--config.comm.strategy=hitopk", "--config.num_epochs=2"]
+  recorded = cli.resolve_config(args.config, [*cluster_mesh(2, 4), *overrides]).to_dict()  # as train.py ran it
+  assert time_to_accuracy.stale(args, str(tmp_path), overrides) == ""  # no finished run
+  (tmp_path / "summary.json").write_text(json.dumps({"config": recorded}))
+  assert time_to_accuracy.stale(args, str(tmp_path), overrides) == ""
+  recorded["optimizer"]["base_lr"] = 0.4  # the file's value when the run was made
+  (tmp_path / "summary.json").write_text(json.dumps({"config": recorded}))
+  assert "optimizer.base_lr" in time_to_accuracy.stale(args, str(tmp_path), overrides)
+  (tmp_path / "summary.json").write_text('{"config": ')  # damaged: left to the records
+  assert time_to_accuracy.stale(args, str(tmp_path), overrides) == ""
 
 
 def test_time_to_accuracy_keeps_the_other_strategies_results_of_the_same_cluster(tmp_path):
@@ -305,6 +341,21 @@ def test_a_cells_step_leaves_out_the_warmup_and_the_last_step_and_takes_diloco_o
     assert cell["step_seconds"] == pytest.approx((0.5 + 0.6 + 0.7 + 1.0) / 4)
   else:  # the median of steps 3-11: 0.3, 1.0, 0.5, 0.6, 0.7, 1.0, 0.9, 1.0, 1.1
     assert cell["step_seconds"] == pytest.approx(0.9)
+
+
+def test_a_cell_whose_run_ended_before_its_timed_steps_fails_by_name(tmp_path, monkeypatch):
+  """A config whose whole run is shorter than --warmup + --steps + 1 (12 steps for 2 + 30 + 1): the cell took the
+  median of the steps there were, under a header that says 30."""
+  args = _lab_args(warmup=2, steps=30, local=4, config="configs/fashion_mnist.py", timeout=60, peer_timeout=6)
+
+  def train_on_cluster(cluster, local, config, overrides, workdir, peer_timeout, timeout):
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "step_times.jsonl"), "w") as f:
+      f.writelines(json.dumps({"step": step, "seconds": 0.1, "sent_bytes": 10}) + "\n" for step in range(1, 13))
+
+  monkeypatch.setattr(mesh_lab, "train_on_cluster", train_on_cluster)
+  with LoopbackCluster(2) as cluster, pytest.raises(RuntimeError, match="the run took 12 steps, fewer than --warm"):
+    mesh_lab.run_cell(cluster, args, [], str(tmp_path / "cell"), "links.json")
 
 
 def test_mesh_lab_refuses_diloco_steps_that_may_hold_no_whole_period():

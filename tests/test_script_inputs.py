@@ -122,7 +122,9 @@ def test_input_pipeline_creates_its_workdir_or_says_why_it_cannot(tmp_path, monk
   error = refused("benchmarks/input_pipeline.py", f"--workdir={tmp_path / 'file' / 'bench'}")
   assert error.endswith(f"--workdir={tmp_path / 'file' / 'bench'}: {tmp_path / 'file'} is a file; give a folder")
   error = refused("benchmarks/input_pipeline.py", "--rounds=0")  # its median of no rounds was a traceback
-  assert error.endswith("--images=200 --rounds=0 --seconds=2: each must be > 0")
+  assert error.endswith("--images=200 --rounds=0 --seconds=2: each must be > 0 (and finite)")
+  error = refused("benchmarks/input_pipeline.py", "--seconds=inf")  # it ran for ever
+  assert error.endswith("--seconds=inf: each must be > 0 (and finite)")
   workdir = tmp_path / "new" / "bench"
   command = [sys.executable, os.path.join(ROOT, "benchmarks", "input_pipeline.py"), f"--workdir={workdir}"]
   tiny = ["--images=2", "--rounds=1", "--seconds=0.01"]
@@ -202,11 +204,15 @@ TOY_THROUGHPUT = ["--model=resnet8_small", "--image_size=8", "--batch_per_device
     pytest.param("--config.data.image_size=32", "--config.data.image_size has no effect", marks=pytest.mark.slow),
     ("--nodes=2", "--nodes=2 does not divide the 1 devices; set --nodes to one of 1. (On CPU, --cpu_devices sets"),
     ("--batch_per_device=0", "flag --batch_per_device=0: 0 is not a positive integer"),  # a ZeroDivisionError
+    # It timed step 0's program (the warm-up's density) under the strategy's name; the config was never checked.
+    ("--strategy=hitopk@0.01 --config.comm.density_warmup_epochs=1", "a density schedule (comm.density_warmup_"),
+    ("--config.comm.density=5", "invalid config: comm.density=5.0"),
+    ("--strategy=diloco@8 --cpu_devices=2 --nodes=2", "--steps=1: with diloco@8, a multiple of 8 (whole sync periods)"),
     ("--profile_dir=/proc/nope/trace", "--profile_dir=/proc/nope/trace/trace: cannot make its folder"),  # after it all
   ],
 )
 def test_throughput_refuses_what_it_would_ignore_or_fail_on(flag, message):
-  assert message in _fails("benchmarks/throughput.py", *TOY_THROUGHPUT, flag)
+  assert message in _fails("benchmarks/throughput.py", *TOY_THROUGHPUT, *flag.split())
 
 
 def test_collectives_checks_its_variants_and_cost_model_before_measuring(tmp_path, monkeypatch, capsys):

@@ -244,6 +244,14 @@ def test_the_large_batch_report_compares_with_the_batch_256_run_outside_only(tmp
   large_batch.report(results, stopped, large_batch.reference_top1(args.workdir, results))
   row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("big"))
   assert " +0.00 " in row
+  # compression_accuracy.py's "vs dense" column, the same way (it was blank there too).
+  import compression_accuracy
+
+  monkeypatch.setattr(compression_accuracy, "RUNS", runs)
+  monkeypatch.setattr(compression_accuracy, "DENSE", "ref")
+  compression_accuracy.main()
+  row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("big"))
+  assert " +0.00 " in row
   # A reference run another command made (another seed, say) is not this row's: no comparison.
   (tmp_path / "runs" / "ref" / "command.txt").write_text("train.py --config=c.py --config.seed=7")
   assert large_batch.reference_top1(args.workdir, results) == {}
