@@ -11,10 +11,10 @@ by magnitude, with static shapes (XLA needs them):
   Guarantee: every kept entry >= t1 is in the exact top-k, and each filled entry is at least t2 while
   the exact entries it replaces are below t1, so
 
-      L1(exact top-k) - L1(mstopk) <= (k - k1) * (t1 - t2) <= k * (max|x| - lo) * 2**-rounds,
+      L1(exact top-k) - L1(mstopk) <= (k - k1) * (t1 - t2) <= k * (hi - lo) * 2**-rounds,
 
   with lo the lower end of the search (the mean of |x|, or its minimum when fewer than k entries
-  reach the mean). ``rounds`` = 24 makes it negligible for float32 gradients.
+  reach the mean) and hi its upper end, just above max|x|. ``rounds`` = 24 makes it negligible for float32 gradients.
 
 Error feedback (Seide et al. 2014; Lin et al. 2018, DGC): what top-k does not send is kept in a
 per-device residual and added to the next step's gradient, so no gradient mass is ever lost, only
