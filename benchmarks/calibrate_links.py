@@ -228,8 +228,6 @@ def main():
     print(output.rstrip())
     return
 
-  if args.nodes == args.local == 1:
-    cli.fail("--nodes=1 --local=1: one device has no link to measure; give more nodes or local devices")
   import jax
 
   from light_jax.parallel import mesh as mesh_lib
@@ -252,6 +250,8 @@ def main():
     devices = f"{jax.device_count()} {jax.devices()[0].platform} devices"
     report(cost, rows, topk_rows, f"mesh {args.nodes} x {args.local} ({devices}, {where}), median of {args.repeats}")
     print(f"wrote {args.out}")
+    if args.nodes == args.local == 1:  # benchmarks/gpu_check.sh on a one-GPU machine: for the top-k rate
+      print("one device: no link measured (the links' alpha and beta are 0 in the file); only the top-k rate is")
     print(json.dumps({**json.loads(cost.to_json()), "out": args.out}))
 
 

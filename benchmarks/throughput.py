@@ -125,6 +125,7 @@ def main(argv):
   global_batch = per_device * mesh.size
   nodes, local = mesh.devices.shape
   config.global_batch_size = global_batch
+  config.data.eval_batch_size = global_batch  # no evaluation here: its batch must only not be refused
   config.mesh.update(nodes=nodes, local=local, cpu_devices=mesh.size)
   try:
     config_lib.validate(config, mesh.size)
@@ -140,8 +141,10 @@ def main(argv):
     cli.fail(f"--steps={_STEPS.value}: with diloco@{sync_every}, a multiple of {sync_every} (whole sync periods)")
   info = DatasetInfo(_CLASSES.value, (size, size, 3), IMAGENET_MEAN, IMAGENET_STD)
   steps = _WARMUP.value + _STEPS.value + (_PROFILE_STEPS.value if _PROFILE_DIR.value else 0)
-  # DiLoCo also syncs at a run's end: the plan ends a period after the steps run, so none of them is one.
-  plan = schedules.EpochPlan(global_batch * (steps + (sync_every or 0)), 1, (schedules.Phase(0, size),), global_batch)
+  # DiLoCo also syncs at a run's end: the plan ends after the steps run, at a period's end, so that none of them is
+  # an extra sync and the bytes count one sync in sync_every steps.
+  planned = sync_every * (steps // sync_every + 1) if sync_every else steps
+  plan = schedules.EpochPlan(global_batch * planned, 1, (schedules.Phase(0, size),), global_batch)
   model = create_model(config.model.name, info.num_classes, config.model.dtype, config.model.width)
   optimizer = optim.from_config(config, optax.constant_schedule(0.1))
 
@@ -196,7 +199,7 @@ def main(argv):
     "dtype": config.model.dtype,
     "strategy": _STRATEGY.value or config.comm.strategy,
     "optimizer": config.optimizer.name,
-    "config_overrides": [arg for arg in sys.argv[1:] if arg.startswith("--config.")],
+    "config_overrides": cli.config_overrides(sys.argv[1:]),
     "steps": _STEPS.value,
     "warmup": _WARMUP.value,
     "devices": mesh.size,

@@ -181,7 +181,7 @@ def stale(args, workdir: str, overrides: list[str]) -> str:
     return ""
   try:
     return train_runs.config_changed(workdir, args.config, [*cluster_mesh(args.nodes, args.local), *overrides])
-  except (OSError, ValueError):  # a damaged summary.json: the records are what the report reads
+  except (OSError, ValueError, TypeError, AttributeError):  # a damaged summary.json: the records are what counts
     return ""
 
 
@@ -267,6 +267,17 @@ def write_results(path: str, args, results: dict) -> None:
     pass
   if not isinstance(earlier, dict) or any(earlier.get(k) != v for k, v in setting.items()):
     earlier = {}  # another cluster or target: its figures do not compare with these
+  for label in [label for label in earlier if label not in setting and label not in results]:
+    try:  # an earlier strategy's run made before the config file changed is not this setting's now
+      _, strategy_overrides = parse_strategy(label)
+    except ValueError:
+      changed = "not a strategy"
+    else:
+      workdir = os.path.abspath(os.path.join(args.workdir, label.replace("/", "_")))
+      changed = stale(args, workdir, run_overrides(args, strategy_overrides))
+    if changed:
+      print(f"{label}: its figures in {path} are dropped: its run's config differs now ({changed})", file=sys.stderr)
+      del earlier[label]
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
     json.dump({**earlier, **setting, **results}, f)

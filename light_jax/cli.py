@@ -215,6 +215,15 @@ def overridden_fields(argv: list[str]) -> list[str]:
   return [arg[len("--config.") :].split("=", 1)[0] for arg in argv if arg.startswith("--config.")]
 
 
+def config_overrides(argv: list[str]) -> list[str]:
+  """The ``--config.FIELD=VALUE`` arguments of ``argv``, the two-argument form (``--config.FIELD VALUE``) joined."""
+  joined = []
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config."):
+      joined.append(arg if "=" in arg or i + 1 == len(argv) else f"{arg}={argv[i + 1]}")
+  return joined
+
+
 def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: list[str]) -> list[str]:
   """absl's parsing of ``argv`` into ``flag_values``, each config file loaded; a mistake on the command line
   raises CommandLineError, a bug inside a config file its own error."""

@@ -275,7 +275,10 @@ def input_failed(
     saved, unreported = f"no checkpoint could be saved at step {loop.step}: see the log above", False
   if unreported:
     logging.error("the training input failed after step %d: %s", loop.step, error)
-    stopped(dataclasses.replace(loop, stop=NONFINITE))  # raises
+    try:
+      stopped(dataclasses.replace(loop, stop=NONFINITE))
+    except NonFiniteError as e:  # the rerun it suggests would stop at the same input
+      raise NonFiniteError(f"{e} The training input also failed after that step ({error}): mend it first.") from None
   if isinstance(error, data_lib.DataError):
     raise data_lib.DataError(f"{error} ({saved})") from None
   logging.error("the training input failed after step %d; %s", loop.step, saved)

@@ -192,6 +192,17 @@ TOY_THROUGHPUT = ["--model=resnet8_small", "--image_size=8", "--batch_per_device
                   "--dtype=float32", "--steps=1", "--warmup=0"]  # fmt: skip
 
 
+def test_throughputs_json_keeps_the_overrides_values_in_either_form():
+  from light_jax import cli
+
+  argv = ["--model=resnet8_small", "--config.comm.density", "0.05", "--config.seed=3", "--config.optimizer.name"]
+  assert cli.config_overrides(argv) == [
+    "--config.comm.density=0.05",
+    "--config.seed=3",
+    "--config.optimizer.name",
+  ]
+
+
 @pytest.mark.parametrize(
   "flag, message",
   [
