@@ -232,12 +232,54 @@ def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: li
     for name in config_file_flags:
       if flag_values[name].value is not None:
         flag_values[name].value.keys()  # a config file that failed to load raises here
+  except SyntaxError as e:  # a config file that is not Python (a YAML file, say), or Python with a syntax error
+    raise CommandLineError(
+      f"--config: {e.filename}, line {e.lineno}: {e.msg}; a config file is Python defining get_config(variant=None) "
+      "that returns base_config() with its changes (configs/fashion_mnist.py)"
+    ) from None
   except FLAG_ERRORS as e:
     error = describe_flag_error(e, argv)
     if error is None:
       raise
     raise error from None
   return parsed
+
+
+def _field_paths(node: ml_collections.ConfigDict, prefix: str = "") -> dict[str, object]:
+  """Every field of ``node`` (base_config()'s): dotted path -> default."""
+  paths = {}
+  for key, value in node.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      paths.update(_field_paths(value, f"{prefix}{key}."))
+    else:
+      paths[f"{prefix}{key}"] = value
+  return paths
+
+
+def _similar_fields(path: str) -> list[str]:
+  """base_config()'s fields that ``path`` may have meant: close in spelling, or whose last part holds its last part
+  or is held by it (``lr``: optimizer.base_lr; ``batch_size``: global_batch_size)."""
+  import difflib
+
+  from light_jax.config import base_config
+
+  fields = list(_field_paths(base_config()))
+  group, _, last = path.rpartition(".")
+  close = difflib.get_close_matches(path, fields, n=3, cutoff=0.75)
+  holding = [f for f in fields if len(last) > 1 and (last in f.rsplit(".", 1)[-1] or f.rsplit(".", 1)[-1] in last)]
+  holding.sort(key=lambda f: (f.rpartition(".")[0] != group, len(f)))  # the same group's first
+  return list(dict.fromkeys([*holding, *close]))[:3]
+
+
+def _field_default(path: str) -> tuple[bool, object]:
+  """(whether ``path`` is one of base_config()'s fields, its default)."""
+  from light_jax.config import base_config
+
+  paths = _field_paths(base_config())
+  return path in paths, paths.get(path)
+
+
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def _override_of_the_wrong_shape(e: Exception, text: str, argv: list[str]) -> CommandLineError | None:
@@ -309,10 +351,38 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
     path = next((p for p in overridden_fields(argv) if p in text or name in p.split(".")), None)
     if path is None:
       return None
+    if _field_default(path)[0]:  # a field of every training config: this file is not one
+      return CommandLineError(
+        f"--config.{path}: the config file has no such field: it is not a training config, which returns "
+        "base_config() with its changes (a mesh experiment goes to benchmarks/mesh_lab.py --experiment)"
+      )
+    similar = _similar_fields(path) if len(lines) == 1 else []
+    if similar:  # where ml_collections suggests none (lr: optimizer.base_lr; batch_size: global_batch_size)
+      lines = [lines[0], "did you mean " + " or ".join(f"--config.{f}" for f in similar) + "?"]
     return CommandLineError(
       f"--config.{path}: no such config field" + "".join(f"; {line}" for line in lines[1:]), FIELDS_HINT
     )
   message = " ".join(lines)
+  flagfile = re.match(r"ERROR:: Unable to open flagfile: (.*)", message)
+  if flagfile:
+    return CommandLineError(f"--flagfile: cannot open it: {flagfile[1]}; give a file of flags, one per line")
+  unknown = re.match(r"Unknown command line flag '([\w.]+)'", message)
+  if unknown:  # a config field given as a flag (--num_epochs=3): say how fields are set
+    is_field, default = _field_default(unknown[1])
+    similar = [unknown[1]] if is_field else _similar_fields(unknown[1])
+    if similar and (is_field or "." in unknown[1] or unknown[1] in [f.rsplit(".", 1)[-1] for f in similar]):
+      return CommandLineError(
+        f"--{unknown[1]} is not a flag; config fields are set with --config.FIELD=VALUE, e.g. "
+        + " or ".join(f"--config.{f}=..." for f in similar),
+        FIELDS_HINT,
+      )
+  typed = re.match(r"flag --config\.([\w.]+)=(.*?): (invalid literal|could not convert)", message)
+  if typed and _field_default(typed[1])[0]:  # Python's words: say what the field takes
+    default = _field_default(typed[1])[1]
+    word = _TYPE_WORDS.get(type(default), type(default).__name__)
+    return CommandLineError(
+      f"--config.{typed[1]}={typed[2]}: {typed[1]} takes {word} (its default: {default!r})", FIELDS_HINT
+    )
   # absl's bool parser raises ValueError('Non-boolean argument to boolean flag', value), shown as a tuple
   message = re.sub(
     r"\('Non-boolean argument to boolean flag', (.*)\)$", r"\1 is not a boolean; use true or false", message

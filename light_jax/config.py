@@ -574,6 +574,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _choice("model.dtype", config.model.dtype, MODEL_DTYPES)
   _choice("model.loss_scale", config.model.loss_scale, LOSS_SCALES)
   _positive("model.loss_scale_period", config.model.loss_scale_period)
+  if config.model.loss_scale_period >= 2**31:  # jmp keeps its counter in an int32: an OverflowError in the step
+    raise ConfigError(f"model.loss_scale_period={config.model.loss_scale_period} must be below 2**31 (jmp's int32).")
   if loss_scaling(config) and config.train.on_nonfinite == "stop":
     raise ConfigError(
       "dynamic loss scaling skips the steps whose gradient overflows, by design; train.on_nonfinite='stop' "
@@ -623,6 +625,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     raise ConfigError(f"seed={config.seed!r} must be an integer in [0, 2**32).")
   _positive("optimizer.base_lr", config.optimizer.base_lr)
   _positive("optimizer.weight_decay", config.optimizer.weight_decay, allow_zero=True)
+  if config.optimizer.weight_decay >= 1:  # w shrinks by lr x wd a step: typical values are 1e-5 to 0.1
+    raise ConfigError(
+      f"optimizer.weight_decay={config.optimizer.weight_decay} must be below 1 (typical: 5e-5 to 0.1; the default "
+      "5e-4)."
+    )
   _positive("optimizer.warmup_epochs", config.optimizer.warmup_epochs, allow_zero=True)
   _positive("optimizer.lars_eta", config.optimizer.lars_eta)
   if not 0.0 <= config.optimizer.momentum < 1.0:
@@ -686,9 +693,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   for field, value in batch_sizes.items():
     if value % num_devices:
       lower = value // num_devices * num_devices
+      nearest = f"{lower} or {lower + num_devices}" if lower else f"{num_devices}"  # not "8 or 8"
       raise ConfigError(
-        f"{field} does not divide over {num_devices} devices; use a multiple of {num_devices} "
-        f"(e.g. {max(lower, num_devices)} or {lower + num_devices})."
+        f"{field} does not divide over {num_devices} devices; use a multiple of {num_devices} (e.g. {nearest})."
       )
   if not isinstance(config.micro_batches, int) or config.micro_batches < 1:
     raise ConfigError(f"micro_batches={config.micro_batches!r} must be an integer >= 1.")

@@ -36,7 +36,13 @@ from ml_collections import config_flags  # noqa: E402
 from light_jax import cli  # noqa: E402
 from light_jax import config as config_lib  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "training config file[:variant]")
+try:  # ml_collections reads the command line here (a --flagfile that cannot be opened raises now)
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file[:variant]")
+except cli.FLAG_ERRORS as e:
+  error = cli.describe_flag_error(e, sys.argv)
+  if error is None:  # not the command line's: a bug, with its traceback
+    raise
+  cli.fail(str(error))
 _CLUSTER = flags.DEFINE_string("cluster", "v100x128_25gbe", "a preset of light_jax/simulation.py CLUSTERS")
 _STRATEGIES = flags.DEFINE_list("strategies", [], "strategies to compare (default: the config's)")
 _NODES = flags.DEFINE_integer("nodes", None, "machines (default: the preset's)", lower_bound=1)
@@ -148,6 +154,10 @@ def main(argv):
 
   if _CONFIG.value is None:
     cli.fail("--config is required, e.g. --config configs/imagenet_resnet50.py:light")
+  try:  # a mesh experiment, a search space: not a training config (a traceback deep inside before)
+    config_lib.check_fields(_CONFIG.value)
+  except config_lib.ConfigError as e:
+    cli.fail(f"--config: {e}")
   if _PLOT.value:
     if not _SWEEP.value:
       cli.fail("--plot draws a sweep: add --sweep bandwidth or --sweep devices")

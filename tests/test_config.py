@@ -124,6 +124,9 @@ def test_default_configs_validate():
     ({"comm__strategy": "auto", "comm__k_allocation": "sqrt"}, r"costs computed with the proportional k"),
     ({"comm__k_allocation": "log"}, r"comm.k_allocation='log' is unknown"),
     ({"comm__local_trust_ratio": True}, r"optimizer.name='sgd' has none. Set optimizer.name=lars"),
+    ({"optimizer__weight_decay": 1.5}, r"optimizer.weight_decay=1.5 must be below 1"),
+    ({"model__loss_scale_period": 2**31}, r"model.loss_scale_period=2147483648 must be below 2\*\*31"),
+    ({"global_batch_size": 4}, r"global_batch_size=4 does not divide over 8 devices; use a multiple of 8 \(e.g. 8\)\."),
     (
       {
         "comm__local_trust_ratio": True,
@@ -231,8 +234,22 @@ FLAGS = "--help lists the flags"
       '--config.global_batch_siz: no such config field; Did you mean "global_batch_size"',
       FIELDS,
     ),
-    (["--config.optimizer.lr=0.1"], "--config.optimizer.lr: no such config field", FIELDS),
-    (["--config.global_batch_size=abc"], "flag --config.global_batch_size=abc: invalid literal for int()", FIELDS),
+    (  # ml_collections suggests nothing: the fields holding its name
+      ["--config.optimizer.lr=0.1"],
+      "--config.optimizer.lr: no such config field; did you mean --config.optimizer.base_lr or",
+      FIELDS,
+    ),
+    (["--config.batch_size=64"], "no such config field; did you mean --config.global_batch_size or", FIELDS),
+    # Python's own words were "invalid literal for int() with base 10: 'abc'"
+    (["--config.global_batch_size=abc"], "--config.global_batch_size=abc: global_batch_size takes an integer", FIELDS),
+    (["--config.comm.density=0.5,0.1"], "--config.comm.density=0.5,0.1: comm.density takes a number (its def", FIELDS),
+    # a field given as a flag: absl suggested --num_processes
+    (
+      ["--num_epochs=3"],
+      "--num_epochs is not a flag; config fields are set with --config.FIELD=VALUE, e.g. --c",
+      FIELDS,
+    ),
+    (["--flagfile=/nonexistent/flags"], "--flagfile: cannot open it: [Errno 2] No such file or directory", None),
     # ml_collections: "Failed to parse 'dense' as a ConfigDict: ValueError('malformed node ...')"
     (["--config.comm=dense"], "--config.comm: a group of fields, not one; set its fields one by one", FIELDS),
     # ml_collections: "string indices must be integers, not 'str'"
@@ -260,11 +277,21 @@ FLAGS = "--help lists the flags"
     (["--coordinator=127.0.0.1", "--num_processes=2", "--process_id=0"], "--coordinator must be host:port", FLAGS),
     # without its dashes it was dropped, and the run went on at the default
     (["config.num_epochs=1"], "unexpected argument(s) config.num_epochs=1: give flags only", None),
+    (["--config=README.md"], "; a config file is Python defining get_config(variant=None)", None),  # a traceback
+    (  # "no such config field": a field of every training config
+      ["--config=configs/mesh_experiments.py", "--config.seed=1"],
+      "--config.seed: the config file has no such field: it is not a training config",
+      None,
+    ),
   ],
   ids=[
     "misspelled-field",
     "no-such-field",
+    "a-near-name",
     "wrong-type",
+    "wrong-type-float",
+    "field-as-flag",
+    "flagfile",
     "a-group",
     "through-a-field",
     "a-group-as-a-dict",
@@ -279,6 +306,8 @@ FLAGS = "--help lists the flags"
     "init-timeout-huge",
     "coordinator-no-port",
     "positional",
+    "not-python",
+    "not-a-training-config",
   ],  # fmt: skip
 )
 def test_cli_bad_flags_get_one_error_line_and_exit_code_2(tmp_path, args, message, hint):

@@ -455,7 +455,10 @@ def test_a_search_space_field_of_the_wrong_type_or_a_group_stops_the_study_befor
   monkeypatch.setattr(tune, "run_trial", lambda *a: pytest.fail("a trial ran"))
   space = tmp_path / "space.py"
   for field, expected in [
-    ("'micro_batches': ('float', 1.0, 2.0)", "field micro_batches: train.py refuses its value 1.0: flag --config."),
+    (
+      "'micro_batches': ('float', 1.0, 2.0)",
+      "field micro_batches: train.py refuses its value 1.0: --config.micro_batches=1.0: micro_batches takes an integer",
+    ),
     ("'optimizer': ('log', 0.1, 1.0)", "field optimizer is a group of fields (base_lr, "),
     ("'optimizer.nesterov': ('choice', [True, 0.5])", "field optimizer.nesterov: train.py refuses its value 0.5"),
     ("'optimizer.decay': ('float', 0.1, 1.0)", "field optimizer.decay: train.py reads its value 0.1 as '0.1' (str)"),
