@@ -49,6 +49,7 @@ import copy
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -282,9 +283,16 @@ def load_experiment(spec: str, args) -> list[tuple[int, int]]:
   if not os.path.isfile(os.path.join(ROOT, path)):
     raise ValueError(f"no such file: {path}; give a mesh experiment config such as configs/mesh_experiments.py")
   module_spec = importlib.util.spec_from_file_location("mesh_experiment", os.path.join(ROOT, path))
+  if module_spec is None or not path.endswith(".py"):
+    raise ValueError(f"{path} is not a Python file; give a mesh experiment config such as configs/mesh_experiments.py")
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  experiment = module.get_config(variant or None)  # ValueError for an unknown variant
+  if not callable(getattr(module, "get_config", None)):
+    raise ValueError(f"{path} has no get_config(variant=None); see configs/mesh_experiments.py")
+  try:
+    experiment = module.get_config(variant or None)  # ValueError for an unknown variant
+  except TypeError as e:  # a get_config that takes no variant
+    raise ValueError(f"{path}: get_config(variant=None) is called with the variant: {e}") from None
   missing = [
     f for f in ("meshes", "bandwidths", "strategies", "steps", "warmup", "config", "overrides") if f not in experiment
   ]
@@ -316,6 +324,9 @@ def check_args(args, meshes: list[tuple[int, int]]) -> tuple[dict[str, int | Non
     raise ValueError(f"--steps {args.steps} must be at least 1 (the measured steps per cell)")
   if args.warmup < 0:  # a negative slice would keep the wrong records
     raise ValueError(f"--warmup {args.warmup} must be at least 0 (the steps dropped before measuring)")
+  for field_value in args.set:  # train.py's --config.FIELD=VALUE, without its --config.
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.\w+)*=.*", field_value, re.DOTALL) or field_value.startswith("config."):
+      raise ValueError(f"--set {field_value!r}: give FIELD=VALUE without --config., e.g. --set num_epochs=3")
   rates = parse_bandwidths(args.bandwidth)
   shaped = [label for label, rate in rates.items() if rate is not None]
   if args.loopback and shaped:

@@ -584,6 +584,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _choice("data.dataset", config.data.dataset, DATASETS)
   _positive("data.read_threads", config.data.read_threads)
   _positive("data.prefetch", config.data.prefetch)
+  _positive("data.cache_budget_gb", config.data.cache_budget_gb, allow_zero=True)  # NaN never skipped the cache
   for field in ("num_workers", "host_prefetch"):
     value = config.data[field]
     if not isinstance(value, int) or value < -1 or (field == "host_prefetch" and value == 0):

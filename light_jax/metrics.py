@@ -182,6 +182,11 @@ def _damaged(path: str, number: int, what: str) -> str:
   )
 
 
+def _plain(text: str) -> str:
+  """``text`` as matplotlib shows it literally: a "$" would start its math mode (a label "$\\foo$" failed)."""
+  return text.replace("$", r"\$")
+
+
 def plot_comparison(runs: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> None:
   """Test top-1 and training loss against epoch for several runs (label -> records) in one PNG."""
   import matplotlib
@@ -192,15 +197,15 @@ def plot_comparison(runs: dict[str, list[dict[str, Any]]], path: str, title: str
   fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
   for label, records in runs.items():
     epochs = [r["epoch"] for r in records]
-    ax_loss.plot(epochs, [r["train_loss"] for r in records], marker="o", label=label)
-    ax_acc.plot(epochs, [100 * r["eval_top1"] for r in records], marker="o", label=label)
+    ax_loss.plot(epochs, [r["train_loss"] for r in records], marker="o", label=_plain(label))
+    ax_acc.plot(epochs, [100 * r["eval_top1"] for r in records], marker="o", label=_plain(label))
   ax_loss.set(xlabel="epoch", ylabel="train loss", title="training loss")
   ax_acc.set(xlabel="epoch", ylabel="test top-1 (%)", title="test top-1 accuracy")
   for ax in (ax_loss, ax_acc):
     ax.grid(alpha=0.3)
     ax.legend()
   if title:
-    fig.suptitle(title)
+    fig.suptitle(_plain(title))
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

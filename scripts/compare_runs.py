@@ -37,11 +37,11 @@ def main():
     except OSError as e:  # a folder in its place, no permission
       cli.fail(f"{spec}: cannot read {os.path.join(workdir, 'metrics.jsonl')} ({e.strerror})")
     fields = ("epoch", "train_loss", "eval_top1", "eval_top5", "inter_node_bytes_per_step")
-    missing = sorted({f for r in runs[label] for f in fields if f not in r})
+    missing = sorted({f for r in runs[label] for f in fields if not isinstance(r.get(f), (int, float))})
     if missing:  # an older train.py's records, or another program's
       cli.fail(
-        f"{spec}: {os.path.join(workdir, 'metrics.jsonl')} holds records without {', '.join(missing)}; give the "
-        "workdir of a run of this train.py"
+        f"{spec}: {os.path.join(workdir, 'metrics.jsonl')} holds records without a number in "
+        f"{', '.join(missing)}; give the workdir of a run of this train.py"
       )
     if not runs[label]:
       cli.fail(f"{spec}: {os.path.join(workdir, 'metrics.jsonl')} holds no evaluation yet; give a run that has one")

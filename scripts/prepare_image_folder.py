@@ -52,6 +52,10 @@ def main():
         + " and ".join(f"{s}/CLASS_NAME/*.jpg" for s in splits)
       )
   out = os.path.expanduser(args.out)
+  for split in splits:  # its staging folder would then be listed as one of the split's classes
+    inside = os.path.realpath(os.path.join(folder, split))
+    if os.path.realpath(out) == inside or os.path.realpath(out).startswith(inside + os.sep):
+      cli.fail(f"--out={args.out} is inside --folder's {split}/ folder; choose a folder outside --folder's splits")
   new = not os.path.exists(out)
   try:
     os.makedirs(out, exist_ok=True)
@@ -70,6 +74,15 @@ def main():
       print(f"stopped by Ctrl-C: {'nothing written' if new else f'{args.out} left as it was'}", file=sys.stderr)
       sys.exit(130)  # 128 + SIGINT, as a shell reports it
     raise
+  empty = [split for split, counts in info["splits"].items() if not counts["examples"]]
+  if empty:  # nothing to train or evaluate on: every image undecodable, say
+    if new:
+      shutil.rmtree(out, ignore_errors=True)
+    skipped = sum(len(info["splits"][split]["skipped"]) for split in empty)
+    cli.fail(
+      f"--folder={args.folder}: no decodable image in {', '.join(f'{s}/' for s in empty)} ({skipped} skipped, see "
+      f"the log above){'; nothing written' if new else ''}"
+    )
   print(f"{len(info['classes'])} classes -> {args.out}")
   for split, counts in info["splits"].items():
     print(

@@ -186,6 +186,12 @@ def test_calibrate_links_refuses_a_mesh_that_does_not_fit_the_devices(tmp_path):
     ("mesh_lab.py", ["--experiment", "configs/mesh_experiments.py:nope"], "unknown variant 'nope'"),
     ("mesh_lab.py", ["--experiment", "configs/fashion_mnist.py"], "configs/fashion_mnist.py is not a mesh experiment"),
     ("mesh_lab.py", ["--experiment", "configs/"], "no such file: configs/; give a mesh experiment config"),
+    ("mesh_lab.py", ["--experiment", "README.md"], "README.md is not a Python file"),  # a traceback
+    (  # "--config.config.num_epochs: no such config field"
+      "mesh_lab.py",
+      ["--loopback", "--bandwidth", "unshaped", "--set", "config.num_epochs=3"],
+      "--set 'config.num_epochs=3': give FIELD=VALUE without --config., e.g. --set num_epochs=3",
+    ),
     ("mesh_lab.py", ["--loopback", "--bandwidth", "unshaped", "--set", "foo=1"], "--config.foo: no such config"),
     ("time_to_accuracy.py", ["--report_only", "--local", "0"], "--local 0: each must be at least 1"),
     ("time_to_accuracy.py", ["--report_only", "--target", "92"], "--target 92 must be a top-1 fraction"),

@@ -75,8 +75,14 @@ def test_compare_runs_names_a_bad_run_argument(tmp_path, monkeypatch, capsys):
   (tmp_path / "other" / "metrics.jsonl").write_text('{"step": 4, "epoch": 1.0, "train_loss": 1.0}\n')
   error = refused("scripts/compare_runs.py", "--out", out, f"a={tmp_path / 'other'}")
   assert error.endswith(
-    "holds records without eval_top1, eval_top5, inter_node_bytes_per_step; give the workdir of a run of this train.py"
+    "holds records without a number in eval_top1, eval_top5, inter_node_bytes_per_step; give the workdir of a run of "
+    "this train.py"
   )
+  (tmp_path / "other" / "metrics.jsonl").write_text(  # a null (a TypeError traceback in the table before)
+    '{"step": 4, "epoch": 1.0, "train_loss": 1.0, "eval_top1": null, "eval_top5": 0.9, '
+    '"inter_node_bytes_per_step": 8}\n'
+  )
+  assert "without a number in eval_top1;" in refused("scripts/compare_runs.py", "--out", out, f"a={tmp_path / 'other'}")
 
 
 def test_compare_runs_marks_a_run_not_finished_and_says_where_the_plot_is(tmp_path):
@@ -84,7 +90,7 @@ def test_compare_runs_marks_a_run_not_finished_and_says_where_the_plot_is(tmp_pa
   for name, lines in (("done", records), ("cut", records[:3])):
     (tmp_path / name).mkdir()
     (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-  long_label = "hitopk@0.01_dw5_compensated"
+  long_label = "hitopk@0.01_dw5_$\\foo$"  # a "$" started matplotlib's math mode: a ParseFatalException
   result = subprocess.run(
     [sys.executable, "scripts/compare_runs.py", "--out", str(tmp_path / "runs.png"), f"done={tmp_path / 'done'}",
      f"{long_label}={tmp_path / 'cut'}"],
@@ -317,8 +323,17 @@ def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path, monk
     args = [f"--folder={tmp_path / 'folder'}", f"--out={tmp_path / 'out'}", f"--splits={splits}"]
     assert "give distinct split names, each a folder's name" in refused("scripts/prepare_image_folder.py", *args)
     assert not (tmp_path / "out").exists()
+  # --out inside a split: its staging folder was then called a class that the first split lacks.
+  args = [f"--folder={tmp_path / 'folder'}", f"--out={tmp_path / 'folder' / 'val' / 'out'}"]
+  assert "is inside --folder's val/ folder" in refused("scripts/prepare_image_folder.py", *args)
+  # Every image undecodable: it wrote empty splits and exited 0.
+  for split in ("train", "val"):
+    (tmp_path / "folder" / split / "cat").mkdir()
+    (tmp_path / "folder" / split / "cat" / "bad.jpg").write_bytes(b"not a jpeg")
+  error = refused("scripts/prepare_image_folder.py", f"--folder={tmp_path / 'folder'}", f"--out={tmp_path / 'out'}")
+  assert "no decodable image in train/, val/ (2 skipped, see the log above); nothing written" in error
+  assert not (tmp_path / "out").exists()
   # Ctrl-C during the conversion: one line and exit 130 (a traceback before), the --out it made removed.
-  (tmp_path / "folder" / "train" / "cat").mkdir()
 
   def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
