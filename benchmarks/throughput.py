@@ -71,6 +71,8 @@ FLAG_FIELDS = {
   "mesh": "--nodes and --cpu_devices",
   "global_batch_size": "--batch_per_device",
   "data": "--image_size and --num_classes (the batches are synthetic)",
+  "max_steps": "--steps and --warmup",
+  "num_epochs": "--steps and --warmup",
 }
 
 

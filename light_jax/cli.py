@@ -233,9 +233,12 @@ def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: li
       if flag_values[name].value is not None:
         flag_values[name].value.keys()  # a config file that failed to load raises here
   except SyntaxError as e:  # a config file that is not Python (a YAML file, say), or Python with a syntax error
+    given = [_config_path(argv, name) for name in config_file_flags]
+    if e.filename is None or os.path.realpath(e.filename) not in [os.path.realpath(p) for p in given if p]:
+      raise  # another file's (a module the config imports): a bug, with its traceback
     raise CommandLineError(
-      f"--config: {e.filename}, line {e.lineno}: {e.msg}; a config file is Python defining get_config(variant=None) "
-      "that returns base_config() with its changes (configs/fashion_mnist.py)"
+      f"--config: {e.filename}, line {e.lineno}: {e.msg} ({(e.text or '').strip()[:60]!r}); a config file is Python "
+      "defining get_config(variant=None) that returns base_config() with its changes (configs/fashion_mnist.py)"
     ) from None
   except FLAG_ERRORS as e:
     error = describe_flag_error(e, argv)
@@ -243,6 +246,17 @@ def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: li
       raise
     raise error from None
   return parsed
+
+
+def _config_path(argv: list[str], flag: str) -> str | None:
+  """The file of ``--FLAG=PATH[:VARIANT]`` (or ``--FLAG PATH``) in ``argv``, the last one given."""
+  path = None
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{flag}="):
+      path = arg.split("=", 1)[1]
+    elif arg == f"--{flag}" and i + 1 < len(argv):
+      path = argv[i + 1]
+  return path.split(":", 1)[0] if path else None
 
 
 def _field_paths(node: ml_collections.ConfigDict, prefix: str = "") -> dict[str, object]:
@@ -265,10 +279,16 @@ def _similar_fields(path: str) -> list[str]:
 
   fields = list(_field_paths(base_config()))
   group, _, last = path.rpartition(".")
-  close = difflib.get_close_matches(path, fields, n=3, cutoff=0.75)
-  holding = [f for f in fields if len(last) > 1 and (last in f.rsplit(".", 1)[-1] or f.rsplit(".", 1)[-1] in last)]
-  holding.sort(key=lambda f: (f.rpartition(".")[0] != group, len(f)))  # the same group's first
-  return list(dict.fromkeys([*holding, *close]))[:3]
+
+  def name(field: str) -> str:
+    return field.rsplit(".", 1)[-1]
+
+  # By the fields' own names (a shared group's prefix made optimizer.wd look like optimizer.decay), the same group's
+  # first; then by spelling.
+  holding = [f for f in fields if len(last) > 1 and (last in name(f) or name(f) in last)]
+  close = [f for f in fields if difflib.SequenceMatcher(None, last, name(f)).ratio() >= 0.75]
+  ranked = sorted(dict.fromkeys([*holding, *close]), key=lambda f: (f.rpartition(".")[0] != group, f not in holding))
+  return ranked[:3]
 
 
 def _field_default(path: str) -> tuple[bool, object]:
@@ -348,7 +368,11 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
     return shape_error
   if isinstance(e, (AttributeError, KeyError)):  # a --config.FIELD=VALUE naming no field, or a config file's bug
     name = lines[0].strip("'\"")  # the missing key, or a message that names the path looked up
-    path = next((p for p in overridden_fields(argv) if p in text or name in p.split(".")), None)
+    candidates = [p for p in overridden_fields(argv) if p in text or name in p.split(".")]
+    # The override that failed: its last part is the missing key, and it is no field of base_config (one that is
+    # may only be named in the suggestion, or added by a tool, as the mesh lab's mesh fields).
+    path = next((p for p in candidates if p.split(".")[-1] == name and not _field_default(p)[0]), None)
+    path = path or next((p for p in candidates if not _field_default(p)[0]), None) or next(iter(candidates), None)
     if path is None:
       return None
     if _field_default(path)[0]:  # a field of every training config: this file is not one
@@ -367,12 +391,15 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
   if flagfile:
     return CommandLineError(f"--flagfile: cannot open it: {flagfile[1]}; give a file of flags, one per line")
   unknown = re.match(r"Unknown command line flag '([\w.]+)'", message)
+  if unknown and unknown[1].startswith("config."):  # an override without the config file it overrides
+    return CommandLineError(f"--{unknown[1]} overrides a field of --config FILE, which is not given", FLAGS_HINT)
   if unknown:  # a config field given as a flag (--num_epochs=3): say how fields are set
-    is_field, default = _field_default(unknown[1])
+    is_field, _ = _field_default(unknown[1])
     similar = [unknown[1]] if is_field else _similar_fields(unknown[1])
     if similar and (is_field or "." in unknown[1] or unknown[1] in [f.rsplit(".", 1)[-1] for f in similar]):
+      # absl's own suggestion (a flag of this program) first, where it has one
       return CommandLineError(
-        f"--{unknown[1]} is not a flag; config fields are set with --config.FIELD=VALUE, e.g. "
+        f"{message}; a config field is set with --config.FIELD=VALUE, e.g. "
         + " or ".join(f"--config.{f}=..." for f in similar),
         FIELDS_HINT,
       )

@@ -628,7 +628,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _positive("optimizer.weight_decay", config.optimizer.weight_decay, allow_zero=True)
   if config.optimizer.weight_decay >= 1:  # w shrinks by lr x wd a step: typical values are 1e-5 to 0.1
     raise ConfigError(
-      f"optimizer.weight_decay={config.optimizer.weight_decay} must be below 1 (typical: 5e-5 to 0.1; the default "
+      f"optimizer.weight_decay={config.optimizer.weight_decay} must be below 1 (typical: 1e-5 to 0.1; the default "
       "5e-4)."
     )
   _positive("optimizer.warmup_epochs", config.optimizer.warmup_epochs, allow_zero=True)

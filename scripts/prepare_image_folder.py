@@ -74,15 +74,6 @@ def main():
       print(f"stopped by Ctrl-C: {'nothing written' if new else f'{args.out} left as it was'}", file=sys.stderr)
       sys.exit(130)  # 128 + SIGINT, as a shell reports it
     raise
-  empty = [split for split, counts in info["splits"].items() if not counts["examples"]]
-  if empty:  # nothing to train or evaluate on: every image undecodable, say
-    if new:
-      shutil.rmtree(out, ignore_errors=True)
-    skipped = sum(len(info["splits"][split]["skipped"]) for split in empty)
-    cli.fail(
-      f"--folder={args.folder}: no decodable image in {', '.join(f'{s}/' for s in empty)} ({skipped} skipped, see "
-      f"the log above){'; nothing written' if new else ''}"
-    )
   print(f"{len(info['classes'])} classes -> {args.out}")
   for split, counts in info["splits"].items():
     print(

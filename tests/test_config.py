@@ -247,7 +247,7 @@ FLAGS = "--help lists the flags"
     # a field given as a flag: absl suggested --num_processes
     (
       ["--num_epochs=3"],
-      "--num_epochs is not a flag; config fields are set with --config.FIELD=VALUE, e.g. --c",
+      "?; a config field is set with --config.FIELD=VALUE, e.g. --config.num_epochs=...",
       FIELDS,
     ),
     (["--flagfile=/nonexistent/flags"], "--flagfile: cannot open it: [Errno 2] No such file or directory", None),
@@ -284,6 +284,11 @@ FLAGS = "--help lists the flags"
       "--config.seed: the config file has no such field: it is not a training config",
       None,
     ),
+    (  # the good override was named as the one missing, and the file as no training config
+      ["--config.seed=1", "--config.seeds=2"],
+      '--config.seeds: no such config field; Did you mean "seed"',
+      FIELDS,
+    ),
   ],
   ids=[
     "misspelled-field",
@@ -309,6 +314,7 @@ FLAGS = "--help lists the flags"
     "positional",
     "not-python",
     "not-a-training-config",
+    "the-override-that-fails",
   ],  # fmt: skip
 )
 def test_cli_bad_flags_get_one_error_line_and_exit_code_2(tmp_path, args, message, hint):

@@ -98,6 +98,13 @@ def test_converting_one_split_keeps_the_others_only_if_their_classes_are_the_sam
   with pytest.raises(DataError, match=r"info.json is damaged and .* holds train.array_record, val.array_record"):
     records.convert_image_folder(str(raw), str(converted), ("train",))
   records.convert_image_folder(str(raw), str(converted))  # every split: nothing to keep
+  # A split left with no decodable image: refused before the moves, the earlier conversion kept whole.
+  before = (converted / "info.json").read_text()
+  for path in (raw / "val").rglob("*.*"):
+    path.write_bytes(b"not an image")
+  with pytest.raises(DataError, match=r"no decodable image in val/ \(1 skipped, named in the log above\)"):
+    records.convert_image_folder(str(raw), str(converted), ("val",))
+  assert (converted / "info.json").read_text() == before
 
 
 def _folder_config(data_dir, cache_dir, **overrides):
@@ -228,9 +235,16 @@ def test_an_empty_eval_split_is_refused_when_loaded(tmp_path):
   # A file name that is not UTF-8 is kept (as its bytes), not a UnicodeEncodeError.
   name = os.fsdecode(b"caf\xe9.jpg")
   (tmp_path / "raw" / "train" / "cat" / name).write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(0), 32, 32)))
-  records.convert_image_folder(str(tmp_path / "raw"), str(tmp_path / "converted"))
-  assert sorted(os.listdir(tmp_path / "converted")) == ["info.json", "train.array_record", "val.array_record"]
+  # Refused by the conversion (which wrote the empty split, then refused when loaded), nothing written.
+  with pytest.raises(DataError, match=r"no decodable image in val/ \(1 skipped, named in the log above\)"):
+    records.convert_image_folder(str(tmp_path / "raw"), str(tmp_path / "converted"))
+  assert not [name for name in os.listdir(tmp_path / "converted") if not name.startswith(".")]
+  records.convert_image_folder(str(tmp_path / "raw"), str(tmp_path / "converted"), ("train",))
+  assert sorted(os.listdir(tmp_path / "converted")) == ["info.json", "train.array_record"]
   assert records.FolderRecords(str(tmp_path / "converted"), "train")[0][1:] == (0, "cat/caf\ufffd.jpg")
+  # An empty split file (an earlier conversion's): refused when loaded.
+  with records._writer(str(tmp_path / "converted" / "val.array_record")):
+    pass
   with pytest.raises(DataError, match="val.array_record holds no images.*FOLDER/val/CLASS_NAME"):
     records.FolderRecords(str(tmp_path / "converted"), "val")
 

@@ -187,6 +187,11 @@ def test_calibrate_links_refuses_a_mesh_that_does_not_fit_the_devices(tmp_path):
     ("mesh_lab.py", ["--experiment", "configs/fashion_mnist.py"], "configs/fashion_mnist.py is not a mesh experiment"),
     ("mesh_lab.py", ["--experiment", "configs/"], "no such file: configs/; give a mesh experiment config"),
     ("mesh_lab.py", ["--experiment", "README.md"], "README.md is not a Python file"),  # a traceback
+    (  # the lab's own --config.mesh.nodes was named, and fashion_mnist.py called no training config
+      "mesh_lab.py",
+      ["--loopback", "--bandwidth", "unshaped", "--set", "nodes=2"],
+      "--config.nodes: no such config field; did you mean --config.mesh.nodes?",
+    ),
     (  # "--config.config.num_epochs: no such config field"
       "mesh_lab.py",
       ["--loopback", "--bandwidth", "unshaped", "--set", "config.num_epochs=3"],

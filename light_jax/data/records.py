@@ -289,6 +289,13 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
     raise DataError(f"{out_dir}: cannot write there ({e.strerror}); choose another --out") from None
   try:
     info = _convert_splits(folder, staging, splits, classes)
+    empty = [split for split in splits if not info["splits"][split]["examples"]]
+    if empty:  # every image undecodable: nothing to train or evaluate on, and out_dir stays as it was
+      skipped = sum(len(info["splits"][split]["skipped"]) for split in empty)
+      raise DataError(
+        f"{folder}: no decodable image in {', '.join(f'{split}/' for split in empty)} ({skipped} skipped, named in "
+        "the log above)"
+      )
     info["splits"].update(kept)
     with open(os.path.join(staging, "info.json"), "w") as f:
       json.dump(info, f, indent=1)
