@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import tempfile
+import traceback
 from typing import NoReturn
 
 import ml_collections
@@ -210,9 +211,12 @@ def plot_path(path: str, flag: str) -> str:
   return output_path(path, flag)
 
 
+_OVERRIDE = re.compile(r"-{1,2}(?:no)?config\.([^=]+)")  # ml_collections' forms: -config.X, --noconfig.X (a bool)
+
+
 def overridden_fields(argv: list[str]) -> list[str]:
-  """The FIELD of each ``--config.FIELD=VALUE`` in ``argv`` (dotted)."""
-  return [arg[len("--config.") :].split("=", 1)[0] for arg in argv if arg.startswith("--config.")]
+  """The FIELD of each ``--config.FIELD=VALUE`` in ``argv`` (dotted; also ``-config.FIELD``, ``--noconfig.FIELD``)."""
+  return [m[1] for m in map(_OVERRIDE.match, argv) if m]
 
 
 def config_overrides(argv: list[str]) -> list[str]:
@@ -233,12 +237,12 @@ def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: li
       if flag_values[name].value is not None:
         flag_values[name].value.keys()  # a config file that failed to load raises here
   except SyntaxError as e:  # a config file that is not Python (a YAML file, say), or Python with a syntax error
-    given = [_config_path(argv, name) for name in config_file_flags]
-    if e.filename is None or os.path.realpath(e.filename) not in [os.path.realpath(p) for p in given if p]:
-      raise  # another file's (a module the config imports): a bug, with its traceback
+    if _ran_code_of_its_own(e):  # a module the config file imports: a bug, with its traceback
+      raise
+    where = f"{e.filename}, line {e.lineno}" if e.filename else "the config file"
     raise CommandLineError(
-      f"--config: {e.filename}, line {e.lineno}: {e.msg} ({(e.text or '').strip()[:60]!r}); a config file is Python "
-      "defining get_config(variant=None) that returns base_config() with its changes (configs/fashion_mnist.py)"
+      f"--config: {where}: {e.msg} ({(e.text or '').strip()[:60]!r}); a config file is Python defining "
+      "get_config(variant=None) that returns base_config() with its changes (configs/fashion_mnist.py)"
     ) from None
   except FLAG_ERRORS as e:
     error = describe_flag_error(e, argv)
@@ -248,15 +252,12 @@ def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: li
   return parsed
 
 
-def _config_path(argv: list[str], flag: str) -> str | None:
-  """The file of ``--FLAG=PATH[:VARIANT]`` (or ``--FLAG PATH``) in ``argv``, the last one given."""
-  path = None
-  for i, arg in enumerate(argv):
-    if arg.startswith(f"--{flag}="):
-      path = arg.split("=", 1)[1]
-    elif arg == f"--{flag}" and i + 1 < len(argv):
-      path = argv[i + 1]
-  return path.split(":", 1)[0] if path else None
+def _ran_code_of_its_own(error: SyntaxError) -> bool:
+  """Whether a config file's own code ran before ``error`` (a module it imports failed to compile), rather than the
+  file itself failing to compile: then every frame after ml_collections' loading is the import machinery's."""
+  frames = traceback.extract_tb(error.__traceback__)
+  loader = max((i for i, f in enumerate(frames) if "ml_collections" in f.filename), default=-1)
+  return any(not f.filename.startswith("<frozen") for f in frames[loader + 1 :])
 
 
 def _field_paths(node: ml_collections.ConfigDict, prefix: str = "") -> dict[str, object]:
@@ -283,12 +284,17 @@ def _similar_fields(path: str) -> list[str]:
   def name(field: str) -> str:
     return field.rsplit(".", 1)[-1]
 
-  # By the fields' own names (a shared group's prefix made optimizer.wd look like optimizer.decay), the same group's
-  # first; then by spelling.
+  def ratio(field: str) -> float:
+    return difflib.SequenceMatcher(None, last, name(field)).ratio()
+
+  # By the fields' own names (a shared group's prefix made optimizer.wd look like optimizer.decay): the same group's
+  # first, then the same name (momentum: optimizer.momentum), then names holding it, closest first.
   holding = [f for f in fields if len(last) > 1 and (last in name(f) or name(f) in last)]
-  close = [f for f in fields if difflib.SequenceMatcher(None, last, name(f)).ratio() >= 0.75]
-  ranked = sorted(dict.fromkeys([*holding, *close]), key=lambda f: (f.rpartition(".")[0] != group, f not in holding))
-  return ranked[:3]
+  close = [f for f in fields if ratio(f) >= 0.75]
+  return sorted(
+    dict.fromkeys([*holding, *close]),
+    key=lambda f: (f.rpartition(".")[0] != group, name(f) != last, f not in holding, -ratio(f), len(name(f))),
+  )[:3]
 
 
 def _field_default(path: str) -> tuple[bool, object]:
@@ -397,9 +403,14 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
     is_field, _ = _field_default(unknown[1])
     similar = [unknown[1]] if is_field else _similar_fields(unknown[1])
     if similar and (is_field or "." in unknown[1] or unknown[1] in [f.rsplit(".", 1)[-1] for f in similar]):
-      # absl's own suggestion (a flag of this program) first, where it has one
+      # absl's own suggestion (a flag of this program) kept, where the name is not exactly a config field's
+      said = (
+        f"--{unknown[1]} is not a flag"
+        if is_field or unknown[1] in [f.rsplit(".", 1)[-1] for f in similar]
+        else message
+      )
       return CommandLineError(
-        f"{message}; a config field is set with --config.FIELD=VALUE, e.g. "
+        f"{said}; a config field is set with --config.FIELD=VALUE, e.g. "
         + " or ".join(f"--config.{f}=..." for f in similar),
         FIELDS_HINT,
       )

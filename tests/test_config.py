@@ -241,13 +241,14 @@ FLAGS = "--help lists the flags"
       FIELDS,
     ),
     (["--config.batch_size=64"], "no such config field; did you mean --config.global_batch_size or", FIELDS),
+    (["--config.momentum=0.9"], "no such config field; did you mean --config.optimizer.momentum or", FIELDS),
     # Python's own words were "invalid literal for int() with base 10: 'abc'"
     (["--config.global_batch_size=abc"], "--config.global_batch_size=abc: global_batch_size takes an integer", FIELDS),
     (["--config.comm.density=0.5,0.1"], "--config.comm.density=0.5,0.1: comm.density takes a number (its def", FIELDS),
     # a field given as a flag: absl suggested --num_processes
     (
       ["--num_epochs=3"],
-      "?; a config field is set with --config.FIELD=VALUE, e.g. --config.num_epochs=...",
+      "--num_epochs is not a flag; a config field is set with --config.FIELD=VALUE, e.g. --config.num_epochs=...",
       FIELDS,
     ),
     (["--flagfile=/nonexistent/flags"], "--flagfile: cannot open it: [Errno 2] No such file or directory", None),
@@ -294,6 +295,7 @@ FLAGS = "--help lists the flags"
     "misspelled-field",
     "no-such-field",
     "a-near-name",
+    "the-same-name-first",
     "wrong-type",
     "wrong-type-float",
     "field-as-flag",

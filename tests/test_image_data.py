@@ -102,7 +102,7 @@ def test_converting_one_split_keeps_the_others_only_if_their_classes_are_the_sam
   before = (converted / "info.json").read_text()
   for path in (raw / "val").rglob("*.*"):
     path.write_bytes(b"not an image")
-  with pytest.raises(DataError, match=r"no decodable image in val/ \(1 skipped, named in the log above\)"):
+  with pytest.raises(DataError, match=r"raw/val: no image decodes \(1 skipped, named in the log above\)"):
     records.convert_image_folder(str(raw), str(converted), ("val",))
   assert (converted / "info.json").read_text() == before
 
@@ -235,10 +235,14 @@ def test_an_empty_eval_split_is_refused_when_loaded(tmp_path):
   # A file name that is not UTF-8 is kept (as its bytes), not a UnicodeEncodeError.
   name = os.fsdecode(b"caf\xe9.jpg")
   (tmp_path / "raw" / "train" / "cat" / name).write_bytes(jpeg_bytes(class_image(0, np.random.default_rng(0), 32, 32)))
-  # Refused by the conversion (which wrote the empty split, then refused when loaded), nothing written.
-  with pytest.raises(DataError, match=r"no decodable image in val/ \(1 skipped, named in the log above\)"):
+  # Refused by the conversion (it wrote the empty split, refused only when loaded), nothing left behind.
+  with pytest.raises(DataError, match=r"raw/val: no image decodes \(1 skipped, named in the log above\)"):
     records.convert_image_folder(str(tmp_path / "raw"), str(tmp_path / "converted"))
-  assert not [name for name in os.listdir(tmp_path / "converted") if not name.startswith(".")]
+  assert os.listdir(tmp_path / "converted") == []
+  # A split with no image files at all: refused before any decoding.
+  os.remove(tmp_path / "raw" / "val" / "cat" / "broken.jpg")
+  with pytest.raises(DataError, match=r"raw/val has no .*jpg.* files in its class folders; put images in"):
+    records.convert_image_folder(str(tmp_path / "raw"), str(tmp_path / "converted"))
   records.convert_image_folder(str(tmp_path / "raw"), str(tmp_path / "converted"), ("train",))
   assert sorted(os.listdir(tmp_path / "converted")) == ["info.json", "train.array_record"]
   assert records.FolderRecords(str(tmp_path / "converted"), "train")[0][1:] == (0, "cat/caf\ufffd.jpg")

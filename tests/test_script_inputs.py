@@ -331,7 +331,7 @@ def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path, monk
     (tmp_path / "folder" / split / "cat").mkdir()
     (tmp_path / "folder" / split / "cat" / "bad.jpg").write_bytes(b"not a jpeg")
   error = refused("scripts/prepare_image_folder.py", f"--folder={tmp_path / 'folder'}", f"--out={tmp_path / 'out'}")
-  assert "no decodable image in train/, val/ (2 skipped, named in the log above)" in error
+  assert "folder/train: no image decodes (1 skipped, named in the log above)" in error
   assert not (tmp_path / "out").exists()
   # Ctrl-C during the conversion: one line and exit 130 (a traceback before), the --out it made removed.
 

@@ -289,13 +289,6 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
     raise DataError(f"{out_dir}: cannot write there ({e.strerror}); choose another --out") from None
   try:
     info = _convert_splits(folder, staging, splits, classes)
-    empty = [split for split in splits if not info["splits"][split]["examples"]]
-    if empty:  # every image undecodable: nothing to train or evaluate on, and out_dir stays as it was
-      skipped = sum(len(info["splits"][split]["skipped"]) for split in empty)
-      raise DataError(
-        f"{folder}: no decodable image in {', '.join(f'{split}/' for split in empty)} ({skipped} skipped, named in "
-        "the log above)"
-      )
     info["splits"].update(kept)
     with open(os.path.join(staging, "info.json"), "w") as f:
       json.dump(info, f, indent=1)
@@ -308,11 +301,27 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   return info
 
 
+def _has_image_files(root: str, classes: list[str]) -> bool:
+  """Whether some class folder of ``root`` holds a file with an image's extension (the first one found ends it)."""
+  for name in classes:
+    with contextlib.suppress(OSError), os.scandir(os.path.join(root, name)) as entries:
+      if any(e.name.lower().endswith(IMAGE_EXTENSIONS) and e.is_file() for e in entries):
+        return True
+  return False
+
+
 def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes: list[str]) -> dict:
   """``convert_image_folder``'s files, written in ``out_dir``; returns info.json's dict."""
   first = os.path.join(folder, splits[0])
   # New on every conversion: FolderRecords.fingerprint changes with it, so no decoded cache outlives it.
   info = {"classes": classes, "conversion_id": uuid.uuid4().hex, "splits": {}}
+  for split in splits:  # before any decoding (hours on ImageNet's train/): a split with nothing to convert
+    root = os.path.join(folder, split)
+    if os.path.isdir(root) and not _has_image_files(root, classes):
+      raise DataError(
+        f"{root} has no {'/'.join(IMAGE_EXTENSIONS)} files in its class folders; put images in "
+        f"{root}/CLASS_NAME/, or leave {split} out of --splits"
+      )
   for split in splits:
     root = os.path.join(folder, split)
     if not os.path.isdir(root):
@@ -354,6 +363,8 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
         rel = os.fsencode(f"{name}/{file_name}")  # the name's own bytes, UTF-8 or not
         writer.write(_FOLDER_HEADER.pack(label, len(rel)) + rel + data)
         written += 1
+    if not written:  # every image undecodable: nothing to train or evaluate on, and out_dir stays as it was
+      raise DataError(f"{root}: no image decodes ({len(skipped)} skipped, named in the log above)")
     if ignored:
       logging.warning(
         "image folder %s: %d entries are not %s image files and were not read (sub-folders are not searched): %s",
