@@ -8,7 +8,8 @@ Each "machine" is a network namespace whose egress is shaped with tc to the band
 multi-process path, `train.py` on --nodes processes (one per namespace, --local simulated CPU devices
 each, jax.distributed over gloo on the namespace addresses), with a config (default
 configs/fashion_mnist.py) and --set overrides, for --warmup + --steps steps with
-`train.time_steps=True`, and one step more, whose record is left out (it ends with the run's evaluation).
+`train.time_steps=True` (a step's seconds leave out the evaluations and saves after it), and one step more,
+whose record is left out (the run's end, which syncs DiLoCo's machines off their period).
 From the per-step records of process 0 it reports, after dropping the warm-up steps: the median step seconds
 (for diloco the mean over its whole sync periods, since one step in sync_every crosses the machines), the
 inter-node bytes per device per step from our accounting, and the bytes node 0 really sent over its link per

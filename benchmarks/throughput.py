@@ -18,8 +18,9 @@ with jax.profiler (TensorBoard's profile plugin or Perfetto open it).
 --config.FIELD sets what the step reads: model.*, optimizer.*, comm.* (--strategy sets comm.strategy and its
 density), micro_batches, seed. Flags own the rest, so these are refused: --config.model.name and .dtype (use
 --model, --dtype), --config.mesh.* (--nodes, --cpu_devices), --config.global_batch_size (--batch_per_device)
-and --config.data.* (the batches are synthetic: --image_size, --num_classes). The learning rate is a constant
-0.1, so the optimizer's schedule fields play no part, nor do epochs, checkpoints or logging. The config is
+and --config.data.* (the batches are synthetic: --image_size, --num_classes), --config.max_steps and
+.num_epochs (--steps, --warmup). The learning rate is a constant 0.1, so the optimizer's schedule fields play no
+part, nor do checkpoints or logging. The config is
 checked as train.py checks it; a density schedule (comm.density_warmup_epochs, comm.final_density_epochs) is
 refused: one step program is timed, at --strategy's density.
 

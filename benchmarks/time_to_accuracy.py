@@ -15,11 +15,14 @@ Runs are the same config but for comm.strategy and comm.density, one after the o
 shared cores.
 
 --report_only reads the runs already in --workdir (a run cut short is shown as far as it got; one with no
-evaluation yet says so; one made by another command, another bandwidth say, is left out and named). Each run's
+evaluation yet says so; one made by another command, another bandwidth say, or whose config differs from what the
+command gives now, the config file edited, is left out and named). Each run's
 workdir (metrics.jsonl, summary.json, checkpoints) is kept under --workdir/<strategy>, and the table's figures
-in --workdir/results.json. Running the same command again reuses a finished run and resumes one cut short from
-its last checkpoint, its clock going on from the checkpoint's (benchmarks/train_runs.py prepare_workdir); a run
-of another command, or any with --rerun, starts over. A run that fails is named in one line and the others go
+in --workdir/results.json (beside earlier commands' strategies on the same setting, but for those whose run's
+config has changed since). Running the same command again reuses a finished run (unless its config has changed
+since: then it runs again) and resumes one cut short from its last checkpoint, its clock going on from the
+checkpoint's (benchmarks/train_runs.py prepare_workdir); a run of another command, or any with --rerun, starts
+over. A run that fails is named in one line and the others go
 on; the script then exits 1 after the table.
 The last line is one JSON object keyed by strategy (those with an evaluation), each with
 `seconds_to_target`, `epochs_to_target`, `final_top1`, `train_seconds` and `step_seconds`.

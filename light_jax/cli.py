@@ -48,7 +48,8 @@ def fail(message: str) -> NoReturn:
 
 def flags_parser(*config_file_flags):
   """For ``app.run(main, flags_parser=...)``: absl's parsing, but a mistake on the command line is ``fail``'s
-  one line. A bug inside a config file keeps its traceback.
+  one line (a config file that is not Python, or has a syntax error, too). An error raised while a config file runs,
+  or in a module it imports, keeps its traceback.
 
   ``config_file_flags``: ml_collections' config-file flags, whose load error waits for the config's first use.
   """

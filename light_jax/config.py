@@ -181,9 +181,10 @@ def base_config() -> ml_collections.ConfigDict:
     # optimizer.momentum into the reducer (a velocity per device, masked where entries were sent; the
     # optimizer then runs without momentum); local_clip_norm > 0 clips what each device hands the reducer (its
     # gradient, with SGD's weight decay wd w added under momentum correction) to local_clip_norm / sqrt(devices)
-    # before compression. With LARS it needs local_trust_ratio (refused without:
-    # the trust ratio and weight decay would act after the reduction, on the mean velocity, undoing the
-    # momentum; at 0.1% that diverged, docs/measurements.md).
+    # before compression. With LARS, momentum correction needs local_trust_ratio (refused without: the trust
+    # ratio and weight decay would act after the reduction, on the mean velocity, undoing the momentum; at 0.1%
+    # that diverged, docs/measurements.md); local_clip_norm is refused with local_trust_ratio (it would clip
+    # LARS's scaled update).
     momentum_correction=False,
     # DGC's momentum factor masking: the velocity is zeroed where entries were sent. False zeroes only the
     # accumulated step, so the velocity stays the device's momentum SGD's (light_jax/parallel/compression.py).
@@ -224,8 +225,9 @@ def base_config() -> ml_collections.ConfigDict:
     on_nonfinite="skip",  # skip: drop the update and go on; stop: save a checkpoint and stop
     inject_nan_at_step=-1,  # fault drill: poison this step's loss (-1: off)
     inject_hang_at_step=-1,  # fault drill: process 0 stops stepping once this many steps are done (-1: off)
-    # True: wait for every step and append its seconds and the bytes this machine sent to
-    # WORKDIR/step_times.jsonl (steps then do not overlap; for the mesh lab, benchmarks/mesh_lab.py).
+    # True: wait for every step and append its seconds and the bytes this machine sent (its input, dispatch and
+    # computation: the evaluation and save after it left out) to WORKDIR/step_times.jsonl (steps then do not
+    # overlap; for the mesh lab, benchmarks/mesh_lab.py).
     time_steps=False,
     # "A:B" (1 <= A < B): a jax.profiler trace of the steps after step A up to step B, in WORKDIR/profile (TensorBoard's
     # profile plugin or Perfetto read it; README "Reading a profile"). "" = none.

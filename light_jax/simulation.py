@@ -124,7 +124,8 @@ class Cluster:
 
 
 # The input rate: light_jax's decoded disk cache measured 2,856 images/s per core at 128 px on this
-# machine (docs/measurements.md, "Input pipeline"); 32 cores of a host given to input is an assumption.
+# machine (docs/measurements.md, "Input pipeline"), read from the page cache: an ImageNet cache larger than a
+# host's memory may be slower. 32 cores of a host given to input is an assumption.
 INPUT_IMAGES_PER_SEC_PER_CORE = 2856.0
 CLUSTERS = {
   "v100x128_25gbe": Cluster(

@@ -221,7 +221,7 @@ def train_and_evaluate(
 class LoopResult:
   state: step_lib.TrainState
   step: int  # steps done
-  stop: str | None  # why the loop stopped early (hooks.PREEMPTED, hooks.NONFINITE, ...); None: it ran to the end
+  stop: str | None  # why a hook stopped the loop early (hooks.PREEMPTED, hooks.NONFINITE, ...); None: it did not
   seconds: float
   input_error: Exception | None = None  # one process: reading the next batch failed (the state is whole)
 
@@ -234,7 +234,8 @@ def train_loop(
   compiled: CompiledSteps,
   hooks: Hooks,
 ) -> LoopResult:
-  """Runs steps ``start_step`` .. ``total_steps`` - 1, each followed by the hooks due, until one says stop."""
+  """Runs steps ``start_step`` .. ``total_steps`` - 1, each followed by the hooks due, until one says stop, or the
+  next batch cannot be read (one process: returned in ``input_error``; several: raised)."""
   start = time.perf_counter()
   step, stop = start_step, None
   while step < total_steps and not stop:

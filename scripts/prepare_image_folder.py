@@ -9,7 +9,8 @@ reduced-size decode: files that cannot be decoded or read are skipped and listed
 greyscale and PNG-named-.jpg files are kept (the pipeline converts them). No TensorFlow needed. The
 files are written in a hidden folder inside OUT (so OUT's disk needs room for a second copy) and moved over
 OUT's at the end: a conversion that fails changes nothing in OUT (an OUT it made is removed). A class folder that
-cannot be read, or an OUT that cannot be written, is refused in one line. Then train with
+cannot be read, an OUT that cannot be written or that lies inside one of the splits, and a split with no image
+file (before any decoding) or none that decodes, are refused in one line. Then train with
 
   python train.py --config configs/imagenet_resnet50.py:tiny --workdir runs/mine \\
       --config.data.dataset=image_folder --config.data.data_dir=OUT

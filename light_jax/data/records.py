@@ -265,7 +265,9 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   a fixed random order (as TFDS writes ImageNet), not class by class, so the first N records
   (``data.train_subset``, ``data.eval_subset``) sample every class. No TensorFlow needed. Splits already in
   ``out_dir`` and not in ``splits`` are kept, and listed in the new info.json, where their classes are the same
-  (else DataError, before any work); their decoded caches are built again (the conversion id changes).
+  (else DataError, before any work); their decoded caches are built again (the conversion id changes). A split
+  with no image file in its class folders (checked before any decoding), or none that decodes, is a DataError, and
+  ``out_dir`` stays as it was.
   """
   splits = tuple(dict.fromkeys(splits))  # each once: a split named twice would be moved twice
   first = os.path.join(folder, splits[0])
