@@ -180,12 +180,7 @@ def stale(args, workdir: str, overrides: list[str]) -> str:
   """How the config of ``workdir``'s finished run differs from the one ``overrides`` give now (with the mesh flags
   train_on_cluster adds), where it can change the result (``train_runs.config_changed``); "" where it does not, or
   no finished run is readable."""
-  if not os.path.exists(os.path.join(workdir, "summary.json")):
-    return ""
-  try:
-    return train_runs.config_changed(workdir, args.config, [*cluster_mesh(args.nodes, args.local), *overrides])
-  except (OSError, ValueError, TypeError, AttributeError):  # a damaged summary.json: the records are what counts
-    return ""
+  return train_runs.finished_run_changed(workdir, args.config, [*cluster_mesh(args.nodes, args.local), *overrides])
 
 
 def summarize(records: list[dict], target: float) -> dict:

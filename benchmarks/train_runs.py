@@ -354,13 +354,19 @@ def other_run(workdir: str, config: str, overrides: list[str]) -> str:
     return ""
   if stamp not in _stamps(workdir, config, overrides):
     return f"{workdir} holds the run of another command ({stamp})"
-  if not _readable_summary(os.path.join(workdir, "summary.json")):  # none yet, or damaged (read() names it)
+  changed = finished_run_changed(workdir, config, overrides)
+  return f"its finished run's config differs from the row's now ({changed})" if changed else ""
+
+
+def finished_run_changed(workdir: str, config: str, overrides: list[str]) -> str:
+  """``config_changed`` for ``workdir``'s finished run; "" where no summary is readable (none yet, or damaged:
+  read() names it), or where the config no longer resolves or the summary has another shape."""
+  if not _readable_summary(os.path.join(workdir, "summary.json")):
     return ""
   try:
-    changed = config_changed(workdir, config, overrides)
-  except (ValueError, TypeError, AttributeError):  # a row whose config no longer resolves, a summary of another shape
+    return config_changed(workdir, config, overrides)
+  except (ValueError, TypeError, AttributeError):
     return ""
-  return f"its finished run's config differs from the row's now ({changed})" if changed else ""
 
 
 def mean_per_step(records: list[dict], key: str) -> int:

@@ -6,6 +6,7 @@ import argparse
 import ast
 import atexit
 import contextlib
+import functools
 import os
 import re
 import sys
@@ -221,10 +222,11 @@ def overridden_fields(argv: list[str]) -> list[str]:
 
 
 def config_overrides(argv: list[str]) -> list[str]:
-  """The ``--config.FIELD=VALUE`` arguments of ``argv``, the two-argument form (``--config.FIELD VALUE``) joined."""
+  """The ``--config.FIELD=VALUE`` arguments of ``argv`` (``overridden_fields``' forms), the two-argument form
+  (``--config.FIELD VALUE``) joined."""
   joined = []
   for i, arg in enumerate(argv):
-    if arg.startswith("--config."):
+    if _OVERRIDE.match(arg):
       joined.append(arg if "=" in arg or i + 1 == len(argv) else f"{arg}={argv[i + 1]}")
   return joined
 
@@ -261,6 +263,14 @@ def _ran_code_of_its_own(error: SyntaxError) -> bool:
   return any(not f.filename.startswith("<frozen") for f in frames[loader + 1 :])
 
 
+@functools.cache
+def _base_fields() -> dict[str, object]:
+  """base_config()'s fields: dotted path -> default (built once: an error's suggestions look them up often)."""
+  from light_jax.config import base_config
+
+  return _field_paths(base_config())
+
+
 def _field_paths(node: ml_collections.ConfigDict, prefix: str = "") -> dict[str, object]:
   """Every field of ``node`` (base_config()'s): dotted path -> default."""
   paths = {}
@@ -277,9 +287,7 @@ def _similar_fields(path: str) -> list[str]:
   or is held by it (``lr``: optimizer.base_lr; ``batch_size``: global_batch_size)."""
   import difflib
 
-  from light_jax.config import base_config
-
-  fields = list(_field_paths(base_config()))
+  fields = list(_base_fields())
   group, _, last = path.rpartition(".")
 
   def name(field: str) -> str:
@@ -300,10 +308,7 @@ def _similar_fields(path: str) -> list[str]:
 
 def _field_default(path: str) -> tuple[bool, object]:
   """(whether ``path`` is one of base_config()'s fields, its default)."""
-  from light_jax.config import base_config
-
-  paths = _field_paths(base_config())
-  return path in paths, paths.get(path)
+  return path in _base_fields(), _base_fields().get(path)
 
 
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}

@@ -193,10 +193,11 @@ def train_and_evaluate(
         # Another stop (a signal after the non-finite check's turn at this step, or an extra hook's reason, which
         # outranks it): skipped steps are reported, and stop the run, before the save below counts them as seen.
         loop = dataclasses.replace(loop, stop=NONFINITE)
+      final_meta = {**meta, "train_seconds": clock.seconds()}
       if loop.input_error is not None:
-        input_failed(checkpointer, loop, start_step, nonfinite, {**meta, "train_seconds": clock.seconds()})
+        input_failed(checkpointer, loop, start_step, nonfinite, final_meta)
       # Save the final state; a no-op when CheckpointSaver has just saved this step.
-      checkpointer.save(loop.step, loop.state, {**meta, "train_seconds": clock.seconds()})
+      checkpointer.save(loop.step, loop.state, final_meta)
     if loop.stop == PREEMPTED and loop.step >= total_steps:  # the signal came with the last step: the run is done
       logging.info("a signal arrived at the last step; the run is complete, so it finishes and reports")
     elif loop.stop:
@@ -274,12 +275,9 @@ def input_failed(
   except Exception as e:  # a full disk, say: the input's error is the one to report
     logging.error("saving a checkpoint at step %d after the input failed did not work either: %s", loop.step, e)
     saved, unreported = f"no checkpoint could be saved at step {loop.step}: see the log above", False
-  if unreported:
+  if unreported:  # the rerun its error suggests would stop at the same input: said too
     logging.error("the training input failed after step %d: %s", loop.step, error)
-    try:
-      stopped(dataclasses.replace(loop, stop=NONFINITE))
-    except NonFiniteError as e:  # the rerun it suggests would stop at the same input
-      raise NonFiniteError(f"{e} The training input also failed after that step ({error}): mend it first.") from None
+    raise nonfinite_error(loop.step, f" The training input also failed after that step ({error}): mend it first.")
   if isinstance(error, data_lib.DataError):
     raise data_lib.DataError(f"{error} ({saved})") from None
   logging.error("the training input failed after step %d; %s", loop.step, saved)
@@ -290,14 +288,19 @@ def stopped(loop: LoopResult) -> dict[str, Any]:
   """A run a hook stopped: raises ``NonFiniteError`` for a non-finite step, else a short summary (the
   caller tells the user to rerun the same command to resume)."""
   if loop.stop == NONFINITE:
-    raise NonFiniteError(
-      f"non-finite loss or gradient at or before step {loop.step} (train.on_nonfinite='stop'); the bad update "
-      f"was skipped and a checkpoint saved at step {loop.step}. Rerun with --config.train.on_nonfinite=skip to go "
-      f"on from there, or start again in a new --workdir with a lower --config.optimizer.base_lr."
-    )
+    raise nonfinite_error(loop.step)
   cause = "a signal" if loop.stop == PREEMPTED else f"a hook ({loop.stop})"
   logging.warning("stopped by %s after step %d; checkpoint saved, rerun the same command to resume", cause, loop.step)
   return {"stopped": loop.stop, "steps": loop.step}
+
+
+def nonfinite_error(step: int, also: str = "") -> NonFiniteError:
+  """The error of a run stopped on a non-finite step at or before ``step``, where a checkpoint was saved."""
+  return NonFiniteError(
+    f"non-finite loss or gradient at or before step {step} (train.on_nonfinite='stop'); the bad update "
+    f"was skipped and a checkpoint saved at step {step}. Rerun with --config.train.on_nonfinite=skip to go "
+    f"on from there, or start again in a new --workdir with a lower --config.optimizer.base_lr.{also}"
+  )
 
 
 def final_metrics(evaluate, loop: LoopResult, compiled: CompiledSteps) -> dict[str, Any]:
