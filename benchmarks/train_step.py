@@ -180,7 +180,12 @@ def main():
     print(
       f"{name:<{width}}{1e3 * med:>18.1f}{1e3 * min(times[name]):>10.1f}{args.batch / med:>10.0f}{med / base:>13.3f}x"
     )
-    result[name] = {"step_seconds": med, "ratio_to_plain_jit": med / base}
+    result[name] = {
+      "step_seconds": med,
+      "step_seconds_min": min(times[name]),  # the rounds' spread: this machine's noise
+      "step_seconds_max": max(times[name]),
+      "ratio_to_plain_jit": med / base,
+    }
   print(json.dumps(result))
 
 

@@ -113,12 +113,11 @@ def main():
     if any(times.values()):  # round 0 only compiles: nothing timed to print
       print(f"  round {r}: " + ", ".join(f"{n} {t[-1]:.4f} s" for n, t in times.items() if t), file=sys.stderr)
 
-  median = {name: statistics.median(t) for name, t in times.items()}
   num = sum(x.size for x in jax.tree.leaves(params))
   print(f"\n{args.model} ({num:,} parameters, {len(jax.tree.leaves(params))} tensors) on one "
         f"{jax.devices()[0].platform} device, median of {args.rounds}; grad: {args.batch_per_device} images of "
         f"{args.image}px")  # fmt: skip
-  result = table(median, "grad", "lars")
+  result = table(times, "grad", "lars")
   del runs
   if len(jax.devices()) >= 2 and args.local >= 2:
     local = sharded_vs_replicated(args, loss, params, images, labels, optimizer("lars"), schedule)
@@ -129,20 +128,29 @@ def main():
   print(json.dumps(result))
 
 
-def table(median: dict[str, float], grad: str, reference: str) -> dict[str, dict]:
-  """Prints the rows: seconds, against ``reference``, share of a step (row / (``grad`` + row))."""
-  print(f"{'row':<20}{'seconds':>10}{'vs ' + reference:>22}{'share of step':>15}")
+def table(times: dict[str, list[float]], grad: str, reference: str) -> dict[str, dict]:
+  """Prints the rows, each the median of its rounds: seconds, the rounds' spread, against ``reference``, share of
+  a step (row / (``grad`` + row))."""
+  median = {name: statistics.median(t) for name, t in times.items()}
+  print(f"{'row':<20}{'seconds':>10}{'min-max':>18}{'vs ' + reference:>22}{'share of step':>15}")
   result = {}
   for name, seconds in median.items():
     share = seconds / (median[grad] + seconds) if name != grad else None
     ratio = f"{seconds / median[reference]:.2f}x" if name != grad else "-"
-    print(f"{name:<20}{seconds:>10.4f}{ratio:>22}{'' if share is None else f'{100 * share:.1f}%':>15}")
-    result[name] = {"seconds": seconds, "share_of_step": share}
+    spread = f"{min(times[name]):.4f}-{max(times[name]):.4f}"
+    print(f"{name:<20}{seconds:>10.4f}{spread:>18}{ratio:>22}{'' if share is None else f'{100 * share:.1f}%':>15}")
+    result[name] = {
+      "seconds": seconds,
+      "seconds_min": min(times[name]),
+      "seconds_max": max(times[name]),
+      "share_of_step": share,
+    }
   return result
 
 
-def sharded_vs_replicated(args, loss, params, images, labels, tx, schedule) -> dict[str, float]:
-  """Median seconds of grad_local, replicated_lars and sharded_lars on a 1 x --local mesh (see the docstring)."""
+def sharded_vs_replicated(args, loss, params, images, labels, tx, schedule) -> dict[str, list[float]]:
+  """The timed rounds' seconds of grad_local, replicated_lars and sharded_lars on a 1 x --local mesh (see the
+  docstring)."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -223,7 +231,7 @@ def sharded_vs_replicated(args, loss, params, images, labels, tx, schedule) -> d
   print(f"  after {args.rounds + 1} updates: largest relative parameter difference {diff:.1e}; optimizer state "
         f"{state_bytes['replicated_lars']:,} B per device replicated, "
         f"{state_bytes['sharded_lars'] // args.local:,} B sharded", file=sys.stderr)  # fmt: skip
-  return {name: statistics.median(t) for name, t in times.items()}
+  return times
 
 
 if __name__ == "__main__":

@@ -234,9 +234,19 @@ def config_overrides(argv: list[str]) -> list[str]:
 def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: list[str]) -> list[str]:
   """absl's parsing of ``argv`` into ``flag_values``, each config file loaded; a mistake on the command line
   raises CommandLineError, a bug inside a config file its own error."""
+  for name in config_file_flags:  # absl would keep the last, or fail on an override as "defined twice"
+    given = [
+      arg.split("=", 1)[1] if "=" in arg else next(iter(argv[i + 2 : i + 3]), "")
+      for i, arg in enumerate(argv[1:])
+      if re.match(rf"-{{1,2}}{name}(=|$)", arg)
+    ]
+    if len(given) > 1:
+      raise CommandLineError(f"--{name} is given {len(given)} times ({', '.join(given)}); give one config file")
   try:
     parsed = flag_values(argv)
     for name in config_file_flags:
+      if flag_values[name].present > 1:  # twice through a --flagfile
+        raise CommandLineError(f"--{name} is given {flag_values[name].present} times; give one config file")
       if flag_values[name].value is not None:
         flag_values[name].value.keys()  # a config file that failed to load raises here
   except SyntaxError as e:  # a config file that is not Python (a YAML file, say), or Python with a syntax error
@@ -375,6 +385,9 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
       "--config: the file has no get_config(); a training config file defines get_config(variant=None) returning "
       "base_config() with its changes (configs/fashion_mnist.py)"
     )
+  twice = re.match(r"The flag '([^.']+)\.[^']*' is defined twice", lines[0])
+  if twice:  # ml_collections defines a config file's override flags once per time the file is given
+    return CommandLineError(f"--{twice[1]} is given more than once (a --flagfile may give it); give one config file")
   shape_error = _override_of_the_wrong_shape(e, text, argv)
   if shape_error:
     return shape_error

@@ -556,6 +556,21 @@ def test_resolve_config_reads_overrides_as_train_py_does(tmp_path):
     cli.resolve_config(str(buggy), [])
 
 
+def test_a_config_file_given_twice_is_refused_naming_both(tmp_path):
+  """absl kept the last --config without a word, and with an override said 'the flag config.X is defined twice'."""
+  other = "configs/imagenet_resnet50.py"
+  for overrides in ([f"--config={other}"], ["-config", other, "--config.seed=1"]):
+    with pytest.raises(
+      cli.CommandLineError, match=rf"^--config is given 2 times \(configs/fashion_mnist.py, {other}\)"
+    ):
+      cli.resolve_config("configs/fashion_mnist.py", overrides)
+  flagfile = tmp_path / "flags"
+  flagfile.write_text(f"--config={other}\n")
+  for overrides, message in (([], "is given 2 times;"), (["--config.seed=1"], "is given more than once")):
+    with pytest.raises(cli.CommandLineError, match=f"^--config {message}"):
+      cli.resolve_config("configs/fashion_mnist.py", [f"--flagfile={flagfile}", *overrides])
+
+
 def test_a_damaged_metrics_jsonl_is_refused_before_the_devices_start(tmp_path):
   """It was found by the metrics writer, after compiling every phase's step (minutes on a GPU)."""
   (tmp_path / "run").mkdir()
