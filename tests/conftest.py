@@ -37,23 +37,23 @@ jax.config.update("jax_num_cpu_devices", 8)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# The files whose tests take longest (30 s to 3 minutes each on 2 cores, `--durations=0`), slowest first, collected
+# The files whose tests take longest (20 s to 2 minutes each on 2 cores, `--durations=0`), slowest first, collected
 # first: `make test` hands files to its two workers in collection order (--no-loadscope-reorder), and one of these
 # collected last would run alone at the end of the suite. The others (under 30 s each) follow in name order.
 SLOWEST_FILES = (
-  "test_multiprocess.py",
   "test_checkpoint.py",
+  "test_multiprocess.py",
   "test_train_loop.py",
   "test_tune.py",
-  "test_collectives.py",
-  "test_image_data.py",
-  "test_emulated_cluster.py",
   "test_train_step.py",
-  "test_simulation.py",
   "test_script_inputs.py",
+  "test_emulated_cluster.py",
+  "test_collectives.py",
   "test_imagenet_prepare.py",
+  "test_image_data.py",
   "test_sharded_update.py",
   "test_train_e2e.py",
+  "test_simulation.py",
 )
 
 

@@ -147,8 +147,11 @@ def test_fixed_buckets_follow_the_threshold():
 
 
 @pytest.mark.parametrize("strategy", strategies.NAMES)
-@pytest.mark.parametrize("shape", [(1, 8), (2, 4), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("bucket_bytes", [0, 2000])
+@pytest.mark.parametrize(  # 2000: several buckets, on each shape; 0: one bucket (the same code, one bucket long)
+  "shape,bucket_bytes",
+  [((1, 8), 2000), ((2, 4), 0), ((2, 4), 2000), ((4, 2), 2000)],
+  ids=["1x8-2000", "2x4-0", "2x4-2000", "4x2-2000"],
+)
 def test_fused_reduction_equals_unfused(problem, strategy, shape, bucket_bytes):
   model, params, images, labels, reference = problem
   mesh = mesh_lib.make_mesh(*shape)

@@ -321,7 +321,8 @@ FLAGS = "--help lists the flags"
 )
 def test_cli_bad_flags_get_one_error_line_and_exit_code_2(tmp_path, args, message, hint):
   """One line that says what is wrong, then where to look: the config's fields are not among --help's flags."""
-  result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "run"), *args)
+  config = [] if any(arg.startswith("--config=") for arg in args) else ["--config", "configs/fashion_mnist.py"]
+  result = train_py(*config, "--workdir", str(tmp_path / "run"), *args)
   assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]

@@ -67,8 +67,9 @@ def _run(num_processes, out, strategy, *extra):
   return dict(np.load(out))
 
 
-# hierarchical (the default) across processes: test_train_py_on_two_processes_matches_one_process
-# below, through train.py; dense is one psum over both axes, the same collective across processes.
+# All slow (~20 s to 1.5 min each). hitopk across processes, its residuals and their per-device sums after six steps:
+# test_train_py_on_two_processes_matches_one_process below, through train.py; dense and hierarchical are psums over
+# one or both axes, the same collectives across processes.
 # "hitopk+compact" (slow, as all the +compact ones: one process tests compact pairs on 8 devices,
 # tests/test_collectives.py): its pairs as bfloat16 values and uint16 indices across processes (gloo), on a
 # model of 308,074 parameters in one bucket, so that each device's shard (77,019 entries) is over 65,536 and the
@@ -81,8 +82,7 @@ SLOW = ("gtopk", "powersgd", "diloco", "hitopk+compact", "topk+compact", "gtopk+
 
 @pytest.mark.parametrize(
   "strategy",
-  # ~1.5 min each
-  ["hitopk", *(pytest.param(s, marks=pytest.mark.slow) for s in SLOW)],
+  [pytest.param(s, marks=pytest.mark.slow) for s in ("hitopk", *SLOW)],
 )
 def test_two_processes_match_one_process(tmp_path, strategy):
   extra = COMPACT_LONG if strategy.endswith("+compact") else ()
@@ -123,11 +123,15 @@ def _train_py(workdir, extra, port=None, process_id=None, stdout=subprocess.PIPE
   return subprocess.Popen(args, cwd=root, env=_env(), stdout=stdout, stderr=subprocess.STDOUT, text=True, **popen)
 
 
+# hitopk: its top-k pairs gathered across processes (gloo), its residuals kept per device.
+TWO_NODES = ["--config.mesh.nodes=-1", "--config.mesh.local=-1", "--config.comm.strategy=hitopk"]
+
+
 def test_train_py_on_two_processes_matches_one_process(tmp_path):
   """The CLI path: train.py --coordinator/--num_processes/--process_id, each process one node."""
   port = free_port()
-  procs = [_train_py(tmp_path / "two", ["--config.mesh.nodes=-1", "--config.mesh.local=-1"], port, i) for i in range(2)]
-  procs.append(_train_py(tmp_path / "one", []))
+  procs = [_train_py(tmp_path / "two", TWO_NODES, port, i) for i in range(2)]
+  procs.append(_train_py(tmp_path / "one", TWO_NODES[2:]))
   outputs = [p.communicate(timeout=400)[0] for p in procs]
   for p, text in zip(procs, outputs):
     assert p.returncode == 0, text[-3000:]
@@ -139,6 +143,7 @@ def test_train_py_on_two_processes_matches_one_process(tmp_path):
   for key in ("train_loss", "eval_top1", "eval_top5", "eval_loss"):
     assert abs(two[key] - one[key]) < 1e-5, (key, two[key], one[key])
   assert two["eval_examples"] == one["eval_examples"] == 500
+  assert two["inter_node_bytes_per_step"] == one["inter_node_bytes_per_step"] < two["intra_node_bytes_per_step"] / 50
 
 
 # train.py with check_shared_directory waiting 1 s, not 10, for the file process 0 wrote: here it never comes.
@@ -302,6 +307,9 @@ def test_a_process_0_whose_port_is_in_use_refuses_at_once(tmp_path):
   )
 
 
+# Slow (~20 s): the one-process half is test_train_py_on_a_disk_that_fills_up_stops_with_one_line (test_checkpoint.py),
+# the other process stopping on a published reason test_survivor_stops_with_the_reason_when_a_process_fails.
+@pytest.mark.slow
 def test_a_disk_that_fills_up_stops_both_processes_at_once_with_the_reason(tmp_path):
   """Process 0's writes failed (no space left), process 1's went through: orbax's save threads then waited at two
   different barriers, and both processes sat 10 minutes until step_timeout blamed a stuck collective. Now the
@@ -310,7 +318,7 @@ def test_a_disk_that_fills_up_stops_both_processes_at_once_with_the_reason(tmp_p
   # A checkpoint of this run takes 424 KB (du); the same run as test_train_py_on_two_processes_matches_one_process,
   # whose compiled programs it reads from the tests' compilation cache.
   with tmpfs(tmp_path / "disk", "size=256k") as disk:
-    procs = [_train_py(disk / "run", ["--config.mesh.nodes=-1", "--config.mesh.local=-1"], port, i) for i in range(2)]
+    procs = [_train_py(disk / "run", TWO_NODES, port, i) for i in range(2)]
     try:
       outputs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
@@ -380,7 +388,10 @@ def _exit_within(proc, bound, log):
 
 # Process 0 (the coordinator) dying is JAX's own case: its client ends the others at once ("another task
 # died"); checked by hand, not here, to keep the suite short.
-@pytest.mark.parametrize("victim,sig", [pytest.param(1, signal.SIGKILL, marks=pytest.mark.slow), (1, signal.SIGSTOP)])
+# Both slow (~25 s each): the watchdog's part, a peer that stops giving signs of life, is
+# test_a_peer_silent_for_peer_timeout_stops_this_process_with_the_reason below, in one process.
+@pytest.mark.slow
+@pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (1, signal.SIGSTOP)])
 def test_survivor_stops_when_a_process_dies_or_hangs(tmp_path, victim, sig):
   procs, logs = _start_pair(tmp_path, [[], []])
   _wait_for(logs[0], "step compiled", procs)
@@ -427,6 +438,32 @@ def test_a_stuck_collective_with_every_process_alive_stops_both_after_step_timeo
   out = logs[1].read_text()
   assert procs[1].returncode != 0, out[-3000:]
   assert "no training step has finished for" in out or "another task died" in out, out[-3000:]
+
+
+# Process 1 (this process stands in for it) publishes one sign of life, then none.
+_SILENT_PEER = """
+import sys, time, jax
+from light_jax import liveness
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=1, process_id=0)
+liveness.client().key_value_set("light_jax/liveness/1", "1")
+liveness.PeerWatchdog(0, 2, 2.5, sys.argv[2]).start()  # ticks every 0.5 s
+time.sleep(60)  # a main thread stuck in a collective: only the watchdog ends it
+"""
+
+
+def test_a_peer_silent_for_peer_timeout_stops_this_process_with_the_reason(tmp_path):
+  """The watchdog's half of test_survivor_stops_when_a_process_dies_or_hangs (slow): a peer whose liveness counter
+  stops moving (a stopped or hung machine keeps its sockets open, so no collective fails) ends this process with
+  exit 4 after --peer_timeout, naming the peer and how to resume."""
+  start = time.monotonic()
+  process = subprocess.run([sys.executable, "-c", _SILENT_PEER, str(free_port()), str(tmp_path)], env=_env(),
+                           timeout=120, capture_output=True, text=True)  # fmt: skip
+  seconds = time.monotonic() - start
+  text = process.stdout + process.stderr
+  assert process.returncode == ExitCode.PEER_FAILURE, text[-3000:]
+  assert "error: stopping process 0 of 2: process 1 has given no sign of life for " in text, text[-3000:]
+  assert f"{tmp_path}/checkpoints are intact: rerun the same command on every machine" in text
+  assert 2.5 < seconds < 60  # not before the timeout, and not left to the main thread's sleep
 
 
 def test_survivor_stops_with_the_reason_when_a_process_fails(tmp_path):

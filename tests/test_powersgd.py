@@ -44,7 +44,7 @@ def _batches(steps, batch, seed=0):
     )
 
 
-@pytest.mark.parametrize("shape", MESH_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", MESH_SHAPES[:3], ids=lambda s: f"{s[0]}x{s[1]}")  # 8 x 1: 2 x 4 and 4 x 2's path
 def test_rank_at_least_the_gradients_rank_gives_the_whole_batch_gradient(shape):
   """8 examples a step: every summed kernel gradient has rank <= 8 = r, so one power iteration from a
   random Q spans it exactly. Carried over steps (warm-started Q, residuals) it stays exact on the same

@@ -174,7 +174,13 @@ def test_simulate_cli_refuses_a_plot_it_cannot_write_before_the_sweep_and_names_
 
   # simulate.py checks --plot with cli.plot_path before the sweep (that order: the /proc/nope case below); its
   # refusals here, in this process.
-  for plot, message in ((tmp_path / "x.txt", "matplotlib cannot write .txt files"), (tmp_path, "is a folder")):
+  # /proc: a folder that exists but takes no file, even from root (os.access says yes): a traceback after the sweep.
+  refused_plots = (
+    (tmp_path / "x.txt", "matplotlib cannot write .txt files"),
+    (tmp_path, "is a folder"),
+    ("/proc/p.png", "cannot write there"),
+  )
+  for plot, message in refused_plots:
     with pytest.raises(SystemExit) as refused:
       cli.plot_path(str(plot), "--plot")
     err = capsys.readouterr().err
@@ -198,7 +204,7 @@ def test_simulate_cli_refuses_a_plot_it_cannot_write_before_the_sweep_and_names_
     ),
     (["--cost_model", "/nope.json"], "error: --cost_model=/nope.json: comm.cost_model='/nope.json' is neither"),
     # What the trainer refuses, refused alike (config.validate on the cluster's mesh).
-    (["--config.num_epochs=0"], "error: num_epochs=0 must be > 0."),
+    pytest.param(["--config.num_epochs=0"], "error: num_epochs=0 must be > 0.", marks=pytest.mark.slow),
     pytest.param(  # config.validate's refusal on the cluster's mesh, as gtopk's below
       ["--nodes", "4", "--devices_per_node", "6"],
       "error: global_batch_size=32768 does not divide over 24 devices",
@@ -212,8 +218,6 @@ def test_simulate_cli_refuses_a_plot_it_cannot_write_before_the_sweep_and_names_
     ),
     (["--plot", "p.png"], "error: --plot draws a sweep: add --sweep"),  # it was ignored
     (["--sweep", "devices", "--plot", "/proc/nope/p.png"], "error: --plot=/proc/nope/p.png: cannot make its folder"),
-    # A folder that exists but takes no file, even from root (os.access says yes): a traceback after the sweep.
-    (["--sweep", "devices", "--plot", "/proc/p.png"], "error: --plot=/proc/p.png: cannot write there"),
     # After the cluster and device lines (stdout must stay empty).
     (["--config.data.train_subset=100"], "error: the training split has 100 examples, fewer than one global batch"),
   ],
