@@ -234,21 +234,18 @@ def config_overrides(argv: list[str]) -> list[str]:
 def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: list[str]) -> list[str]:
   """absl's parsing of ``argv`` into ``flag_values``, each config file loaded; a mistake on the command line
   raises CommandLineError, a bug inside a config file its own error."""
-  for name in config_file_flags:  # absl would keep the last, or fail on an override as "defined twice"
-    given = [
-      arg.split("=", 1)[1] if "=" in arg else next(iter(argv[i + 2 : i + 3]), "")
-      for i, arg in enumerate(argv[1:])
-      if re.match(rf"-{{1,2}}{name}(=|$)", arg)
-    ]
-    if len(given) > 1:
-      raise CommandLineError(f"--{name} is given {len(given)} times ({', '.join(given)}); give one config file")
   try:
+    expanded = flag_values.read_flags_from_files(argv[1:], force_gnu=False)  # a --flagfile's flags in its place
+    for name in config_file_flags:  # absl would keep the last, or fail on an override as "defined twice"
+      given = _values_of(name, expanded)
+      if len(given) > 1:
+        raise CommandLineError(f"--{name} is given {len(given)} times ({', '.join(given)}); give one config file")
     parsed = flag_values(argv)
     for name in config_file_flags:
-      if flag_values[name].present > 1:  # twice through a --flagfile
-        raise CommandLineError(f"--{name} is given {flag_values[name].present} times; give one config file")
       if flag_values[name].value is not None:
         flag_values[name].value.keys()  # a config file that failed to load raises here
+  except CommandLineError:
+    raise
   except SyntaxError as e:  # a config file that is not Python (a YAML file, say), or Python with a syntax error
     if _ran_code_of_its_own(e):  # a module the config file imports: a bug, with its traceback
       raise
@@ -263,6 +260,20 @@ def _parse(flag_values: flags.FlagValues, argv: list[str], config_file_flags: li
       raise
     raise error from None
   return parsed
+
+
+def _values_of(name: str, argv: list[str]) -> list[str]:
+  """The values ``argv`` (flags) gives the flag ``name`` (``--name=V``, ``--name V``, one dash too), up to ``--``."""
+  values, i = [], 0
+  while i < len(argv) and argv[i] != "--":  # "--": absl's end of the flags
+    arg, following = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+    if re.match(rf"-{{1,2}}{name}(=|$)", arg):
+      values.append(arg.split("=", 1)[1] if "=" in arg else following or "(no value)")
+      i += "=" not in arg
+    elif _OVERRIDE.match(arg) and "=" not in arg and following and not following.startswith("-"):
+      i += 1  # --config.FIELD VALUE: the value is not a flag (a bool's --config.FIELD takes none)
+    i += 1
+  return values
 
 
 def _ran_code_of_its_own(error: SyntaxError) -> bool:

@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 
 # The files whose tests take longest (20 s to 2 minutes each on 2 cores, `--durations=0`), slowest first, collected
 # first: `make test` hands files to its two workers in collection order (--no-loadscope-reorder), and one of these
-# collected last would run alone at the end of the suite. The others (under 30 s each) follow in name order.
+# collected last would run alone at the end of the suite. The others (under 20 s each) follow in name order.
 SLOWEST_FILES = (
   "test_checkpoint.py",
   "test_multiprocess.py",

@@ -304,7 +304,7 @@ def test_collectives_counts_the_bytes_of_the_filled_mesh():
   assert result.returncode == 0, result.stderr[-2000:]
   rows = json.loads(result.stdout.strip().splitlines()[-1])
   # One device (--local -1 filled to 1): nothing is sent; the accounting had taken local = -1.
-  assert all(r["intra_node_bytes"] == 0 and r["inter_node_bytes"] == 0 for r in rows.values()), rows
+  assert rows and all(r["intra_node_bytes"] == 0 and r["inter_node_bytes"] == 0 for r in rows.values()), rows
 
 
 def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path, monkeypatch, capsys):

@@ -197,7 +197,7 @@ def test_simulate_cli_refuses_a_plot_it_cannot_write_before_the_sweep_and_names_
     (["--cluster", "nope"], "error: --cluster='nope': known presets"),
     (["--nodes", "0"], "error: flag --nodes=0: 0 is not a positive integer"),
     (["--inter_gbps", "0"], "error: flag --inter_gbps=0.0: --inter_gbps must be > 0"),
-    pytest.param(  # config.validate's refusal (tests/test_config.py), as --config.num_epochs=0's below
+    pytest.param(  # config.validate's refusal (tests/test_config.py), as gtopk's below
       ["--strategies", "hitopk@2"],
       "error: strategy 'hitopk@2': comm.density=2.0 must be in (0, 1]",
       marks=pytest.mark.slow,
