@@ -544,8 +544,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     why = "optimizer.sharded_update updates the shards that the reduce-scatter over `local` leaves; it needs"
     if config.comm.strategy not in sharded_lib.STRATEGIES:
       raise ConfigError(f"{why} comm.strategy in {sharded_lib.STRATEGIES}, not {config.comm.strategy!r}.")
-    if config.comm.fusion == "adaptive":  # its buckets would change with the cost model, and the shards with them
-      raise ConfigError(f"{why} comm.fusion 'fixed' or 'none', not 'adaptive'.")
+    if config.comm.fusion == "adaptive" and config.comm.strategy == "hierarchical":
+      # A dense strategy's adaptive buckets are planned again for each phase (cost_model.replans_buckets_per_phase),
+      # and the shards the optimizer state is laid out in with them; hitopk's are planned once, before the run.
+      raise ConfigError(
+        f"{why} comm.fusion 'fixed' or 'none' with comm.strategy='hierarchical', not 'adaptive': its buckets, and "
+        "the shards with them, are planned again for each phase of the run (hitopk's are planned once, so "
+        "comm.strategy=hitopk takes comm.fusion=adaptive)."
+      )
     if config.optimizer.name not in sharded_lib.OPTIMIZERS:
       raise ConfigError(f"optimizer.sharded_update supports {sharded_lib.OPTIMIZERS}, not {config.optimizer.name!r}.")
     if config.optimizer.fused_norms:  # it did nothing, silently

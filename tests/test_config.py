@@ -151,7 +151,7 @@ def test_default_configs_validate():
     ),
     (
       {"comm__fusion": "adaptive", "optimizer__sharded_update": True},
-      r"it needs comm.fusion 'fixed' or 'none', not 'adaptive'",
+      r"it needs comm.fusion 'fixed' or 'none' with comm.strategy='hierarchical', not 'adaptive'",
     ),
     (
       {"optimizer__name": "lars", "optimizer__fused_norms": True, "optimizer__sharded_update": True},

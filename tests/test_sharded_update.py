@@ -2,6 +2,7 @@
 the replicated update, with 1/local of the optimizer state per device."""
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -13,14 +14,15 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from light_jax import optim, schedules
+from light_jax import config as config_lib
+from light_jax import optim, schedules, train_lib
 from light_jax import train_step as step_lib
 from light_jax.parallel import mesh as mesh_lib
 from light_jax.parallel import reducer as reducer_lib
 from light_jax.parallel import strategies
 from light_jax.parallel.sharded_update import sharded_update, split_into_shards
 from light_jax.train_lib import optimizer_state_bytes_per_device
-from tests.helpers import ROOT, TinyCNN, init_variables
+from tests.helpers import ROOT, TinyCNN, init_variables, small_config
 from tests.test_train_step import _batches, _config, _max_diff
 
 
@@ -229,3 +231,20 @@ def test_the_density_warmup_reaches_hitopk_under_the_sharded_update():
   assert warm.base.density == 0.25 and warm.buckets == sharded.buckets
   size = sum(x.size for x in jax.tree.leaves(params))
   assert warm.base.k_for(size) > sharded.base.k_for(size) > 0
+
+
+def test_hitopk_with_adaptive_fusion_takes_the_replicated_steps(tmp_path, caplog):
+  """hitopk's MG-WFBP buckets are planned once, before the run (a dense strategy's again for each phase, which the
+  config refuses): the sharded update lays its shards out on them and takes the replicated run's steps."""
+  summaries = {}
+  for sharded in (False, True):
+    config = small_config("hitopk", max_steps=4, comm__fusion="adaptive", optimizer__sharded_update=sharded)
+    assert config_lib.validate(config, 8) == (2, 4)  # as train.py checks it
+    with caplog.at_level(logging.INFO):
+      summaries[sharded] = train_lib.train_and_evaluate(config, str(tmp_path / str(sharded)))
+  assert caplog.text.count("adaptive fusion (MG-WFBP") == 2  # one plan a run
+  replicated, sharded = summaries[False], summaries[True]
+  assert len(sharded["comm_buckets"]) == len(replicated["comm_buckets"]) < 29  # tensors merged
+  assert abs(sharded["final_train_loss"] - replicated["final_train_loss"]) < 1e-5 * replicated["final_train_loss"]
+  assert sharded["final_eval_top1"] == replicated["final_eval_top1"]
+  assert sharded["optimizer_state_bytes_per_device"] < replicated["optimizer_state_bytes_per_device"] / 3  # local 4
