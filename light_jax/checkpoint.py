@@ -81,9 +81,10 @@ def lock_workdir(workdir: str) -> None:
   try:
     lock_file = open(path, "a+")
   except OSError as e:
-    raise CheckpointError(
-      f"--workdir={workdir}: cannot open {path} ({e.strerror}); remove it, or give another --workdir"
-    ) from None
+    # One that is there (a folder, another user's file) can go; a workdir that takes no new file (/proc) cannot
+    # hold a run.
+    what = "remove it, or give another --workdir" if os.path.lexists(path) else "give another --workdir"
+    raise CheckpointError(f"--workdir={workdir}: cannot open {path} ({e.strerror}); {what}") from None
   try:
     fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except OSError as e:

@@ -907,6 +907,15 @@ def test_a_peer_lost_during_a_multi_process_restore_or_save_is_not_damage_nor_th
   alone.close()
 
 
+def test_a_lock_file_that_cannot_be_opened_is_named_with_what_to_do():
+  """A .lock that is there but cannot be opened can be removed; a workdir that takes no new file cannot be mended so
+  (it said "remove it" of /proc/.lock, which is not there)."""
+  with pytest.raises(
+    CheckpointError, match=r"^--workdir=/proc: cannot open /proc/.lock \(.*\); give another --workdir$"
+  ):
+    checkpoint_lib.lock_workdir("/proc")
+
+
 def test_a_second_run_in_a_workdir_in_use_is_refused_before_touching_it(tmp_path):
   """Two runs in one workdir (a job restarted while the old process lingers): the second deleted the first's save
   in flight and each broke the other. The workdir is taken by the first run's process 0 until it ends."""
