@@ -361,6 +361,9 @@ def _override_of_the_wrong_shape(e: Exception, text: str, argv: list[str]) -> Co
   return None
 
 
+_EXAMPLES = {"config": "configs/fashion_mnist.py", "workdir": "runs/fmnist"}  # what a missing flag's example shows
+
+
 def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | None:
   """One line from what absl and ml_collections raise (which may hold a whole traceback), with where to look
   next, or None where the error is not the command line's: a bug inside the config file, whose traceback says
@@ -423,6 +426,11 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
       f"--config.{path}: no such config field" + "".join(f"; {line}" for line in lines[1:]), FIELDS_HINT
     )
   message = " ".join(lines)
+  missing = re.findall(r"Flag --(\w+) must have a value other than None", message)  # absl's required flags
+  if missing:
+    example = "e.g. " + " ".join(f"--{name} {_EXAMPLES.get(name, name.upper())}" for name in missing)
+    are = "are" if len(missing) > 1 else "is"
+    return CommandLineError(f"{' and '.join(f'--{name}' for name in missing)} {are} required: {example}", FLAGS_HINT)
   flagfile = re.match(r"ERROR:: Unable to open flagfile: (.*)", message)
   if flagfile:
     return CommandLineError(f"--flagfile: cannot open it: {flagfile[1]}; give a file of flags, one per line")

@@ -557,6 +557,16 @@ def test_resolve_config_reads_overrides_as_train_py_does(tmp_path):
     cli.resolve_config(str(buggy), [])
 
 
+def test_train_py_without_its_required_flags_says_which_with_an_example():
+  """absl said "flag --config=None: Flag --config must have a value other than None." for each."""
+  result = train_py()
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines()[-1] == (
+    "error: --config and --workdir are required: e.g. --config configs/fashion_mnist.py --workdir runs/fmnist "
+    "(--help lists the flags)"
+  )
+
+
 def test_a_config_file_given_twice_is_refused_naming_both(tmp_path):
   """absl kept the last --config without a word, and with an override said 'the flag config.X is defined twice'."""
   other = "configs/imagenet_resnet50.py"
