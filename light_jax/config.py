@@ -139,7 +139,8 @@ def base_config() -> ml_collections.ConfigDict:
     lars_trust="optax",  # optax: eta|w| / |g + wd w| | mlperf: eta|w| / (|g| + wd|w|) (MLPerf ResNet-50)
     fused_norms=False,  # lars: every tensor's norms from packed buffers in two passes (optim.tensor_norms)
     # Each device applies the optimizer to the shard it owns after the hierarchical reduce-scatter, with
-    # 1/local of the optimizer state; the all-gather carries the updates (sgd, lars; hierarchical, hitopk).
+    # 1/local of the optimizer state; the all-gather carries the updates (sgd, lars; hierarchical, hitopk; with
+    # comm.fusion=adaptive hitopk only, whose buckets are planned once).
     sharded_update=False,
     label_smoothing=0.1,
   )
@@ -544,9 +545,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     why = "optimizer.sharded_update updates the shards that the reduce-scatter over `local` leaves; it needs"
     if config.comm.strategy not in sharded_lib.STRATEGIES:
       raise ConfigError(f"{why} comm.strategy in {sharded_lib.STRATEGIES}, not {config.comm.strategy!r}.")
-    if config.comm.fusion == "adaptive" and config.comm.strategy == "hierarchical":
-      # A dense strategy's adaptive buckets are planned again for each phase (cost_model.replans_buckets_per_phase),
-      # and the shards the optimizer state is laid out in with them; hitopk's are planned once, before the run.
+    if cost_model.replans_buckets_per_phase(config.comm):
+      # A dense strategy's adaptive buckets are planned again for each phase, and the shards the optimizer state is
+      # laid out in with them; hitopk's are planned once, before the run.
       raise ConfigError(
         f"{why} comm.fusion 'fixed' or 'none' with comm.strategy='hierarchical', not 'adaptive': its buckets, and "
         "the shards with them, are planned again for each phase of the run (hitopk's are planned once, so "

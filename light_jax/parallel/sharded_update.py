@@ -15,7 +15,9 @@ per-tensor sums completes them: the fused norms of Light's "parallel tensor oper
 each position's tensor found by ``searchsorted`` does the same in one op, but both are scatters and
 searches over the whole shard: 0.8 s per 5.8M-element shard on this CPU, against 5 ms for the slices.) SGD and
 LARS (both trust forms) are supported, with the hierarchical and hitopk strategies (hitopk's scatter-add
-leaves the same shard); the optimizer state lives in each device's ``comm_state["optimizer"]``.
+leaves the same shard; with ``comm.fusion="adaptive"`` hitopk only, whose buckets are planned once before the
+run: a dense strategy's are planned again for each phase, and the shards with them); the optimizer state lives in
+each device's ``comm_state["optimizer"]``.
 docs/techniques.md section 14.
 """
 
