@@ -153,8 +153,7 @@ def train_all(args, rate: int | None, labels: list[tuple[str, list[str]]], workd
         rerun = args.rerun
         changed = "" if rerun else stale(args, workdirs[label], overrides)
         if changed:  # the same command gives another run now (the config file changed): its result is stale
-          print(f"{label}: the command's config differs from its finished run's now ({changed}); running it again",
-                file=sys.stderr, flush=True)  # fmt: skip
+          train_runs.say_stale(label, changed)
           rerun = True
         try:
           if not train_runs.prepare_workdir(label, workdirs[label], run_command(args, overrides), rerun):

@@ -26,6 +26,12 @@ from light_jax import child_process, cli, metrics  # noqa: E402
 from light_jax.exit_codes import ExitCode  # noqa: E402
 
 
+def say_stale(label: str, changed: str) -> None:
+  """That ``label``'s finished run is run again: its command's config differs from the run's now (``changed``)."""
+  print(f"{label}: the command's config differs from its finished run's now ({changed}); running it again",
+        file=sys.stderr, flush=True)  # fmt: skip
+
+
 def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool = False, retries: int = 1) -> None:
   """``python train.py --config=CONFIG --workdir=WORKDIR OVERRIDES``, its output in WORKDIR/train.log.
 
@@ -45,8 +51,7 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
   if not rerun and os.path.exists(summary):
     changed = config_changed(workdir, config, overrides)
     if changed:  # the same command gives another run now (a variant's values changed): its result is stale
-      print(f"{label}: the command's config differs from its finished run's now ({changed}); running it again",
-            file=sys.stderr, flush=True)  # fmt: skip
+      say_stale(label, changed)
       rerun = True
   stamp, older_stamp = _stamps(workdir, config, overrides)
   if not prepare_workdir(label, workdir, stamp, rerun, also=(older_stamp,)):
