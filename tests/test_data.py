@@ -177,6 +177,44 @@ def test_corrupt_idx_file_is_reported(tmp_path):
     fashion_mnist.read_idx(str(path))
 
 
+def _idx(path, array) -> None:
+  """``array`` (uint8) as a gzipped IDX file at ``path``."""
+  header = b"\x00\x00\x08" + bytes([array.ndim]) + b"".join(n.to_bytes(4, "big") for n in array.shape)
+  path.write_bytes(gzip.compress(header + array.astype(np.uint8).tobytes()))
+
+
+def test_fashion_mnist_files_the_trainer_cannot_use_are_refused_naming_the_file(tmp_path):
+  """Labels out of range trained without a word (exit 0); images of another shape, labels with two dimensions, a
+  folder or a read error in a file's place were tracebacks, an empty split "fewer than one global batch", and a
+  pipe in a file's place waited for ever."""
+  images, labels = np.zeros((4, 28, 28)), np.array([0, 3, 9, 1])
+  images_file, labels_file = (tmp_path / name for name in fashion_mnist.FILES["train"])
+
+  def refused(match):
+    with pytest.raises(DataError, match=match):
+      fashion_mnist.load(str(tmp_path), "train")
+
+  _idx(images_file, images)
+  _idx(labels_file, labels)
+  assert fashion_mnist.load(str(tmp_path), "train").images.shape == (4, 28, 28, 1)
+  _idx(labels_file, np.array([0, 3, 200, 1]))
+  refused(rf"^{labels_file} holds label 200: Fashion-MNIST has 10 classes \(0-9\); the file is corrupt")
+  _idx(labels_file, labels[:, None])
+  refused(rf"^{labels_file} holds labels of shape \(4, 1\), not one per image")
+  _idx(labels_file, labels)
+  _idx(images_file, np.zeros((4, 784)))
+  refused(rf"^{images_file} holds images of shape \(784,\), not Fashion-MNIST's 28 x 28")
+  _idx(images_file, np.zeros((0, 28, 28)))
+  _idx(labels_file, np.zeros(0))
+  refused(rf"^{images_file} holds no images")
+  images_file.unlink()
+  images_file.mkdir()
+  refused(rf"^{images_file} is not a regular file")
+  images_file.rmdir()
+  os.mkfifo(images_file)
+  refused(rf"^{images_file} is not a regular file")
+
+
 def test_fashion_mnist_data_dir_expands_the_home_directory(tmp_path, monkeypatch):
   monkeypatch.setenv("HOME", str(tmp_path))
   config = ml_collections.ConfigDict({"dataset": "fashion_mnist", "data_dir": "~/fmnist", "train_subset": 0})

@@ -204,6 +204,23 @@ def test_damaged_converted_folder_or_cache_says_how_to_fix_it(folder, tmp_path):
     f.write('{"classes": ["class_00", ')
   with pytest.raises(DataError, match="info.json is damaged.*prepare_image_folder.py"):
     records.FolderRecords(damaged, "val")
+  # No classes, or fewer than the records' labels index: a ZeroDivisionError in the model's set-up, or a run that
+  # trained without a word on labels naming no class.
+  with open(os.path.join(folder["dir"], "info.json")) as f:
+    info = json.load(f)
+  for classes in ([], "abc"):
+    with open(os.path.join(damaged, "info.json"), "w") as f:
+      json.dump({**info, "classes": classes}, f)
+    with pytest.raises(DataError, match="info.json is damaged .*not a list of class names.*prepare_image_folder.py"):
+      records.FolderRecords(damaged, "val")
+  with open(os.path.join(damaged, "info.json"), "w") as f:
+    json.dump({**info, "classes": info["classes"][:1]}, f)
+  val = records.FolderRecords(damaged, "val")
+  with pytest.raises(
+    DataError, match=r"val.array_record: record \d+ has label [1-9]\d*, but the dataset has 1 classes;"
+  ):
+    for i in range(len(val)):
+      val[i]
 
 
 def test_a_record_damaged_after_opening_is_a_data_error_naming_the_file(folder, tmp_path):

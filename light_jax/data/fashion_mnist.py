@@ -27,6 +27,8 @@ NUM_CLASSES = 10
 
 def read_idx(path: str) -> np.ndarray:
   """Reads one gzipped IDX file (the MNIST format: magic, dims, big-endian uint8 payload)."""
+  if not os.path.isfile(path):  # a folder, or a pipe (whose read would wait for a writer)
+    raise DataError(f"{path} is not a regular file; reinstall it ({INSTALL_HINT}).")
   try:
     with gzip.open(path, "rb") as f:
       data = f.read()
@@ -34,6 +36,10 @@ def read_idx(path: str) -> np.ndarray:
     raise DataError(
       f"{path} is not a complete gzip file ({type(e).__name__}: {e}); the file may be truncated or corrupt: "
       f"reinstall it ({INSTALL_HINT})."
+    ) from None
+  except OSError as e:  # the disk's read error
+    raise DataError(
+      f"cannot read {path} ({e.strerror or e}); check the disk, or reinstall it ({INSTALL_HINT})."
     ) from None
   if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
     raise DataError(
@@ -62,8 +68,23 @@ def load(data_dir: str, split: str) -> ArraySource:
   missing = [p for p in (image_file, label_file) if not os.path.exists(p)]
   if missing:
     raise DataError(f"Fashion-MNIST not found: missing {', '.join(missing)}; {INSTALL_HINT}.")
-  images = read_idx(image_file)[..., None]
+  images = read_idx(image_file)
   labels = read_idx(label_file).astype(np.int32)
+  # What the rest takes for granted, checked here: a file of another shape failed deep inside (a traceback), and
+  # labels out of range trained without a word.
+  if images.shape[1:] != (28, 28):
+    raise DataError(
+      f"{image_file} holds images of shape {images.shape[1:]}, not Fashion-MNIST's 28 x 28; {INSTALL_HINT}."
+    )
+  if labels.ndim != 1:
+    raise DataError(f"{label_file} holds labels of shape {labels.shape}, not one per image; {INSTALL_HINT}.")
   if len(images) != len(labels):
     raise DataError(f"{image_file} has {len(images)} images but {label_file} has {len(labels)} labels.")
-  return ArraySource(images=images, labels=labels)
+  if not len(images):
+    raise DataError(f"{image_file} holds no images; {INSTALL_HINT}.")
+  if labels.max() >= NUM_CLASSES:  # uint8: none below 0
+    raise DataError(
+      f"{label_file} holds label {labels.max()}: Fashion-MNIST has {NUM_CLASSES} classes (0-{NUM_CLASSES - 1}); the "
+      f"file is corrupt or another dataset's: reinstall it ({INSTALL_HINT})."
+    )
+  return ArraySource(images=images[..., None], labels=labels)

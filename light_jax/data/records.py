@@ -162,7 +162,8 @@ class TfdsRecords:
   def __getitem__(self, index: int) -> tuple[bytes, int, str]:
     record = _read(self._source, index, self._shard_of, self._fix)
     name = record.get("file_name", b"")
-    return record["image"], int(record["label"]), name.decode() if isinstance(name, bytes) else str(name)
+    label = _checked_label(int(record["label"]), self.num_classes, index, self._shard_of, self._fix)
+    return record["image"], label, name.decode() if isinstance(name, bytes) else str(name)
 
 
 def _not_array_record(name: str, data_dir: str) -> str:
@@ -201,6 +202,8 @@ class FolderRecords:
       with open(info_path, "rb") as f:
         info = f.read()
       self.classes = json.loads(info)["classes"]
+      if not self.classes or not isinstance(self.classes, list) or not all(isinstance(c, str) for c in self.classes):
+        raise ValueError(f"its classes are {str(self.classes)[:80]}, not a list of class names")
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
       raise DataError(
         f"{info_path} is damaged ({type(e).__name__}: {e}); convert the folder again with "
@@ -231,9 +234,20 @@ class FolderRecords:
   def __getitem__(self, index: int) -> tuple[bytes, int, str]:
     record = _read(self._source, index, self._path, self._fix)
     label, name_length = _FOLDER_HEADER.unpack_from(record)
+    label = _checked_label(label, self.num_classes, index, lambda _: self._path, self._fix)
     start = _FOLDER_HEADER.size
     # "replace": a file name that was not UTF-8 is kept as its bytes (os.fsencode) and only shown.
     return record[start + name_length :], label, record[start : start + name_length].decode(errors="replace")
+
+
+def _checked_label(label: int, num_classes: int, index: int, file_of: Callable[[int], str], fix: str) -> int:
+  """``label`` if it names one of the ``num_classes`` classes; else a DataError naming the file of record ``index``
+  (``file_of``). Such labels trained without a word: a cross-entropy against no class, an accuracy never counted."""
+  if not 0 <= label < num_classes:
+    raise DataError(
+      f"{file_of(index)}: record {index} has label {label}, but the dataset has {num_classes} classes; {fix}"
+    )
+  return label
 
 
 class ListRecords:
