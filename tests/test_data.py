@@ -1,4 +1,5 @@
 import gzip
+import logging
 import os
 import subprocess
 import sys
@@ -213,6 +214,18 @@ def test_fashion_mnist_files_the_trainer_cannot_use_are_refused_naming_the_file(
   images_file.rmdir()
   os.mkfifo(images_file)
   refused(rf"^{images_file} is not a regular file")
+  with pytest.raises(DataError, match=rf"^data.data_dir={labels_file} is a file; give the folder that holds"):
+    fashion_mnist.load(str(labels_file), "train")
+
+
+def test_a_subset_larger_than_its_split_is_said(caplog):
+  """It ran the whole split with an INFO line at most."""
+  config = ml_collections.ConfigDict(
+    {"dataset": "fashion_mnist", "data_dir": fashion_mnist.DEFAULT_DIR, "train_subset": 0, "eval_subset": 20_000}
+  )
+  with caplog.at_level(logging.WARNING):
+    _, test, _ = load_dataset(config)
+  assert len(test) == 10_000 and "data.eval_subset=20000 is more than the split's 10000 examples" in caplog.text
 
 
 def test_fashion_mnist_data_dir_expands_the_home_directory(tmp_path, monkeypatch):

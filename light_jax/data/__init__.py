@@ -38,8 +38,9 @@ IMAGENET_STD = (58.395, 57.12, 57.375)
 def load_dataset(data_config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySource, DatasetInfo]:
   if data_config.dataset == "fashion_mnist":
     data_dir = os.path.expanduser(data_config.data_dir)
-    train = fashion_mnist.load(data_dir, "train").take(data_config.train_subset)
-    test = fashion_mnist.load(data_dir, "test").take(data_config.eval_subset)
+    train, test = fashion_mnist.load(data_dir, "train"), fashion_mnist.load(data_dir, "test")
+    _check_subsets(data_config, len(train), len(test))
+    train, test = train.take(data_config.train_subset), test.take(data_config.eval_subset)
     info = DatasetInfo(
       num_classes=fashion_mnist.NUM_CLASSES,
       image_shape=train.images.shape[1:],
@@ -50,6 +51,14 @@ def load_dataset(data_config: ml_collections.ConfigDict) -> tuple[ArraySource, A
   if data_config.dataset in ("imagenet2012", "image_folder"):
     return _load_jpeg_dataset(data_config)
   raise DataError(f"unknown data.dataset {data_config.dataset!r}")
+
+
+def _check_subsets(data_config: ml_collections.ConfigDict, train: int, test: int) -> None:
+  """Warns of a ``data.train_subset`` or ``data.eval_subset`` larger than its split, which then runs whole."""
+  for field, size in (("train_subset", train), ("eval_subset", test)):
+    if data_config[field] > size:
+      logging.warning("data.%s=%d is more than the split's %d examples: all %d are used", field, data_config[field],
+                      size, size)  # fmt: skip
 
 
 class _Subset:
@@ -78,6 +87,7 @@ def _load_jpeg_dataset(data_config) -> tuple[ImageSource, ImageSource, DatasetIn
   else:
     train, test = records.FolderRecords(data_dir, "train"), records.FolderRecords(data_dir, "val")
   num_classes = train.num_classes
+  _check_subsets(data_config, len(train), len(test))
   if data_config.train_subset:
     train = _Subset(train, data_config.train_subset)
   if data_config.eval_subset:

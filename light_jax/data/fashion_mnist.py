@@ -65,6 +65,8 @@ def read_idx(path: str) -> np.ndarray:
 def load(data_dir: str, split: str) -> ArraySource:
   """The ``split`` ("train" or "test") as uint8 images (N, 28, 28, 1) and int32 labels."""
   image_file, label_file = (os.path.join(data_dir, f) for f in FILES[split])
+  if os.path.isfile(data_dir):
+    raise DataError(f"data.data_dir={data_dir} is a file; give the folder that holds {', '.join(FILES[split])}.")
   missing = [p for p in (image_file, label_file) if not os.path.exists(p)]
   if missing:
     raise DataError(f"Fashion-MNIST not found: missing {', '.join(missing)}; {INSTALL_HINT}.")
