@@ -1,3 +1,4 @@
+import errno
 import gzip
 import logging
 import os
@@ -184,7 +185,8 @@ def _idx(path, array) -> None:
   path.write_bytes(gzip.compress(header + array.astype(np.uint8).tobytes()))
 
 
-def test_fashion_mnist_files_the_trainer_cannot_use_are_refused_naming_the_file(tmp_path):
+@pytest.mark.timeout(60)  # the pipe's read, if it came back, would wait for ever
+def test_fashion_mnist_files_the_trainer_cannot_use_are_refused_naming_the_file(tmp_path, monkeypatch):
   """Labels out of range trained without a word (exit 0); images of another shape, labels with two dimensions, a
   folder or a read error in a file's place were tracebacks, an empty split "fewer than one global batch", and a
   pipe in a file's place waited for ever."""
@@ -203,8 +205,9 @@ def test_fashion_mnist_files_the_trainer_cannot_use_are_refused_naming_the_file(
   _idx(labels_file, labels[:, None])
   refused(rf"^{labels_file} holds labels of shape \(4, 1\), not one per image")
   _idx(labels_file, labels)
-  _idx(images_file, np.zeros((4, 784)))
-  refused(rf"^{images_file} holds images of shape \(784,\), not Fashion-MNIST's 28 x 28")
+  for shape in ((4, 784), (3136,)):
+    _idx(images_file, np.zeros(shape))
+    refused(rf"^{images_file} holds an array of shape \({shape[0]},( {shape[-1]})?\), not N images of 28 x 28")
   _idx(images_file, np.zeros((0, 28, 28)))
   _idx(labels_file, np.zeros(0))
   refused(rf"^{images_file} holds no images")
@@ -216,6 +219,14 @@ def test_fashion_mnist_files_the_trainer_cannot_use_are_refused_naming_the_file(
   refused(rf"^{images_file} is not a regular file")
   with pytest.raises(DataError, match=rf"^data.data_dir={labels_file} is a file; give the folder that holds"):
     fashion_mnist.load(str(labels_file), "train")
+  images_file.unlink()
+  _idx(images_file, images)
+
+  def read_error(*args, **kwargs):
+    raise OSError(errno.EIO, "Input/output error")
+
+  monkeypatch.setattr(gzip, "open", read_error)
+  refused(rf"^cannot read {images_file} \(Input/output error\); make it readable or check the disk")
 
 
 def test_a_subset_larger_than_its_split_is_said(caplog):

@@ -217,10 +217,21 @@ def test_damaged_converted_folder_or_cache_says_how_to_fix_it(folder, tmp_path):
     json.dump({**info, "classes": info["classes"][:1]}, f)
   val = records.FolderRecords(damaged, "val")
   with pytest.raises(
-    DataError, match=r"val.array_record: record \d+ has label [1-9]\d*, but the dataset has 1 classes;"
+    DataError,
+    match=r"val.array_record: record \d+ has label [1-9]\d*, but the dataset.s labels are 0-0, one per class;",
   ):
     for i in range(len(val)):
       val[i]
+
+
+def test_a_label_naming_no_class_is_refused_whatever_holds_the_records():
+  """The records' own check (a converted folder, TFDS) does not see a decoded cache built before it: the image
+  source checks each label it hands on."""
+  image = jpeg_bytes(class_image(0, np.random.default_rng(0), 16, 16))
+  source = ImageSource(records.ListRecords([(image, 1, "a.jpg"), (image, 2, "b.jpg")]), 2, "train")
+  assert source.eval_example(0, 8)[1] == 1
+  with pytest.raises(DataError, match=r"^train: b.jpg has label 2, but the dataset's labels are 0-1: its files"):
+    source.eval_example(1, 8)
 
 
 def test_a_record_damaged_after_opening_is_a_data_error_naming_the_file(folder, tmp_path):

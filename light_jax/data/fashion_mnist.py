@@ -39,7 +39,7 @@ def read_idx(path: str) -> np.ndarray:
     ) from None
   except OSError as e:  # the disk's read error
     raise DataError(
-      f"cannot read {path} ({e.strerror or e}); check the disk, or reinstall it ({INSTALL_HINT})."
+      f"cannot read {path} ({e.strerror or e}); make it readable or check the disk, or reinstall it ({INSTALL_HINT})."
     ) from None
   if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
     raise DataError(
@@ -65,8 +65,11 @@ def read_idx(path: str) -> np.ndarray:
 def load(data_dir: str, split: str) -> ArraySource:
   """The ``split`` ("train" or "test") as uint8 images (N, 28, 28, 1) and int32 labels."""
   image_file, label_file = (os.path.join(data_dir, f) for f in FILES[split])
-  if os.path.isfile(data_dir):
-    raise DataError(f"data.data_dir={data_dir} is a file; give the folder that holds {', '.join(FILES[split])}.")
+  if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+    raise DataError(
+      f"data.data_dir={data_dir} is a file; give the folder that holds "
+      f"{', '.join(f for pair in FILES.values() for f in pair)}."
+    )
   missing = [p for p in (image_file, label_file) if not os.path.exists(p)]
   if missing:
     raise DataError(f"Fashion-MNIST not found: missing {', '.join(missing)}; {INSTALL_HINT}.")
@@ -74,9 +77,10 @@ def load(data_dir: str, split: str) -> ArraySource:
   labels = read_idx(label_file).astype(np.int32)
   # What the rest takes for granted, checked here: a file of another shape failed deep inside (a traceback), and
   # labels out of range trained without a word.
-  if images.shape[1:] != (28, 28):
+  fits = "only 28 x 28 sets of 10 classes fit: Fashion-MNIST, MNIST, KMNIST"
+  if images.ndim != 3 or images.shape[1:] != (28, 28):
     raise DataError(
-      f"{image_file} holds images of shape {images.shape[1:]}, not Fashion-MNIST's 28 x 28; {INSTALL_HINT}."
+      f"{image_file} holds an array of shape {images.shape}, not N images of 28 x 28 ({fits}); {INSTALL_HINT}."
     )
   if labels.ndim != 1:
     raise DataError(f"{label_file} holds labels of shape {labels.shape}, not one per image; {INSTALL_HINT}.")
@@ -87,6 +91,6 @@ def load(data_dir: str, split: str) -> ArraySource:
   if labels.max() >= NUM_CLASSES:  # uint8: none below 0
     raise DataError(
       f"{label_file} holds label {labels.max()}: Fashion-MNIST has {NUM_CLASSES} classes (0-{NUM_CLASSES - 1}); the "
-      f"file is corrupt or another dataset's: reinstall it ({INSTALL_HINT})."
+      f"file is corrupt or another dataset's ({fits}): reinstall it ({INSTALL_HINT})."
     )
   return ArraySource(images=images[..., None], labels=labels)

@@ -76,6 +76,12 @@ class ImageSource:
     n = len(self.records)
     for offset in range(MAX_CONSECUTIVE_BAD):
       payload, label, file_name = self.records[(index + offset) % n]
+      if not 0 <= label < self.num_classes:  # the records' own check, for a decoded cache built before it
+        raise DataError(
+          f"{self.name}: {file_name} has label {label}, but the dataset's labels are 0-{self.num_classes - 1}: its "
+          "files were written with another list of classes, or are damaged. Prepare them again, and delete the "
+          "decoded cache (in data.cache_dir) if one was built from them."
+        )
       try:
         return (make(payload), label, offset) if with_offset else (make(payload), label)
       except transforms.BadImage as e:

@@ -203,7 +203,7 @@ class FolderRecords:
         info = f.read()
       self.classes = json.loads(info)["classes"]
       if not self.classes or not isinstance(self.classes, list) or not all(isinstance(c, str) for c in self.classes):
-        raise ValueError(f"its classes are {str(self.classes)[:80]}, not a list of class names")
+        raise ValueError(f"its classes are {repr(self.classes)[:80]}, not a list of class names")
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
       raise DataError(
         f"{info_path} is damaged ({type(e).__name__}: {e}); convert the folder again with "
@@ -245,7 +245,8 @@ def _checked_label(label: int, num_classes: int, index: int, file_of: Callable[[
   (``file_of``). Such labels trained without a word: a cross-entropy against no class, an accuracy never counted."""
   if not 0 <= label < num_classes:
     raise DataError(
-      f"{file_of(index)}: record {index} has label {label}, but the dataset has {num_classes} classes; {fix}"
+      f"{file_of(index)}: record {index} has label {label}, but the dataset's labels are 0-{num_classes - 1}, one "
+      f"per class; {fix}."
     )
   return label
 
