@@ -224,6 +224,15 @@ def test_damaged_converted_folder_or_cache_says_how_to_fix_it(folder, tmp_path):
       val[i]
 
 
+def test_imagenet2012_pointed_at_a_converted_folder_says_to_train_on_it_as_an_image_folder(folder):
+  """It said "TFDS dataset 'imagenet2012' not found" and how to prepare ImageNet, not what the folder holds."""
+  with pytest.raises(
+    DataError,
+    match=r"holds a converted image folder \(info.json\): train on it with --config.data.dataset=image_folder$",
+  ):
+    records.TfdsRecords("imagenet2012", "train", folder["dir"])
+
+
 def test_a_label_naming_no_class_is_refused_whatever_holds_the_records():
   """The records' own check (a converted folder, TFDS) does not see a decoded cache built before it: the image
   source checks each label it hands on."""

@@ -112,6 +112,10 @@ class TfdsRecords:
       f"DIR_WITH_TARS --data_dir {data_dir}` (needs `pip install -e '.[prepare]'`), or point --config.data.data_dir "
       "at it."
     )
+    if os.path.isfile(os.path.join(os.path.expanduser(data_dir), "info.json")):  # prepare_image_folder.py's output
+      prepare = (
+        f"{data_dir} holds a converted image folder (info.json): train on it with --config.data.dataset=image_folder"
+      )
     if not os.path.isdir(os.path.join(os.path.expanduser(data_dir), name)):  # TFDS's own error names a file format
       raise DataError(f"TFDS dataset {name!r} not found: {os.path.join(data_dir, name)} does not exist. {prepare}")
     try:
