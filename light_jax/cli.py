@@ -399,9 +399,6 @@ def describe_flag_error(e: Exception, argv: list[str]) -> CommandLineError | Non
       "--config: the file has no get_config(); a training config file defines get_config(variant=None) returning "
       "base_config() with its changes (configs/fashion_mnist.py)"
     )
-  twice = re.match(r"The flag '([^.']+)\.[^']*' is defined twice", lines[0])
-  if twice:  # ml_collections defines a config file's override flags once per time the file is given
-    return CommandLineError(f"--{twice[1]} is given more than once (a --flagfile may give it); give one config file")
   shape_error = _override_of_the_wrong_shape(e, text, argv)
   if shape_error:
     return shape_error

@@ -238,19 +238,19 @@ class FolderRecords:
   def __getitem__(self, index: int) -> tuple[bytes, int, str]:
     record = _read(self._source, index, self._path, self._fix)
     label, name_length = _FOLDER_HEADER.unpack_from(record)
-    label = _checked_label(label, self.num_classes, index, lambda _: self._path, self._fix)
+    label = _checked_label(label, self.num_classes, index, self._path, self._fix)
     start = _FOLDER_HEADER.size
     # "replace": a file name that was not UTF-8 is kept as its bytes (os.fsencode) and only shown.
     return record[start + name_length :], label, record[start : start + name_length].decode(errors="replace")
 
 
-def _checked_label(label: int, num_classes: int, index: int, file_of: Callable[[int], str], fix: str) -> int:
-  """``label`` if it names one of the ``num_classes`` classes; else a DataError naming the file of record ``index``
-  (``file_of``). Such labels trained without a word: a cross-entropy against no class, an accuracy never counted."""
+def _checked_label(label: int, num_classes: int, index: int, path: str | Callable[[int], str], fix: str) -> int:
+  """``label`` if it names one of the ``num_classes`` classes; else a DataError naming ``path`` (or ``path(index)``,
+  as ``_read``). Such labels trained without a word: a cross-entropy against no class, an accuracy never counted."""
   if not 0 <= label < num_classes:
     raise DataError(
-      f"{file_of(index)}: record {index} has label {label}, but the dataset's labels are 0-{num_classes - 1}, one "
-      f"per class; {fix}."
+      f"{path(index) if callable(path) else path}: record {index} has label {label}, but the dataset's labels are "
+      f"0-{num_classes - 1}, one per class; {fix}."
     )
   return label
 
