@@ -13,20 +13,13 @@ import sys
 import traceback
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 # These import nothing of JAX: devices are set up in main.
 from light_jax import cli, coordinator
 from light_jax import config as config_lib
 from light_jax.exit_codes import ExitCode, flush_output, signals_exit_at_once
 
-try:  # ml_collections reads the command line here (a --flagfile that cannot be opened raises now)
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, optionally with :VARIANT.", lock_config=True)
-except cli.FLAG_ERRORS as e:
-  error = cli.describe_flag_error(e, sys.argv)
-  if error is None:  # not the command line's: a bug, with its traceback
-    raise
-  cli.fail(str(error))
+_CONFIG = cli.define_config_file("config", "Config file, optionally with :VARIANT.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, plots and checkpoints.")
 _COORDINATOR = flags.DEFINE_string("coordinator", None, "host:port of process 0, for multi-process runs.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes in a multi-process run.")

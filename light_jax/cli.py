@@ -47,6 +47,18 @@ def fail(message: str) -> NoReturn:
   sys.exit(ExitCode.BAD_INPUT)
 
 
+def define_config_file(name: str, help_text: str, **kwargs):
+  """ml_collections' ``DEFINE_config_file(name, None, help_text, **kwargs)``, which reads the command line as it is
+  defined (a --flagfile that cannot be opened raises then): a mistake there is ``fail``'s one line."""
+  try:
+    return config_flags.DEFINE_config_file(name, None, help_text, **kwargs)
+  except FLAG_ERRORS as e:
+    error = describe_flag_error(e, sys.argv)
+    if error is None:  # not the command line's: a bug, with its traceback
+      raise
+    fail(str(error))
+
+
 def flags_parser(*config_file_flags):
   """For ``app.run(main, flags_parser=...)``: absl's parsing, but a mistake on the command line is ``fail``'s
   one line (a config file that is not Python, or has a syntax error, too). An error raised while a config file runs,

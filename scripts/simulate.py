@@ -31,18 +31,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 from light_jax import cli  # noqa: E402
 from light_jax import config as config_lib  # noqa: E402
 
-try:  # ml_collections reads the command line here (a --flagfile that cannot be opened raises now)
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file[:variant]")
-except cli.FLAG_ERRORS as e:
-  error = cli.describe_flag_error(e, sys.argv)
-  if error is None:  # not the command line's: a bug, with its traceback
-    raise
-  cli.fail(str(error))
+_CONFIG = cli.define_config_file("config", "training config file[:variant]")
 _CLUSTER = flags.DEFINE_string("cluster", "v100x128_25gbe", "a preset of light_jax/simulation.py CLUSTERS")
 _STRATEGIES = flags.DEFINE_list("strategies", [], "strategies to compare (default: the config's)")
 _NODES = flags.DEFINE_integer("nodes", None, "machines (default: the preset's)", lower_bound=1)
