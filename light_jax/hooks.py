@@ -191,12 +191,23 @@ class CheckpointSaver:
       self.blocking_seconds += time.perf_counter() - start
 
 
+class EvaluationFailed(Exception):
+  """An epoch end's evaluation failed in a one-process run (its input, say: a damaged chunk of the evaluation
+  split); ``__cause__`` is why. ``training``: the record's training half, which the run saves with its steps so
+  that the resumed run evaluates the same state and writes the whole record (``EpochEvaluation.finish``)."""
+
+  def __init__(self, training: dict[str, Any]):
+    super().__init__(f"the evaluation at step {training['step']} failed")
+    self.training = training
+
+
 class EpochEvaluation:
   """At each epoch end (and the last step): evaluate, write one record to metrics.jsonl, print a line.
 
   Images/s and the input-wait fraction cover the training steps since the previous record; ``train_seconds``
   is ``clock``'s, which this hook pauses while it evaluates. A checkpoint saved at step s comes after this
-  hook, so metrics.jsonl then holds every record up to s.
+  hook, so metrics.jsonl then holds every record up to s, or the checkpoint holds the record's training half
+  (an evaluation that failed: ``EvaluationFailed``).
   """
 
   def __init__(
@@ -220,32 +231,55 @@ class EpochEvaluation:
     train_loss = evaluation.epoch_mean_loss(info.state)  # waits for the step: the clock below then counts it
     self.clock.pause()
     train_seconds = self.clock.seconds() - self._start_seconds  # since the last record
-    images = self.plan.images(self._start_step, info.step)
     skipped = skipped_steps(info.state)
-    record = epoch_record(
-      info.step,
-      self.plan,
-      train_loss,
-      self.evaluate(info.state),
-      images / train_seconds,
-      (self.prefetcher.wait_seconds - self._start_wait) / train_seconds,
-      float(self.schedule(last_update(info.step, skipped))),
-      info.comm_bytes,
-      skipped,
-      info.step == self.total_steps,
-      self.clock.seconds(),
-    )
+    training = {
+      "step": info.step,
+      "train_loss": train_loss,
+      "images_per_sec": self.plan.images(self._start_step, info.step) / train_seconds,
+      "input_wait_fraction": (self.prefetcher.wait_seconds - self._start_wait) / train_seconds,
+      "learning_rate": float(self.schedule(last_update(info.step, skipped))),
+      "inter_node_bytes_per_step": info.comm_bytes.inter_node,
+      "intra_node_bytes_per_step": info.comm_bytes.intra_node,
+      "nonfinite_steps": skipped,
+      "train_seconds": self.clock.seconds(),
+    }
     if info.state.loss_scale:  # dynamic loss scaling (float16): the scale the next step starts from
-      record["loss_scale"] = float(info.state.loss_scale["scale"].addressable_data(0))
+      training["loss_scale"] = float(info.state.loss_scale["scale"].addressable_data(0))
+    self.finish(info.state, training)
+    self._mark(info.step)
+    self.clock.resume()
+
+  def finish(self, state: step_lib.TrainState, training: dict[str, Any]) -> None:
+    """Evaluates ``state`` and writes the record of ``training``'s step; a resumed run calls it for the record
+    its checkpoint kept (``EvaluationFailed``). One process raises ``EvaluationFailed`` when evaluating fails (the
+    steps are whole and it alone can save them); several raise the error itself, as the others wait in the
+    evaluation's collectives and a save would hang."""
+    try:
+      evaluated = self.evaluate(state)
+    except Exception as e:
+      if jax.process_count() > 1:
+        raise
+      raise EvaluationFailed(training) from e
+    record = epoch_record(self.plan, training, evaluated, final=training["step"] == self.total_steps)
     self.writer.write(record)
     if self.writer.enabled:  # process 0 only (tqdm's write prints even for a disabled bar)
       self.bar.write(
-        f"epoch {record['epoch']:.2f} step {info.step}: train loss {train_loss:.4f}, test top-1 "
+        f"epoch {record['epoch']:.2f} step {record['step']}: train loss {record['train_loss']:.4f}, test top-1 "
         f"{100 * record['eval_top1']:.2f}% top-5 {100 * record['eval_top5']:.2f}%, "
         f"{record['images_per_sec']:.0f} images/s, input wait {100 * record['input_wait_fraction']:.1f}%"
       )
     self.last_record = record
-    self._mark(info.step)
+
+  def finish_unevaluated(self, state: step_lib.TrainState, training: dict[str, Any]) -> None:
+    """The record a resumed run's checkpoint kept without its evaluation (``EvaluationFailed``): evaluated and
+    written now, off the clock. While it still fails, raises the evaluation's error (the checkpoint holds the
+    record still)."""
+    self.clock.pause()
+    try:
+      self.finish(state, training)
+    except EvaluationFailed as e:
+      raise e.__cause__ from None
+    self._mark(training["step"])
     self.clock.resume()
 
   def _mark(self, step: int) -> None:
@@ -335,31 +369,26 @@ def sent_bytes() -> int:
   return total
 
 
+# The record's keys that come from training, after the evaluation's, in metrics.jsonl's order.
+TRAINING_KEYS = (
+  "images_per_sec",
+  "input_wait_fraction",
+  "learning_rate",
+  "inter_node_bytes_per_step",
+  "intra_node_bytes_per_step",
+  "nonfinite_steps",
+)
+
+
 def epoch_record(
-  step: int,
-  plan: schedules.EpochPlan,
-  train_loss: float,
-  eval_metrics: dict[str, float],
-  images_per_sec: float,
-  input_wait_fraction: float,
-  learning_rate: float,
-  comm_bytes: CommBytes,
-  nonfinite_steps: int,
-  final: bool,
-  train_seconds: float,
+  plan: schedules.EpochPlan, training: dict[str, Any], eval_metrics: dict[str, float], final: bool
 ) -> dict[str, Any]:
-  """One line of metrics.jsonl (its keys are an interface, listed in README.md)."""
-  return {
-    "step": step,
-    "epoch": round(plan.epochs_done(step), 4),
-    "train_loss": train_loss,
-    **eval_metrics,
-    "images_per_sec": images_per_sec,
-    "input_wait_fraction": input_wait_fraction,
-    "learning_rate": learning_rate,
-    "inter_node_bytes_per_step": comm_bytes.inter_node,
-    "intra_node_bytes_per_step": comm_bytes.intra_node,
-    "nonfinite_steps": nonfinite_steps,
-    "final": final,
-    "train_seconds": train_seconds,
-  }
+  """One line of metrics.jsonl (its keys are an interface, listed in README.md): ``training``, the record's
+  training half (``EpochEvaluation``), and the evaluation's metrics."""
+  step = training["step"]
+  record = {"step": step, "epoch": round(plan.epochs_done(step), 4), "train_loss": training["train_loss"]}
+  record |= eval_metrics | {key: training[key] for key in TRAINING_KEYS}
+  record |= {"final": final, "train_seconds": training["train_seconds"]}
+  if "loss_scale" in training:
+    record["loss_scale"] = training["loss_scale"]
+  return record

@@ -37,6 +37,7 @@ from light_jax.hooks import (
   PREEMPTED,
   CheckpointSaver,
   EpochEvaluation,
+  EvaluationFailed,
   HangDrill,
   Hook,
   Hooks,
@@ -69,7 +70,8 @@ def train_and_evaluate(
   A run a hook stopped (a signal before its last step, or one of ``extra_hooks``' own reasons at any step) returns
   only ``{"stopped", "steps"}``; a non-finite step under ``train.on_nonfinite="stop"`` raises ``NonFiniteError``.
   Both saved a checkpoint to resume from. So does a one-process run whose training input fails between steps (a
-  damaged record): it saves the steps done, then raises the input's error (``input_failed``).
+  damaged record), or whose evaluation fails at an epoch end: it saves the steps done, then raises the error
+  (``input_failed``); the resumed run evaluates that epoch end first.
 
   ``extra_hooks``: (hook, every) pairs run after each due step, before the trainer's own hooks.
   ``preemption``: a guard installed before (train.py's, from the processes' join on), used and uninstalled here
@@ -108,7 +110,7 @@ def train_and_evaluate(
         # The reducer's per-device state follows its buckets, which auto and adaptive fusion plan from comm.cost_model.
         "comm_state_shapes": checkpoint_lib.shapes(state.comm_state),
       }
-      start_step, state, seconds_before = restore(checkpointer, state, meta, plan)
+      start_step, state, seconds_before, unevaluated = restore(checkpointer, state, meta, plan)
       preemption.check_set_up()  # before compiling (minutes on a GPU): a signal during the restore may be swallowed
       finished = start_step >= total_steps  # a finished run resumed: no step to compile or input to tune
       if not finished:  # compiled now: neither the training clock nor --step_timeout counts compilation
@@ -128,7 +130,11 @@ def train_and_evaluate(
       writer = opened.enter_context(
         closing(
           metrics_lib.MetricsWriter(
-            workdir, enabled=is_main, resume_step=start_step or None, goes_on=start_step < total_steps
+            workdir,
+            enabled=is_main,
+            resume_step=start_step or None,
+            goes_on=start_step < total_steps,
+            writes_again=unevaluated is not None,
           )
         )
       )
@@ -170,6 +176,8 @@ def train_and_evaluate(
         evaluate, writer, plan, host_schedule, prefetcher, bar, start_step, total_steps, clock
       )
       hooks.add(evaluations, when=ends_record)
+      if unevaluated is not None:  # the checkpoint's step has a record whose evaluation failed: done first
+        evaluations.finish_unevaluated(state, unevaluated)
       # After the evaluation, which may take long: a signal during it stops the run at this step, not the next.
       # With several processes the check is a collective, so not every step.
       hooks.add(PreemptionCheck(preemption), every=1 if jax.process_count() == 1 else config.log_every_steps)
@@ -224,7 +232,8 @@ class LoopResult:
   step: int  # steps done
   stop: str | None  # why a hook stopped the loop early (hooks.PREEMPTED, hooks.NONFINITE, ...); None: it did not
   seconds: float
-  input_error: Exception | None = None  # one process: reading the next batch failed (the state is whole)
+  input_error: Exception | None = None  # one process: the next batch, or an evaluation, failed (the state is whole)
+  unevaluated: dict[str, Any] | None = None  # the evaluation failed: its record's training half, saved with the steps
 
 
 def train_loop(
@@ -236,7 +245,7 @@ def train_loop(
   hooks: Hooks,
 ) -> LoopResult:
   """Runs steps ``start_step`` .. ``total_steps`` - 1, each followed by the hooks due, until one says stop, or the
-  next batch cannot be read (one process: returned in ``input_error``; several: raised)."""
+  next batch cannot be read or an evaluation fails (one process: returned in ``input_error``; several: raised)."""
   start = time.perf_counter()
   step, stop = start_step, None
   while step < total_steps and not stop:
@@ -249,7 +258,11 @@ def train_loop(
     step_fn, comm_bytes = compiled.for_step(step, state)
     state, loss = step_fn(state, batch["images"], batch["labels"])
     step += 1
-    stop = hooks.run(StepInfo(step, state, loss, batch["labels"].shape[0], comm_bytes))
+    try:
+      stop = hooks.run(StepInfo(step, state, loss, batch["labels"].shape[0], comm_bytes))
+    except EvaluationFailed as e:  # one process: the step and the hooks before the evaluation are done
+      seconds = time.perf_counter() - start
+      return LoopResult(state, step, None, seconds, input_error=e.__cause__, unevaluated=e.training)
   return LoopResult(state, step, stop, time.perf_counter() - start)
 
 
@@ -260,27 +273,33 @@ def input_failed(
   nonfinite: NonFiniteCheck,
   meta: dict[str, Any],
 ) -> None:
-  """The training input failed after ``loop.step`` steps (one process): saves them (every hook of the last one
-  ran) unless this process ran none, then raises. ``NonFiniteError`` when a skipped step is not reported yet (a
-  checkpoint never holds one unreported), else the input's error; a DataError also says whether the steps are
-  saved. A save that fails too is logged, and the input's error raised."""
+  """The training input failed after ``loop.step`` steps, or the evaluation at that step (one process): saves them
+  (every hook of the last one ran, or those before its evaluation, whose record's training half is saved too, for
+  the resumed run to evaluate) unless this process ran none, then raises. ``NonFiniteError`` when a skipped step is
+  not reported yet (a checkpoint never holds one unreported), else the input's error; a DataError also says whether
+  the steps are saved. A save that fails too is logged, and the input's error raised."""
   error = loop.input_error
   if loop.step == start_step:  # nothing new to keep: a resumed run whose input still fails
     raise error
-  unreported = nonfinite.check(loop.state) == NONFINITE
+  failed = f"the evaluation at step {loop.step}" if loop.unevaluated else f"the training input after step {loop.step}"
+  # tripped: the check reported a skipped step at this very step, but the evaluation after it failed before the
+  # loop could stop on it.
+  unreported = nonfinite.check(loop.state) == NONFINITE or nonfinite.tripped
+  if loop.unevaluated:
+    meta = {**meta, "unevaluated": loop.unevaluated}
   try:
     checkpointer.save(loop.step, loop.state, meta)
     checkpointer.wait_until_saved()
     saved = f"the run's {loop.step} steps are saved: once mended, rerun the same command to resume"
   except Exception as e:  # a full disk, say: the input's error is the one to report
-    logging.error("saving a checkpoint at step %d after the input failed did not work either: %s", loop.step, e)
+    logging.error("saving a checkpoint at step %d after %s failed did not work either: %s", loop.step, failed, e)
     saved, unreported = f"no checkpoint could be saved at step {loop.step}: see the log above", False
   if unreported:  # the rerun its error suggests would stop at the same input: said too
-    logging.error("the training input failed after step %d: %s", loop.step, error)
-    raise nonfinite_error(loop.step, f" The training input also failed after that step ({error}): mend it first.")
+    logging.error("%s failed: %s", failed, error)
+    raise nonfinite_error(loop.step, f" {failed.capitalize()} also failed ({error}): mend it first.")
   if isinstance(error, data_lib.DataError):
     raise data_lib.DataError(f"{error} ({saved})") from None
-  logging.error("the training input failed after step %d; %s", loop.step, saved)
+  logging.error("%s failed; %s", failed, saved)
   raise error
 
 
@@ -359,18 +378,19 @@ def restore(
   state: step_lib.TrainState,
   meta: dict[str, Any],
   plan: schedules.EpochPlan,
-) -> tuple[int, step_lib.TrainState, float]:
-  """(step, state, training seconds before it) of the newest checkpoint that restores, or (0, ``state``, 0)
-  when there is none (checkpoints written before the seconds were saved: 0). ``meta``: this run's config and
-  mesh, which the checkpoint's must match (``Checkpointer.restore_latest``)."""
+) -> tuple[int, step_lib.TrainState, float, dict[str, Any] | None]:
+  """(step, state, training seconds before it, unevaluated) of the newest checkpoint that restores, or (0,
+  ``state``, 0, None) when there is none (checkpoints written before the seconds were saved: 0). ``unevaluated``:
+  the training half of the step's record when its evaluation failed (``EvaluationFailed``), else None. ``meta``:
+  this run's config and mesh, which the checkpoint's must match (``Checkpointer.restore_latest``)."""
   restored = checkpointer.restore_latest(
     checkpoint_lib.abstract(state), meta["config"], meta["mesh"], step_lib.restore_target, meta["comm_state_shapes"]
   )
   if restored is None:
-    return 0, state, 0.0
+    return 0, state, 0.0, None
   step, state, saved_meta = restored
   logging.info("resumed from the checkpoint at step %d (epoch %.2f)", step, plan.epochs_done(step))
-  return step, state, float(saved_meta.get("train_seconds", 0.0))
+  return step, state, float(saved_meta.get("train_seconds", 0.0)), saved_meta.get("unevaluated")
 
 
 def tune_input(

@@ -953,3 +953,86 @@ def test_a_signal_during_an_epochs_evaluation_stops_the_run_after_that_step(tmp_
   monkeypatch.setattr(train_lib.EpochEvaluation, "__call__", signalled_while_evaluating)
   assert train_lib.train_and_evaluate(_config(), str(tmp_path)) == {"stopped": "preempted", "steps": 8}
   assert _steps(tmp_path) == [4, 8]
+
+
+def _evaluation_failing(times):
+  """The next ``times`` evaluations cannot read their split: a DataError at the first batch, as a damaged chunk of
+  the evaluation split gives."""
+  iterator, calls = data_lib.EvalBatches.iterator, itertools.count()
+
+  def damaged(self, *args, **kwargs):
+    if next(calls) >= times:
+      return iterator(self, *args, **kwargs)
+
+    def batches():
+      raise data_lib.DataError("val.array_record is damaged")
+      yield  # a generator: the error comes at the first read
+
+    return batches()
+
+  patched = pytest.MonkeyPatch()
+  patched.setattr(data_lib.EvalBatches, "iterator", damaged)
+  return contextlib.closing(types.SimpleNamespace(close=patched.undo))
+
+
+def _unevaluated(workdir, step):
+  """The record's training half that the checkpoint at ``step`` kept (its evaluation failed), or None."""
+  with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
+    return json.load(f).get("unevaluated")
+
+
+def test_an_evaluation_that_fails_saves_the_steps_and_the_resumed_run_evaluates_them_first(uninterrupted, tmp_path):
+  """The first evaluation (step 8) cannot read its split: the 8 steps are saved (they were lost: the run resumed
+  from step 4), with the record's training half. Rerun before the split is mended: its error alone, nothing saved.
+  Rerun once mended: step 8's record is written first, with the images/s of the run that trained those steps,
+  and the run ends as the uninterrupted one."""
+  with (
+    _evaluation_failing(1),
+    pytest.raises(
+      data_lib.DataError, match=r"^val.array_record is damaged \(the run's 8 steps are saved: once mended, rerun"
+    ),
+  ):
+    train_lib.train_and_evaluate(_config(), str(tmp_path))
+  assert _steps(tmp_path) == [4, 8] and not (tmp_path / "metrics.jsonl").exists()
+  training = _unevaluated(tmp_path, 8)
+  assert training["step"] == 8 and training["images_per_sec"] > 0 and training["train_loss"] > 0
+  with _evaluation_failing(1), pytest.raises(data_lib.DataError, match=r"^val.array_record is damaged$"):
+    train_lib.train_and_evaluate(_config(), str(tmp_path))
+  assert _steps(tmp_path) == [4, 8] and not (tmp_path / "metrics.jsonl").exists()
+  summary = train_lib.train_and_evaluate(_config(), str(tmp_path))
+  assert summary["resumed_from_step"] == 8
+  _assert_same_run(uninterrupted, tmp_path)
+  first = read_metrics(tmp_path)[0]
+  assert {key: first[key] for key in training} == training
+  assert _unevaluated(tmp_path, 16) is None
+
+
+def test_a_last_evaluation_that_fails_is_written_when_the_finished_run_is_resumed(uninterrupted, tmp_path):
+  """The evaluation at the last step fails: the rerun trains nothing, writes the final record and the summary;
+  run again, it writes them again, not twice (the checkpoint keeps the record's training half)."""
+  _copy_of(uninterrupted, tmp_path)
+  shutil.rmtree(tmp_path / "checkpoints" / "24")
+  with _evaluation_failing(1), pytest.raises(data_lib.DataError, match=r"\(the run's 24 steps are saved"):
+    train_lib.train_and_evaluate(_config(), str(tmp_path))
+  assert [r["step"] for r in read_metrics(tmp_path)] == [8, 16] and not (tmp_path / "summary.json").exists()
+  assert _unevaluated(tmp_path, 24)["step"] == 24
+  for _ in range(2):
+    summary = train_lib.train_and_evaluate(_config(), str(tmp_path))
+    assert summary["resumed_from_step"] == 24 and summary["steps"] == 24
+    _assert_same_run(uninterrupted, tmp_path)
+    assert read_metrics(tmp_path)[-1]["final"]
+
+
+def test_an_evaluation_that_fails_after_a_non_finite_step_reported_at_it_stops_as_non_finite(tmp_path):
+  """The 8th step (0-based 7) is bad and reported at step 8 (an epoch end), whose evaluation then fails before the
+  loop could stop on it: exit 3's error, which says that the evaluation failed too. It was the input's error, and
+  the resumed run, its checkpoint counting the bad step as seen, went on."""
+  config = _config(train__inject_nan_at_step=7, train__on_nonfinite="stop", log_every_steps=8)
+  with (
+    _evaluation_failing(1),
+    pytest.raises(
+      train_lib.NonFiniteError, match=r"at or before step 8.* The evaluation at step 8 also failed \(val.array_record"
+    ),
+  ):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  assert _steps(tmp_path) == [4, 8]
