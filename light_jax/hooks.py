@@ -194,7 +194,7 @@ class CheckpointSaver:
 class EvaluationFailed(Exception):
   """An epoch end's evaluation failed in a one-process run (its input, say: a damaged chunk of the evaluation
   split); ``__cause__`` is why. ``training``: the record's training half, which the run saves with its steps so
-  that the resumed run evaluates the same state and writes the whole record (``EpochEvaluation.finish``)."""
+  that the resumed run evaluates the same state and writes the whole record (``EpochEvaluation.finish_unevaluated``)."""
 
   def __init__(self, training: dict[str, Any]):
     super().__init__(f"the evaluation at step {training['step']} failed")
@@ -245,21 +245,19 @@ class EpochEvaluation:
     }
     if info.state.loss_scale:  # dynamic loss scaling (float16): the scale the next step starts from
       training["loss_scale"] = float(info.state.loss_scale["scale"].addressable_data(0))
-    self.finish(info.state, training)
-    self._mark(info.step)
-    self.clock.resume()
-
-  def finish(self, state: step_lib.TrainState, training: dict[str, Any]) -> None:
-    """Evaluates ``state`` and writes the record of ``training``'s step; a resumed run calls it for the record
-    its checkpoint kept (``EvaluationFailed``). One process raises ``EvaluationFailed`` when evaluating fails (the
-    steps are whole and it alone can save them); several raise the error itself, as the others wait in the
-    evaluation's collectives and a save would hang."""
     try:
-      evaluated = self.evaluate(state)
+      evaluated = self.evaluate(info.state)
     except Exception as e:
+      # One process saves the steps, which are whole, and the record's training half (train_lib.input_failed);
+      # with several the others wait in the evaluation's collectives, and a save would hang.
       if jax.process_count() > 1:
         raise
       raise EvaluationFailed(training) from e
+    self._write(training, evaluated)
+    self._mark(info.step)
+    self.clock.resume()
+
+  def _write(self, training: dict[str, Any], evaluated: dict[str, float]) -> None:
     record = epoch_record(self.plan, training, evaluated, final=training["step"] == self.total_steps)
     self.writer.write(record)
     if self.writer.enabled:  # process 0 only (tqdm's write prints even for a disabled bar)
@@ -272,13 +270,10 @@ class EpochEvaluation:
 
   def finish_unevaluated(self, state: step_lib.TrainState, training: dict[str, Any]) -> None:
     """The record a resumed run's checkpoint kept without its evaluation (``EvaluationFailed``): evaluated and
-    written now, off the clock. While it still fails, raises the evaluation's error (the checkpoint holds the
-    record still)."""
+    written now, off the clock (in place of one a rerun wrote before). While it still fails, raises the
+    evaluation's error (the checkpoint holds the record still)."""
     self.clock.pause()
-    try:
-      self.finish(state, training)
-    except EvaluationFailed as e:
-      raise e.__cause__ from None
+    self._write(training, self.evaluate(state))
     self._mark(training["step"])
     self.clock.resume()
 

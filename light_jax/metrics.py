@@ -22,18 +22,10 @@ class MetricsError(RuntimeError):
 class MetricsWriter:
   """Appends one JSON object per evaluation to ``DIR/metrics.jsonl`` and mirrors numbers to TensorBoard."""
 
-  def __init__(
-    self,
-    workdir: str,
-    enabled: bool = True,
-    resume_step: int | None = None,
-    goes_on: bool = True,
-    writes_again: bool = False,
-  ):
+  def __init__(self, workdir: str, enabled: bool = True, resume_step: int | None = None, goes_on: bool = True):
     """``resume_step``: keep the records up to that step (a resumed run); None: start a new file. ``goes_on``: the
     run trains past ``resume_step`` (a finished run extended by a larger num_epochs or max_steps): its old last
-    record is no longer the final one. ``writes_again``: the run writes ``resume_step``'s record (its checkpoint
-    was saved when the evaluation failed), so one there (a resume that wrote it, then was killed) is dropped."""
+    record is no longer the final one."""
     self.workdir = workdir
     self.enabled = enabled
     self.records: list[dict[str, Any]] = []
@@ -48,12 +40,9 @@ class MetricsWriter:
         keep_aside(path)
       elif os.path.exists(path):
         not_final = lambda r: {**r, "final": False} if r.get("final") else r  # noqa: E731  (the run goes on past it)
-        last = resume_step - 1 if writes_again else resume_step
-        self.records, dropped = keep_records(path, last, not_final if goes_on else None)
+        self.records, dropped = keep_records(path, resume_step, not_final if goes_on else None)
         if dropped:
-          logging.warning(
-            "%s: dropping %d record(s) after step %s (resumed at step %s)", path, dropped, last, resume_step
-          )
+          logging.warning("%s: dropping %d record(s) after step %s (resumed there)", path, dropped, resume_step)
       if not self._keeps_summary:
         # A run that trains makes the previous run's summary and plot stale (a killed extension left a finished
         # run's summary, which tools read as "done"): kept aside, not lost.
@@ -70,6 +59,12 @@ class MetricsWriter:
       self._tb.flush()
 
   def write(self, record: dict[str, Any]) -> None:
+    """Appends ``record``; one of the same step before it is replaced (a resumed run that evaluates its
+    checkpoint's step again: EpochEvaluation.finish_unevaluated)."""
+    if self.records and self.records[-1]["step"] == record["step"]:
+      self.records.pop()
+      if self.enabled:
+        keep_records(os.path.join(self.workdir, "metrics.jsonl"), record["step"] - 1)
     self.records.append(record)
     if not self.enabled:
       return

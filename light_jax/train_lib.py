@@ -130,11 +130,7 @@ def train_and_evaluate(
       writer = opened.enter_context(
         closing(
           metrics_lib.MetricsWriter(
-            workdir,
-            enabled=is_main,
-            resume_step=start_step or None,
-            goes_on=start_step < total_steps,
-            writes_again=unevaluated is not None,
+            workdir, enabled=is_main, resume_step=start_step or None, goes_on=start_step < total_steps
           )
         )
       )

@@ -1009,7 +1009,8 @@ def test_an_evaluation_that_fails_saves_the_steps_and_the_resumed_run_evaluates_
 
 def test_a_last_evaluation_that_fails_is_written_when_the_finished_run_is_resumed(uninterrupted, tmp_path):
   """The evaluation at the last step fails: the rerun trains nothing, writes the final record and the summary;
-  run again, it writes them again, not twice (the checkpoint keeps the record's training half)."""
+  run again, it writes them again, not twice (the checkpoint keeps the record's training half), and where that
+  evaluation fails again the record written stays."""
   _copy_of(uninterrupted, tmp_path)
   shutil.rmtree(tmp_path / "checkpoints" / "24")
   with _evaluation_failing(1), pytest.raises(data_lib.DataError, match=r"\(the run's 24 steps are saved"):
@@ -1021,6 +1022,9 @@ def test_a_last_evaluation_that_fails_is_written_when_the_finished_run_is_resume
     assert summary["resumed_from_step"] == 24 and summary["steps"] == 24
     _assert_same_run(uninterrupted, tmp_path)
     assert read_metrics(tmp_path)[-1]["final"]
+  with _evaluation_failing(1), pytest.raises(data_lib.DataError, match=r"^val.array_record is damaged$"):
+    train_lib.train_and_evaluate(_config(), str(tmp_path))
+  _assert_same_run(uninterrupted, tmp_path)
 
 
 def test_an_evaluation_that_fails_after_a_non_finite_step_reported_at_it_stops_as_non_finite(tmp_path):
