@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.metadata import array_metadata_store
 from orbax.checkpoint._src.serialization import type_handler_registry
@@ -276,13 +277,8 @@ class Checkpointer:
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
-      try:
-        with _quiet_if_it_fails():
-          meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-      except Exception as e:  # a damaged checkpoint: any error orbax or the file system raises, but these two
-        _raise_an_interruption(e)
-        _raise_a_lost_peer(e)
-        self._damaged(step, e)
+      meta = self._read(step, "meta", ocp.args.JsonRestore())
+      if meta is None:
         continue
       breaking, safe = config_changes(meta["config"], config)
       if breaking:
@@ -321,13 +317,8 @@ class Checkpointer:
           f"the checkpoint at step {step} in {self.directory} was {e}: resume with the version that wrote it, or "
           "use a new --workdir."
         ) from None
-      try:
-        with _quiet_if_it_fails():
-          state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
-      except Exception as e:
-        _raise_an_interruption(e)
-        _raise_a_lost_peer(e)
-        self._damaged(step, e)
+      state = self._read(step, "state", ocp.args.StandardRestore(target))
+      if state is None:
         continue
       return step, convert(state) if convert else state, meta
     if steps:
@@ -338,17 +329,49 @@ class Checkpointer:
       )
     return None
 
-  def _damaged(self, step: int, error: Exception) -> None:
-    self.damaged_steps.add(step)
-    # orbax's read errors go on with a whole TensorStore spec ("See full TensorStore details: ..."): cut there.
-    reason = str(error).split(" See full TensorStore details")[0].splitlines()[0][:200] if str(error) else ""
-    self._errors[step] = f"{type(error).__name__}: {reason}"
+  def _read(self, step: int, item: str, args: ocp.args.CheckpointArgs) -> Any:
+    """The checkpoint at ``step``'s ``item`` ("state", "meta"), or None where reading it failed, here or in another
+    process: each process reads its own devices' shards, so one may find damage the others do not, and every
+    process must fall back alike (one that resumed from another step than the others aborted in the first
+    collective)."""
+    error = None
+    try:
+      with _quiet_if_it_fails():
+        result = self.manager.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+    except Exception as e:  # a damaged checkpoint: any error orbax or the file system raises, but these two
+      _raise_an_interruption(e)
+      _raise_a_lost_peer(e)
+      result, error = None, e
+      self._pass_the_restores_barrier()
+    failed = processes_that_failed(error is None)
+    if not failed:
+      return result
+    self.damaged_steps.add(step)  # on every process: a save at that step replaces it, a collective
+    if error is not None:
+      # orbax's read errors go on with a whole TensorStore spec ("See full TensorStore details: ..."): cut there.
+      reason = str(error).split(" See full TensorStore details")[0].splitlines()[0][:200] if str(error) else ""
+      self._errors[step] = f"{type(error).__name__}: {reason}"
+    else:
+      self._errors[step] = f"it failed on process {', '.join(map(str, failed))}: see its log"
     logging.warning(
       "checkpoint at step %d in %s cannot be restored (%s); falling back to the previous one",
       step,
       self.directory,
       self._errors[step],
     )
+    return None
+
+  def _pass_the_restores_barrier(self) -> None:
+    """A multi-process restore ends in orbax's barrier (``Checkpointer.restore``), which a process whose read
+    failed never reached; the others wait in it. This process passes it now, so that the next collective of each
+    is the same one (orbax 0.12's; tests/test_multiprocess.py damages one process's shards to check it)."""
+    if jax.process_count() == 1:
+      return
+    from orbax.checkpoint._src.multihost import multihost
+
+    checkpointer = self.manager._checkpointer
+    key = multihost.unique_barrier_key("Checkpointer:restore", prefix=checkpointer._barrier_sync_key_prefix)
+    multihost.sync_global_processes(key, processes=checkpointer._active_processes)
 
   def close(self) -> None:
     """Waits for the save in flight (its failure raises CheckpointError) and stops orbax's threads. After a failed
@@ -363,6 +386,16 @@ class Checkpointer:
       return
     self._wait_for_save_in_flight()
     self.manager.close()
+
+
+def processes_that_failed(ok: bool) -> list[int]:
+  """The indices of the processes whose ``ok`` is False (a collective: every process calls it alike)."""
+  if jax.process_count() == 1:
+    return [] if ok else [0]
+  from jax.experimental import multihost_utils
+
+  flags = np.asarray(multihost_utils.process_allgather(np.int32(ok))).ravel()
+  return [index for index, flag in enumerate(flags) if not flag]
 
 
 def _raise_an_interruption(error: Exception) -> None:

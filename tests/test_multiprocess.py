@@ -149,6 +149,38 @@ def test_train_py_on_two_processes_matches_one_process(tmp_path):
   assert two["inter_node_bytes_per_step"] == one["inter_node_bytes_per_step"] < two["intra_node_bytes_per_step"] / 50
 
 
+@pytest.mark.slow
+def test_a_checkpoint_one_process_cannot_restore_is_passed_over_by_every_process(tmp_path):
+  """Each process reads its own devices' shards: process 1's of the newest checkpoint damaged, it alone failed to
+  restore it and fell back to the one before, and the first collective aborted both (exit 134 and 4, every rerun
+  alike). Now both fall back, say why, and the run ends as one never damaged."""
+  extra = [*TWO_NODES, "--config.checkpoint.every_steps=3"]  # checkpoints at steps 3 and 6
+  port = free_port()
+  procs = [_train_py(tmp_path / "two", extra, port, i) for i in range(2)]
+  procs.append(_train_py(tmp_path / "one", extra[2:]))
+  for p in procs:
+    text = p.communicate(timeout=400)[0]
+    assert p.returncode == 0, text[-3000:]
+  shards = tmp_path / "two" / "checkpoints" / "6" / "state" / "ocdbt.process_1" / "d"
+  for path in shards.iterdir():
+    data = bytearray(path.read_bytes())
+    for at in range(100, len(data) - 100, 97):
+      data[at] ^= 0xFF
+    path.write_bytes(data)
+  port = free_port()
+  procs = [_train_py(tmp_path / "two", extra, port, i) for i in range(2)]
+  outputs = [p.communicate(timeout=400)[0] for p in procs]
+  for p, text in zip(procs, outputs):
+    assert p.returncode == 0, text[-3000:]
+    assert "resumed from the checkpoint at step 3" in text, text[-3000:]
+  assert "checkpoint at step 6 in" in outputs[1] and "cannot be restored (Exception: " in outputs[1]
+  assert "cannot be restored (it failed on process 1: see its log); falling back" in outputs[0]
+  [two], [one] = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
+  assert two["step"] == one["step"] == 6
+  for key in ("train_loss", "eval_top1", "eval_top5", "eval_loss"):
+    assert abs(two[key] - one[key]) < 1e-5, (key, two[key], one[key])
+
+
 # train.py with check_shared_directory waiting 1 s, not 10, for the file process 0 wrote: here it never comes.
 _SHORT_SHARED_WAIT = """
 import functools, runpy, sys
