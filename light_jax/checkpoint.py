@@ -342,8 +342,13 @@ class Checkpointer:
       _raise_an_interruption(e)
       _raise_a_lost_peer(e)
       result, error = None, e
-      self._pass_the_restores_barrier()
-    failed = processes_that_failed(error is None)
+    try:
+      if error is not None:
+        self._pass_the_restores_barrier()
+      failed = self._processes_that_failed(step, error is None)
+    except Exception as e:  # a peer lost in these collectives
+      _raise_a_lost_peer(e)
+      raise
     if not failed:
       return result
     self.damaged_steps.add(step)  # on every process: a save at that step replaces it, a collective
@@ -373,6 +378,24 @@ class Checkpointer:
     key = multihost.unique_barrier_key("Checkpointer:restore", prefix=checkpointer._barrier_sync_key_prefix)
     multihost.sync_global_processes(key, processes=checkpointer._active_processes)
 
+  def _processes_that_failed(self, step: int, ok: bool) -> list[int]:
+    """The indices of the processes whose read of the checkpoint at ``step`` failed (``ok`` False): a collective,
+    which every process calls alike. Processes that list other checkpoints (a file system whose machines' views
+    differ) are refused: each would resume from another step."""
+    if jax.process_count() == 1:
+      return [] if ok else [0]
+    from jax.experimental import multihost_utils
+
+    steps, flags = np.asarray(multihost_utils.process_allgather(np.array([step, ok], np.int64))).reshape(-1, 2).T
+    if (steps != step).any():
+      raise CheckpointError(
+        f"the processes read different checkpoints in {self.directory} ("
+        + ", ".join(f"process {i}: step {s}" for i, s in enumerate(steps))
+        + "): every machine must see the same --workdir, on a file system they share and that shows each the same"
+        " files; rerun once it does."
+      )
+    return [index for index, flag in enumerate(flags) if not flag]
+
   def close(self) -> None:
     """Waits for the save in flight (its failure raises CheckpointError) and stops orbax's threads. After a failed
     save, which was reported already, it leaves them: in a multi-process run they wait at a barrier for minutes."""
@@ -386,16 +409,6 @@ class Checkpointer:
       return
     self._wait_for_save_in_flight()
     self.manager.close()
-
-
-def processes_that_failed(ok: bool) -> list[int]:
-  """The indices of the processes whose ``ok`` is False (a collective: every process calls it alike)."""
-  if jax.process_count() == 1:
-    return [] if ok else [0]
-  from jax.experimental import multihost_utils
-
-  flags = np.asarray(multihost_utils.process_allgather(np.int32(ok))).ravel()
-  return [index for index, flag in enumerate(flags) if not flag]
 
 
 def _raise_an_interruption(error: Exception) -> None:

@@ -750,6 +750,45 @@ def test_a_swallowed_signal_during_train_pys_checks_stops_before_the_data_is_loa
   assert result.stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM during set-up, before the first step")
 
 
+def test_a_checkpoint_another_process_could_not_restore_is_passed_over_here_too(tmp_path, caplog):
+  """This process read the newest checkpoint, process 1 did not (its shards are damaged; a real pair:
+  tests/test_multiprocess.py): this one falls back too, says why, and replaces it when it saves that step."""
+  state = {"w": jax.numpy.arange(1000.0)}
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  for step in (4, 8):
+    checkpointer.save(step, state, {"config": {}})
+  checkpointer.close()
+  resumed = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  agreed = iter([[], [1], [], []])  # step 8: the meta read everywhere, the state not on process 1; step 4 read
+  resumed._processes_that_failed = lambda step, ok: next(agreed) if ok else pytest.fail("this process read it")
+  with caplog.at_level(logging.WARNING):
+    step, _, _ = resumed.restore_latest(checkpoint_lib.abstract(state), {})
+  assert step == 4 and resumed.damaged_steps == {8}
+  assert (
+    "checkpoint at step 8 in" in caplog.text and "(it failed on process 1: see its log); falling back" in caplog.text
+  )
+  resumed.save(8, state, {"config": {}})
+  resumed.close()
+  assert "replacing the damaged checkpoint at step 8" in caplog.text
+
+
+def test_the_orbax_internals_a_restore_relies_on_are_there(tmp_path):
+  """A process whose read failed passes the barrier orbax's restore ends with, by the key orbax makes
+  (Checkpointer._pass_the_restores_barrier): an orbax that changes them fails here, not only in a slow test."""
+  import inspect
+
+  from orbax.checkpoint._src.checkpointers.checkpointer import Checkpointer as OrbaxCheckpointer
+
+  source = inspect.getsource(OrbaxCheckpointer.restore)
+  assert "'Checkpointer:restore'" in source and "multihost.sync_global_processes(" in source
+  checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
+  inner = checkpointer.manager._checkpointer
+  assert isinstance(inner, OrbaxCheckpointer)
+  assert hasattr(inner, "_barrier_sync_key_prefix") and hasattr(inner, "_active_processes")
+  checkpointer._pass_the_restores_barrier()  # one process: no barrier
+  checkpointer.close()
+
+
 def test_the_orbax_wait_a_checkpointer_closes_with_is_there():
   """Checkpointer.close waits for orbax's removal of unfinished saves' folders through a private method (a run that
   ended before its first save exited under that thread): an orbax that renames it fails here, not silently."""
@@ -892,7 +931,7 @@ def test_a_peer_lost_during_a_multi_process_restore_or_save_is_not_damage_nor_th
   # The barrier after a failed read and the processes' agreement on what restored are collectives, which one process
   # cannot make as two (a real pair: tests/test_multiprocess.py): here both processes failed alike.
   monkeypatch.setattr(unreadable, "_pass_the_restores_barrier", lambda: None)
-  monkeypatch.setattr(checkpoint_lib, "processes_that_failed", lambda ok: [] if ok else [0, 1])
+  monkeypatch.setattr(unreadable, "_processes_that_failed", lambda step, ok: [] if ok else [0, 1])
 
   def read_fails(*args, **kwargs):
     raise ValueError("DATA_LOSS: Error reading local file /runs/gloo_2x4/checkpoints/4/state/d: unavailable")
