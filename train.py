@@ -28,7 +28,7 @@ _PEER_TIMEOUT = flags.DEFINE_float(
   "peer_timeout",
   60.0,
   "Multi-process: seconds without a sign of life from another process before every "
-  "process stops with an error (JAX's own heartbeat timeout is set to twice this, as a backstop).",
+  "process stops with an error (JAX's own heartbeat timeout is set to four times this, as a backstop).",
 )
 _STEP_TIMEOUT = flags.DEFINE_float(
   "step_timeout",
@@ -124,7 +124,7 @@ def _start_jax(config):
   xla_flags.apply()  # on GPUs: overlap the gradient collectives with the backward pass; on CPU: patience
   import jax
 
-  from light_jax import compilation_cache
+  from light_jax import compilation_cache, liveness
 
   compilation_cache.enable(_COMPILATION_CACHE_DIR.value)  # a resumed run reads its compiled programs
 
@@ -137,7 +137,8 @@ def _start_jax(config):
     # Simulated CPU devices (tests, laptops): the total is split over the processes. No effect on GPUs.
     jax.config.update("jax_num_cpu_devices", max(config.mesh.cpu_devices // num_processes, 1))
   timeouts = dict(
-    initialization_timeout=_INIT_TIMEOUT.value, heartbeat_timeout_seconds=max(int(2 * _PEER_TIMEOUT.value), 1)
+    initialization_timeout=_INIT_TIMEOUT.value,
+    heartbeat_timeout_seconds=liveness.heartbeat_timeout(_PEER_TIMEOUT.value),
   )
   if explicit:  # before joining: the address resolves, process 0's port is free, the others wait for process 0
     try:

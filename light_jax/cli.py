@@ -115,7 +115,8 @@ def int_at_least(minimum: int):
 # train.py's --peer_timeout: below it, a process busy compiling or loading can miss its heartbeats, and its peers
 # stop it for dead.
 MIN_PEER_TIMEOUT = 5.0
-# The longest timeout: 11 days. JAX takes its timeouts as 32-bit ints (its heartbeat's is twice --peer_timeout).
+# The longest timeout: 11 days. JAX takes its timeouts in milliseconds as 32-bit ints (its heartbeat's is four times
+# --peer_timeout, at most twice this: liveness.heartbeat_timeout).
 MAX_SECONDS = 1e6
 
 

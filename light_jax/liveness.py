@@ -10,7 +10,9 @@ key-value store every ``interval`` seconds and reads everyone else's in one call
 * a peer that failed with a Python error (bad data on its machine, say) publishes the reason, so the
   others stop within an interval and a second and say why (one that meets its own error in that second
   reports its own);
-* losing the key-value store itself means the coordinator (process 0) is gone;
+* losing the key-value store itself, or no answer from it for ``peer_timeout`` seconds, means the coordinator
+  (process 0) is gone or hangs (stopped, cut off): the store's calls have no deadline, so they are made from a
+  thread of their own, which the watchdog waits for in bounded time;
 * every process alive but no training step finished here for ``step_timeout`` seconds means a collective
   is stuck (gloo has been seen to deadlock with all processes alive, each waiting in an all-reduce):
   the loop calls ``step_done`` after each step, and the clock starts at the first one (compilation
@@ -19,7 +21,9 @@ key-value store every ``interval`` seconds and reads everyone else's in one call
 In each case the watchdog prints one line naming the process and the cause and ends this process with
 ``ExitCode.PEER_FAILURE``; the main thread may be stuck inside a collective, so only ``os._exit`` is sure to
 work. Checkpoints already committed stay valid: rerunning the same command on every machine resumes.
-JAX's own heartbeat stays on as the backstop (train.py sets it to twice ``peer_timeout``).
+JAX's own heartbeat stays on as the backstop (train.py sets it to four times ``peer_timeout``: JAX aborts a process
+between half its timeout and its timeout after its coordinator stopped answering, so at twice the watchdog
+sometimes lost the race).
 """
 
 import os
@@ -130,6 +134,7 @@ class PeerWatchdog:
     counter = 0
     last_seen = {}  # process index -> (value, time it last changed)
     last_contact = time.monotonic()
+    exchange = None  # the round with the key-value store in flight, or the last one
     while not self._stop.wait(self.interval):
       now = time.monotonic()
       last_step = self._last_step
@@ -139,19 +144,21 @@ class PeerWatchdog:
           f"although every process is alive: a collective is probably stuck (gloo has been seen to deadlock so)"
         )
         return
-      try:
+      if exchange is None or exchange.done.is_set():  # else the last round still waits for its answer
         counter += 1
-        store.key_value_set(self._key(self.process_index), str(counter), allow_overwrite=True)
-        published = dict(store.key_value_dir_get(_PREFIX))
-        last_contact = now
-      except Exception as e:  # the service lives in process 0; one failed call may be a transient
-        if now - last_contact > self.peer_timeout:
+        exchange = _Exchange(store, self._key(self.process_index), str(counter))
+      if not exchange.done.wait(self.interval) or exchange.error is not None:
+        # The service lives in process 0; one failed or slow call may be a transient.
+        silent = time.monotonic() - last_contact
+        if silent > self.peer_timeout:
+          why = type(exchange.error).__name__ if exchange.error is not None else "no answer"
           self._fail(
-            f"lost contact with the coordination service in process 0 for {now - last_contact:.0f} s "
-            f"({type(e).__name__}): process 0 probably died; see its log"
+            f"lost contact with the coordination service in process 0 for {silent:.0f} s ({why}): process 0 "
+            "probably died or hangs (stopped, or cut off from this machine); see its log"
           )
           return
         continue
+      published, last_contact = exchange.published, now
       failure = self._failed_peer(published)
       if failure:
         # A check every process makes alike (a workdir that is not shared) fails here in the same moment: this
@@ -184,6 +191,32 @@ class PeerWatchdog:
     finally:  # a report that fails must not keep a stuck process alive
       flush_output()
       os._exit(ExitCode.PEER_FAILURE)
+
+
+def heartbeat_timeout(peer_timeout: float) -> int:
+  """JAX's heartbeat timeout, the watchdog's backstop: four times ``peer_timeout``. JAX takes it in milliseconds as
+  a 32-bit int: at most 2,000,000 s (cli.MAX_SECONDS is the longest ``peer_timeout``, 1,000,000 s)."""
+  return max(int(min(4 * peer_timeout, 2e6)), 1)
+
+
+class _Exchange:
+  """One round with the key-value store, in a daemon thread: publish this process's counter, read everyone's. The
+  store's calls have no deadline (a stopped process 0 answers none), and the watchdog must not wait in them."""
+
+  def __init__(self, store, key: str, value: str):
+    self.done = threading.Event()
+    self.published: dict[str, str] = {}
+    self.error: Exception | None = None
+    threading.Thread(target=self._run, args=(store, key, value), name="peer-watchdog-store", daemon=True).start()
+
+  def _run(self, store, key: str, value: str) -> None:
+    try:
+      store.key_value_set(key, value, allow_overwrite=True)
+      self.published = dict(store.key_value_dir_get(_PREFIX))
+    except Exception as e:
+      self.error = e
+    finally:
+      self.done.set()
 
 
 _CONNECTION_MARKERS = (

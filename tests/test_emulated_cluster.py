@@ -396,7 +396,7 @@ def test_a_machine_cut_off_or_killed_stops_the_run_and_the_same_command_resumes(
     assert time.time() - start < PEER_TIMEOUT + 15
     # A dead peer's sockets close (a collective fails at once); a cut-off one is silent (the watchdog).
     assert "process 1 has given no sign of life" in out or "another process probably died" in out, out[-3000:]
-    try:  # the cut-off machine loses its coordinator too: JAX's heartbeat ends it
+    try:  # the cut-off machine loses its coordinator too: its watchdog (or JAX's heartbeat) ends it
       procs[1].wait(timeout=120)
     except subprocess.TimeoutExpired:
       pytest.fail("machine 1 was still running 120 s after its link went down")

@@ -371,8 +371,8 @@ def test_a_disk_that_fills_up_stops_both_processes_at_once_with_the_reason(tmp_p
 
 # --- Process faults: one process dies or fails; the other stops with a clear message, in bounded time ---
 
-# train.py sets JAX's heartbeat backstop (a C++ abort) to twice this; at 6 s a survivor sharing two cores with
-# another pytest-xdist worker was once aborted by it before its watchdog thread got to run.
+# train.py sets JAX's heartbeat backstop (a C++ abort) to four times this (twice, before); at 6 s a survivor sharing
+# two cores with another pytest-xdist worker was once aborted by it before its watchdog thread got to run.
 PEER_TIMEOUT = 10
 
 
@@ -503,6 +503,49 @@ def test_a_peer_silent_for_peer_timeout_stops_this_process_with_the_reason(tmp_p
   )
   assert silent and int(silent[1]) >= 3, text[-3000:]  # not before the timeout (> 2.5 s, at a 0.5 s tick)
   assert f"{tmp_path}/checkpoints are intact: rerun the same command on every machine" in text
+
+
+# Process 0 joins, then stops (SIGSTOP: alive, its sockets open, its key-value store answering nothing); process 1
+# runs the watchdog with train.py's heartbeat backstop (four times the peer timeout).
+_STOPPED_COORDINATOR = """
+import os, signal, sys, time, jax
+from light_jax import liveness
+index, timeout = int(sys.argv[2]), 2.5
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", 2, index, heartbeat_timeout_seconds=int(4 * timeout))
+if index == 0:
+  os.kill(os.getpid(), signal.SIGSTOP)
+liveness.PeerWatchdog(index, 2, timeout, sys.argv[3]).start()
+time.sleep(60)  # a main thread stuck in a collective: only the watchdog ends it
+"""
+
+
+def test_a_coordinator_that_stops_answering_stops_the_others_with_the_reason(tmp_path):
+  """The watchdog's calls to process 0's key-value store have no deadline: they waited as long as process 0 was
+  stopped, and JAX's heartbeat aborted this process (exit 134, "another task died"). Now it stops after
+  peer_timeout, exit 4, saying so."""
+  port = str(free_port())
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", _STOPPED_COORDINATOR, port, str(i), str(tmp_path)],
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )  # fmt: skip
+    for i in (0, 1)
+  ]
+  try:
+    text = procs[1].communicate(timeout=120)[0]
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+  assert procs[1].returncode == ExitCode.PEER_FAILURE, text[-3000:]
+  assert re.search(
+    r"error: stopping process 1 of 2: lost contact with the coordination service in process 0 for \d+ s \(no "
+    r"answer\): process 0 probably died or hangs",
+    text,
+  ), text[-3000:]
 
 
 def test_survivor_stops_with_the_reason_when_a_process_fails(tmp_path):
