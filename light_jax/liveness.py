@@ -26,9 +26,12 @@ between half its timeout and its timeout after its coordinator stopped answering
 sometimes lost the race).
 """
 
+import functools
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from absl import logging
 
@@ -64,6 +67,7 @@ class PeerWatchdog:
     self.workdir = workdir
     self._stop = threading.Event()
     self._thread = None
+    self._exchange: _StoreCall | None = None  # the watchdog's round with the key-value store in flight, if any
 
   def start(self) -> "PeerWatchdog":
     if self.process_count > 1:
@@ -87,13 +91,14 @@ class PeerWatchdog:
     self._thread = None
     if failure is None and self._peer_failure_read:  # a run that ended well as a peer failed: the peer's news
       self._fail(self._peer_failure_read)
-    try:
-      marker = "lost: " if because_of_a_peer else "failed: "
-      client().key_value_set(
-        self._key(self.process_index), marker + failure if failure else "done", allow_overwrite=True
-      )
-    except Exception:  # the coordinator is gone already: nothing left to tell
-      return
+    deadline = time.monotonic() + self.peer_timeout
+    if self._exchange is not None:  # its counter, written late, would replace the marker below
+      self._exchange.done.wait(self.peer_timeout)
+    marker = "lost: " if because_of_a_peer else "failed: "
+    key, value = self._key(self.process_index), marker + failure if failure else "done"
+    told = _StoreCall(lambda store: store.key_value_set(key, value, allow_overwrite=True))
+    if not told.done.wait(max(deadline - time.monotonic(), 0.0)) or told.error is not None:
+      return  # the coordinator is gone, or answers nothing: nothing left to tell
     if failure and self.process_index == 0:
       # The key-value store lives in this process: keep it up until the peers have read the reason and left (a
       # tick, then the grace; JAX ends the others with exit 134 once this process is gone).
@@ -107,11 +112,10 @@ class PeerWatchdog:
     tells why before it exits, which closes its connections."""
     deadline = time.monotonic() + wait_seconds
     while True:
-      try:
-        published = dict(client().key_value_dir_get(_PREFIX))
-      except Exception:  # the coordination service is gone (process 0): no reason to read
-        return None
-      failure = self._failed_peer(published)
+      read = _StoreCall(lambda store: dict(store.key_value_dir_get(_PREFIX)))
+      if not read.done.wait(max(deadline - time.monotonic(), self.interval)) or read.error is not None:
+        return None  # the coordination service is gone or silent (process 0): no reason to read
+      failure = self._failed_peer(read.result)
       if failure or time.monotonic() >= deadline:
         return failure
       time.sleep(min(0.2, self.interval))
@@ -130,11 +134,9 @@ class PeerWatchdog:
     return f"{_PREFIX}{index}"
 
   def _run(self) -> None:
-    store = client()
     counter = 0
     last_seen = {}  # process index -> (value, time it last changed)
     last_contact = time.monotonic()
-    exchange = None  # the round with the key-value store in flight, or the last one
     while not self._stop.wait(self.interval):
       now = time.monotonic()
       last_step = self._last_step
@@ -144,21 +146,25 @@ class PeerWatchdog:
           f"although every process is alive: a collective is probably stuck (gloo has been seen to deadlock so)"
         )
         return
-      if exchange is None or exchange.done.is_set():  # else the last round still waits for its answer
+      if self._exchange is None:  # else the last round still waits for its answer
         counter += 1
-        exchange = _Exchange(store, self._key(self.process_index), str(counter))
-      if not exchange.done.wait(self.interval) or exchange.error is not None:
+        self._exchange = _StoreCall(functools.partial(_exchange, self._key(self.process_index), str(counter)))
+      exchange = self._exchange
+      answered = exchange.done.wait(self.interval)
+      if answered:
+        self._exchange = None  # read now, so the next tick starts another
+      if not answered or exchange.error is not None:
         # The service lives in process 0; one failed or slow call may be a transient.
         silent = time.monotonic() - last_contact
         if silent > self.peer_timeout:
-          why = type(exchange.error).__name__ if exchange.error is not None else "no answer"
+          why = type(exchange.error).__name__ if answered else "no answer"
           self._fail(
             f"lost contact with the coordination service in process 0 for {silent:.0f} s ({why}): process 0 "
             "probably died or hangs (stopped, or cut off from this machine); see its log"
           )
           return
         continue
-      published, last_contact = exchange.published, now
+      published, last_contact = exchange.result, exchange.finished
       failure = self._failed_peer(published)
       if failure:
         # A check every process makes alike (a workdir that is not shared) fails here in the same moment: this
@@ -199,23 +205,31 @@ def heartbeat_timeout(peer_timeout: float) -> int:
   return max(int(min(4 * peer_timeout, 2e6)), 1)
 
 
-class _Exchange:
-  """One round with the key-value store, in a daemon thread: publish this process's counter, read everyone's. The
-  store's calls have no deadline (a stopped process 0 answers none), and the watchdog must not wait in them."""
+def _exchange(key: str, value: str, store) -> dict[str, str]:
+  """The watchdog's round with the key-value store: publish this process's counter, read everyone's."""
+  store.key_value_set(key, value, allow_overwrite=True)
+  return dict(store.key_value_dir_get(_PREFIX))
 
-  def __init__(self, store, key: str, value: str):
+
+class _StoreCall:
+  """``call(store)`` on the key-value store, in a daemon thread: the store's calls have no deadline (a stopped
+  process 0 answers none), and the watchdog, or a process that ends, must not wait in them for ever. ``done`` is
+  set when it returns (``result``, at ``finished``) or raises (``error``)."""
+
+  def __init__(self, call: Callable[[Any], Any]):
     self.done = threading.Event()
-    self.published: dict[str, str] = {}
+    self.result: Any = None
     self.error: Exception | None = None
-    threading.Thread(target=self._run, args=(store, key, value), name="peer-watchdog-store", daemon=True).start()
+    self.finished: float | None = None  # time.monotonic() when it returned
+    threading.Thread(target=self._run, args=(call,), name="peer-watchdog-store", daemon=True).start()
 
-  def _run(self, store, key: str, value: str) -> None:
+  def _run(self, call: Callable[[Any], Any]) -> None:
     try:
-      store.key_value_set(key, value, allow_overwrite=True)
-      self.published = dict(store.key_value_dir_get(_PREFIX))
+      self.result = call(client())
     except Exception as e:
       self.error = e
     finally:
+      self.finished = time.monotonic()
       self.done.set()
 
 

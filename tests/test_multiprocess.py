@@ -510,10 +510,14 @@ def test_a_peer_silent_for_peer_timeout_stops_this_process_with_the_reason(tmp_p
 _STOPPED_COORDINATOR = """
 import os, signal, sys, time, jax
 from light_jax import liveness
-index, timeout = int(sys.argv[2]), 2.5
-jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", 2, index, heartbeat_timeout_seconds=int(4 * timeout))
-if index == 0:
+index, timeout = int(sys.argv[2]), 5.0
+heartbeat = liveness.heartbeat_timeout(timeout)  # train.py's backstop
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", 2, index, heartbeat_timeout_seconds=heartbeat)
+store = liveness.client()
+if index == 0:  # once process 1 is through its join, whose last answer comes from this process
+  store.blocking_key_value_get("joined", 60_000)
   os.kill(os.getpid(), signal.SIGSTOP)
+store.key_value_set("joined", "1")
 liveness.PeerWatchdog(index, 2, timeout, sys.argv[3]).start()
 time.sleep(60)  # a main thread stuck in a collective: only the watchdog ends it
 """
@@ -528,7 +532,7 @@ def test_a_coordinator_that_stops_answering_stops_the_others_with_the_reason(tmp
     subprocess.Popen(
       [sys.executable, "-c", _STOPPED_COORDINATOR, port, str(i), str(tmp_path)],
       env=_env(),
-      stdout=subprocess.PIPE,
+      stdout=subprocess.PIPE if i else subprocess.DEVNULL,
       stderr=subprocess.STDOUT,
       text=True,
     )  # fmt: skip
@@ -546,6 +550,45 @@ def test_a_coordinator_that_stops_answering_stops_the_others_with_the_reason(tmp
     r"answer\): process 0 probably died or hangs",
     text,
   ), text[-3000:]
+
+
+# Process 0's key-value store, slow: each round of the watchdog (a write, a read) takes 0.7 s, more than its 0.5 s
+# tick. Process 1 (this process stands in for it) gives signs of life throughout.
+_SLOW_STORE = """
+import sys, time, jax
+from light_jax import liveness
+jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=1, process_id=0)
+store = liveness.client()
+
+class Slow:
+  def key_value_set(self, *args, **kwargs):
+    time.sleep(0.6)
+    store.key_value_set(*args, **kwargs)
+
+  def key_value_dir_get(self, *args):
+    time.sleep(0.1)
+    return store.key_value_dir_get(*args)
+
+liveness.client = Slow
+watchdog = liveness.PeerWatchdog(0, 2, 2.5, sys.argv[2]).start()
+for beat in range(20):
+  store.key_value_set("light_jax/liveness/1", str(beat), allow_overwrite=True)
+  time.sleep(0.3)
+watchdog.close("bad input")  # a round may be in flight: its late counter must not replace the reason
+time.sleep(1)
+print("published:", store.key_value_try_get("light_jax/liveness/0"))
+"""
+
+
+def test_a_slow_coordination_service_is_not_taken_for_a_lost_one(tmp_path):
+  """A round that ended between two ticks was dropped unread, and the next one started: with rounds of 1-2 ticks no
+  answer was ever read, and the watchdog stopped the process for lost contact with a service that answered every
+  call. The reason a process closes with is published after its round in flight, not overwritten by it."""
+  process = subprocess.run([sys.executable, "-c", _SLOW_STORE, str(free_port()), str(tmp_path)], env=_env(),
+                           timeout=120, capture_output=True, text=True)  # fmt: skip
+  text = process.stdout + process.stderr
+  assert process.returncode == 0 and "lost contact" not in text, text[-3000:]
+  assert "published: failed: bad input" in process.stdout, text[-3000:]
 
 
 def test_survivor_stops_with_the_reason_when_a_process_fails(tmp_path):
