@@ -35,7 +35,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.metadata import array_metadata_store
 from orbax.checkpoint._src.serialization import type_handler_registry
@@ -382,11 +381,7 @@ class Checkpointer:
     """The indices of the processes whose read of the checkpoint at ``step`` failed (``ok`` False): a collective,
     which every process calls alike. Processes that list other checkpoints (a file system whose machines' views
     differ) are refused: each would resume from another step."""
-    if jax.process_count() == 1:
-      return [] if ok else [0]
-    from jax.experimental import multihost_utils
-
-    steps, flags = np.asarray(multihost_utils.process_allgather(np.array([step, ok], np.int64))).reshape(-1, 2).T
+    steps, flags = liveness.from_every_process([step, ok]).T
     if (steps != step).any():
       raise CheckpointError(
         f"the processes read different checkpoints in {self.directory} ("

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from light_jax import data as data_lib
+from light_jax import liveness
 from light_jax.parallel.mesh import AXES, BATCH_SPEC
 from light_jax.train_step import TrainState, normalize
 
@@ -62,6 +63,16 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.Dat
   return jax.jit(sharded)
 
 
+class InputFailed(Exception):
+  """Reading the evaluation split failed in some process, and every process raises this alike, having agreed on it
+  (so that they can save the steps together). ``error``: this process's own error, or, where another process's
+  read failed, a ``liveness.PeerLost`` that names it."""
+
+  def __init__(self, error: Exception):
+    super().__init__(str(error))
+    self.error = error
+
+
 def evaluate(
   eval_step: Callable,
   state: TrainState,
@@ -71,12 +82,23 @@ def evaluate(
   workers: int = 0,
   buffer: int = 4,
 ) -> dict[str, float]:
-  """Top-1, top-5 and mean loss over the whole split (``read_threads``, ``workers``, ``buffer``: grain's)."""
+  """Top-1, top-5 and mean loss over the whole split (``read_threads``, ``workers``, ``buffer``: grain's).
+
+  A batch that cannot be read (a damaged chunk of the split) raises ``InputFailed`` in every process: they agree on
+  each batch before its step, since the others would wait for the failed one in the step's collectives."""
   totals = None
   batch_stats = mesh_batch_stats(state.batch_stats)  # once per evaluation (a collective across the mesh)
   host_batches = batches.iterator(read_threads, buffer=buffer, workers=workers)
   with contextlib.closing(data_lib.DevicePrefetcher(host_batches, sharding)) as prefetcher:  # closed on an error too
-    for batch in prefetcher:
+    while True:
+      batch, error = _next_batch(prefetcher)
+      failed = [int(i) for i in np.flatnonzero(liveness.from_every_process([error is not None])[:, 0])]
+      if failed:
+        raise InputFailed(
+          error or liveness.PeerLost(f"process {failed[0]} could not read its evaluation batches (see its log)")
+        ) from error
+      if batch is None:  # every process at the split's end (each has as many batches)
+        break
       sums = eval_step(state.params, batch_stats, batch["images"], batch["labels"], batch["mask"])
       totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
       # One evaluation step in flight at a time. On 8 simulated CPU devices two 28-epoch runs hung in an
@@ -94,6 +116,16 @@ def evaluate(
     "eval_loss": float(totals["loss"]) / count,
     "eval_examples": int(count),
   }
+
+
+def _next_batch(batches) -> tuple[dict | None, Exception | None]:
+  """(the next batch, None), (None, None) at the end, or (None, the error) where it cannot be read."""
+  try:
+    return next(batches), None
+  except StopIteration:
+    return None, None
+  except Exception as e:
+    return None, e
 
 
 def epoch_mean_loss(state: TrainState) -> float:

@@ -192,13 +192,14 @@ class CheckpointSaver:
 
 
 class EvaluationFailed(Exception):
-  """An epoch end's evaluation failed in a one-process run (its input, say: a damaged chunk of the evaluation
-  split); ``__cause__`` is why. ``training``: the record's training half, which the run saves with its steps so
-  that the resumed run evaluates the same state and writes the whole record (``EpochEvaluation.finish_unevaluated``)."""
+  """An epoch end's evaluation failed, in every process alike: its input (a damaged chunk of the evaluation split,
+  which the processes agree on: ``evaluation.InputFailed``), or in a one-process run anything; ``error`` is why.
+  ``training``: the record's training half, which the run saves with its steps so that the resumed run evaluates
+  the same state and writes the whole record (``EpochEvaluation.finish_unevaluated``)."""
 
-  def __init__(self, training: dict[str, Any]):
-    super().__init__(f"the evaluation at step {training['step']} failed")
-    self.training = training
+  def __init__(self, training: dict[str, Any], error: Exception):
+    super().__init__(f"the evaluation at step {training['step']} failed: {error}")
+    self.training, self.error = training, error
 
 
 class EpochEvaluation:
@@ -245,14 +246,15 @@ class EpochEvaluation:
     }
     if info.state.loss_scale:  # dynamic loss scaling (float16): the scale the next step starts from
       training["loss_scale"] = float(info.state.loss_scale["scale"].addressable_data(0))
+    # The steps are whole: the processes save them, and the record's training half (train_lib.input_failed).
     try:
       evaluated = self.evaluate(info.state)
+    except evaluation.InputFailed as e:  # raised by every process alike
+      raise EvaluationFailed(training, e.error) from e.error
     except Exception as e:
-      # One process saves the steps, which are whole, and the record's training half (train_lib.input_failed);
-      # with several the others wait in the evaluation's collectives, and a save would hang.
-      if jax.process_count() > 1:
+      if jax.process_count() > 1:  # this process's alone: the others wait in the evaluation's collectives
         raise
-      raise EvaluationFailed(training) from e
+      raise EvaluationFailed(training, e) from e
     self._write(training, evaluated)
     self._mark(info.step)
     self.clock.resume()
@@ -273,7 +275,11 @@ class EpochEvaluation:
     written now, off the clock (in place of one a rerun wrote before). While it still fails, raises the
     evaluation's error (the checkpoint holds the record still)."""
     self.clock.pause()
-    self._write(training, self.evaluate(state))
+    try:
+      evaluated = self.evaluate(state)
+    except evaluation.InputFailed as e:  # its own error, its cause as it came
+      raise e.error from e.error.__cause__
+    self._write(training, evaluated)
     self._mark(training["step"])
     self.clock.resume()
 

@@ -247,8 +247,23 @@ _CONNECTION_MARKERS = (
 
 
 class PeerLost(RuntimeError):
-  """A collective of a multi-process step, save or restore failed because another process is gone: not this
-  process's fault, nor damage or a file-system error (train.py stops with the peer's reason, exit 4)."""
+  """A collective of a multi-process step, save or restore failed because another process is gone, or another
+  process's input failed: not this process's fault, nor damage or a file-system error (train.py stops with the
+  peer's reason, exit 4)."""
+
+
+def from_every_process(values: list[int]):
+  """``values`` of every process, a (process count, len(values)) int64 array (a collective where there are several
+  processes: every process calls it alike, with as many values)."""
+  import jax
+  import numpy as np
+
+  if jax.process_count() == 1:
+    return np.array([values], np.int64)
+  from jax.experimental import multihost_utils
+
+  gathered = multihost_utils.process_allgather(np.array(values, np.int64))
+  return np.asarray(gathered).reshape(jax.process_count(), len(values))
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:

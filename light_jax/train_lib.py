@@ -70,8 +70,9 @@ def train_and_evaluate(
   A run a hook stopped (a signal before its last step, or one of ``extra_hooks``' own reasons at any step) returns
   only ``{"stopped", "steps"}``; a non-finite step under ``train.on_nonfinite="stop"`` raises ``NonFiniteError``.
   Both saved a checkpoint to resume from. So does a one-process run whose training input fails between steps (a
-  damaged record), or whose evaluation fails at an epoch end: it saves the steps done, then raises the error
-  (``input_failed``); the resumed run evaluates that epoch end first.
+  damaged record), and any run whose evaluation input fails at an epoch end (one process: whatever fails in the
+  evaluation): it saves the steps done, then raises the error (``input_failed``); the resumed run evaluates that
+  epoch end first.
 
   ``extra_hooks``: (hook, every) pairs run after each due step, before the trainer's own hooks.
   ``preemption``: a guard installed before (train.py's, from the processes' join on), used and uninstalled here
@@ -228,7 +229,7 @@ class LoopResult:
   step: int  # steps done
   stop: str | None  # why a hook stopped the loop early (hooks.PREEMPTED, hooks.NONFINITE, ...); None: it did not
   seconds: float
-  input_error: Exception | None = None  # one process: the next batch, or an evaluation, failed (the state is whole)
+  input_error: Exception | None = None  # the next batch (one process), or an evaluation, failed (the state is whole)
   unevaluated: dict[str, Any] | None = None  # the evaluation failed: its record's training half, saved with the steps
 
 
@@ -241,7 +242,8 @@ def train_loop(
   hooks: Hooks,
 ) -> LoopResult:
   """Runs steps ``start_step`` .. ``total_steps`` - 1, each followed by the hooks due, until one says stop, or the
-  next batch cannot be read or an evaluation fails (one process: returned in ``input_error``; several: raised)."""
+  next batch cannot be read (one process) or an evaluation fails (``EvaluationFailed``): returned in
+  ``input_error``; a batch that several processes cannot read is raised."""
   start = time.perf_counter()
   step, stop = start_step, None
   while step < total_steps and not stop:
@@ -258,7 +260,7 @@ def train_loop(
       stop = hooks.run(StepInfo(step, state, loss, batch["labels"].shape[0], comm_bytes))
     except EvaluationFailed as e:  # one process: the step and the hooks before the evaluation are done
       seconds = time.perf_counter() - start
-      return LoopResult(state, step, None, seconds, input_error=e.__cause__, unevaluated=e.training)
+      return LoopResult(state, step, None, seconds, input_error=e.error, unevaluated=e.training)
   return LoopResult(state, step, stop, time.perf_counter() - start)
 
 
@@ -269,7 +271,7 @@ def input_failed(
   nonfinite: NonFiniteCheck,
   meta: dict[str, Any],
 ) -> None:
-  """The training input failed after ``loop.step`` steps, or the evaluation at that step (one process): saves them
+  """The training input failed after ``loop.step`` steps (one process), or the evaluation at that step: saves them
   (every hook of the last one ran, or those before its evaluation, whose record's training half is saved too, for
   the resumed run to evaluate) unless this process ran none, then raises. ``NonFiniteError`` when a skipped step is
   not reported yet (a checkpoint never holds one unreported), else the input's error; a DataError also says whether

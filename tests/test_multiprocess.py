@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -11,10 +12,12 @@ import time
 import numpy as np
 import pytest
 
+from light_jax.data import records
 from light_jax.emulated_cluster import free_port
 from light_jax.exit_codes import ExitCode
 from light_jax.metrics import read_metrics
-from tests.helpers import tmpfs
+from tests.helpers import flip_bytes, tmpfs
+from tests.image_folder_fixture import make_image_folder
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
 
@@ -179,6 +182,72 @@ def test_a_checkpoint_one_process_cannot_restore_is_passed_over_by_every_process
   assert two["step"] == one["step"] == 6
   for key in ("train_loss", "eval_top1", "eval_top5", "eval_loss"):
     assert abs(two[key] - one[key]) < 1e-5, (key, two[key], one[key])
+
+
+def _image_folder_pair(workdir, data_dirs):
+  """train.py on two processes, each reading its own copy of a converted image folder (``data_dirs``)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  port = free_port()
+  return [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/imagenet_resnet50.py:tiny",
+        "--workdir",
+        str(workdir),
+        "--config.data.dataset=image_folder",
+        f"--config.data.data_dir={data_dir}",
+        "--config.data.image_size=24",
+        "--config.data.resolution_schedule=",
+        "--config.num_epochs=1",
+        "--config.mesh.nodes=-1",
+        "--config.mesh.local=-1",
+        f"--coordinator=127.0.0.1:{port}",
+        "--num_processes=2",
+        f"--process_id={i}",
+      ],
+      cwd=root,
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )  # fmt: skip
+    for i, data_dir in enumerate(data_dirs)
+  ]
+
+
+@pytest.mark.slow
+def test_an_evaluation_split_one_process_cannot_read_saves_the_steps_on_every_process(tmp_path):
+  """Process 1's copy of the evaluation split is damaged (its records fail their checksum when read). Its
+  evaluation failed alone, process 0 waited in the evaluation's collectives until the watchdog ended it, and the
+  steps since the last checkpoint were lost. Now the processes agree on each evaluation batch: both save the steps,
+  process 1 says what is damaged (exit 2), process 0 names process 1 (exit 4), and once the copy is mended the
+  same command evaluates the saved step and finishes."""
+  make_image_folder(str(tmp_path / "raw"), num_classes=4, train_per_class=24, val_per_class=24, bad=False)
+  good, damaged = tmp_path / "good", tmp_path / "damaged"
+  records.convert_image_folder(str(tmp_path / "raw"), str(good))
+  shutil.copytree(good, damaged)
+  flip_bytes(damaged / "val.array_record")  # the file opens; its first records' reads fail
+  procs = _image_folder_pair(tmp_path / "run", [good, damaged])
+  outputs = [p.communicate(timeout=400)[0] for p in procs]
+  assert procs[1].returncode == ExitCode.BAD_INPUT, outputs[1][-3000:]
+  assert "val.array_record is damaged or unreadable" in outputs[1] and "steps are saved" in outputs[1], outputs[1][
+    -3000:
+  ]
+  assert procs[0].returncode == ExitCode.PEER_FAILURE, outputs[0][-3000:]
+  assert "error: stopping process 0 of 2: process 1 failed: " in outputs[0], outputs[0][-3000:]
+  assert "val.array_record is damaged or unreadable" in outputs[0]
+  steps = sorted(int(n) for n in os.listdir(tmp_path / "run" / "checkpoints") if n.isdigit())
+  assert steps == [3]  # 96 training images in batches of 32: the epoch's (the run's) last step
+  procs = _image_folder_pair(tmp_path / "run", [good, good])
+  outputs = [p.communicate(timeout=400)[0] for p in procs]
+  for p, text in zip(procs, outputs):
+    assert p.returncode == 0, text[-3000:]
+    assert "resumed from the checkpoint at step 3" in text
+  [record] = read_metrics(tmp_path / "run")
+  assert record["step"] == 3 and record["final"] and record["eval_examples"] == 96
 
 
 # train.py with check_shared_directory waiting 1 s, not 10, for the file process 0 wrote: here it never comes.
@@ -517,8 +586,8 @@ store = liveness.client()
 if index == 0:  # once process 1 is through its join, whose last answer comes from this process
   store.blocking_key_value_get("joined", 60_000)
   os.kill(os.getpid(), signal.SIGSTOP)
-store.key_value_set("joined", "1")
 liveness.PeerWatchdog(index, 2, timeout, sys.argv[3]).start()
+store.key_value_set("joined", "1")  # its answer may never come: the watchdog runs already
 time.sleep(60)  # a main thread stuck in a collective: only the watchdog ends it
 """
 
