@@ -92,12 +92,14 @@ def evaluate(
   with contextlib.closing(data_lib.DevicePrefetcher(host_batches, sharding)) as prefetcher:  # closed on an error too
     while True:
       batch, error = _next_batch(prefetcher)
-      failed = [int(i) for i in np.flatnonzero(liveness.from_every_process([error is not None])[:, 0])]
-      if failed:
+      failed, ended = liveness.from_every_process([error is not None, batch is None and error is None]).T
+      if failed.any():
         raise InputFailed(
-          error or liveness.PeerLost(f"process {failed[0]} could not read its evaluation batches (see its log)")
+          error or liveness.PeerLost(f"process {np.argmax(failed)} could not read its evaluation batches (see its log)")
         ) from error
-      if batch is None:  # every process at the split's end (each has as many batches)
+      if ended.any():
+        if not ended.all():  # each has as many batches (same_settings.check_data compared the splits)
+          raise data_lib.DataError(f"processes {np.flatnonzero(ended)} ran out of evaluation batches before the others")
         break
       sums = eval_step(state.params, batch_stats, batch["images"], batch["labels"], batch["mask"])
       totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
@@ -116,6 +118,21 @@ def evaluate(
     "eval_loss": float(totals["loss"]) / count,
     "eval_examples": int(count),
   }
+
+
+def with_own_errors(evaluate: Callable[[TrainState], dict[str, float]]) -> Callable[[TrainState], dict[str, float]]:
+  """``evaluate``, raising a read error as this process met it (or the ``PeerLost`` naming the process that did),
+  not wrapped in ``InputFailed``: for an evaluation whose failure saves nothing (a resumed run's, of what it
+  restored)."""
+
+  def unwrapped(state: TrainState) -> dict[str, float]:
+    try:
+      return evaluate(state)
+    except InputFailed as e:
+      error = e.error
+    raise error  # outside the except: its own context and cause, as it came
+
+  return unwrapped
 
 
 def _next_batch(batches) -> tuple[dict | None, Exception | None]:

@@ -275,11 +275,7 @@ class EpochEvaluation:
     written now, off the clock (in place of one a rerun wrote before). While it still fails, raises the
     evaluation's error (the checkpoint holds the record still)."""
     self.clock.pause()
-    try:
-      evaluated = self.evaluate(state)
-    except evaluation.InputFailed as e:  # its own error, its cause as it came
-      raise e.error from e.error.__cause__
-    self._write(training, evaluated)
+    self._write(training, evaluation.with_own_errors(self.evaluate)(state))
     self._mark(training["step"])
     self.clock.resume()
 

@@ -258,7 +258,7 @@ def train_loop(
     step += 1
     try:
       stop = hooks.run(StepInfo(step, state, loss, batch["labels"].shape[0], comm_bytes))
-    except EvaluationFailed as e:  # one process: the step and the hooks before the evaluation are done
+    except EvaluationFailed as e:  # the step and the hooks before the evaluation are done
       seconds = time.perf_counter() - start
       return LoopResult(state, step, None, seconds, input_error=e.error, unevaluated=e.training)
   return LoopResult(state, step, stop, time.perf_counter() - start)
@@ -324,7 +324,7 @@ def final_metrics(evaluate, loop: LoopResult, compiled: CompiledSteps) -> dict[s
   """The last record's metrics for a run that ran no step: evaluation, epoch loss and bytes from the state."""
   comm_bytes = compiled.comm_bytes_at(loop.step - 1, loop.state.params)
   return {
-    **evaluate(loop.state),
+    **evaluation.with_own_errors(evaluate)(loop.state),
     "train_loss": evaluation.epoch_mean_loss(loop.state),
     "inter_node_bytes_per_step": comm_bytes.inter_node,
     "intra_node_bytes_per_step": comm_bytes.intra_node,

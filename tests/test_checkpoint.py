@@ -1083,3 +1083,12 @@ def test_an_evaluation_that_fails_after_a_non_finite_step_reported_at_it_stops_a
   ):
     train_lib.train_and_evaluate(config, str(tmp_path))
   assert _steps(tmp_path) == [4, 8]
+
+
+def test_a_finished_run_whose_evaluation_fails_when_rerun_says_why_and_keeps_everything(uninterrupted, tmp_path):
+  """A finished run rerun evaluates what it restored: where its input fails, the input's error (a DataError: exit
+  2, one line), not the wrapper the processes agree with, and nothing is lost."""
+  _copy_of(uninterrupted, tmp_path)
+  with _evaluation_failing(1), pytest.raises(data_lib.DataError, match=r"^val.array_record is damaged$"):
+    train_lib.train_and_evaluate(_config(), str(tmp_path))
+  _assert_same_run(uninterrupted, tmp_path)
