@@ -287,7 +287,12 @@ def load_experiment(spec: str, args) -> list[tuple[int, int]]:
   if module_spec is None or not path.endswith(".py"):
     raise ValueError(f"{path} is not a Python file; give a mesh experiment config such as configs/mesh_experiments.py")
   module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
+  try:
+    module_spec.loader.exec_module(module)
+  except SyntaxError as e:  # not Python, or Python with a syntax error: the file and line, as train.py's --config
+    raise ValueError(
+      f"{path}, line {e.lineno}: {e.msg} ({(e.text or '').strip()[:60]!r}); see configs/mesh_experiments.py"
+    ) from None
   if not callable(getattr(module, "get_config", None)):
     raise ValueError(f"{path} has no get_config(variant=None); see configs/mesh_experiments.py")
   try:
@@ -305,7 +310,13 @@ def load_experiment(spec: str, args) -> list[tuple[int, int]]:
   args.strategies = ",".join(experiment.strategies)
   args.steps, args.warmup, args.config = experiment.steps, experiment.warmup, experiment.config
   args.set = [*experiment.overrides, *args.set]
-  return [tuple(mesh) for mesh in experiment.meshes]
+  meshes = list(experiment.meshes)
+  if not meshes:  # it ran nothing, printed an empty table and exited 0
+    raise ValueError(f"{path}: meshes is empty; give at least one [nodes, devices per node], e.g. [[2, 4]]")
+  for mesh in meshes:
+    if not (isinstance(mesh, (list, tuple)) and len(mesh) == 2 and all(type(n) is int for n in mesh)):
+      raise ValueError(f"{path}: meshes holds {mesh!r}; each mesh is [nodes, devices per node], two integers")
+  return [tuple(mesh) for mesh in meshes]
 
 
 def parse_bandwidths(text: str) -> dict[str, int | None]:

@@ -31,6 +31,7 @@ last line one JSON object: {"trials", "completed", "pruned", "failed", "best": {
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -129,6 +130,8 @@ def check_space(space: dict[str, tuple]) -> None:
   """Raises ValueError naming the first field that is not one of the kinds with its arguments."""
   if not isinstance(space, dict):
     raise ValueError(f"get_space returned a {type(space).__name__}, not a dict of field -> (kind, ...)")
+  if not space:  # every trial would train the same config
+    raise ValueError("get_space returned no field: the study would sample nothing; give it a field to search")
   for name, field in space.items():
     kind, *args = field if isinstance(field, (tuple, list)) and field else (None,)
     if kind not in KINDS:
@@ -697,6 +700,7 @@ def main() -> None:
     resolved = check_study_config(args.config, args.overrides, space)
   except ValueError as e:
     cli.fail(str(e))
+  made = [d for d in (args.study_dir, os.path.join(args.study_dir, "trials")) if not os.path.exists(d)]
   try:
     os.makedirs(os.path.join(args.study_dir, "trials"), exist_ok=True)
   except OSError as e:
@@ -710,6 +714,9 @@ def main() -> None:
   try:
     storage = open_storage(url, requested_grace(args))
   except (sqlalchemy.exc.SQLAlchemyError, ImportError) as e:  # no driver for the URL, a database it cannot open
+    for folder in reversed(made):  # a refused start leaves nothing behind
+      with contextlib.suppress(OSError):
+        os.rmdir(folder)
     reason = str(e).splitlines()[0][:300]
     cli.fail(f"--storage={url}: cannot open the study's database ({type(e).__name__}: {reason})")
   claim_study_dir(args)  # once its storage opens: a start that fails before leaves the directory to any study

@@ -128,6 +128,32 @@ def test_the_mesh_experiments_pass_the_checks(variant):
   mesh_lab.check_args(args, meshes)
 
 
+_EXPERIMENT = """
+import ml_collections
+def get_config(variant=None):
+  return ml_collections.ConfigDict(dict(meshes=MESHES, bandwidths=["unshaped"], strategies=["hierarchical"], steps=2,
+                                        warmup=0, config="configs/fashion_mnist.py", overrides=[]))
+"""
+
+
+@pytest.mark.parametrize(
+  "meshes, error",
+  [
+    ("[]", r"meshes is empty; give at least one \[nodes, devices per node\]"),  # exit 0, an empty table
+    (
+      "[[2, 'four']]",
+      r"meshes holds \[2, 'four'\]; each mesh is \[nodes, devices per node\], two integers",
+    ),  # TypeError
+    ("[[2, 4,]", r"experiment.py, line 5: closing parenthesis .* see configs/mesh_experiments.py$"),  # a traceback
+  ],
+)
+def test_a_mesh_experiment_that_cannot_run_is_refused_in_one_line(tmp_path, meshes, error):
+  path = tmp_path / "experiment.py"
+  path.write_text(_EXPERIMENT.replace("MESHES", meshes))
+  with pytest.raises(ValueError, match=error):
+    mesh_lab.load_experiment(str(path), _lab_args())
+
+
 def test_mesh_lab_checks_the_runs_with_the_cost_model_its_cells_use():
   # The cells plan auto with the calibration the lab writes: a config naming a file not written yet still runs.
   args = _lab_args(strategies="auto@0.01", set=["comm.cost_model=runs/not_calibrated_yet.json"])

@@ -129,6 +129,7 @@ def test_bad_study_flags_and_storage_get_one_line_before_any_trial(tmp_path, mon
     assert f"error: --{flag[2:].split('=')[0]} {reason}" in main_refuses(monkeypatch, capsys, "scripts/tune.py", *args)
   error = _main_fails(tune, monkeypatch, capsys, f"--study_dir={tmp_path}/study", "--trials=2", "--storage=foo://bar")
   assert error.startswith("error: --storage=foo://bar: cannot open the study's database (NoSuchModuleError")
+  assert not (tmp_path / "study").exists()  # a refused start leaves nothing behind (it left study/trials/)
   # A database that cannot be made: test_a_failed_start_does_not_claim_the_study_dir.
 
 
@@ -259,6 +260,9 @@ def test_a_get_space_without_the_variant_argument_is_one_error_line(tmp_path, mo
   space.write_text("def get_space(variant=None):\n  return [('optimizer.momentum', ('float', 0.8, 0.95))]\n")
   error = _main_fails(tune, monkeypatch, capsys, f"--study_dir={tmp_path}/study", "--trials=1", f"--space={space}")
   assert "get_space returned a list, not a dict" in error
+  space.write_text("def get_space(variant=None):\n  return {}\n")  # every trial would train the same config
+  error = _main_fails(tune, monkeypatch, capsys, f"--study_dir={tmp_path}/study", "--trials=1", f"--space={space}")
+  assert error.endswith("get_space returned no field: the study would sample nothing; give it a field to search")
   assert not (tmp_path / "study").exists()
 
 
