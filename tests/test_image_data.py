@@ -37,19 +37,28 @@ def test_image_folder_conversion_keeps_labels_and_reports_bad_files(folder):
 
 
 def test_image_folder_conversion_names_what_it_does_not_read(tmp_path, caplog):
-  """A sub-folder of a class, a .tif: not read, and said so (they were dropped in silence)."""
+  """A sub-folder of a class, a .tif, an image beside the class folders: not read, and said so (they were dropped in
+  silence); a hidden folder is not a class (.ipynb_checkpoints was one); a link to nothing and an empty file are
+  skipped, saying what they are (not "not image files", nor "cannot identify image file <_io.BytesIO ...>")."""
   raw = tmp_path / "raw"
   for split in ("train", "val"):
     os.makedirs(raw / split / "cat" / "nested")
+    os.makedirs(raw / split / ".ipynb_checkpoints")
     _add_cat(raw / split, 0)
     (raw / split / "cat" / "nested" / "deep.jpg").write_bytes(b"x")
     (raw / split / "cat" / "scan.tif").write_bytes(b"x")
+    (raw / split / "stray.jpg").write_bytes(b"x")
+    (raw / split / "cat" / "empty.jpg").write_bytes(b"")
+    os.symlink(tmp_path / "gone.jpg", raw / split / "cat" / "dangling.jpg")
   with caplog.at_level("WARNING"):
     info = records.convert_image_folder(str(raw), str(tmp_path / "converted"))
-  assert (
-    info["splits"]["train"]["ignored"] == ["cat/nested", "cat/scan.tif"] and info["splits"]["train"]["examples"] == 1
-  )
-  assert "2 entries are not" in caplog.text
+  assert info["classes"] == ["cat"]
+  train = info["splits"]["train"]
+  assert train["ignored"] == [".ipynb_checkpoints", "stray.jpg", "cat/nested", "cat/scan.tif"]
+  assert train["skipped"] == ["cat/dangling.jpg", "cat/empty.jpg"] and train["examples"] == 1
+  assert "4 entries are not" in caplog.text
+  assert "skipping cat/dangling.jpg: a link to a file that is not there" in caplog.text
+  assert "skipping cat/empty.jpg: an empty file (0 bytes)" in caplog.text
 
 
 def _one_cat_converted(tmp_path):

@@ -294,7 +294,7 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
     raise DataError(
       f"{first} does not exist: the folder must hold " + " and ".join(f"{s}/CLASS_NAME/*.jpg" for s in splits)
     )
-  classes = sorted(d for d in _listdir(first) if os.path.isdir(os.path.join(first, d)))
+  classes = _class_folders(first)
   if not classes:
     raise DataError(f"{first} has no class sub-folders (expected {first}/CLASS_NAME/*.jpg)")
   kept = _splits_kept(out_dir, splits, classes)
@@ -349,18 +349,29 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
       raise DataError(
         f"{root} does not exist: the folder must hold " + " and ".join(f"{s}/CLASS_NAME/*.jpg" for s in splits)
       )
-    unknown = sorted(set(d for d in _listdir(root) if os.path.isdir(os.path.join(root, d))) - set(classes))
+    unknown = sorted(set(_class_folders(root)) - set(classes))
     if unknown:
       raise DataError(f"{root} has class folders that {first} lacks: {unknown[:5]}; every split needs the same classes")
-    files, skipped, empty, ignored = [], [], [], []
+    files, skipped, empty = [], [], []
+    # Files beside the class folders, and hidden folders (.ipynb_checkpoints, say: a class of their own, before).
+    ignored = []
+    for f in sorted(_listdir(root)):
+      is_dir = os.path.isdir(os.path.join(root, f))
+      if (is_dir and f.startswith(".")) or not (is_dir or f.startswith(".")):
+        ignored.append(f)
     for label, name in enumerate(classes):
       class_dir = os.path.join(root, name)
       entries = sorted(_listdir(class_dir)) if os.path.isdir(class_dir) else []
       names = [
         f for f in entries if f.lower().endswith(IMAGE_EXTENSIONS) and os.path.isfile(os.path.join(class_dir, f))
       ]
+      # An image's name on a link to nothing: skipped as a file that cannot be read, and said so.
+      broken = [f for f in entries if f.lower().endswith(IMAGE_EXTENSIONS) and not os.path.exists(f"{class_dir}/{f}")]
+      for f in broken:
+        skipped.append(f"{name}/{f}")
+        logging.warning("image folder: skipping %s/%s: a link to a file that is not there", name, f)
       # Sub-folders and files of other kinds are not read: said, not dropped in silence.
-      kept = set(names)  # a list here made a class of 40,000 files take 15 s
+      kept = set(names) | set(broken)  # a set: a list here made a class of 40,000 files take 15 s
       ignored += [f"{name}/{f}" for f in entries if f not in kept and not f.startswith(".")]
       if not names:
         empty.append(name)
@@ -374,6 +385,8 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
         try:
           with open(os.path.join(root, name, file_name), "rb") as f:
             data = f.read()
+          if not data:  # Pillow's "cannot identify image file <_io.BytesIO object at 0x...>"
+            raise transforms.BadImage("an empty file (0 bytes)")
           # A cheap full check: the whole image at 1/8 scale (the region decoder would stop early).
           transforms.decode_crop_resize(data, 8, region_decode=False)
         except (transforms.BadImage, OSError) as e:  # undecodable, or unreadable (permissions): skipped alike
@@ -388,7 +401,8 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
       raise DataError(f"{root}: no image decodes ({len(skipped)} skipped, named in the log above)")
     if ignored:
       logging.warning(
-        "image folder %s: %d entries are not %s image files and were not read (sub-folders are not searched): %s",
+        "image folder %s: %d entries are not %s image files in a class folder and were not read (sub-folders are "
+        "not searched, hidden folders are not classes): %s",
         split,
         len(ignored),
         "/".join(IMAGE_EXTENSIONS),
@@ -404,6 +418,11 @@ def _convert_splits(folder: str, out_dir: str, splits: tuple[str, ...], classes:
       "image folder %s: %d images written, %d skipped, %d empty classes", split, written, len(skipped), len(empty)
     )
   return info
+
+
+def _class_folders(split_dir: str) -> list[str]:
+  """The class folders of ``split_dir``, sorted: its sub-folders but hidden ones."""
+  return sorted(d for d in _listdir(split_dir) if os.path.isdir(os.path.join(split_dir, d)) and not d.startswith("."))
 
 
 def _listdir(folder: str) -> list[str]:
