@@ -21,6 +21,7 @@ file (before any decoding) or none that decodes, are refused in one line. Then t
 import argparse
 import os
 import shutil
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,6 +30,14 @@ from absl import logging  # noqa: E402
 
 from light_jax import cli  # noqa: E402
 from light_jax.data import DataError, records  # noqa: E402
+
+
+class _Terminated(BaseException):
+  """A SIGTERM (a job killed, a machine shut down): taken as a Ctrl-C is, the folder this run made removed."""
+
+
+def _terminated(signum, frame):
+  raise _Terminated
 
 
 def main():
@@ -62,6 +71,7 @@ def main():
     os.makedirs(out, exist_ok=True)
   except OSError as e:  # a file in its place or above it, no permission
     cli.fail(f"--out={args.out}: cannot create it ({e.strerror}); choose another directory")
+  previous = signal.signal(signal.SIGTERM, _terminated)
   try:
     info = records.convert_image_folder(folder, out, splits)
   except BaseException as e:  # a Ctrl-C too: the folder this run made goes (an existing one stays as it was)
@@ -71,10 +81,13 @@ def main():
       cli.fail(str(e))
     if isinstance(e, OSError):  # a failure of the file system (a full disk is a DataError)
       cli.fail(f"converting {folder} to {out} failed: {e}")
-    if isinstance(e, KeyboardInterrupt):
-      print(f"stopped by Ctrl-C: {'nothing written' if new else f'{args.out} left as it was'}", file=sys.stderr)
-      sys.exit(130)  # 128 + SIGINT, as a shell reports it
+    if isinstance(e, (KeyboardInterrupt, _Terminated)):
+      by, code = ("Ctrl-C", 130) if isinstance(e, KeyboardInterrupt) else ("SIGTERM", 143)  # 128 + the signal
+      print(f"stopped by {by}: {'nothing written' if new else f'{args.out} left as it was'}", file=sys.stderr)
+      sys.exit(code)
     raise
+  finally:
+    signal.signal(signal.SIGTERM, previous)
   print(f"{len(info['classes'])} classes -> {args.out}")
   for split, counts in info["splits"].items():
     print(

@@ -6,8 +6,10 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -346,6 +348,18 @@ def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path, monk
     load_script("scripts/prepare_image_folder.py").main()
   assert stopped.value.code == 130 and capsys.readouterr().err == "stopped by Ctrl-C: nothing written\n"
   assert not (tmp_path / "out").exists()
+  # A SIGTERM (a job killed): the same (it left a partial copy in --out's staging folder, and no word).
+
+  def terminated(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)  # the handler raises before this ends
+
+  monkeypatch.setattr(records, "convert_image_folder", terminated)
+  handler = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(SystemExit) as stopped:
+    load_script("scripts/prepare_image_folder.py").main()
+  assert stopped.value.code == 143 and capsys.readouterr().err == "stopped by SIGTERM: nothing written\n"
+  assert not (tmp_path / "out").exists() and signal.getsignal(signal.SIGTERM) == handler  # put back
 
 
 def test_prepare_image_folder_on_unreadable_input_or_output(tmp_path):
