@@ -262,6 +262,10 @@ def test_benchmarks_refuse_a_mesh_that_does_not_fit(monkeypatch, capsys):
   )
   error = _refused(monkeypatch, capsys, "benchmarks/collectives.py", "--nodes=0", "--model=resnet8_small")
   assert "--nodes=0 --local=4: each must be >= 1" in error
+  # 8,000 simulated CPU devices: after a minute "Multiprocess computations aren't implemented on the CPU backend".
+  error = _refused(monkeypatch, capsys, "benchmarks/collectives.py", "--nodes=1000", "--local=8")
+  assert error.endswith("8,000 devices; this benchmark runs on one machine's devices (on the CPU, simulated), at most "
+                        "512: predict a larger cluster with scripts/simulate.py")  # fmt: skip
   toy = ["--model=resnet8_small", "--image=8", "--batch_per_device=1", "--rounds=1", "--local=4"]
   error = _fails("benchmarks/update_step.py", *toy, JAX_NUM_CPU_DEVICES="2")
   assert "--local=4: there are 2 devices here" in error
