@@ -87,7 +87,41 @@ def check_train_tar(train_tar: str) -> int:
     )
   if not names:
     raise PrepareError(f"{train_tar}: holds no class tars")
+  known = imagenet_classes()
+  unknown = [name for name in names if name.removesuffix(".tar") not in known]
+  if unknown:  # TFDS's ClassLabel raised a KeyError traceback on it, mid-way
+    raise PrepareError(
+      f"{train_tar}: {unknown[0]} is not one of ImageNet's 1000 classes ({len(unknown)} member(s) such); the train "
+      "tar must be image-net.org's ILSVRC2012 one (for a folder of your own images: scripts/prepare_image_folder.py)"
+    )
+  _check_class_tars(train_tar)
   return len(names)
+
+
+def imagenet_classes() -> set[str]:
+  """ImageNet's 1000 synsets (n01440764, ...): the labels file TFDS's imagenet2012 builder names its classes from."""
+  package = importlib.util.find_spec("tensorflow_datasets").submodule_search_locations[0]
+  with open(os.path.join(package, "datasets", DATASET, "labels.txt")) as f:
+    return set(f.read().split())
+
+
+def _check_class_tars(train_tar: str) -> None:
+  """Each class tar inside the train tar starts with a tar header (its first 512 bytes read: seconds for 1000):
+  TFDS met a damaged one as a ReadError traceback, after the classes before it."""
+  with tarfile.open(train_tar, mode="r:") as tar:
+    for member in tar.getmembers():
+      head = tar.extractfile(member).read(tarfile.BLOCKSIZE)
+      if not head:  # nothing: a class with no image
+        continue
+      try:
+        tarfile.TarInfo.frombuf(head, tarfile.ENCODING, "surrogateescape")
+      except tarfile.EOFHeaderError:  # an empty tar (its end-of-archive blocks): a class with no image
+        continue
+      except tarfile.HeaderError as e:
+        raise PrepareError(
+          f"{train_tar}: its member {member.name} is not a readable tar ({e}); the download is damaged: download "
+          f"{TRAIN_TAR} again"
+        ) from None
 
 
 def check_data_dir(data_dir: str) -> None:

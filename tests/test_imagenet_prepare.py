@@ -218,6 +218,31 @@ def test_a_cut_or_foreign_train_tar_is_refused_before_the_preparation(tmp_path):
   assert not (tmp_path / "out").exists()
 
 
+def test_a_class_imagenet_lacks_or_a_damaged_class_tar_is_refused_before_the_preparation(tmp_path):
+  """TFDS met both mid-way, as tracebacks (ClassLabel's KeyError, tarfile's ReadError), after the classes before."""
+  prepare = load_script("scripts/prepare_imagenet.py")
+  make_ilsvrc_tars(tmp_path, SYNSETS, 1, VAL_COUNT)
+  train_tar = tmp_path / TRAIN_TAR
+  whole = train_tar.read_bytes()
+  empty = io.BytesIO()
+  tarfile.open(fileobj=empty, mode="w").close()
+  with tarfile.open(train_tar, "a") as tar:
+    info = tarfile.TarInfo("n00000001.tar")
+    info.size = len(empty.getvalue())
+    tar.addfile(info, io.BytesIO(empty.getvalue()))
+  with pytest.raises(prepare.PrepareError, match=r"n00000001.tar is not one of ImageNet's 1000 classes \(1 member"):
+    prepare.check_train_tar(str(train_tar))
+  with tarfile.open(fileobj=io.BytesIO(whole)) as tar:
+    first = tar.getmembers()[0]
+  damaged = bytearray(whole)
+  damaged[first.offset_data : first.offset_data + 512] = b"x" * 512  # the class tar's first header
+  train_tar.write_bytes(damaged)
+  with pytest.raises(
+    prepare.PrepareError, match=rf"its member {first.name} is not a readable tar \(.*\); the download"
+  ):
+    prepare.check_train_tar(str(train_tar))
+
+
 def test_a_tar_cut_at_a_members_end_or_inside_a_header_is_refused(tmp_path):
   """tarfile fails on a cut inside a member's data only: cut at a member's end or inside the next header, the
   listing just ends, and a validation tar of 1..N-1 would pass as a smaller split."""
