@@ -55,6 +55,9 @@ def main():
   bad = [s for s in splits if not s or s in (".", "..") or os.sep in s]  # each names a file in --out
   if bad or len(set(splits)) < len(splits):
     cli.fail(f"--splits={args.splits}: give distinct split names, each a folder's name, e.g. train,val")
+  if not os.path.isdir(folder):  # it said "it has no train/ folder"
+    what = "is a file" if os.path.exists(folder) else "does not exist"
+    cli.fail(f"--folder={args.folder} {what}; give the folder that holds train/CLASS_NAME/*.jpg and val/...")
   for split in splits:  # before --out is made: a mistyped folder leaves nothing behind
     if not os.path.isdir(os.path.join(folder, split)):
       cli.fail(

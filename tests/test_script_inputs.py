@@ -318,6 +318,12 @@ def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path, monk
   refused = functools.partial(_refused, monkeypatch, capsys)  # in this process (its entry point: the test above)
   error = refused("scripts/prepare_image_folder.py", f"--folder={tmp_path / 'typo'}", f"--out={tmp_path / 'out'}")
   assert not (tmp_path / "out").exists()
+  assert error.endswith("typo does not exist; give the folder that holds train/CLASS_NAME/*.jpg and val/...")
+  (tmp_path / "a_file").write_text("")  # it said "it has no train/ folder" of both
+  error = refused("scripts/prepare_image_folder.py", f"--folder={tmp_path / 'a_file'}", f"--out={tmp_path / 'out'}")
+  assert "a_file is a file; give the folder" in error
+  (tmp_path / "typo").mkdir()
+  error = refused("scripts/prepare_image_folder.py", f"--folder={tmp_path / 'typo'}", f"--out={tmp_path / 'out'}")
   assert "typo: it has no train/ folder" in error
   for split in ("train", "val"):  # no class folders: the conversion's own check, after --out was made
     (tmp_path / "folder" / split).mkdir(parents=True)
