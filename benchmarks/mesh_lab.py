@@ -403,11 +403,16 @@ def main() -> None:
     parser.error(str(e))
 
   results, calibrations, failed = {}, {}, []
-  for nodes, local in meshes:
+  for index, (nodes, local) in enumerate(meshes):
     mesh_args = copy.copy(args)
     mesh_args.nodes, mesh_args.local = nodes, local
     try:
       cells, calibration, mesh_failed = run_mesh(mesh_args, rates, requested)
+    except KeyboardInterrupt:  # a traceback before; the mesh's processes and namespaces are gone (run_mesh's with)
+      finished = ", ".join(f"{n} x {m}" for n, m in meshes[:index]) or "none"
+      print(f"stopped by Ctrl-C during the {nodes} x {local} mesh; meshes finished before it: {finished}",
+            file=sys.stderr)  # fmt: skip
+      sys.exit(130)  # 128 + SIGINT, as a shell reports it
     except ClusterError as e:
       if not results:  # nothing ran (a namespace or link could not be made): the one line
         sys.exit(f"error: {e}")

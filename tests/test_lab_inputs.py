@@ -154,6 +154,21 @@ def test_a_mesh_experiment_that_cannot_run_is_refused_in_one_line(tmp_path, mesh
     mesh_lab.load_experiment(str(path), _lab_args())
 
 
+def test_a_ctrl_c_stops_the_mesh_lab_in_one_line(monkeypatch, capsys):
+  """It was a KeyboardInterrupt traceback (the mesh's processes and namespaces were cleaned up all the same)."""
+
+  def interrupted(*args):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(mesh_lab, "run_mesh", interrupted)
+  argv = ["mesh_lab.py", "--loopback", "--bandwidth", "unshaped", "--nodes", "2", "--local", "1", "--steps", "1"]
+  monkeypatch.setattr(sys, "argv", argv)
+  with pytest.raises(SystemExit) as stopped:
+    mesh_lab.main()
+  assert stopped.value.code == 130
+  assert capsys.readouterr().err == "stopped by Ctrl-C during the 2 x 1 mesh; meshes finished before it: none\n"
+
+
 def test_mesh_lab_checks_the_runs_with_the_cost_model_its_cells_use():
   # The cells plan auto with the calibration the lab writes: a config naming a file not written yet still runs.
   args = _lab_args(strategies="auto@0.01", set=["comm.cost_model=runs/not_calibrated_yet.json"])
