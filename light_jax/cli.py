@@ -150,6 +150,9 @@ def output_path(path: str, flag: str) -> str:
   try:
     os.makedirs(folder, exist_ok=True)
   except OSError as e:
+    above = nearest_existing(folder)
+    if not os.path.isdir(above):  # it said "cannot make its folder (File exists)"
+      fail(f"{flag}={path}: {above} is a file, not a folder; give a path in a folder")
     fail(f"{flag}={path}: cannot make its folder ({e.strerror}); give a path in a writable folder")
   if missing:
     atexit.register(_remove_if_empty, missing)

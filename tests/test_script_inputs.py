@@ -60,6 +60,9 @@ def test_compare_runs_names_a_bad_run_argument(tmp_path, monkeypatch, capsys):
   # A folder for --out that cannot be made: said first, not as a traceback once the runs are read and drawn.
   error = refused("scripts/compare_runs.py", "--out", "/proc/nope/runs.png", f"dense={tmp_path / 'empty'}")
   assert error.startswith("error: --out=/proc/nope/runs.png: cannot make its folder")
+  (tmp_path / "a_file").write_text("")  # under a file: it said "cannot make its folder (File exists)"
+  error = refused("scripts/compare_runs.py", "--out", f"{tmp_path}/a_file/sub/runs.png", f"dense={tmp_path / 'empty'}")
+  assert error.endswith(f"{tmp_path}/a_file is a file, not a folder; give a path in a folder")
   # A label given twice: the second run replaced the first's row and curve, without a word.
   (tmp_path / "run").mkdir()
   shutil.copy(os.path.join(ROOT, "docs", "fashion_mnist_metrics.jsonl"), tmp_path / "run" / "metrics.jsonl")
