@@ -207,8 +207,13 @@ def _input_failing_at(batch):
       raise data_lib.DataError("shard 3 is damaged")
     return next_batch(self)
 
+  return _patched(data_lib.DevicePrefetcher, "__next__", damaged)
+
+
+def _patched(owner, name, replacement):
+  """``owner.name`` replaced by ``replacement`` until the returned context ends (several runs inside one test)."""
   patched = pytest.MonkeyPatch()
-  patched.setattr(data_lib.DevicePrefetcher, "__next__", damaged)
+  patched.setattr(owner, name, replacement)
   return contextlib.closing(types.SimpleNamespace(close=patched.undo))
 
 
@@ -1013,9 +1018,7 @@ def _evaluation_failing(times):
 
     return batches()
 
-  patched = pytest.MonkeyPatch()
-  patched.setattr(data_lib.EvalBatches, "iterator", damaged)
-  return contextlib.closing(types.SimpleNamespace(close=patched.undo))
+  return _patched(data_lib.EvalBatches, "iterator", damaged)
 
 
 def _unevaluated(workdir, step):
