@@ -175,15 +175,30 @@ def hierarchical_topk_reduce_to_shard(
 ) -> tuple[jax.Array, jax.Array | compression.Memory]:
   """HiTopK up to this device's shard of the (approximate) sum: ``x`` zero-padded to ``local`` shards."""
   shard = _scatter_to_local_shard(x, wire_dtype, round_up(x.size, lax.axis_size(LOCAL)))
-  value_dtype, _ = compression.pair_dtypes(compact_pairs, shard.dtype)
-  if isinstance(residual, compression.Estimate):  # EF21: the nodes' estimates, moved by these pairs
-    indices, values, estimate = compression.select_change(shard, residual, k, selector, correction, value_dtype)
-    return _add_to_total(estimate, indices, values, NODE, compact_pairs)
-  indices, values, residual = compression.apply_error_feedback(
-    shard, residual, k, selector, error_feedback, correction, value_dtype
-  )
   # (nodes x k) pairs: the same local rank's shard on every node
-  return _sum_pairs(jnp.zeros_like(shard), indices, values, NODE, compact_pairs), residual
+  return _top_k_sum(shard, residual, k, selector, error_feedback, correction, compact_pairs, NODE)
+
+
+def _top_k_sum(
+  x: jax.Array,
+  residual: jax.Array | compression.Memory,
+  k: int,
+  selector: str,
+  error_feedback: bool,
+  correction: compression.MomentumCorrection | None,
+  compact_pairs: bool,
+  axis,
+) -> tuple[jax.Array, jax.Array | compression.Memory]:
+  """Each device's k pairs of ``x`` summed over ``axis``: the top-k after error feedback, or with EF21 the
+  top-k change of the senders' estimates, which the pairs move; returns (the sum, the new residual or estimate)."""
+  value_dtype, _ = compression.pair_dtypes(compact_pairs, x.dtype)
+  if isinstance(residual, compression.Estimate):
+    indices, values, estimate = compression.select_change(x, residual, k, selector, correction, value_dtype)
+    return _add_to_total(estimate, indices, values, axis, compact_pairs)
+  indices, values, residual = compression.apply_error_feedback(
+    x, residual, k, selector, error_feedback, correction, value_dtype
+  )
+  return _sum_pairs(jnp.zeros_like(x), indices, values, axis, compact_pairs), residual
 
 
 def _add_to_total(
@@ -247,14 +262,7 @@ def topk_allreduce(
 
   No dense hop, so ``wire_dtype`` does not apply."""
   del wire_dtype
-  value_dtype, _ = compression.pair_dtypes(compact_pairs, x.dtype)
-  if isinstance(residual, compression.Estimate):  # EF21: every device's estimate, moved by these pairs
-    indices, values, estimate = compression.select_change(x, residual, k, selector, correction, value_dtype)
-    return _add_to_total(estimate, indices, values, AXES, compact_pairs)
-  indices, values, residual = compression.apply_error_feedback(
-    x, residual, k, selector, error_feedback, correction, value_dtype
-  )
-  return _sum_pairs(jnp.zeros_like(x), indices, values, AXES, compact_pairs), residual
+  return _top_k_sum(x, residual, k, selector, error_feedback, correction, compact_pairs, AXES)
 
 
 def gtopk_allreduce(
