@@ -7,6 +7,7 @@ Multi-process (one process per machine): pass --coordinator, --num_processes and
 launch under a cluster manager that jax.distributed detects by itself (SLURM, Open MPI, ...).
 """
 
+import errno
 import logging as pylogging
 import os
 import sys
@@ -233,6 +234,10 @@ def _workdir_problem(workdir: str) -> str | None:
       read_records(records)
     except MetricsError as e:
       return str(e)
+    except OSError as e:  # another user's, or a failing disk: a resumed run reads it
+      return (
+        f"--workdir={workdir}: cannot read {records} ({e.strerror}); make it readable, or choose another directory."
+      )
   # A run resumed there writes into these too: found unwritable only at its first save, it failed after training.
   for name in ("checkpoints", "metrics.jsonl", "step_times.jsonl", "summary.json", "tensorboard"):
     path = os.path.join(existing, name)
@@ -358,6 +363,13 @@ def _run(jax, config, watchdog, guard, workdir_problem: str | None) -> tuple[int
     same_settings.SettingsDiffer,  # the dataset each machine loaded
   ) as e:
     return _refuse(str(e))
+  except OSError as e:  # a full disk met by a write other than a checkpoint's (metrics.jsonl, the summary, a plot)
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+      raise
+    return _refuse(
+      f"writing {e.filename or f'in --workdir={_WORKDIR.value}'} failed: {e.strerror}. Training stopped: free space "
+      "there, or move --workdir to a larger disk; then rerun the same command to resume from the newest checkpoint."
+    )
   except train_lib.NonFiniteError as e:
     print(f"stopped: {e}", file=sys.stderr)
     return ExitCode.NONFINITE_STOP, None  # every process saw the same non-finite step and stopped after the same save

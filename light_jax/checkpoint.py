@@ -1,8 +1,10 @@
 """Checkpoints with orbax: save the train state asynchronously, resume from the newest good one.
 
-What a checkpoint holds: the whole ``TrainState`` (step, params, optimizer state, the BatchNorm statistics and
-error-feedback residuals sharded per device, the non-finite step counter) and a JSON ``meta`` item with
-the resolved config, the mesh and the state's layout (``train_step.STATE_LAYOUT``). The data pipeline needs no
+What a checkpoint holds: the whole ``TrainState`` (step, params, optimizer state, the BatchNorm statistics,
+error-feedback residuals and the epoch's running loss sum and count per device, the non-finite step counter, the
+loss scale) and a JSON ``meta`` item with the resolved config, the mesh, the state's layout
+(``train_step.STATE_LAYOUT``), the reducer's state shapes, the training seconds so far and, where the evaluation at
+that step failed, its record's training half (``unevaluated``). The data pipeline needs no
 state of its own: the global batch of step s is a pure function of (seed, s) (data/pipeline.py), so resuming at
 step s *is* restoring the iterator. There is no other randomness in a step.
 
@@ -98,10 +100,17 @@ def lock_workdir(workdir: str) -> None:
       f"--workdir={workdir} is in use by another run ({holder}): two runs in one workdir delete each other's "
       "checkpoints. Wait for it to end or stop it, or give another --workdir."
     ) from None
-  lock_file.seek(0)
-  lock_file.truncate()
-  lock_file.write(f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-  lock_file.flush()
+  try:
+    lock_file.seek(0)
+    lock_file.truncate()
+    lock_file.write(f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock_file.flush()
+  except OSError as e:  # a full disk, say: the run could not save there either
+    with contextlib.suppress(OSError):  # its close flushes the line again
+      lock_file.close()
+    raise CheckpointError(
+      f"--workdir={workdir}: cannot write {path} ({e.strerror}); free space there, or give another --workdir"
+    ) from None
   _WORKDIR_LOCKS[os.path.abspath(workdir)] = lock_file
 
 
@@ -235,8 +244,8 @@ class Checkpointer:
     reason = _file_system_reason(error)
     if liveness.lost_a_peer(error):
       return liveness.PeerLost(f"saving the checkpoint at step {step}: a collective failed ({reason[:300]})")
-    try:
-      saved = [s for s in self.manager.all_steps() if s != step]
+    try:  # a damaged step is not one to resume from: a rerun falls back past it again
+      saved = [s for s in self.manager.all_steps() if s != step and s not in self.damaged_steps]
     except Exception:  # the file system may fail this too
       saved = []
     resume = (

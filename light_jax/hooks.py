@@ -6,8 +6,9 @@ It may return a reason to stop (``PREEMPTED``, ``NONFINITE``, or its own); the l
 every hook due at that step, and the driver then saves a checkpoint at that step.
 
 In a multi-process run some hooks make collectives (``ProgressBar``'s loss, ``EpochEvaluation``, the
-preemption check): every process runs the same hooks at the same steps, so a hook must never decide
-from something one process alone sees whether to make a collective.
+preemption check, ``CheckpointSaver``: orbax's saves pass barriers of every process): every process runs the
+same hooks at the same steps, so a hook must never decide from something one process alone sees whether to
+make a collective.
 """
 
 from __future__ import annotations
@@ -329,8 +330,9 @@ class StepTimer:
   """Waits for each step, then appends its wall seconds and the bytes this machine's network interfaces
   sent during it (loopback excluded; Linux sysfs counters) to a JSON-lines file.
 
-  The trainer runs it before its other hooks and ``restart`` after them, so that a step's seconds leave out the
-  previous step's evaluation or checkpoint save: they count its input, its dispatch and its computation."""
+  The trainer runs it before its own hooks (after train.py's watchdog, which only notes the time) and ``restart``
+  after them, so that a step's seconds leave out the previous step's evaluation or checkpoint save: they count its
+  input, its dispatch and its computation."""
 
   def __init__(self, path: str, resume_step: int = 0):
     self.path = path

@@ -265,14 +265,19 @@ def test_a_signal_at_the_last_step_finishes_the_run(whole_run):
   assert json.loads((workdir / "summary.json").read_text())["steps"] == 24 and read_metrics(workdir)[-1]["final"]
 
 
+def _garble(workdir, step):
+  """Overwrites every file of the checkpoint at ``step`` in ``workdir``: it is finished, and cannot be restored."""
+  for root, _, files in os.walk(os.path.join(workdir, "checkpoints", str(step), "state")):
+    for name in files:
+      with open(os.path.join(root, name), "wb") as f:
+        f.write(b"garbage")
+
+
 def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path, caplog):
   """The finished run's newest checkpoint garbled: the rerun resumes from the one before, trains the last steps
   again, saves over the damaged one, and ends the same."""
   _copy_of(uninterrupted, tmp_path)
-  for root, _, files in os.walk(os.path.join(tmp_path, "checkpoints", "24", "state")):
-    for name in files:
-      with open(os.path.join(root, name), "wb") as f:
-        f.write(b"garbage")
+  _garble(tmp_path, 24)
   with caplog.at_level(logging.INFO):
     summary = train_lib.train_and_evaluate(_config(), str(tmp_path))
   assert "checkpoint at step 24" in caplog.text and "cannot be restored" in caplog.text
@@ -287,10 +292,7 @@ def test_a_damaged_checkpoint_is_replaced_when_the_resumed_run_saves_at_its_step
   for step in (1, 2):
     checkpointer.save(step, jax.tree.map(lambda x: x + step, state), meta)
   checkpointer.close()
-  for root, _, files in os.walk(os.path.join(tmp_path, "checkpoints", "2", "state")):
-    for name in files:
-      with open(os.path.join(root, name), "wb") as f:
-        f.write(b"garbage")
+  _garble(tmp_path, 2)
   abstract = checkpoint_lib.abstract(state)
   checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=3)
   assert checkpointer.restore_latest(abstract, {})[0] == 1  # falls back past the damaged step 2
@@ -308,10 +310,7 @@ def test_a_damaged_checkpoint_that_keep_removed_since_is_not_deleted_again(tmp_p
   for step in (10, 20):
     checkpointer.save(step, state, meta)
   checkpointer.close()
-  for root, _, files in os.walk(os.path.join(tmp_path, "checkpoints", "20", "state")):
-    for name in files:
-      with open(os.path.join(root, name), "wb") as f:
-        f.write(b"garbage")
+  _garble(tmp_path, 20)
   checkpointer = checkpoint_lib.Checkpointer(str(tmp_path), keep=2)
   assert checkpointer.restore_latest(checkpoint_lib.abstract(state), {})[0] == 10
   for step in (12, 14):
@@ -829,6 +828,26 @@ def test_a_save_on_a_full_disk_is_one_error_and_the_previous_checkpoint_stays(tm
   assert step == 1 and np.array_equal(restored["w"], small["w"])
 
 
+def test_a_save_that_fails_after_a_fallback_names_the_checkpoint_the_rerun_resumes_from(tmp_path):
+  """The run resumed from step 1, past the damaged step 2: a save that fails then names step 1, not step 2, as the
+  checkpoint to resume from (a rerun falls back past step 2 again)."""
+  small, meta = {"w": jax.numpy.arange(1000.0)}, {"config": {}}
+  large = {"w": jax.numpy.asarray(np.random.default_rng(0).normal(size=(512, 1024)), np.float32)}  # 2 MiB
+  with tmpfs(tmp_path / "disk", "size=1m") as disk:
+    checkpointer = checkpoint_lib.Checkpointer(str(disk), keep=3)
+    for step in (1, 2):
+      checkpointer.save(step, small, meta)
+    checkpointer.close()
+    _garble(disk, 2)
+    checkpointer = checkpoint_lib.Checkpointer(str(disk), keep=3)
+    assert checkpointer.restore_latest(checkpoint_lib.abstract(small), {})[0] == 1
+    with pytest.raises(CheckpointError) as failed:
+      checkpointer.save(3, large, meta)
+      checkpointer.close()
+    checkpointer.close()
+  assert "the newest finished checkpoint, step 1, is intact: rerun the same command" in str(failed.value)
+
+
 def test_a_save_that_fails_at_once_is_raised_while_orbax_still_reports_it_saving(tmp_path):
   """A save whose writes fail fast (a read-only disk) fails before orbax's save() returns. In a multi-process run
   orbax then keeps reporting it as in progress while its thread waits for the other processes (10 minutes): the
@@ -902,6 +921,41 @@ def test_train_py_on_a_disk_that_fills_up_stops_with_one_line(tmp_path):
   )
 
 
+# Runs train.py with its workdir's disk filled (by another program, as it were) just before the first record.
+_FULL_DISK_AT_THE_FIRST_RECORD = """
+import contextlib, os, runpy, sys
+filler = sys.argv.pop(1)
+from light_jax import metrics
+write = metrics.MetricsWriter.write
+def fill_then_write(self, record):
+  fill = os.open(filler, os.O_WRONLY | os.O_CREAT)
+  with contextlib.suppress(OSError):
+    while True:
+      os.write(fill, b"x" * 4096)
+  os.close(fill)
+  write(self, record)
+metrics.MetricsWriter.write = fill_then_write
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_disk_that_fills_up_before_a_record_is_written_stops_with_one_line(tmp_path):
+  """Not a checkpoint's save but the append to metrics.jsonl met the full disk: a traceback (exit 1)."""
+  with tmpfs(tmp_path / "disk", "size=2m") as disk:
+    result = _train_py_through(
+      _FULL_DISK_AT_THE_FIRST_RECORD,
+      *("--workdir", str(disk / "run"), "--config.num_epochs=1", "--config.global_batch_size=128"),
+      *("--config.data.eval_subset=500", "--config.data.eval_batch_size=504"),
+      target=str(disk / "filler"),
+    )
+  assert result.returncode == ExitCode.BAD_INPUT and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1] == (
+    f"error: writing in --workdir={disk / 'run'} failed: No space left on device. Training stopped: free space "
+    "there, or move --workdir to a larger disk; then rerun the same command to resume from the newest checkpoint."
+  )
+
+
 def test_a_peer_lost_during_a_multi_process_restore_or_save_is_not_damage_nor_the_disks_fault(tmp_path, monkeypatch):
   """Process 1 killed while a two-process run restored its state: process 0's gathers failed (gloo: connection
   closed) and every good checkpoint was read as damaged, the run told to move them away (exit 2). Killed during
@@ -962,6 +1016,22 @@ def test_a_lock_file_that_cannot_be_opened_is_named_with_what_to_do():
     CheckpointError, match=r"^--workdir=/proc: cannot open /proc/.lock \(.*\); give another --workdir$"
   ):
     checkpoint_lib.lock_workdir("/proc")
+
+
+def test_a_lock_file_that_cannot_be_written_on_a_full_disk_is_one_error(tmp_path):
+  """Its first line was written at the flush: an OSError traceback from train.py's checks (exit 1)."""
+  with tmpfs(tmp_path / "disk", "size=16k") as disk:
+    fill = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):
+      while True:
+        os.write(fill, b"x" * 4096)
+    os.close(fill)
+    with pytest.raises(CheckpointError) as refused:
+      checkpoint_lib.lock_workdir(str(disk))
+  assert str(refused.value) == (
+    f"--workdir={disk}: cannot write {disk / '.lock'} (No space left on device); free space there, or give another "
+    "--workdir"
+  )
 
 
 def test_a_second_run_in_a_workdir_in_use_is_refused_before_touching_it(tmp_path):

@@ -595,3 +595,15 @@ def test_a_damaged_metrics_jsonl_is_refused_before_the_devices_start(tmp_path):
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith(f"error: {tmp_path / 'run' / 'metrics.jsonl'}, line 1: not a JSON record"), last
   assert "JAX" not in result.stderr  # train.py logs the JAX version once the devices are up
+
+
+def test_a_metrics_jsonl_that_cannot_be_read_is_refused_in_one_line(tmp_path):
+  """Another user's (mode 600, for a run not as root) or on a failing disk: a traceback from the start-up check."""
+  (tmp_path / "run").mkdir()
+  os.symlink("/proc/self/mem", tmp_path / "run" / "metrics.jsonl")  # a file whose reads fail (EIO) even for root
+  result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "run"))
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines()[-1] == (
+    f"error: --workdir={tmp_path / 'run'}: cannot read {tmp_path / 'run' / 'metrics.jsonl'} (Input/output error); "
+    "make it readable, or choose another directory."
+  )
