@@ -55,6 +55,7 @@ from light_jax.emulated_cluster import (  # noqa: E402
   parse_rate,
   report_failure,
 )
+from light_jax.exit_codes import exit_now, signals_exit_at_once  # noqa: E402
 
 
 def level_sizes(group_bytes_per_buffer_byte: float, max_bytes: int, link_bytes_budget: float | None) -> list[int]:
@@ -228,6 +229,15 @@ def main():
     print(output.rstrip())
     return
 
+  # Measuring, a signal ends the process at once (a KeyboardInterrupt inside JAX: a traceback); the exit handlers
+  # (the --out folder made) run in a process of its own only: jax.distributed's wait for every process.
+  with signals_exit_at_once("measuring the links: nothing written", exit_handlers=not args.coordinator):
+    calibrate(args)
+
+
+def calibrate(args):
+  """Measures the links and the top-k rate on this process's devices (of a cluster: ``args.coordinator``), and writes
+  the fitted cost model to ``args.out`` (process 0)."""
   import jax
 
   from light_jax.parallel import mesh as mesh_lib
@@ -257,4 +267,7 @@ def main():
 
 if __name__ == "__main__":
   xla_flags.apply()  # before JAX starts: the flags train.py runs with (light_jax/xla_flags.py)
-  main()
+  try:
+    main()
+  except KeyboardInterrupt:  # on an emulated cluster, passed on once its namespaces are gone
+    exit_now("stopped by SIGINT: nothing written", 130, exit_handlers=True)

@@ -12,10 +12,11 @@ blocked starting asynchronous saves, as a fraction of the loop time, in the unin
 """
 
 import argparse
+import atexit
 import json
 import os
 import random
-import shutil
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,10 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from light_jax import cli  # noqa: E402
+import train_runs  # noqa: E402  benchmarks/, this script's directory
+
+from light_jax import child_process, cli  # noqa: E402
+from light_jax.exit_codes import signals_exit_at_once  # noqa: E402
 
 TOTAL_STEPS = 192  # the drill's run: 4096 images / 128 = 32 steps per epoch, 6 epochs
 
@@ -82,16 +86,22 @@ def run_drill(args, root):
     "--config.log_every_steps=4",
   ]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
+  started = []  # the train.py processes: a drill stopped (a signal, an error) kills the one still going first
+  atexit.register(lambda: [(proc.kill(), proc.wait()) for proc in started if proc.poll() is None])
 
   def start(workdir, *extra):
-    return subprocess.Popen(
-      [sys.executable, "train.py", "--workdir", workdir, *config, *extra],
-      cwd=ROOT,
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
+    started.append(
+      subprocess.Popen(
+        [sys.executable, "train.py", "--workdir", workdir, *config, *extra],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=child_process.bound_to_this_process(),  # killed with the drill, even by SIGKILL
+      )
     )
+    return started[-1]
 
   def finish(proc, workdir):
     """Waits for a run that was not killed; one that failed ends the drill with the tail of its output."""
@@ -110,13 +120,12 @@ def run_drill(args, root):
     d = os.path.join(workdir, "checkpoints")
     return os.path.isdir(d) and any(".orbax-checkpoint-tmp" in n for n in os.listdir(d))
 
-  def empty(workdir):  # a drill's own folder, unless a run is still going there (another drill in the same --workdir)
-    from light_jax import checkpoint
-
-    holder = checkpoint.workdir_holder(workdir)
-    if holder:
-      cli.fail(f"{workdir} is in use by a run still going ({holder}); wait for it to end, or give another --workdir")
-    shutil.rmtree(workdir, ignore_errors=True)
+  def empty(workdir):  # a drill's own folder, unless a run is still going there or it holds files of the user's
+    try:
+      train_runs.empty_workdir("the drill", workdir)
+    except train_runs.UnusableWorkdir as e:
+      cli.fail(str(e))
+    train_runs.stamp(workdir, shlex.join(["train.py", "--workdir", workdir, *config]))
 
   print("uninterrupted run ...", file=sys.stderr)
   clean = os.path.join(root, "uninterrupted")
@@ -210,4 +219,6 @@ def run_drill(args, root):
 
 
 if __name__ == "__main__":
-  main()
+  # A signal ends the drill at once: its train.py killed, its temporary root removed (the exit handlers).
+  with signals_exit_at_once("the drill: nothing reported", exit_handlers=True):
+    main()

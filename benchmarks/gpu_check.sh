@@ -54,12 +54,26 @@ else
 fi
 : > "$OUT/steps.jsonl"
 
+# A Ctrl-C or SIGTERM stops the check: `timeout` runs each step in a process group of its own, which a terminal's
+# Ctrl-C does not reach, so the step is stopped here (timeout passes the SIGTERM on to it), then the check.
+STEP_PID= STEP_NAME=
+stop() {
+  if [ -n "$STEP_PID" ]; then kill -TERM "$STEP_PID" 2> /dev/null; wait "$STEP_PID" 2> /dev/null; fi
+  echo "stopped by SIG$1${STEP_NAME:+ during the step $STEP_NAME}; the steps before it are in $OUT/steps.jsonl" >&2
+  exit "$2"
+}
+trap 'stop INT 130' INT
+trap 'stop TERM 143' TERM
+
 run() {  # run NAME SECONDS COMMAND...: its output to OUT/NAME.log, a record to OUT/steps.jsonl
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
   echo "== $name: $*" | tee -a "$OUT/report.txt"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1 &  # waited for below, where a trapped signal can end the wait
+  STEP_PID=$! STEP_NAME=$name
+  wait "$STEP_PID"
   local code=$?
+  STEP_PID= STEP_NAME=
   grep -v '^{' "$OUT/$name.log" | tail -n 12 >> "$OUT/report.txt"
   "$PY" - "$name" "$code" "$((SECONDS - start))" "$OUT/$name.log" >> "$OUT/steps.jsonl" <<'EOF'
 import json, sys

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from light_jax import cli  # noqa: E402
 from light_jax.data import ImageSource, records, transforms  # noqa: E402
+from light_jax.exit_codes import signals_exit_at_once  # noqa: E402
 
 CACHE_PX = {128: 160, 224: 256}  # shorter side of the cached copy for each training size
 
@@ -60,9 +61,9 @@ def imagenet_like_jpeg(rng: np.random.Generator) -> bytes:
 
 
 def rate(fn, n: int, seconds: float) -> float:
-  """Images per second of fn(i) over consecutive i, for about ``seconds``."""
+  """Images per second of fn(i) over consecutive i, for about ``seconds`` (at least one call)."""
   count, start = 0, time.perf_counter()
-  while time.perf_counter() - start < seconds:
+  while not count or time.perf_counter() - start < seconds:
     fn(count % n)
     count += 1
   return count / (time.perf_counter() - start)
@@ -155,4 +156,5 @@ def run(args, workdir: str):
 
 
 if __name__ == "__main__":
-  main()
+  with signals_exit_at_once("measuring: no result written", exit_handlers=True):  # the temporary folder goes too
+    main()

@@ -45,6 +45,7 @@ from ml_collections import config_flags  # noqa: E402
 from light_jax import cli, xla_flags  # noqa: E402
 from light_jax import config as config_lib  # noqa: E402
 from light_jax.config import base_config  # noqa: E402
+from light_jax.exit_codes import signals_exit_at_once  # noqa: E402
 
 try:  # a config dict flag applies its --config.FIELD overrides here, at definition
   _CONFIG = config_flags.DEFINE_config_dict("config", base_config(), "config fields (the defaults of base_config)")
@@ -223,4 +224,5 @@ def main(argv):
 
 if __name__ == "__main__":
   xla_flags.apply()
-  app.run(main, flags_parser=cli.flags_parser(_CONFIG))
+  with signals_exit_at_once("measuring: no result written", exit_handlers=True):
+    app.run(main, flags_parser=cli.flags_parser(_CONFIG))

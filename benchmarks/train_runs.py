@@ -128,8 +128,8 @@ def prepare_workdir(label: str, workdir: str, command: str, rerun: bool = False,
   """Readies ``workdir`` for the run of ``command`` (its text, stamped in WORKDIR/command.txt; ``also``: older
   stamps of the same run). False when the workdir already holds that run's summary.json: nothing to run. Else
   True, and a checkpoint of the same command is kept, for the run to resume from; any other workdir (or any,
-  with ``rerun``) is emptied and stamped. Raises UnusableWorkdir where a run still going there holds it, where it
-  is a file, or where it cannot be made."""
+  with ``rerun``) is emptied (``empty_workdir``) and stamped. Raises UnusableWorkdir where a run still going there
+  holds it, where it holds files no run of a study made, where it is a file, or where it cannot be made."""
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise UnusableWorkdir(f"{label}: {workdir} is a file, not a run's directory; move it away, then run this again")
   same_command = stamped_command(workdir) in (command, *also)
@@ -139,24 +139,46 @@ def prepare_workdir(label: str, workdir: str, command: str, rerun: bool = False,
   if not rerun and same_command and has_checkpoint(workdir):
     print(f"{label}: resuming {workdir} from its last checkpoint", file=sys.stderr, flush=True)
     return True
-  if os.path.exists(workdir):
-    from light_jax import checkpoint  # orbax: imported only where a workdir is to be emptied
-
-    holder = checkpoint.workdir_holder(workdir)
-    if holder:  # --rerun, or another command, while its run still trains: emptied, it broke that run
-      raise UnusableWorkdir(
-        f"{label}: {workdir} is in use by a run still going ({holder}); wait for it to end or stop it, then run "
-        "this again"
-      )
-    shutil.rmtree(workdir)
+  empty_workdir(label, workdir)
   try:
     os.makedirs(workdir)
   except OSError as e:  # a file on the way there, say
     raise UnusableWorkdir(f"{label}: cannot make {workdir} ({e.strerror}); choose another --workdir") from None
-  with open(_stamp_path(workdir), "w") as f:
-    f.write(command)
+  stamp(workdir, command)
   print(f"{label}: {command}", file=sys.stderr, flush=True)
   return True
+
+
+def empty_workdir(label: str, workdir: str) -> None:
+  """Removes ``workdir``, a run's folder that a study made (stamped with its command, ``prepare_workdir``) or an
+  empty one. Raises UnusableWorkdir where a run still going there holds it (--rerun, or another command, while it
+  trains: emptied, it broke that run), or where it holds files and no stamp: the user's own, which a mistyped
+  --workdir would have deleted."""
+  if not os.path.isdir(workdir):
+    return
+  from light_jax import checkpoint  # orbax: imported only where a workdir is to be emptied
+
+  holder = checkpoint.workdir_holder(workdir)
+  if holder:
+    raise UnusableWorkdir(
+      f"{label}: {workdir} is in use by a run still going ({holder}); wait for it to end or stop it, then run this "
+      "again"
+    )
+  inside = sorted(os.listdir(workdir))
+  if inside and stamped_command(workdir) is None:
+    listed = ", ".join(inside[:4]) + (" ..." if inside[4:] else "")
+    raise UnusableWorkdir(
+      f"{label}: {workdir} holds files no run of this program made ({listed}; no command.txt), which starting the "
+      "run there would delete; move them away, or give another --workdir"
+    )
+  shutil.rmtree(workdir)
+
+
+def stamp(workdir: str, command: str) -> None:
+  """Writes ``command`` in ``workdir`` (made), which a later ``empty_workdir`` may then remove."""
+  os.makedirs(workdir, exist_ok=True)
+  with open(_stamp_path(workdir), "w") as f:
+    f.write(command)
 
 
 # Fields that cannot change a finished run's result: how it was watched, saved, fed and where its data was.

@@ -26,6 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from light_jax import cli, xla_flags  # noqa: E402
+from light_jax.exit_codes import signals_exit_at_once  # noqa: E402
 
 
 def main():
@@ -80,6 +81,9 @@ def main():
   images = jax.device_put(rng.integers(0, 256, (args.batch, *info.image_shape), dtype=np.uint8), sharding)
   labels = jax.device_put(rng.integers(0, 10, args.batch).astype(np.int32), sharding)
 
+  count = 5 + 2 * (args.micro_batches > 1)
+  print(f"compiling {count} variants (state and step each), then {args.rounds} rounds x {args.steps} steps of each",
+        file=sys.stderr, flush=True)  # fmt: skip
   variants = {}
   ours = {
     "dense": ("dense", "fixed"),
@@ -191,4 +195,5 @@ def main():
 
 if __name__ == "__main__":
   xla_flags.apply()  # before JAX starts: the flags train.py runs with (light_jax/xla_flags.py)
-  main()
+  with signals_exit_at_once("measuring: no result written", exit_handlers=True):
+    main()

@@ -33,6 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from light_jax import cli, xla_flags  # noqa: E402
+from light_jax.exit_codes import signals_exit_at_once  # noqa: E402
 
 
 def main():
@@ -236,4 +237,5 @@ def sharded_vs_replicated(args, loss, params, images, labels, tx, schedule) -> d
 
 if __name__ == "__main__":
   xla_flags.apply()  # before JAX starts: the flags train.py runs with (light_jax/xla_flags.py)
-  main()
+  with signals_exit_at_once("measuring: no result written", exit_handlers=True):
+    main()

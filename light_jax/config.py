@@ -239,6 +239,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 # What VALUE sets in a strategy label "NAME@VALUE" (the top-k strategies and auto: comm.density).
 STRATEGY_PARAMETER = {"powersgd": ("rank", int), "diloco": ("sync_every", int)}
+_EXAMPLE_VALUE = {"powersgd": 4, "diloco": 8}
 
 
 def strategy_fields(label: str) -> dict[str, Any]:
@@ -248,9 +249,16 @@ def strategy_fields(label: str) -> dict[str, Any]:
   from light_jax.parallel.reducer import STRATEGIES
 
   spec, *options = label.split("/")
-  name, _, value = spec.partition("@")
+  name, at, value = spec.partition("@")
   _choice(f"strategy {label!r}: comm.strategy", name, STRATEGIES)  # before any run that would take it
   fields: dict[str, Any] = {"strategy": name}
+  takes_value = name in STRATEGY_PARAMETER or is_top_k(name) or name == "auto"
+  if at and not takes_value:  # it was accepted, and did nothing
+    raise ConfigError(f"strategy {label!r}: {name} takes no @VALUE (the top-k strategies and auto take a density, "
+                      "powersgd a rank, diloco its steps between syncs)")  # fmt: skip
+  if at and not value:
+    raise ConfigError(f"strategy {label!r}: nothing after @; give a value ({name}@{_EXAMPLE_VALUE.get(name, 0.01)}), "
+                      "or drop the @ for the config's")  # fmt: skip
   if value:
     field, kind = STRATEGY_PARAMETER.get(name, ("density", float))
     try:

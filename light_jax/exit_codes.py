@@ -1,5 +1,6 @@
 """Exit codes of ``train.py``, for scripts and cluster managers that restart runs, and leaving at once with one."""
 
+import atexit
 import contextlib
 import enum
 import os
@@ -16,10 +17,13 @@ class ExitCode(enum.IntEnum):
   PEER_FAILURE = 4  # another process of a multi-process run died, hung, failed, or never joined
 
 
-def exit_now(line: str, code: int):
+def exit_now(line: str, code: int, exit_handlers: bool = False):
   """Prints ``line`` on stderr and exits with ``code`` at once, without Python's exit handlers (jax.distributed's
-  waits at a barrier for every process)."""
+  waits at a barrier for every process), or with them (``exit_handlers``: a program of one process, whose handlers
+  remove its temporary folders and the output folders it made but wrote nothing in, light_jax/cli.py)."""
   print(line, file=sys.stderr)
+  if exit_handlers:
+    atexit._run_exitfuncs()  # what a normal exit runs; os._exit below skips the interpreter's shutdown after them
   flush_output()
   os._exit(code)
 
@@ -40,16 +44,18 @@ def flush_output(timeout: float = 1.0) -> None:
 
 
 @contextlib.contextmanager
-def signals_exit_at_once(doing: str):
+def signals_exit_at_once(doing: str, exit_handlers: bool = False):
   """While inside (main thread only; elsewhere it does nothing), a Ctrl-C or SIGTERM exits at once with
-  128 + its number and the line "stopped by SIGNAME while ``doing``"."""
+  128 + its number and the line "stopped by SIGNAME while ``doing``" (``exit_now``'s ``exit_handlers``). The
+  benchmarks measure inside it: a Ctrl-C raised as a KeyboardInterrupt into JAX mid-computation printed a
+  traceback, and the interpreter's shutdown then crashed (a segfault, exit 139)."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
 
   def leave(signum, frame):
     del frame
-    exit_now(f"stopped by {signal.Signals(signum).name} while {doing}", 128 + signum)
+    exit_now(f"stopped by {signal.Signals(signum).name} while {doing}", 128 + signum, exit_handlers)
 
   previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGINT, signal.SIGTERM)}
   try:

@@ -203,6 +203,11 @@ def test_strategy_labels_name_their_comm_fields():
     config_lib.strategy_fields("hitopk@0.01/fp8")
   with pytest.raises(config_lib.ConfigError, match=r"strategy 'hitopk@2': comm.density=2.0 must be in \(0, 1\]"):
     config_lib.strategy_fields("hitopk@2")
+  # "hitopk@" ran at the config's density, "dense@0.5" as dense: the label a table showed said otherwise.
+  with pytest.raises(config_lib.ConfigError, match=r"'hitopk@': nothing after @; give a value \(hitopk@0.01\)"):
+    config_lib.strategy_fields("hitopk@")
+  with pytest.raises(config_lib.ConfigError, match=r"'dense@0.5': dense takes no @VALUE"):
+    config_lib.strategy_fields("dense@0.5")
   with pytest.raises(config_lib.ConfigError, match=r"strategy 'diloco@0': comm.sync_every=0 must be > 0"):
     config_lib.strategy_fields("diloco@0")
 

@@ -162,6 +162,41 @@ def test_input_pipeline_removes_its_temporary_workdir(tmp_path):
   assert not list(tmp_path.glob("input_bench_*"))
 
 
+def _stopped_by(signum, script, *args, after, stream="stderr", **env):
+  """``python ROOT/script ARGS`` sent ``signum`` once a line of its ``stream`` holds ``after``: (exit code, the
+  lines of its stderr)."""
+  process = subprocess.Popen(
+    [sys.executable, os.path.join(ROOT, script), *args],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **env),  # each line as it is printed
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,  # the scripts' few lines on the stream not watched fit its pipe
+    text=True,
+  )
+  watched = process.stderr if stream == "stderr" else process.stdout
+  for line in watched:
+    if after in line:
+      break
+  process.send_signal(signum)
+  _, err = process.communicate(timeout=60)
+  return process.returncode, err.splitlines()
+
+
+def test_a_signal_stops_a_benchmark_in_one_line_and_removes_what_it_made(tmp_path):
+  """A Ctrl-C inside JAX was a KeyboardInterrupt traceback, then a segfault (exit 139); a SIGTERM left the input
+  benchmark's temporary folder (megabytes of caches) behind."""
+  code, lines = _stopped_by(
+    signal.SIGINT, "benchmarks/train_step.py", "--steps=5", "--rounds=50", "--batch=8", "--nodes=1", "--local=1",
+    after="compiling",
+  )  # fmt: skip
+  assert code == 130 and lines[-1] == "stopped by SIGINT while measuring: no result written", lines[-20:]
+  code, lines = _stopped_by(
+    signal.SIGTERM, "benchmarks/input_pipeline.py", "--images=20", "--rounds=3", after="JPEGs", TMPDIR=str(tmp_path)
+  )
+  assert code == 143 and lines[-1] == "stopped by SIGTERM while measuring: no result written", lines[-20:]
+  assert not any("Traceback" in line for line in lines) and os.listdir(tmp_path) == []
+
+
 STAND_IN_FAILING_TRAIN_PY = """
 import os, sys
 workdir = sys.argv[sys.argv.index("--workdir") + 1]
@@ -174,7 +209,8 @@ sys.exit(2)
 def test_fault_drill_stops_at_a_failing_train_py_with_its_output_and_removes_its_temporary_root(tmp_path):
   """A copy of the drill in a repository root of its own, whose train.py fails as one without its data does."""
   (tmp_path / "root" / "benchmarks").mkdir(parents=True)
-  shutil.copy(os.path.join(ROOT, "benchmarks", "fault_drill.py"), tmp_path / "root" / "benchmarks")
+  for script in ("fault_drill.py", "train_runs.py"):
+    shutil.copy(os.path.join(ROOT, "benchmarks", script), tmp_path / "root" / "benchmarks")
   (tmp_path / "root" / "train.py").write_text(STAND_IN_FAILING_TRAIN_PY)
   (tmp_path / "tmp").mkdir()
   script = str(tmp_path / "root" / "benchmarks" / "fault_drill.py")
@@ -194,8 +230,19 @@ def test_fault_drill_keeps_a_folder_a_run_still_holds(tmp_path):
   (workdir / "metrics.jsonl").write_text("")
   with workdir_held(workdir) as holder:
     message = _fails("benchmarks/fault_drill.py", f"--workdir={tmp_path / 'drill'}")
-  assert message.startswith(f"error: {workdir} is in use by a run still going (process {holder} on ")
+  assert message.startswith(f"error: the drill: {workdir} is in use by a run still going (process {holder} on ")
   assert sorted(os.listdir(workdir)) == [".lock", "metrics.jsonl"]
+
+
+def test_fault_drill_keeps_a_folder_of_the_users_own(tmp_path):
+  """--workdir naming a folder whose uninterrupted/ held the user's files: they were deleted."""
+  (tmp_path / "drill" / "uninterrupted").mkdir(parents=True)
+  (tmp_path / "drill" / "uninterrupted" / "precious.txt").write_text("mine")
+  message = _fails("benchmarks/fault_drill.py", f"--workdir={tmp_path / 'drill'}")
+  assert message.startswith(
+    f"error: the drill: {tmp_path / 'drill' / 'uninterrupted'} holds files no run of this program made (precious.txt;"
+  )
+  assert (tmp_path / "drill" / "uninterrupted" / "precious.txt").read_text() == "mine"
 
 
 # Toy settings: without the checks these would run to the end in seconds, not minutes.

@@ -148,6 +148,23 @@ def test_a_workdir_a_run_still_holds_is_not_emptied(tmp_path, monkeypatch):
   assert _processes(workdir) == 1
 
 
+def test_a_folder_of_the_users_own_is_not_emptied_for_a_run(tmp_path, monkeypatch):
+  """A --workdir that named a folder of the user's (no command.txt: no run of a study made it): it was deleted."""
+  train_runs = _stand_in(tmp_path, monkeypatch, stops_first=False)
+  workdir = tmp_path / "notes"
+  workdir.mkdir()
+  (workdir / "precious.txt").write_text("mine")
+  with pytest.raises(
+    train_runs.UnusableWorkdir,
+    match=rf"row: {workdir} holds files no run of this program made \(precious.txt; no command.txt\), which",
+  ):
+    train_runs.run("row", "c.py", [], str(workdir))
+  assert (workdir / "precious.txt").read_text() == "mine"
+  train_runs.run("row", "c.py", [], str(tmp_path / "empty"))  # an empty folder, or none, is the run's to take
+  train_runs.run("row", "c.py", ["--config.seed=2"], str(tmp_path / "empty"))  # its own, stamped: started over
+  assert _processes(tmp_path / "empty") == 1
+
+
 def test_a_file_where_a_run_s_workdir_goes_is_named_and_kept(tmp_path, monkeypatch):
   """It made the study fail with NotADirectoryError from shutil.rmtree."""
   train_runs = _stand_in(tmp_path, monkeypatch)
