@@ -56,9 +56,10 @@ fi
 
 # A Ctrl-C or SIGTERM stops the check: `timeout` runs each step in a process group of its own, which a terminal's
 # Ctrl-C does not reach, so the step is stopped here (timeout passes the SIGTERM on to it), then the check.
-STEP_PID= STEP_NAME=
+STEP_NAME=
 stop() {
-  if [ -n "$STEP_PID" ]; then kill -TERM "$STEP_PID" 2> /dev/null; wait "$STEP_PID" 2> /dev/null; fi
+  local step; step=$(jobs -p)  # the step's timeout, if it has started
+  if [ -n "$step" ]; then kill -TERM $step 2> /dev/null; wait $step 2> /dev/null; fi
   echo "stopped by SIG$1${STEP_NAME:+ during the step $STEP_NAME}; the steps before it are in $OUT/steps.jsonl" >&2
   exit "$2"
 }
@@ -68,12 +69,12 @@ trap 'stop TERM 143' TERM
 run() {  # run NAME SECONDS COMMAND...: its output to OUT/NAME.log, a record to OUT/steps.jsonl
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
+  STEP_NAME=$name
   echo "== $name: $*" | tee -a "$OUT/report.txt"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1 &  # waited for below, where a trapped signal can end the wait
-  STEP_PID=$! STEP_NAME=$name
-  wait "$STEP_PID"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1 &  # waited for here, where a trapped signal ends the wait
+  wait $!
   local code=$?
-  STEP_PID= STEP_NAME=
+  STEP_NAME=
   grep -v '^{' "$OUT/$name.log" | tail -n 12 >> "$OUT/report.txt"
   "$PY" - "$name" "$code" "$((SECONDS - start))" "$OUT/$name.log" >> "$OUT/steps.jsonl" <<'EOF'
 import json, sys

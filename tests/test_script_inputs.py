@@ -519,6 +519,24 @@ def test_gpu_check_refuses_a_flag_for_its_output_folder(tmp_path, argv, code, me
   assert os.listdir(tmp_path) == []  # nothing made, here or in the repository's root
 
 
+def test_a_ctrl_c_stops_the_gpu_check_and_its_step(tmp_path):
+  """`timeout` runs each step in a process group of its own, out of a terminal's Ctrl-C: the check went on with the
+  next step and the next."""
+  process = subprocess.Popen(
+    ["bash", "benchmarks/gpu_check.sh", str(tmp_path / "out"), "--toy"], cwd=ROOT, stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHON=sys.executable),
+  )  # fmt: skip
+  assert process.stdout.readline().startswith("light_jax GPU check")
+  assert process.stdout.readline().startswith("== throughput_float32_32_b8: ")  # the step has started
+  process.send_signal(signal.SIGINT)
+  _, err = process.communicate(timeout=60)
+  assert process.returncode == 130, err[-3000:]
+  assert err.strip().splitlines()[-1] == (
+    f"stopped by SIGINT during the step throughput_float32_32_b8; the steps before it are in {tmp_path}/out/steps.jsonl"
+  )
+  assert "== collectives" not in (tmp_path / "out" / "report.txt").read_text()
+
+
 def test_gpu_check_refused_leaves_an_earlier_runs_results_and_names_an_unwritable_folder(tmp_path):
   """It emptied report.txt and steps.jsonl before finding no GPU; a read-only folder gave 32 lines and a traceback."""
   script = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
