@@ -229,8 +229,9 @@ def bucket_seconds(cost: ClusterCost, reducer: GradientReducer, elements: int) -
 def effective_link(cost: ClusterCost, reducer: GradientReducer) -> LinkCost:
   """alpha and beta of one fused collective of ``reducer``'s strategy on this cluster (all levels).
 
-  The modelled time is linear in the buffer size (k grows with it for the top-k strategies), so two
-  sizes give the line exactly.
+  The modelled time is nearly linear in the buffer size (k grows with it for the top-k strategies), so two sizes
+  give the line: within 0.3% for the top-k strategies (k rounded up, the compact pairs' block counts), further off
+  for a small bucket that the top-k strategies reduce dense (docs/techniques.md section 5).
   """
   small, large = (bucket_seconds(cost, reducer, n) for n in (2**20, 2**26))
   beta = (large - small) / ((2**26 - 2**20) * 4)
