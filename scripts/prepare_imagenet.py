@@ -64,6 +64,8 @@ def _member_names(path: str) -> list[str]:
       end = tar.offset
   except tarfile.TarError as e:
     raise PrepareError(f"{path} is not a readable tar ({e}); is the download complete?") from e
+  except OSError as e:  # another user's, or a failing disk
+    raise PrepareError(f"{path} cannot be read ({e.strerror}); check its permissions and the disk") from None
   with open(path, "rb") as f:
     f.seek(end)
     marker = f.read(1024)
@@ -257,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
   except PrepareError as e:  # the inputs or a missing extra: the message says what to fix
     print(f"error: {e}", file=sys.stderr)
     return 2  # ExitCode.BAD_INPUT, as every script's bad input
+  except OSError as e:  # a file it may not read or write (the tars are checked above), a full disk: one line
+    where = f"{e.filename}: " if e.filename else ""
+    print(f"error: {where}{e.strerror or e}; check the permissions and the free space, then run this again",
+          file=sys.stderr)  # fmt: skip
+    return 2
   print(summary(builder, data_dir, time.time() - start))
   return 0
 

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from light_jax.data import DataError, EvalBatches, ImageSource, TrainBatches, load_dataset, records, transforms
-from tests.helpers import ROOT, flip_bytes, train_py
+from tests.helpers import ROOT, flip_bytes, tmpfs, train_py
 from tests.image_folder_fixture import DECODABLE, bad_files, class_image, jpeg_bytes, make_image_folder
 
 
@@ -85,6 +85,27 @@ def test_a_conversion_that_fails_leaves_the_earlier_one_as_it_was(tmp_path):
     records.convert_image_folder(str(raw), str(converted))
   assert {name: (converted / name).read_bytes() for name in os.listdir(converted)} == before
   assert sorted(before) == ["info.json", "train.array_record", "val.array_record"]
+
+
+def test_a_second_conversion_into_the_same_folder_is_refused_and_keeps_the_first_ones_work(tmp_path):
+  """`--splits val` beside a `--splits train` of hours: it removed the first's staging folder, which then failed."""
+  raw, converted = _one_cat_converted(tmp_path)
+  os.makedirs(converted / ".converting_live")  # the first conversion's work in progress
+  holder = subprocess.Popen(
+    [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.lockf(f, fcntl.LOCK_EX); "
+     "print('held', flush=True); time.sleep(60)", str(converted / ".conversion.lock")],
+    stdout=subprocess.PIPE, text=True,
+  )  # fmt: skip
+  try:
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(DataError, match=rf"^{converted} is being written by another conversion; wait for it to end"):
+      records.convert_image_folder(str(raw), str(converted), ("val",))
+  finally:
+    holder.kill()
+    holder.wait()
+  assert (converted / ".converting_live").is_dir()
+  records.convert_image_folder(str(raw), str(converted), ("val",))  # the first one over: its leftovers go
+  assert not (converted / ".converting_live").exists()
 
 
 def test_converting_one_split_keeps_the_others_only_if_their_classes_are_the_same(tmp_path):
@@ -471,7 +492,7 @@ def test_a_decoded_cache_build_starts_worker_processes_only_where_they_finish_so
   assert not records._pool_pays(0.1, 1_000_000, workers=1)
 
 
-def test_decoded_cache_gives_the_jpeg_paths_pixels(folder, tmp_path):
+def test_decoded_cache_gives_the_jpeg_paths_pixels(folder, tmp_path, capfd):
   source = records.FolderRecords(folder["dir"], "train")
   # A record list with a bad file in it: the cache keeps the slot empty, so indices stay aligned.
   items = [source[i] for i in range(len(source))]
@@ -479,6 +500,8 @@ def test_decoded_cache_gives_the_jpeg_paths_pixels(folder, tmp_path):
   jpegs = records.ListRecords(items)
   path = str(tmp_path / "cache.array_record")
   records.build_disk_cache(jpegs, path, shorter=40, workers=2)
+  # Named as it is built: training knows it only as the cache's record 3.
+  assert "decoded cache: skipping bad image truncated.JPEG (" in capfd.readouterr().err
   disk, memory = records.DecodedCache(path), records.DecodedCache(path, in_memory=True)
   assert len(disk) == len(memory) == len(jpegs)  # the last record, the records' fingerprint, is not an image
   assert disk.source_fingerprint == memory.source_fingerprint == jpegs.fingerprint
@@ -690,13 +713,16 @@ def test_the_cache_builders_workers_end_with_the_build_and_its_leftovers_go(tmp_
     os.kill(pid, signal.SIGKILL)
   assert not alive
   # The partial files of killed builds: removed once nothing has written to them for an hour.
+  # Another cache's too: a build killed, then run at another size (it stayed, a second copy's worth of disk).
   path = tmp_path / "decoded_160px_x.array_record"
   old, live = tmp_path / (path.name + ".tmp-old"), tmp_path / (path.name + ".tmp-live")
-  for leftover in (old, live):
+  other = tmp_path / "decoded_128px_x.array_record.tmp-old"
+  for leftover in (old, live, other):
     leftover.write_bytes(b"partial")
-  os.utime(old, (time.time() - 2 * records.STALE_PARTIAL_SECONDS,) * 2)
+  for stale in (old, other):
+    os.utime(stale, (time.time() - 2 * records.STALE_PARTIAL_SECONDS,) * 2)
   records._remove_stale_partial_files(str(path))
-  assert not old.exists() and live.exists()
+  assert not old.exists() and not other.exists() and live.exists()
 
 
 def test_a_jpeg_damaged_mid_file_is_a_bad_image_on_the_whole_image_path():
@@ -735,3 +761,15 @@ def test_evaluation_decodes_whole_so_a_jpeg_damaged_below_its_centre_box_counts_
   for region_decode in (True, False):
     with pytest.raises(transforms.BadImage):
       transforms.decode_crop_resize(bytes(damaged), 32, region_decode=region_decode)
+
+
+def test_a_disk_that_fills_up_while_a_record_file_is_written_is_one_error(tmp_path):
+  """The converted folder or the decoded cache: the writer raises from write() once it has ~16 MB buffered (a
+  RuntimeError traceback), not only at its close; the partial file goes."""
+  with tmpfs(tmp_path / "disk", "size=1m") as disk:
+    with pytest.raises(DataError) as failed, records._writer(str(disk / "train.array_record")) as writer:
+      for _ in range(40):
+        writer.write(np.random.default_rng(0).bytes(1 << 20))
+    assert os.listdir(disk) == []
+  assert str(failed.value).startswith(f"writing {disk / 'train.array_record'} failed (")
+  assert str(failed.value).endswith("); check the free space there and run again")

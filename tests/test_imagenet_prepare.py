@@ -218,6 +218,14 @@ def test_a_cut_or_foreign_train_tar_is_refused_before_the_preparation(tmp_path):
   assert not (tmp_path / "out").exists()
 
 
+def test_a_tar_that_cannot_be_read_is_named_in_one_line(tmp_path):
+  """Another user's (mode 600, for a run not as root) or on a failing disk: an OSError traceback."""
+  prepare = load_script("scripts/prepare_imagenet.py")
+  os.symlink("/proc/self/mem", tmp_path / TRAIN_TAR)  # a file whose reads fail (EIO) even for root
+  with pytest.raises(prepare.PrepareError, match=rf"^{tmp_path / TRAIN_TAR} cannot be read \(Input/output error\)"):
+    prepare.check_train_tar(str(tmp_path / TRAIN_TAR))
+
+
 def test_a_class_imagenet_lacks_or_a_damaged_class_tar_is_refused_before_the_preparation(tmp_path):
   """TFDS met both mid-way, as tracebacks (ClassLabel's KeyError, tarfile's ReadError), after the classes before."""
   prepare = load_script("scripts/prepare_imagenet.py")

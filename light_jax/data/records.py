@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -33,6 +34,7 @@ import shutil
 import struct
 import tempfile
 import time
+import types
 import uuid
 from collections.abc import Callable
 
@@ -59,24 +61,37 @@ def _writer(path: str):
   tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # unique even when hosts sharing a directory have equal pids
   # group_size:1 keeps every record separately addressable (random access reads one record); no
   # compression: decompressing pixels would cost the CPU time the decoded cache exists to save.
-  writer = ArrayRecordWriter(tmp, "group_size:1,uncompressed")
+  writers = [ArrayRecordWriter(tmp, "group_size:1,uncompressed")]
 
   def discard():
     with contextlib.suppress(Exception):
-      writer.close()
+      writers[0].close()
+    # Dropped too: a close that failed (a full disk) leaves the file open until the writer goes, and with it the
+    # space of the removed file, which the error's traceback would otherwise hold on to.
+    writers.clear()
     with contextlib.suppress(OSError):
       os.remove(tmp)
 
+  def failed(e: RuntimeError) -> DataError:
+    reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    return DataError(f"writing {path} failed ({reason}); check the free space there and run again")
+
+  def write(record: bytes) -> None:  # a full disk shows here once ~16 MB are buffered, else at the close
+    try:
+      writers[0].write(record)
+    except RuntimeError as e:
+      raise failed(e) from None
+
   try:
-    yield writer
+    yield types.SimpleNamespace(write=write)
   except BaseException:
     discard()
     raise
   try:
-    writer.close()  # buffered writes report a full disk only here
+    writers[0].close()
   except RuntimeError as e:
     discard()
-    raise DataError(f"writing {path} failed ({e}); check the free space there and run again") from None
+    raise failed(e) from None
   os.replace(tmp, path)
 
 
@@ -297,29 +312,72 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   classes = _class_folders(first)
   if not classes:
     raise DataError(f"{first} has no class sub-folders (expected {first}/CLASS_NAME/*.jpg)")
-  kept = _splits_kept(out_dir, splits, classes)
+  _splits_kept(out_dir, splits, classes)  # refused before out_dir is made
   try:
     os.makedirs(out_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(out_dir, _STAGING + "*")):  # left by a conversion that was killed
-      shutil.rmtree(stale, ignore_errors=True)
-    # Written in a folder inside ``out_dir`` (room for a second copy is needed) and moved over the files there at
-    # the end: a conversion that fails (a split's fault found late, a full disk, Ctrl-C before the moves) leaves
-    # ``out_dir`` as it found it, a good earlier conversion included.
-    staging = tempfile.mkdtemp(prefix=_STAGING, dir=out_dir)
   except OSError as e:  # before the work, not a traceback
     raise DataError(f"{out_dir}: cannot write there ({e.strerror}); choose another --out") from None
-  try:
-    info = _convert_splits(folder, staging, splits, classes)
-    info["splits"].update(kept)
-    with open(os.path.join(staging, "info.json"), "w") as f:
-      json.dump(info, f, indent=1)
-    # info.json last: until it is moved, the records' fingerprint (its conversion_id) is the old one's, so no
-    # decoded cache built from a mix of old and new files can pass for the new conversion's.
-    for name in (*(f"{split}.array_record" for split in splits), "info.json"):
-      os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
-  finally:
-    shutil.rmtree(staging, ignore_errors=True)
+  with _only_conversion_into(out_dir):
+    kept = _splits_kept(out_dir, splits, classes)  # again: no other conversion changes them from here on
+    try:
+      for stale in glob.glob(os.path.join(out_dir, _STAGING + "*")):  # left by a conversion that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+      # Written in a folder inside ``out_dir`` (room for a second copy is needed) and moved over the files there at
+      # the end: a conversion that fails (a split's fault found late, a full disk, Ctrl-C before the moves) leaves
+      # ``out_dir`` as it found it, a good earlier conversion included.
+      staging = tempfile.mkdtemp(prefix=_STAGING, dir=out_dir)
+    except OSError as e:
+      raise DataError(f"{out_dir}: cannot write there ({e.strerror}); choose another --out") from None
+    try:
+      info = _convert_splits(folder, staging, splits, classes)
+      info["splits"].update(kept)
+      with open(os.path.join(staging, "info.json"), "w") as f:
+        json.dump(info, f, indent=1)
+      # info.json last: until it is moved, the records' fingerprint (its conversion_id) is the old one's, so no
+      # decoded cache built from a mix of old and new files can pass for the new conversion's.
+      for name in (*(f"{split}.array_record" for split in splits), "info.json"):
+        os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+    finally:
+      shutil.rmtree(staging, ignore_errors=True)
   return info
+
+
+@contextlib.contextmanager
+def _only_conversion_into(out_dir: str):
+  """Holds ``out_dir`` for one conversion (a lock on its ``.conversion.lock``, removed at the end): a second one into
+  it at the same time (``--splits val`` beside a ``--splits train`` of hours) removed the first's staging folder as a
+  killed one's, and each would write an info.json without the other's split. A file system without locks is not
+  checked."""
+  import fcntl
+
+  path = os.path.join(out_dir, ".conversion.lock")
+  while True:
+    try:
+      lock = open(path, "a+")
+    except OSError as e:
+      raise DataError(f"{out_dir}: cannot write there ({e.strerror}); choose another --out") from None
+    try:
+      fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      lock.close()
+      if e.errno in (errno.EACCES, errno.EAGAIN):
+        raise DataError(
+          f"{out_dir} is being written by another conversion; wait for it to end and run this again (it keeps "
+          "the other's splits), or give another --out"
+        ) from None
+      lock = None  # no locks here
+      break
+    with contextlib.suppress(OSError):
+      if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+        break
+    lock.close()  # the file a conversion that just ended removed: lock the one there now
+  try:
+    yield
+  finally:
+    with contextlib.suppress(OSError):
+      os.remove(path)
+    if lock:
+      lock.close()
 
 
 def _has_image_files(root: str, classes: list[str]) -> bool:
@@ -469,10 +527,11 @@ def _splits_kept(out_dir: str, splits: tuple[str, ...], classes: list[str]) -> d
 
 
 def _decode_for_cache(item: tuple[bytes, int, str], shorter: int) -> bytes:
-  data, label, _ = item
+  data, label, name = item
   try:
     image = transforms.decode_shorter_side(data, shorter)
-  except transforms.BadImage:
+  except transforms.BadImage as e:  # named here: the cache keeps no name, and training skips it by its index
+    logging.warning("decoded cache: skipping bad image %s (%s); a stand-in will replace it", name, e)
     return _CACHE_HEADER.pack(label, 0, 0)
   pixels = np.asarray(image, dtype=np.uint8)
   if max(pixels.shape[:2]) > 65535:  # the header's uint16 sides: such a strip is a bad image, as its stand-in says
@@ -517,10 +576,11 @@ STALE_PARTIAL_SECONDS = 3600
 
 
 def _remove_stale_partial_files(path: str) -> None:
-  """Removes ``path``'s partial files (``_writer``'s ``.tmp-*``) left by builds that were killed: those not
-  written to for ``STALE_PARTIAL_SECONDS`` (a live build, another process's too, writes every chunk)."""
-  folder, name = os.path.split(path)
-  for leftover in glob.glob(os.path.join(glob.escape(folder), glob.escape(name) + ".tmp-*")):
+  """Removes the partial files (``_writer``'s ``.tmp-*``) of decoded caches in ``path``'s folder, this one's and any
+  other's (a build killed, then run again at another size or on other data), left by builds that were killed: those
+  not written to for ``STALE_PARTIAL_SECONDS`` (a live build, another process's too, writes every chunk)."""
+  folder = os.path.dirname(path)
+  for leftover in glob.glob(os.path.join(glob.escape(folder), "decoded_*.array_record.tmp-*")):
     with contextlib.suppress(OSError):  # another process removed it first
       if time.time() - os.path.getmtime(leftover) > STALE_PARTIAL_SECONDS:
         os.remove(leftover)
