@@ -46,7 +46,7 @@ from collections.abc import Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from light_jax import cli, xla_flags  # noqa: E402
+from light_jax import cli, coordinator, xla_flags  # noqa: E402
 from light_jax.emulated_cluster import (  # noqa: E402
   ClusterError,
   EmulatedCluster,
@@ -202,11 +202,21 @@ def main():
   parser.add_argument("--max_seconds", type=float, default=1.0, help="longest inter-node measurement at the rate")
   parser.add_argument("--emulate", metavar="RATE", help="calibrate on an emulated cluster with links shaped to RATE")
   parser.add_argument("--coordinator", help="HOST:PORT of process 0 (one process per node)")
-  parser.add_argument("--num_processes", type=int, default=1)
-  parser.add_argument("--process_id", type=int, default=0)
-  parser.add_argument("--rate_bits", type=int, default=0, help="the inter-node rate, bits/s, to size the tests")
+  parser.add_argument("--num_processes", type=cli.int_at_least(1), default=1)
+  parser.add_argument("--process_id", type=cli.int_at_least(0), default=0)
+  parser.add_argument("--rate_bits", type=cli.int_at_least(0), default=0,
+                      help="the inter-node rate, bits/s, to size the tests (0: not sized)")  # fmt: skip
   parser.add_argument("--out", default="runs/links.json")
   args = parser.parse_args()
+  try:  # 0 or nan measured from 2 sizes instead of 9, without a word
+    cli.check_seconds(args, "max_seconds")
+    if args.coordinator:
+      coordinator.parse(args.coordinator)
+  except (ValueError, coordinator.CoordinatorError) as e:
+    cli.fail(str(e))
+  if args.process_id >= args.num_processes:
+    cli.fail(f"--process_id={args.process_id}: the processes are numbered 0 to --num_processes - 1 "
+             f"({args.num_processes - 1})")  # fmt: skip
   args.out = os.path.abspath(cli.output_path(args.out, "--out"))
 
   if args.emulate:

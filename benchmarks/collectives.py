@@ -47,9 +47,6 @@ VARIANTS = {
   "powersgd@1": ("powersgd", "fixed", 1, None),
   "powersgd@4": ("powersgd", "fixed", 4, None),
 }
-# The most devices a mesh here may have: one machine's GPUs, or CPU devices simulated in one process (thousands
-# crashed it, or failed after a minute with "Multiprocess computations aren't implemented on the CPU backend").
-MAX_DEVICES = 512
 
 
 def main():
@@ -70,12 +67,7 @@ def main():
     cli.fail(f"--device_tflops={args.device_tflops}: must be a number > 0 (the device's TFLOP/s)")
   if args.nodes < 1 or args.local == 0 or args.local < -1:
     cli.fail(f"--nodes={args.nodes} --local={args.local}: each must be >= 1 (--local may be -1: every device here)")
-  if args.nodes * max(args.local, 1) > MAX_DEVICES:  # 8,000 simulated CPU devices: a misleading error after a minute
-    cli.fail(
-      f"--nodes={args.nodes} --local={args.local}: {args.nodes * max(args.local, 1):,} devices; this benchmark runs "
-      f"on one machine's devices (on the CPU, simulated), at most {MAX_DEVICES}: predict a larger cluster with "
-      "scripts/simulate.py"
-    )
+  cli.check_device_count(args.nodes * max(args.local, 1), f"--nodes={args.nodes} --local={args.local}")
   only = args.only.split(",") if args.only else list(VARIANTS)
   unknown = [n for n in only if n not in VARIANTS]
   if unknown:

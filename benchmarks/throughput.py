@@ -100,6 +100,7 @@ def main(argv):
     owner = next((f for f in FLAG_FIELDS if field == f or field.startswith(f + ".")), None)
     if owner:
       cli.fail(f"--config.{field} has no effect in this benchmark; set {FLAG_FIELDS[owner]} instead")
+  cli.check_device_count(_CPU_DEVICES.value, f"--cpu_devices={_CPU_DEVICES.value}")
   import jax
 
   if _CPU_DEVICES.value > 1:

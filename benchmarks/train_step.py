@@ -45,6 +45,7 @@ def main():
   if args.nodes < 1 or args.local < 1:
     cli.fail(f"--nodes={args.nodes} --local={args.local}: each must be >= 1")
   devices = args.nodes * args.local
+  cli.check_device_count(devices, f"--nodes={args.nodes} --local={args.local}")
   if args.batch < devices or args.batch % devices:
     lower = max(args.batch // devices, 1) * devices
     cli.fail(f"--batch={args.batch} does not divide over the {devices} devices of --nodes x --local; use a multiple "

@@ -46,6 +46,7 @@ def main():
   args = parser.parse_args()
   if args.local < 1:
     cli.fail(f"--local={args.local}: must be >= 1")
+  cli.check_device_count(args.local, f"--local={args.local}")
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.local))  # simulated CPU devices; no effect on GPUs
   cli.check_model(args.model)  # after: it imports JAX, which reads JAX_NUM_CPU_DEVICES once, at import
 

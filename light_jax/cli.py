@@ -132,6 +132,20 @@ def check_seconds(args: argparse.Namespace, *names: str) -> None:
       raise ValueError(f"--peer_timeout {value} must be at least {MIN_PEER_TIMEOUT:g} seconds (train.py's floor)")
 
 
+# The most devices a benchmark's mesh may have: one machine's GPUs, or CPU devices simulated in one process (thousands
+# crashed it, or failed after a minute with "Multiprocess computations aren't implemented on the CPU backend").
+MAX_DEVICES = 512
+
+
+def check_device_count(count: int, flags_given: str) -> None:
+  """``fail``s where a benchmark's ``count`` devices (from ``flags_given``, as typed) exceed MAX_DEVICES."""
+  if count > MAX_DEVICES:
+    fail(
+      f"{flags_given}: {count:,} devices; this benchmark runs on one machine's devices (on the CPU, simulated), at "
+      f"most {MAX_DEVICES}: predict a larger cluster with scripts/simulate.py"
+    )
+
+
 def check_model(name: str, flag: str = "--model") -> None:
   """A model name the benchmarks take, checked before any work (create_model's own error is a traceback)."""
   from light_jax.models import ARCHITECTURES  # flax: imported only where a model is named

@@ -257,6 +257,14 @@ def test_calibrate_links_refuses_a_mesh_that_does_not_fit_the_devices(tmp_path):
       ["--emulate", "fast", "--out", "{tmp}/links.json"],
       "--emulate=fast: bandwidth 'fast' is not 'unshaped' or a rate",
     ),
+    # Measured from 2 sizes instead of 9 (and nan: "beta": 0.0, a link of no cost), or an IndexError traceback.
+    ("calibrate_links.py", ["--max_seconds", "nan", "--out", "{tmp}/l.json"], "--max_seconds nan must be a number"),
+    ("calibrate_links.py", ["--coordinator", "foo", "--out", "{tmp}/l.json"], "--coordinator=foo: expected host:port"),
+    (
+      "calibrate_links.py",
+      ["--num_processes", "2", "--process_id", "5", "--out", "{tmp}/l.json"],
+      "--process_id=5: the processes are numbered 0 to --num_processes - 1 (1)",
+    ),
   ],
 )
 def test_the_lab_scripts_refuse_bad_arguments_before_any_work(script, argv, message, tmp_path, monkeypatch, capsys):

@@ -316,6 +316,15 @@ def test_benchmarks_refuse_a_mesh_that_does_not_fit(monkeypatch, capsys):
   error = _refused(monkeypatch, capsys, "benchmarks/collectives.py", "--nodes=1000", "--local=8")
   assert error.endswith("8,000 devices; this benchmark runs on one machine's devices (on the CPU, simulated), at most "
                         "512: predict a larger cluster with scripts/simulate.py")  # fmt: skip
+  # The other benchmarks went silent for minutes, their memory growing, before failing.
+  for script, flags in [
+    ("benchmarks/train_step.py", ["--nodes=100", "--local=1000"]),
+    ("benchmarks/update_step.py", ["--local=100000"]),
+  ]:
+    error = _refused(monkeypatch, capsys, script, *flags)
+    assert error.startswith(f"error: {' '.join(flags)}: ") and "at most 512: predict a larger cluster" in error, error
+  error = _fails("benchmarks/throughput.py", "--cpu_devices=100000")  # absl's main: in a process of its own
+  assert error.startswith("error: --cpu_devices=100000: 100,000 devices; this benchmark runs on one"), error
   toy = ["--model=resnet8_small", "--image=8", "--batch_per_device=1", "--rounds=1", "--local=4"]
   error = _fails("benchmarks/update_step.py", *toy, JAX_NUM_CPU_DEVICES="2")
   assert "--local=4: there are 2 devices here" in error
