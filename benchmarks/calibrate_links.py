@@ -241,7 +241,7 @@ def main():
 
   # Measuring, a signal ends the process at once (a KeyboardInterrupt inside JAX: a traceback); the exit handlers
   # (the --out folder made) run in a process of its own only: jax.distributed's wait for every process.
-  with signals_exit_at_once("measuring the links: nothing written", exit_handlers=not args.coordinator):
+  with signals_exit_at_once("measuring the links", exit_handlers=not args.coordinator):
     calibrate(args)
 
 

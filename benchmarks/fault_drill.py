@@ -13,10 +13,12 @@ blocked starting asynchronous saves, as a fraction of the loop time, in the unin
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -87,7 +89,15 @@ def run_drill(args, root):
   ]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   started = []  # the train.py processes: a drill stopped (a signal, an error) kills the one still going first
-  atexit.register(lambda: [(proc.kill(), proc.wait()) for proc in started if proc.poll() is None])
+
+  def kill_the_runs():  # os's calls, not Popen's: a signal may have come inside Popen.wait, which holds a lock
+    for proc in started:
+      if proc.returncode is None:
+        with contextlib.suppress(OSError):  # reaped already by the wait the signal interrupted
+          os.kill(proc.pid, signal.SIGKILL)
+          os.waitpid(proc.pid, 0)
+
+  atexit.register(kill_the_runs)
 
   def start(workdir, *extra):
     started.append(
@@ -127,14 +137,13 @@ def run_drill(args, root):
       cli.fail(str(e))
     train_runs.stamp(workdir, shlex.join(["train.py", "--workdir", workdir, *config]))
 
+  clean, drill = os.path.join(root, "uninterrupted"), os.path.join(root, "drill")
+  for folder in (clean, drill):  # both before the first run: a refusal costs no minutes
+    empty(folder)
   print("uninterrupted run ...", file=sys.stderr)
-  clean = os.path.join(root, "uninterrupted")
-  empty(clean)
   finish(start(clean), clean)
   summary = json.load(open(os.path.join(clean, "summary.json")))
 
-  drill = os.path.join(root, "drill")
-  empty(drill)
   rng = random.Random(args.seed)
   lost, kills, mid_save = [], 0, 0
   while kills < args.kills:

@@ -171,6 +171,10 @@ def empty_workdir(label: str, workdir: str) -> None:
       f"{label}: {workdir} holds files no run of this program made ({listed}; no command.txt), which starting the "
       "run there would delete; move them away, or give another --workdir"
     )
+  for name in inside:  # the stamp last: a removal cut short (a signal) leaves a folder this program may empty again
+    path = os.path.join(workdir, name)
+    if name != os.path.basename(_stamp_path(workdir)):
+      shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
   shutil.rmtree(workdir)
 
 

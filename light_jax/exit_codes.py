@@ -23,6 +23,10 @@ def exit_now(line: str, code: int, exit_handlers: bool = False):
   remove its temporary folders and the output folders it made but wrote nothing in, light_jax/cli.py)."""
   print(line, file=sys.stderr)
   if exit_handlers:
+    # A second Ctrl-C meanwhile would run them again from inside one (Popen.wait's lock, held: a hang).
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     atexit._run_exitfuncs()  # what a normal exit runs; os._exit below skips the interpreter's shutdown after them
   flush_output()
   os._exit(code)

@@ -78,7 +78,7 @@ def main():
   try:
     info = records.convert_image_folder(folder, out, splits)
   except BaseException as e:  # a Ctrl-C too: the folder this run made goes (an existing one stays as it was)
-    if new:
+    if new and not isinstance(e, records.OutInUse):  # made by another conversion at the same moment: its own
       shutil.rmtree(out, ignore_errors=True)
     if isinstance(e, DataError):
       cli.fail(str(e))

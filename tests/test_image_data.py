@@ -773,3 +773,17 @@ def test_a_disk_that_fills_up_while_a_record_file_is_written_is_one_error(tmp_pa
     assert os.listdir(disk) == []
   assert str(failed.value).startswith(f"writing {disk / 'train.array_record'} failed (")
   assert str(failed.value).endswith("); check the free space there and run again")
+
+
+def test_a_program_that_leaves_at_a_signal_through_its_exit_handlers_removes_its_partial_record_file(tmp_path):
+  """The benchmarks leave at a signal through exit_codes.exit_now(exit_handlers=True), past _writer's own clean-up:
+  benchmarks/input_pipeline.py --workdir kept its caches' partial files."""
+  code = (
+    "import sys\nfrom light_jax.data import records\nfrom light_jax.exit_codes import exit_now\n"
+    "with records._writer(sys.argv[1]) as writer:\n  writer.write(b'x' * 1000)\n"
+    "  exit_now('stopped by SIGTERM while measuring', 143, exit_handlers=True)\n"
+  )
+  result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cache.array_record")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+  assert result.returncode == 143 and result.stderr.strip().endswith("stopped by SIGTERM while measuring"), result
+  assert os.listdir(tmp_path) == []

@@ -404,6 +404,7 @@ def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path, monk
   error = refused("scripts/prepare_image_folder.py", f"--folder={tmp_path / 'folder'}", f"--out={tmp_path / 'out'}")
   assert "folder/train: no image decodes (1 skipped, named in the log above)" in error
   assert not (tmp_path / "out").exists()
+  real_convert = records.convert_image_folder
   # Ctrl-C during the conversion: one line and exit 130 (a traceback before), the --out it made removed.
 
   def interrupted(*args, **kwargs):
@@ -429,6 +430,29 @@ def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path, monk
     load_script("scripts/prepare_image_folder.py").main()
   assert stopped.value.code == 143 and capsys.readouterr().err == "stopped by SIGTERM: nothing written\n"
   assert not (tmp_path / "out").exists() and signal.getsignal(signal.SIGTERM) == handler  # put back
+  # Another conversion into the same new --out, started at the same moment: both saw no --out, and the one refused
+  # removed the other's folder, its work in progress with it.
+  holder = None
+
+  def another_conversion_arrives(folder, out, splits):
+    nonlocal holder
+    os.makedirs(os.path.join(out, ".converting_other"))
+    code = "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.lockf(f, fcntl.LOCK_EX); print(1, flush=True); "
+    holder = subprocess.Popen([sys.executable, "-c", code + "time.sleep(60)", os.path.join(out, ".conversion.lock")],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder.stdout.readline()
+    return real_convert(folder, out, splits)
+
+  monkeypatch.setattr(records, "convert_image_folder", another_conversion_arrives)
+  try:
+    with pytest.raises(SystemExit) as stopped:
+      load_script("scripts/prepare_image_folder.py").main()
+  finally:
+    if holder:
+      holder.kill()
+      holder.wait()
+  assert stopped.value.code == 2 and "is being written by another conversion" in capsys.readouterr().err
+  assert (tmp_path / "out" / ".converting_other").is_dir()
 
 
 def test_prepare_image_folder_on_unreadable_input_or_output(tmp_path):
@@ -534,6 +558,8 @@ def test_a_ctrl_c_stops_the_gpu_check_and_its_step(tmp_path):
   process = subprocess.Popen(
     ["bash", "benchmarks/gpu_check.sh", str(tmp_path / "out"), "--toy"], cwd=ROOT, stdout=subprocess.PIPE,
     stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHON=sys.executable),
+    # As from a terminal: pytest-xdist's workers ignore SIGINT, and a shell cannot trap a signal ignored at its start.
+    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
   )  # fmt: skip
   assert process.stdout.readline().startswith("light_jax GPU check")
   assert process.stdout.readline().startswith("== throughput_float32_32_b8: ")  # the step has started

@@ -22,6 +22,7 @@ cache a uint8 (h, w, 3) array (``None`` for a bad record).
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import errno
@@ -82,11 +83,16 @@ def _writer(path: str):
     except RuntimeError as e:
       raise failed(e) from None
 
+  # Also at exit: a program that leaves at a signal through its exit handlers (the benchmarks) never gets to the
+  # except below.
+  atexit.register(discard)
   try:
     yield types.SimpleNamespace(write=write)
   except BaseException:
     discard()
     raise
+  finally:
+    atexit.unregister(discard)
   try:
     writers[0].close()
   except RuntimeError as e:
@@ -342,6 +348,10 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   return info
 
 
+class OutInUse(DataError):
+  """Another conversion is writing the folder: nothing of it is this process's to remove."""
+
+
 @contextlib.contextmanager
 def _only_conversion_into(out_dir: str):
   """Holds ``out_dir`` for one conversion (a lock on its ``.conversion.lock``, removed at the end): a second one into
@@ -361,7 +371,7 @@ def _only_conversion_into(out_dir: str):
     except OSError as e:
       lock.close()
       if e.errno in (errno.EACCES, errno.EAGAIN):
-        raise DataError(
+        raise OutInUse(
           f"{out_dir} is being written by another conversion; wait for it to end and run this again (it keeps "
           "the other's splits), or give another --out"
         ) from None
@@ -579,8 +589,9 @@ def _remove_stale_partial_files(path: str) -> None:
   """Removes the partial files (``_writer``'s ``.tmp-*``) of decoded caches in ``path``'s folder, this one's and any
   other's (a build killed, then run again at another size or on other data), left by builds that were killed: those
   not written to for ``STALE_PARTIAL_SECONDS`` (a live build, another process's too, writes every chunk)."""
-  folder = os.path.dirname(path)
-  for leftover in glob.glob(os.path.join(glob.escape(folder), "decoded_*.array_record.tmp-*")):
+  folder, name = os.path.split(path)
+  patterns = {glob.escape(name) + ".tmp-*", "decoded_*.array_record.tmp-*"}  # a benchmark's cache is named its own way
+  for leftover in {f for pattern in patterns for f in glob.glob(os.path.join(glob.escape(folder), pattern))}:
     with contextlib.suppress(OSError):  # another process removed it first
       if time.time() - os.path.getmtime(leftover) > STALE_PARTIAL_SECONDS:
         os.remove(leftover)
