@@ -349,6 +349,10 @@ def check_args(args, meshes: list[tuple[int, int]]) -> tuple[dict[str, int | Non
     raise ValueError("--plot draws predicted against measured step seconds, which needs an unshaped and a shaped "
                      "bandwidth, e.g. --bandwidth 50mbit,unshaped")  # fmt: skip
   requested = [parse_strategy(s) for s in args.strategies.split(",")]
+  labels = [label for label, _ in requested]
+  twice = sorted({label for label in labels if labels.count(label) > 1})
+  if twice:  # each cell ran twice, and the table showed one row
+    raise ValueError(f"--strategies names {', '.join(twice)} more than once; give each strategy once")
   for nodes, local in meshes:
     for label, strategy_overrides in requested:
       try:

@@ -179,6 +179,11 @@ def test_mesh_lab_checks_the_runs_with_the_cost_model_its_cells_use():
   mesh_lab.check_args(args, [(2, 4)])
 
 
+def test_mesh_lab_refuses_a_strategy_given_twice():
+  with pytest.raises(ValueError, match=r"--strategies names hitopk@0.01 more than once; give each strategy once"):
+    mesh_lab.check_args(_lab_args(strategies="hitopk@0.01,hierarchical,hitopk@0.01"), [(2, 4)])
+
+
 def test_mesh_lab_accepts_every_strategy_the_config_does():
   _, requested = mesh_lab.check_args(_lab_args(strategies="auto@0.01,powersgd@2,diloco@4,gtopk@0.01/compact"), [(2, 4)])
   assert len(requested) == 4
