@@ -393,7 +393,7 @@ def main() -> None:
   parser.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
   parser.add_argument("--plot", metavar="FILE.png", help="draw predicted against measured step seconds")
   args = parser.parse_args()
-  if args.plot:  # its folder now, not a traceback after the cells
+  if args.plot is not None:  # its folder now, not a traceback after the cells ("": refused)
     args.plot = cli.plot_path(args.plot, "--plot")
   try:
     meshes = load_experiment(args.experiment, args) if args.experiment else [(args.nodes, args.local)]

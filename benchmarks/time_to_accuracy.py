@@ -119,7 +119,7 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
       check_run(args.config, run_overrides(args, strategy_overrides), args.nodes, args.local)
     except ValueError as e:
       parser.error(f"{label}: {e}")
-  if args.plot:  # its folder now, not a traceback after hours of runs
+  if args.plot is not None:  # its folder now, not a traceback after hours of runs ("": refused)
     args.plot = cli.plot_path(args.plot, "--plot")
   train_runs.check_workdir(parser, args.workdir)
   if not args.report_only:  # no root: said now, as bad input (exit 2), not after the checks as an error

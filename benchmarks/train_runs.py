@@ -310,13 +310,17 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
   parser.add_argument("--only", default="", help="comma-separated labels (default: all): " + ",".join(runs))
   parser.add_argument("--rerun", action="store_true", help="rerun runs whose workdir already has a result")
   parser.add_argument("--report_only", action="store_true")
-  parser.add_argument("--plot", default="", help=plot_help)
+  parser.add_argument("--plot", help=plot_help)
   args = parser.parse_args()
   labels = args.only.split(",") if args.only else list(runs)
   unknown = [label for label in labels if label not in runs]
   if unknown:
     parser.error(f"unknown runs {unknown}; known: {', '.join(runs)}")
-  if args.plot:  # its folder now, not a traceback after the runs
+  if args.report_only and args.rerun:  # --rerun was dropped without a word
+    parser.error("--report_only runs nothing, so it cannot --rerun: give one of them")
+  if args.report_only and not os.path.exists(args.workdir):  # it printed an empty table
+    parser.error(f"--report_only: --workdir={args.workdir} does not exist; give the folder the study's runs are in")
+  if args.plot is not None:  # its folder now, not a traceback after the runs; "" drew nothing, without a word
     args.plot = cli.plot_path(args.plot, "--plot")
   check_workdir(parser, args.workdir)
   args.failed = []

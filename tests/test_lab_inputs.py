@@ -262,6 +262,10 @@ def test_calibrate_links_refuses_a_mesh_that_does_not_fit_the_devices(tmp_path):
       ["--emulate", "fast", "--out", "{tmp}/links.json"],
       "--emulate=fast: bandwidth 'fast' is not 'unshaped' or a rate",
     ),
+    # --rerun dropped without a word; an empty table for a mistyped --workdir.
+    ("large_batch.py", ["--report_only", "--rerun"], "--report_only runs nothing, so it cannot --rerun"),
+    ("large_batch.py", ["--report_only", "--workdir", "{tmp}/none"], "--workdir={tmp}/none does not exist"),
+    ("large_batch.py", ["--report_only", "--workdir", "{tmp}", "--plot", ""], "--plot= is empty; give a file's path"),
     # Measured from 2 sizes instead of 9 (and nan: "beta": 0.0, a link of no cost), or an IndexError traceback.
     ("calibrate_links.py", ["--max_seconds", "nan", "--out", "{tmp}/l.json"], "--max_seconds nan must be a number"),
     ("calibrate_links.py", ["--coordinator", "foo", "--out", "{tmp}/l.json"], "--coordinator=foo: expected host:port"),
@@ -274,7 +278,7 @@ def test_calibrate_links_refuses_a_mesh_that_does_not_fit_the_devices(tmp_path):
 )
 def test_the_lab_scripts_refuse_bad_arguments_before_any_work(script, argv, message, tmp_path, monkeypatch, capsys):
   err = main_refuses(monkeypatch, capsys, f"benchmarks/{script}", *(arg.format(tmp=tmp_path) for arg in argv))
-  assert message in err and "calibrating" not in err, err[-2000:]
+  assert message.format(tmp=tmp_path) in err and "calibrating" not in err, err[-2000:]
 
 
 @pytest.mark.parametrize(
