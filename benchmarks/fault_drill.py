@@ -48,6 +48,9 @@ def main():
       f"--every_steps {args.every_steps} leaves no room for kills in the drill's {TOTAL_STEPS}-step run "
       f"(each lands before its last two checkpoint periods); use at most {TOTAL_STEPS // 3}"
     )
+  problem = args.workdir and cli.unwritable_folder(args.workdir)
+  if problem:  # it named the runs' folders inside a file, in train.py's words
+    parser.error(f"--workdir={args.workdir}: {problem}")
   if args.workdir:  # train.py runs in ROOT: a relative workdir would be read here and written there.
     run_drill(args, os.path.abspath(args.workdir))
   else:  # two runs' checkpoints, removed at the end

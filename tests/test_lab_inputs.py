@@ -195,6 +195,7 @@ def test_mesh_lab_accepts_every_strategy_the_config_does():
   [
     ("mesh_lab.py", ["--loopback"], "the 127.0.0.1 mode cannot shape links"),
     ("fault_drill.py", ["--every_steps", "96"], "--every_steps 96 leaves no room for kills"),
+    ("fault_drill.py", ["--workdir", "README.md"], "--workdir=README.md: README.md is a file; give a folder"),
     ("time_to_accuracy.py", ["--report_only", "--strategies", "hitopk@abc"], "is not a valid comm.density"),
     (
       "large_batch.py",
