@@ -141,9 +141,11 @@ class PeerWatchdog:
       now = time.monotonic()
       last_step = self._last_step
       if self.step_timeout and last_step is not None and now - last_step > self.step_timeout:
+        # Not "every process is alive": a peer that died less than peer_timeout ago has not been noticed yet.
         self._fail(
-          f"no training step has finished for {now - last_step:.0f} s (step_timeout {self.step_timeout:g} s) "
-          f"although every process is alive: a collective is probably stuck (gloo has been seen to deadlock so)"
+          f"no training step has finished for {now - last_step:.0f} s (step_timeout {self.step_timeout:g} s): a "
+          "collective is probably stuck (gloo has been seen to deadlock so), unless a process died in the last "
+          f"{self.peer_timeout:g} s (peer_timeout); see every process's log"
         )
         return
       if self._exchange is None:  # else the last round still waits for its answer

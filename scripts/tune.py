@@ -347,8 +347,7 @@ def claim_study_dir(args) -> None:
         "them: give it another --study_dir (or --study_name=" + owner + " to continue that study)"
       )
   elif not os.listdir(os.path.join(args.study_dir, "trials")) or args.study_name == DEFAULT_STUDY_NAME:
-    with open(path, "w") as f:  # a new directory, or one of a study from before the name was kept (the default)
-      f.write(args.study_name + "\n")
+    write_whole(path, args.study_name + "\n")  # a new directory, or one of a study from before the name was kept
   else:
     cli.fail(
       f"--study_dir={args.study_dir} holds trials of a study from before the study name was kept, the default "
@@ -395,7 +394,10 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
           if epoch in reported:
             continue
           reported.add(epoch)
-          trial.report(record["eval_top1"], epoch)
+          try:
+            trial.report(record["eval_top1"], epoch)
+          except optuna.exceptions.UpdateFinishedTrialError:  # failed from outside between two checks below
+            raise TrialTakenOver(f"trial {trial.number} was failed by another process sharing the study") from None
           print(f"  epoch {epoch}: test top-1 {100 * record['eval_top1']:.2f}%", flush=True)
           if trial.should_prune():
             raise optuna.TrialPruned(f"test top-1 {record['eval_top1']:.4f} after epoch {epoch} is below the median")
@@ -469,8 +471,15 @@ def write_best_config(path: str, args, study: optuna.Study, resolved: ml_collect
     "  return config",
     "",
   ]
-  with open(path, "w") as f:
-    f.write("\n".join(lines))
+  write_whole(path, "\n".join(lines))
+
+
+def write_whole(path: str, text: str) -> None:
+  """``text`` in ``path``, whole or not at all (a kill mid-write left a cut file: an empty study_name.txt refused
+  its study directory for good)."""
+  with open(path + ".tmp", "w") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
 
 
 def save_plots(study: optuna.Study, study_dir: str) -> list[str]:
@@ -499,7 +508,8 @@ def save_plots(study: optuna.Study, study_dir: str) -> list[str]:
       figure.set_size_inches(max(figure.get_size_inches()[0], 8), 5)
       figure.set_layout_engine("constrained")  # tight_layout cannot place the slice plot's colour bar: it warned
       path = os.path.join(study_dir, f"{name}.png")
-      figure.savefig(path, dpi=110)
+      figure.savefig(path + ".tmp.png", dpi=110)  # whole or not at all, as write_whole
+      os.replace(path + ".tmp.png", path)
       plt.close(figure)
       written.append(path)
   return written
@@ -741,8 +751,8 @@ def main() -> None:
     wait_for_killed_trials(study, args.heartbeat_grace)
     finished = sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))
   print(f"study {args.study_name} in {args.study_dir}: {finished} of {args.trials} trials finished", flush=True)
-  failures = 0
   started = []  # this process's trials: the last is the one a Ctrl-C stops
+  taken_over = set()  # of those, the ones another process failed as killed (and retries)
 
   def objective(trial: optuna.Trial) -> float:
     started.append(trial.number)
@@ -757,7 +767,6 @@ def main() -> None:
     return value
 
   while needs_a_trial(study, args.trials):
-    before = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
     try:  # optuna records a failed trial and goes on (TrialFailed), or records it and raises (TrialRejected)
       study.optimize(objective, n_trials=1, catch=(TrialFailed,))
     except TrialRejected as e:  # every trial would be: stop the study
@@ -767,13 +776,16 @@ def main() -> None:
     except ValueError as e:  # Optuna's "Cannot tell a FAIL trial.": another process failed it (TrialTakenOver)
       if not str(e).startswith("Cannot tell a"):
         raise
+      taken_over.add(started[-1])
       print(
         f"  trial {started[-1]} was failed by another process sharing the study (its heartbeat was over {grace} s "
         "old): that process retries it; this one goes on",
         file=sys.stderr,
         flush=True,
       )
-    failures += len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,))) - before
+    # This run's own: not other machines' killed trials that optimize failed, nor its trials taken over.
+    mine = set(started) - taken_over
+    failures = sum(t.number in mine for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
     if failures > max(3, args.trials // 4):
       sys.exit(f"error: {failures} trials failed in this run; see the logs in {args.study_dir}/trials")
 
@@ -797,4 +809,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  except KeyboardInterrupt:  # outside a trial (a trial's own Ctrl-C: resume_later): set-up, the table, the plots
+    print("stopped by Ctrl-C; the study's finished trials are stored: the same command goes on", file=sys.stderr)
+    sys.exit(130)  # 128 + SIGINT, as a shell reports it

@@ -451,6 +451,27 @@ def test_a_study_keeps_its_heartbeat_grace_and_a_trial_failed_from_outside_is_on
   assert "trial 2 was failed by another process sharing the study" in err
 
 
+def test_trials_taken_over_by_another_process_are_not_this_runs_failures(tmp_path, monkeypatch, capsys):
+  """Each trial another process fails as killed goes on there: this run counted them as its own failures, and
+  stopped itself ("4 trials failed in this run") while well. Its study files are written whole (a .tmp renamed)."""
+  tune = _tune_module()
+
+  def taken_over_one_to_four(trial, args, space):
+    tune.suggest(trial, space)
+    if 1 <= trial.number <= 4:
+      trial.study._storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)
+    return 0.5
+
+  monkeypatch.setattr(tune, "run_trial", taken_over_one_to_four)
+  argv = ["tune.py", "--config=configs/fashion_mnist.py:large_batch_lars", f"--study_dir={tmp_path}/study"]
+  monkeypatch.setattr(sys, "argv", [*argv, "--trials=3"])
+  tune.main()
+  out, err = capsys.readouterr()
+  result = json.loads(out.strip().splitlines()[-1])
+  assert result["completed"] == 3 and result["failed"] == 4 and "failed in this run" not in err, err[-2000:]
+  assert not [name for name in os.listdir(tmp_path / "study") if ".tmp" in name]
+
+
 def test_a_search_space_field_of_the_wrong_type_or_a_group_stops_the_study_before_its_first_trial(
   tmp_path, monkeypatch, capsys
 ):
