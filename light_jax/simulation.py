@@ -11,8 +11,10 @@ For each phase (consecutive steps with one image size, global batch and top-k de
    (a backward pass costs twice a forward one), the backward split over the tensors by their backward FLOPs
    (``fusion.profile_parameters`` on the real flax model), in backward order.
 2. Communication: the reducer the config describes (``reducer.reducer_from_config``; adaptive fusion,
-   auto and the square-root k share planned by ``cost_model.plan_reducer`` with the cluster's costs, as
-   the trainer plans them), one
+   auto and the square-root k share planned by ``cost_model.plan_reducer`` with the cluster's costs, the
+   function the trainer plans with, but from the device profile's compute and top-k rates where the trainer
+   takes ``comm.device_tflops`` and its cost model's top-k rate: where these differ, so can the plans, e.g.
+   auto at 0.1% on Light's 16 x 8 gives bucket 3 to hierarchical here and to hitopk in the trainer), one
    bucket after the other on one stream: a bucket starts when its last gradient is ready and the
    previous bucket is done, and takes its top-k selection (compressed buckets, at the profile's
    selection rate) plus ``ClusterCost.reduction_seconds``, the function adaptive fusion and the mesh

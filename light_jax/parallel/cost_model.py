@@ -388,7 +388,8 @@ def plan_reducer(
   it with auto). ``cost`` may be None where ``needs_cost(comm)`` is False. ``topk_elements_per_sec``: auto's
   top-k selection rate (``plan_auto``; None: the cost's). Returns
   the reducer and auto's reason per bucket ([] without auto). The trainer (``CompiledSteps``) and the
-  simulator both plan with this function, so they plan alike."""
+  simulator both plan with this function, from their own ``device_flops`` and top-k rate (the config's
+  ``comm.device_tflops``; the simulator's device profile), which may differ (light_jax/simulation.py)."""
   if cost is None and needs_cost(comm):
     raise ValueError("plan_reducer: adaptive fusion and comm.strategy=auto time buckets; pass the cluster's cost")
   reasons = []
