@@ -303,21 +303,47 @@ def sample(trial: optuna.Trial, space: dict[str, tuple]) -> tuple[dict, int | No
   """The trial's values of ``space``, and the number of the killed trial whose run it resumes (its workdir) or None.
   A retry takes the killed trial's values, those of fields the search space has lost since too (the trial records
   them, and the best config would hold them). A field the space gained since is sampled, which makes the run
-  another config than the killed run's checkpoint, which train.py refuses to resume from: it starts afresh."""
+  another config than the killed run's checkpoint, which train.py refuses to resume from: it starts afresh. The
+  trial records the trial whose workdir its run uses (``WORKDIR_TRIAL``), which its own retry resumes."""
   frozen = trial.study.get_trials(deepcopy=False)[trial.number]
   inherited = dict(frozen.params)  # a retry's, from the killed trial
   retried = RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
   params = suggest(trial, space)
-  if retried is None:
-    return params, None
-  params |= {name: value for name, value in inherited.items() if name not in params}
-  if set(params) != set(inherited):
-    print(
-      f"trial {trial.number} retries trial {retried}, but the search space has gained a field since: it starts afresh",
-      flush=True,
-    )
-    retried = None
+  if retried is not None:
+    params |= {name: value for name, value in inherited.items() if name not in params}
+    if set(params) != set(inherited):
+      print(
+        f"trial {trial.number} retries trial {retried}, but the search space has gained a field since: it starts "
+        "afresh",
+        flush=True,
+      )
+      retried = None
+  trial.set_user_attr(WORKDIR_TRIAL, trial.number if retried is None else retried)
   return params, retried
+
+
+# The user attribute of the trial whose workdir (trials/NNNN) a trial's run uses: its own, or the killed trial's
+# that it resumes. A retry queued after a Ctrl-C resumes that one (a retry that started afresh ran in its own).
+WORKDIR_TRIAL = "workdir_trial"
+
+
+# How long a retry waits for the killed trial's train.py to let go of its workdir: its save at SIGTERM (the step, an
+# epoch's evaluation, the checkpoint) is minutes at most.
+KILLED_RUN_SECONDS = 600
+
+
+def wait_for_the_killed_run(workdir: str, number: int, retried: int) -> None:
+  """Waits while a train.py still holds ``workdir`` (its lock): the killed trial's, which outlives its study (its own
+  session) and saves at the SIGTERM it gets when the study dies, for seconds past the heartbeat grace. Started now,
+  the retry's train.py was refused the workdir "in use" (exit 2), and a retry is not retried: the trial was lost."""
+  from light_jax import checkpoint  # orbax: imported only for a retry
+
+  holder, deadline = checkpoint.workdir_holder(workdir), time.time() + KILLED_RUN_SECONDS
+  if holder:
+    print(f"trial {number}: trial {retried}'s run still holds {workdir} ({holder}): waiting for it to end", flush=True)
+  while holder and time.time() < deadline:
+    time.sleep(1.0)
+    holder = checkpoint.workdir_holder(workdir)
 
 
 def read_records(workdir: str) -> list[dict]:
@@ -362,6 +388,8 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
   workdir = os.path.join(args.study_dir, "trials", f"{number:04d}")
   if retried is None and os.path.exists(workdir):  # left by an earlier study of this name: start afresh
     shutil.rmtree(workdir)
+  if retried is not None:
+    wait_for_the_killed_run(workdir, trial.number, retried)
   os.makedirs(workdir, exist_ok=True)
   command = [
     sys.executable,
@@ -640,6 +668,7 @@ def resume_later(study: optuna.Study, started: list[int]) -> NoReturn:
     # As RetryHeartbeatStaleTrialCallback queues a retry ("failed_trial": the first run, whose workdir and
     # checkpoint it resumes), but without adding this trial to "retry_history", which its max_retry counts.
     system_attrs = {"failed_trial": trial.number, "retry_history": [], **trial.system_attrs}
+    system_attrs["failed_trial"] = trial.user_attrs.get(WORKDIR_TRIAL, system_attrs["failed_trial"])
     study.add_trial(
       optuna.create_trial(
         state=TrialState.WAITING,

@@ -14,7 +14,7 @@ import pytest
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 
 from light_jax import config as config_lib
-from tests.helpers import ROOT, main_refuses
+from tests.helpers import ROOT, main_refuses, workdir_held
 
 TINY = [  # two epochs of 8 steps each: the study's mechanics, not its accuracy
   "--config.data.train_subset=1024",
@@ -558,3 +558,47 @@ def test_a_retry_keeps_the_killed_trials_values_and_starts_afresh_where_the_spac
     params, retried = tune.sample(retry, space)
     assert retried == resumes and params["optimizer.momentum"] == killed.params["optimizer.momentum"]
     study.tell(retry, 0.5)
+
+
+def test_a_retry_that_started_afresh_and_was_interrupted_resumes_its_own_run(tmp_path, capsys):
+  """A retry that started afresh (the space gained a field) runs in its own workdir; interrupted by Ctrl-C, its own
+  retry resumed the first killed trial's workdir instead: another config's checkpoint, refused, the trial lost."""
+  tune = _tune_module()
+  study = optuna.create_study(storage=f"sqlite:///{tmp_path}/study.db")
+  momentum = optuna.distributions.FloatDistribution(0.8, 0.95)
+  killed = study.ask({"optimizer.momentum": momentum})
+  study.tell(killed, state=optuna.trial.TrialState.FAIL)
+  study.add_trial(optuna.create_trial(state=optuna.trial.TrialState.WAITING, params=killed.params,
+                                      distributions=killed.distributions,
+                                      system_attrs={"failed_trial": 0, "retry_history": [0]}))  # fmt: skip
+  gained = {"optimizer.momentum": ("float", 0.8, 0.95), "optimizer.nesterov": ("choice", [True, False])}
+  retry = study.ask()
+  assert tune.sample(retry, gained)[1] is None  # started afresh, in trials/0001
+  study.tell(retry, state=optuna.trial.TrialState.FAIL)  # as Optuna records a Ctrl-C
+  with pytest.raises(SystemExit):
+    tune.resume_later(study, [retry.number])
+  assert "interrupted: trial 1 resumes from its checkpoint" in capsys.readouterr().err
+  again = study.ask()
+  params, retried = tune.sample(again, gained)
+  assert retried == retry.number and params == retry.params
+
+
+def test_a_retry_waits_for_the_killed_run_to_let_go_of_its_workdir(tmp_path, monkeypatch, capsys):
+  """The killed trial's train.py, SIGTERMed as its study died, still saved a few seconds past the heartbeat grace:
+  the retry's train.py was refused the workdir "in use" (exit 2), and a retry is not retried."""
+  tune = _tune_module()
+  workdir = tmp_path / "trials" / "0000"
+  workdir.mkdir(parents=True)
+  with workdir_held(workdir) as holder:
+    slept = []
+
+    def sleep(seconds):  # the killed run ends during the third second waited
+      slept.append(seconds)
+      if len(slept) == 3:
+        os.kill(holder, signal.SIGKILL)
+        time.sleep(0.5)  # the kernel drops its lock as it exits
+
+    _clock(tune, monkeypatch, sleep)
+    tune.wait_for_the_killed_run(str(workdir), 3, 0)
+  assert len(slept) == 3
+  assert f"trial 3: trial 0's run still holds {workdir} (process {holder} on " in capsys.readouterr().out
