@@ -425,7 +425,8 @@ def run_trial(trial: optuna.Trial, args, space: dict[str, tuple]) -> float:
           try:
             trial.report(record["eval_top1"], epoch)
           except optuna.exceptions.UpdateFinishedTrialError:  # failed from outside between two checks below
-            raise TrialTakenOver(f"trial {trial.number} was failed by another process sharing the study") from None
+            check_not_taken_over(trial)  # raises TrialTakenOver
+            raise
           print(f"  epoch {epoch}: test top-1 {100 * record['eval_top1']:.2f}%", flush=True)
           if trial.should_prune():
             raise optuna.TrialPruned(f"test top-1 {record['eval_top1']:.4f} after epoch {epoch} is below the median")
@@ -667,8 +668,8 @@ def resume_later(study: optuna.Study, started: list[int]) -> NoReturn:
   if trial is not None and trial.state == TrialState.FAIL:
     # As RetryHeartbeatStaleTrialCallback queues a retry ("failed_trial": the first run, whose workdir and
     # checkpoint it resumes), but without adding this trial to "retry_history", which its max_retry counts.
-    system_attrs = {"failed_trial": trial.number, "retry_history": [], **trial.system_attrs}
-    system_attrs["failed_trial"] = trial.user_attrs.get(WORKDIR_TRIAL, system_attrs["failed_trial"])
+    workdir_trial = trial.user_attrs.get(WORKDIR_TRIAL, trial.system_attrs.get("failed_trial", trial.number))
+    system_attrs = {"retry_history": [], **trial.system_attrs, "failed_trial": workdir_trial}
     study.add_trial(
       optuna.create_trial(
         state=TrialState.WAITING,

@@ -74,8 +74,7 @@ def _writer(path: str):
       os.remove(tmp)
 
   def failed(e: RuntimeError) -> DataError:
-    reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    return DataError(f"writing {path} failed ({reason}); check the free space there and run again")
+    return DataError(f"writing {path} failed ({_reason(e)}); check the free space there and run again")
 
   def write(record: bytes) -> None:  # a full disk shows here once ~16 MB are buffered, else at the close
     try:
@@ -108,8 +107,15 @@ def _read(source, index: int, path: str | Callable[[int], str], fix: str):
   try:
     return source[index]
   except RuntimeError as e:
-    reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    raise DataError(f"{path(index) if callable(path) else path} is damaged or unreadable ({reason}); {fix}.") from None
+    raise DataError(
+      f"{path(index) if callable(path) else path} is damaged or unreadable ({_reason(e)}); {fix}."
+    ) from None
+
+
+def _reason(error: RuntimeError) -> str:
+  """The first line of riegeli's error, or its type where the message is empty (riegeli's often are)."""
+  text = str(error).strip()
+  return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 def _reader(path: str, fix: str):
@@ -322,7 +328,7 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
   try:
     os.makedirs(out_dir, exist_ok=True)
   except OSError as e:  # before the work, not a traceback
-    raise DataError(f"{out_dir}: cannot write there ({e.strerror}); choose another --out") from None
+    raise _cannot_write(out_dir, e) from None
   with _only_conversion_into(out_dir):
     kept = _splits_kept(out_dir, splits, classes)  # again: no other conversion changes them from here on
     try:
@@ -333,7 +339,7 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
       # ``out_dir`` as it found it, a good earlier conversion included.
       staging = tempfile.mkdtemp(prefix=_STAGING, dir=out_dir)
     except OSError as e:
-      raise DataError(f"{out_dir}: cannot write there ({e.strerror}); choose another --out") from None
+      raise _cannot_write(out_dir, e) from None
     try:
       info = _convert_splits(folder, staging, splits, classes)
       info["splits"].update(kept)
@@ -346,6 +352,10 @@ def convert_image_folder(folder: str, out_dir: str, splits: tuple[str, ...] = ("
     finally:
       shutil.rmtree(staging, ignore_errors=True)
   return info
+
+
+def _cannot_write(out_dir: str, error: OSError) -> DataError:
+  return DataError(f"{out_dir}: cannot write there ({error.strerror}); choose another --out")
 
 
 class OutInUse(DataError):
@@ -365,7 +375,7 @@ def _only_conversion_into(out_dir: str):
     try:
       lock = open(path, "a+")
     except OSError as e:
-      raise DataError(f"{out_dir}: cannot write there ({e.strerror}); choose another --out") from None
+      raise _cannot_write(out_dir, e) from None
     try:
       fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
