@@ -72,6 +72,24 @@ def tmpfs(folder, options: str):
 
 
 @contextlib.contextmanager
+def file_locked(path):
+  """A bare process holding a POSIX lock (lockf) on ``path`` for the duration, as another conversion holds its
+  --out's .conversion.lock (light_jax/data/records.py); yields its pid."""
+  code = (
+    "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.lockf(f, fcntl.LOCK_EX); print('locked', flush=True)"
+  )
+  holder = subprocess.Popen(
+    [sys.executable, "-c", code + "; time.sleep(120)", str(path)], stdout=subprocess.PIPE, text=True
+  )
+  try:
+    assert holder.stdout.readline() == "locked\n"
+    yield holder.pid
+  finally:
+    holder.kill()
+    holder.wait()
+
+
+@contextlib.contextmanager
 def workdir_held(workdir):
   """A bare process that takes ``workdir``'s lock as train.py's process 0 does, for the duration; yields its pid."""
   code = (

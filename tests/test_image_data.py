@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from light_jax.data import DataError, EvalBatches, ImageSource, TrainBatches, load_dataset, records, transforms
-from tests.helpers import ROOT, flip_bytes, tmpfs, train_py
+from tests.helpers import ROOT, file_locked, flip_bytes, tmpfs, train_py
 from tests.image_folder_fixture import DECODABLE, bad_files, class_image, jpeg_bytes, make_image_folder
 
 
@@ -91,18 +91,11 @@ def test_a_second_conversion_into_the_same_folder_is_refused_and_keeps_the_first
   """`--splits val` beside a `--splits train` of hours: it removed the first's staging folder, which then failed."""
   raw, converted = _one_cat_converted(tmp_path)
   os.makedirs(converted / ".converting_live")  # the first conversion's work in progress
-  holder = subprocess.Popen(
-    [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.lockf(f, fcntl.LOCK_EX); "
-     "print('held', flush=True); time.sleep(60)", str(converted / ".conversion.lock")],
-    stdout=subprocess.PIPE, text=True,
-  )  # fmt: skip
-  try:
-    assert holder.stdout.readline() == "held\n"
-    with pytest.raises(DataError, match=rf"^{converted} is being written by another conversion; wait for it to end"):
-      records.convert_image_folder(str(raw), str(converted), ("val",))
-  finally:
-    holder.kill()
-    holder.wait()
+  with (
+    file_locked(converted / ".conversion.lock"),
+    pytest.raises(DataError, match=rf"^{converted} is being written by another conversion; wait for it to end"),
+  ):
+    records.convert_image_folder(str(raw), str(converted), ("val",))
   assert (converted / ".converting_live").is_dir()
   records.convert_image_folder(str(raw), str(converted), ("val",))  # the first one over: its leftovers go
   assert not (converted / ".converting_live").exists()

@@ -1,6 +1,7 @@
 """The scripts' and benchmarks' bad input: one `error:` line and exit code 2, no traceback (README: scripts exit 2
 on bad input); and relative work directories given from outside the repository."""
 
+import contextlib
 import functools
 import importlib
 import json
@@ -16,7 +17,7 @@ import pytest
 from absl import logging as absl_logging
 
 from light_jax.data import records
-from tests.helpers import ROOT, load_script, main_refuses, tmpfs, workdir_held
+from tests.helpers import ROOT, file_locked, load_script, main_refuses, tmpfs, workdir_held
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -432,25 +433,16 @@ def test_prepare_image_folder_checks_the_folder_before_making_out(tmp_path, monk
   assert not (tmp_path / "out").exists() and signal.getsignal(signal.SIGTERM) == handler  # put back
   # Another conversion into the same new --out, started at the same moment: both saw no --out, and the one refused
   # removed the other's folder, its work in progress with it.
-  holder = None
+  other = contextlib.ExitStack()
 
   def another_conversion_arrives(folder, out, splits):
-    nonlocal holder
     os.makedirs(os.path.join(out, ".converting_other"))
-    code = "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.lockf(f, fcntl.LOCK_EX); print(1, flush=True); "
-    holder = subprocess.Popen([sys.executable, "-c", code + "time.sleep(60)", os.path.join(out, ".conversion.lock")],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    holder.stdout.readline()
+    other.enter_context(file_locked(os.path.join(out, ".conversion.lock")))
     return real_convert(folder, out, splits)
 
   monkeypatch.setattr(records, "convert_image_folder", another_conversion_arrives)
-  try:
-    with pytest.raises(SystemExit) as stopped:
-      load_script("scripts/prepare_image_folder.py").main()
-  finally:
-    if holder:
-      holder.kill()
-      holder.wait()
+  with other, pytest.raises(SystemExit) as stopped:
+    load_script("scripts/prepare_image_folder.py").main()
   assert stopped.value.code == 2 and "is being written by another conversion" in capsys.readouterr().err
   assert (tmp_path / "out" / ".converting_other").is_dir()
 
