@@ -71,6 +71,15 @@ def tmpfs(folder, options: str):
     subprocess.run(["umount", str(folder)], check=True)
 
 
+def fill_disk(path) -> None:
+  """Writes ``path`` until its file system is full (ENOSPC), as another program might fill it."""
+  fill = os.open(path, os.O_WRONLY | os.O_CREAT)
+  with contextlib.suppress(OSError):
+    while True:
+      os.write(fill, b"x" * 4096)
+  os.close(fill)
+
+
 @contextlib.contextmanager
 def file_locked(path):
   """A bare process holding a POSIX lock (lockf) on ``path`` for the duration, as another conversion holds its

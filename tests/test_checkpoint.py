@@ -34,7 +34,7 @@ from light_jax.config import base_config
 from light_jax.exit_codes import ExitCode
 from light_jax.hooks import PREEMPTED
 from light_jax.metrics import read_metrics
-from tests.helpers import small_config, tmpfs, train_py
+from tests.helpers import fill_disk, small_config, tmpfs, train_py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 1024 images / 128 = 8 steps per epoch, 3 epochs = 24 steps; a checkpoint every 4 steps.
@@ -923,16 +923,13 @@ def test_train_py_on_a_disk_that_fills_up_stops_with_one_line(tmp_path):
 
 # Runs train.py with its workdir's disk filled (by another program, as it were) just before the first record.
 _FULL_DISK_AT_THE_FIRST_RECORD = """
-import contextlib, os, runpy, sys
+import runpy, sys
 filler = sys.argv.pop(1)
 from light_jax import metrics
+from tests.helpers import fill_disk
 write = metrics.MetricsWriter.write
 def fill_then_write(self, record):
-  fill = os.open(filler, os.O_WRONLY | os.O_CREAT)
-  with contextlib.suppress(OSError):
-    while True:
-      os.write(fill, b"x" * 4096)
-  os.close(fill)
+  fill_disk(filler)
   write(self, record)
 metrics.MetricsWriter.write = fill_then_write
 sys.argv[0] = "train.py"
@@ -1021,11 +1018,7 @@ def test_a_lock_file_that_cannot_be_opened_is_named_with_what_to_do():
 def test_a_lock_file_that_cannot_be_written_on_a_full_disk_is_one_error(tmp_path):
   """Its first line was written at the flush: an OSError traceback from train.py's checks (exit 1)."""
   with tmpfs(tmp_path / "disk", "size=16k") as disk:
-    fill = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
-    with contextlib.suppress(OSError):
-      while True:
-        os.write(fill, b"x" * 4096)
-    os.close(fill)
+    fill_disk(disk / "filler")
     with pytest.raises(CheckpointError) as refused:
       checkpoint_lib.lock_workdir(str(disk))
   assert str(refused.value) == (
