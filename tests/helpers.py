@@ -80,32 +80,23 @@ def fill_disk(path) -> None:
   os.close(fill)
 
 
-@contextlib.contextmanager
 def file_locked(path):
   """A bare process holding a POSIX lock (lockf) on ``path`` for the duration, as another conversion holds its
   --out's .conversion.lock (light_jax/data/records.py); yields its pid."""
-  code = (
-    "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.lockf(f, fcntl.LOCK_EX); print('locked', flush=True)"
-  )
-  holder = subprocess.Popen(
-    [sys.executable, "-c", code + "; time.sleep(120)", str(path)], stdout=subprocess.PIPE, text=True
-  )
-  try:
-    assert holder.stdout.readline() == "locked\n"
-    yield holder.pid
-  finally:
-    holder.kill()
-    holder.wait()
+  return _holding("import fcntl; f = open(sys.argv[1], 'a+'); fcntl.lockf(f, fcntl.LOCK_EX)", str(path))
+
+
+def workdir_held(workdir):
+  """A bare process that takes ``workdir``'s lock as train.py's process 0 does, for the duration; yields its pid."""
+  return _holding(f"from light_jax import checkpoint; checkpoint.lock_workdir({str(workdir)!r})")
 
 
 @contextlib.contextmanager
-def workdir_held(workdir):
-  """A bare process that takes ``workdir``'s lock as train.py's process 0 does, for the duration; yields its pid."""
-  code = (
-    f"import time; from light_jax import checkpoint; checkpoint.lock_workdir({str(workdir)!r}); "
-    "print('locked', flush=True); time.sleep(120)"
-  )
-  holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+def _holding(take: str, *args: str):
+  """A bare process (in ROOT) that runs ``take`` (Python, given ``args`` in sys.argv), then holds on until killed at
+  the end of the ``with``; yields its pid."""
+  code = f"import sys, time; {take}; print('locked', flush=True); time.sleep(120)"
+  holder = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, stdout=subprocess.PIPE, text=True)
   try:
     assert holder.stdout.readline() == "locked\n"
     yield holder.pid
