@@ -50,6 +50,9 @@ def light(config: ml_collections.ConfigDict) -> None:
   rectified lr or trust-ratio clipping; bfloat16 compute (V100s need float16).
   """
   config.num_epochs = 28
+  # Light's V100s: adaptive fusion and auto plan with the backward FLOP/s the simulator's V100 profile runs at
+  # (simulation.device_tflops: 32), not the 100 of the ImageNet config's newer GPUs.
+  config.comm.device_tflops = 32.0
   config.data.resolution_schedule = "0:96,13:128,24:224,27:288:16384"
   config.optimizer.update(
     base_lr=25.0 * 256 / 32_768,
@@ -95,7 +98,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     decay="poly",
     end_lr_factor=1e-4,
   )
-  config.comm.update(device_tflops=100.0, density=0.001)
+  config.comm.update(device_tflops=100.0, density=0.001)  # an H100's or H200's bfloat16, with room to spare
   config.log_every_steps = 10
   config.checkpoint.every_steps = 500
   return apply_variant(config, variant, {"tiny": tiny, "light": light}, "imagenet_resnet50.py")

@@ -11,10 +11,9 @@ For each phase (consecutive steps with one image size, global batch and top-k de
    (a backward pass costs twice a forward one), the backward split over the tensors by their backward FLOPs
    (``fusion.profile_parameters`` on the real flax model), in backward order.
 2. Communication: the reducer the config describes (``reducer.reducer_from_config``; adaptive fusion,
-   auto and the square-root k share planned by ``cost_model.plan_reducer`` with the cluster's costs, the
-   function the trainer plans with, but from the device profile's compute and top-k rates where the trainer
-   takes ``comm.device_tflops`` and its cost model's top-k rate: where these differ, so can the plans, e.g.
-   auto at 0.1% on Light's 16 x 8 gives bucket 3 to hierarchical here and to hitopk in the trainer), one
+   auto and the square-root k share planned as the trainer plans them: ``cost_model.plan_reducer`` with
+   ``comm.device_tflops`` and the cluster cost's top-k rate, not the device profile's, which time the step;
+   ``device_tflops`` gives the value of ``comm.device_tflops`` that describes a profile), one
    bucket after the other on one stream: a bucket starts when its last gradient is ready and the
    previous bucket is done, and takes its top-k selection (compressed buckets, at the profile's
    selection rate) plus ``ClusterCost.reduction_seconds``, the function adaptive fusion and the mesh
@@ -176,6 +175,16 @@ def model_cost_ratio(model: ml_collections.ConfigDict, num_classes: int, channel
   imagenet_classes, imagenet_channels = DATASETS["imagenet2012"][2:]
   measured = backward_flops_per_image(device.model, 0, imagenet_classes, (size, size, imagenet_channels))
   return backward_flops_per_image(model.name, model.width, num_classes, (size, size, channels)) / measured
+
+
+def device_tflops(device: DeviceProfile) -> float:
+  """``device``'s speed in ``comm.device_tflops``'s sense, the value a config trained on it should set: its
+  model's backward FLOPs per image (``fusion.profile_parameters``'s estimate) over the two thirds of its seconds
+  per image that the simulator gives the backward pass, in TFLOP/s."""
+  size = device.image_size
+  classes, channels = DATASETS["imagenet2012"][2:]
+  backward = backward_flops_per_image(device.model, 0, classes, (size, size, channels))
+  return backward / (2 / 3 * device.train_seconds_per_image(size)) / 1e12
 
 
 def with_link(cluster: Cluster, nodes: int | None = None, inter_gbps: float | None = None) -> Cluster:
@@ -427,16 +436,14 @@ def simulate(config: ml_collections.ConfigDict, cluster: Cluster, overlap: bool 
   wire_itemsize = 2 if config.comm.dtype == "bfloat16" else 4
   backward_flops = [profile.backward_flops[i] for i in profile.order]
   total_backward_flops = sum(backward_flops)
-  # The FLOP/s that make the profile's backward FLOPs take two thirds of the device's step.
-  device_flops = 1.5 * total_backward_flops / seconds_per_image(eval_size)
   update = num_params * UPDATE_BYTES_PER_PARAMETER / device.memory_bytes_per_sec
   if config.optimizer.sharded_update:  # each device updates its 1/local shard of the parameters
     update /= local
 
-  def planned(reducer, size: int, batch: int):
+  def planned(reducer, size: int, batch: int):  # from the trainer's inputs (CompiledSteps._planned)
     examples = batch / cluster.num_devices * (size / eval_size) ** 2
     return cost_model.plan_reducer(
-      reducer, config.comm, profile, cluster.cost, device_flops, examples, overlap, device.topk_elements_per_sec
+      reducer, config.comm, profile, cluster.cost, config.comm.device_tflops * 1e12, examples, overlap
     )[0]
 
   # As CompiledSteps plans them: once, on the phase with the least compute per step (EpochPlan.leanest_step), or

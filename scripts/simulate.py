@@ -34,6 +34,7 @@ from absl import app, flags  # noqa: E402
 
 from light_jax import cli  # noqa: E402
 from light_jax import config as config_lib  # noqa: E402
+from light_jax.parallel import cost_model  # noqa: E402
 
 _CONFIG = cli.define_config_file("config", "training config file[:variant]")
 _CLUSTER = flags.DEFINE_string("cluster", "v100x128_25gbe", "a preset of light_jax/simulation.py CLUSTERS")
@@ -182,6 +183,16 @@ def main(argv):
   if ratio != 1:
     print(f"model {model.name}: {ratio:.3g} x {device.model}'s backward FLOPs per image at {device.image_size} px, "
           f"so {ratio:.3g} x its compute time")  # fmt: skip
+  planned = [label for label in labels if cost_model.needs_cost(configs[label].comm)]
+  if planned:  # the trainer's plan (adaptive fusion, auto), from the trainer's inputs: say them
+    tflops, suits = _CONFIG.value.comm.device_tflops, simulation.device_tflops(device)
+    rate = cluster.cost.topk_elements_per_sec
+    print(f"planned as the trainer plans ({', '.join(planned)}): comm.device_tflops={tflops:g}, "
+          + (f"top-k at {rate:.3g} elements/s" if cluster.cost.has_topk_rate else "link time alone (the cost "
+             "model has no top-k rate)"))  # fmt: skip
+    if not 0.8 <= tflops / suits <= 1.25:
+      print(f"note: {device.name}'s profile runs at {suits:.0f} TFLOP/s in comm.device_tflops's sense: "
+            f"--config.comm.device_tflops={suits:.0f} plans for it")  # fmt: skip
   results = {}
   for label in labels:
     try:

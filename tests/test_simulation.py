@@ -283,6 +283,43 @@ def test_auto_plans_on_the_phase_with_the_least_compute_per_step():
   assert seconds["auto"] <= seconds["hitopk"] * (1 + 1e-9), seconds
 
 
+def test_the_simulator_plans_with_the_trainers_inputs_and_names_the_device_tflops_that_fit(tmp_path):
+  """The simulator planned adaptive fusion and auto with its device profile's rates, the trainer with
+  comm.device_tflops and the cost model's top-k rate: the config's value changed nothing simulated, and the
+  simulated plan was not the one the trainer would run. Now comm.device_tflops plans both: the ImageNet config's
+  100 on Light's V100s merges buckets for a backward pass three times too short (137.7 s against 122.3 s)."""
+  v100 = simulation.DEVICES["v100"]
+  assert simulation.device_tflops(v100) == pytest.approx(32.06, abs=0.01)  # 1.5 x backward FLOPs x 1,300 images/s
+  config = imagenet_resnet50.get_config("light")
+  assert config.comm.device_tflops == 32  # a V100's, as :light's cluster
+  config.comm.fusion = "adaptive"
+  cluster = simulation.CLUSTERS["v100x128_25gbe"]
+  fits = simulation.simulate(config, cluster)
+  config.comm.device_tflops = 100.0
+  assert simulation.simulate(config, cluster)["seconds"] > 1.1 * fits["seconds"]
+
+  # A cost model without a top-k rate plans auto on link time alone, as the trainer does with such a file.
+  links = tmp_path / "links.json"
+  links.write_text(
+    json.dumps({k: v for k, v in json.loads(cluster.cost.to_json()).items() if k != "topk_elements_per_sec"})
+  )
+
+  def simulate(*args):
+    result = subprocess.run(
+      [sys.executable, "scripts/simulate.py", "--config", "configs/imagenet_resnet50.py:light", "--strategies",
+       "auto@0.001", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout, json.loads(result.stdout.strip().splitlines()[-1])["seconds"]
+
+  out, with_selections = simulate()
+  assert "planned as the trainer plans (auto@0.001): comm.device_tflops=32, top-k at 1e+09 elements/s" in out
+  assert "note:" not in out
+  out, alone = simulate("--cost_model", str(links), "--config.comm.device_tflops=100")
+  assert "link time alone" in out and "--config.comm.device_tflops=32 plans for it" in out
+  assert alone > 2 * with_selections  # gtopk's buckets pay the selections auto did not plan for
+
+
 def test_a_models_compute_scales_with_its_flops_against_the_profiles_model():
   """The device's images/s are ResNet-50's: every model was timed as ResNet-50 (36.2 ms a step at 96 px)."""
   config = imagenet_resnet50.get_config("light")

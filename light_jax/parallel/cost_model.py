@@ -267,14 +267,12 @@ def plan_auto(
   examples_per_device: int,
   overlap: bool = True,
   compact_pairs: bool = False,
-  topk_elements_per_sec: float | None = None,
 ) -> tuple[GradientReducer, list[str]]:
   """``reducer``'s buckets, each with the strategy ``comm.strategy="auto"`` gives it; and a reason per bucket.
   ``compact_pairs`` (``comm.compact_pairs``): the top-k candidates send compact pairs, and so do
-  the buckets that take them. ``topk_elements_per_sec``: the device's top-k selection rate, which charges each
-  compressed candidate its selections (gtopk: log2(P) + 1 of the whole unit) as the simulator does; None: the
-  cost's (``cost.topk_elements_per_sec``: a preset's assumption or a calibration's measurement; inf where a
-  calibration file has none, and auto then plans on link time alone).
+  the buckets that take them. ``cost.topk_elements_per_sec`` (a preset's assumption or a calibration's
+  measurement) charges each compressed candidate its selections (gtopk: log2(P) + 1 of the whole unit) as the
+  simulator does; where a calibration file has none (inf), auto plans on link time alone.
 
   Buckets are reduced one after the other on one stream, each once its gradients are ready (backward
   times as in ``plan_adaptive_fusion``). Every registered strategy the mesh allows is a candidate (exact,
@@ -290,9 +288,7 @@ def plan_auto(
   plans, for its log2(P) + 1 full-size selections. Without ``overlap`` (XLA on CPU runs collectives in line)
   every bucket waits for the whole backward pass.
   """
-  planned, reasons, _ = _plan_auto(
-    reducer, profile, cost, device_flops, examples_per_device, overlap, compact_pairs, topk_elements_per_sec
-  )
+  planned, reasons, _ = _plan_auto(reducer, profile, cost, device_flops, examples_per_device, overlap, compact_pairs)
   return planned, reasons
 
 
@@ -312,12 +308,9 @@ def _plan_auto(
   examples_per_device: int,
   overlap: bool,
   compact_pairs: bool,
-  topk_elements_per_sec: float | None,
 ) -> tuple[GradientReducer, list[str], float]:
   """``plan_auto``'s plan and reasons, and when the step's communication ends with it (seconds after the
   backward pass starts)."""
-  if topk_elements_per_sec is None:
-    topk_elements_per_sec = cost.topk_elements_per_sec
   leaves = jax.tree.leaves(profile.params)
   order, buckets = reducer.buckets(leaves)
   ready, elapsed = [], 0.0
@@ -333,7 +326,7 @@ def _plan_auto(
 
   durations = [
     {
-      name: bucket_seconds(cost, one, n) + one.selection_elements(n) / topk_elements_per_sec
+      name: bucket_seconds(cost, one, n) + one.selection_elements(n) / cost.topk_elements_per_sec
       for name, one in singles.items()
     }
     for n in sizes
@@ -380,16 +373,13 @@ def plan_reducer(
   device_flops: float,
   examples_per_device: float,
   overlap: bool = True,
-  topk_elements_per_sec: float | None = None,
 ) -> tuple[Reducer, list[str]]:
   """``reducer`` planned as the config section ``comm`` asks, each part after what it depends on: MG-WFBP
   buckets first (``comm.fusion="adaptive"``), then on those buckets auto's strategy per bucket
   (``comm.strategy="auto"``) or the square-root k share (``comm.k_allocation="sqrt"``; the config refuses
-  it with auto). ``cost`` may be None where ``needs_cost(comm)`` is False. ``topk_elements_per_sec``: auto's
-  top-k selection rate (``plan_auto``; None: the cost's). Returns
-  the reducer and auto's reason per bucket ([] without auto). The trainer (``CompiledSteps``) and the
-  simulator both plan with this function, from their own ``device_flops`` and top-k rate (the config's
-  ``comm.device_tflops``; the simulator's device profile), which may differ (light_jax/simulation.py)."""
+  it with auto). ``cost`` may be None where ``needs_cost(comm)`` is False. Returns the reducer and auto's
+  reason per bucket ([] without auto). The trainer (``CompiledSteps``) and the simulator both plan with this
+  function, from the same inputs: ``comm.device_tflops`` and ``cost``'s top-k rate."""
   if cost is None and needs_cost(comm):
     raise ValueError("plan_reducer: adaptive fusion and comm.strategy=auto time buckets; pass the cluster's cost")
   reasons = []
@@ -409,9 +399,7 @@ def plan_reducer(
         for name in [reducer.strategy, *(n for n in _candidates(reducer) if n != reducer.strategy)]
       ]  # fmt: skip
     plans = [
-      _plan_auto(
-        layout, profile, cost, device_flops, examples_per_device, overlap, comm.compact_pairs, topk_elements_per_sec
-      )
+      _plan_auto(layout, profile, cost, device_flops, examples_per_device, overlap, comm.compact_pairs)
       for layout in layouts
     ]
     reducer, reasons, _ = min(plans, key=lambda plan: plan[2])  # of equal ends, the first: hierarchical's layout
