@@ -35,8 +35,10 @@ compute time with --nodes x --local devices.
 Strategies: NAME or NAME@DENSITY (powersgd@RANK, diloco@STEPS_BETWEEN_SYNCS), with "/bfloat16" for the
 bfloat16 wire dtype ("hierarchical/bfloat16") and "/compact" for compact pairs ("hitopk@0.01/compact");
 "auto" (or auto@DENSITY) chooses per bucket from the links calibrated at that bandwidth.
-A cell whose run fails (or a bandwidth whose calibration fails, with its cells) is named in one line and
-the others go on; the table and the JSON line then hold the cells that finished, and the lab exits 1.
+What every cell's train.py would refuse (a config field, a strategy the mesh cannot run, a missing dataset) is
+refused before the first calibration. A cell whose run fails (or a bandwidth whose calibration fails, with its
+cells) is named in one line and the others go on; the table and the JSON line then hold the cells that finished,
+and the lab exits 1.
 --plot FILE draws predicted against measured step seconds for every cell. The last line is one JSON
 object keyed "<strategy>@<bandwidth>" (e.g. "hitopk@0.001@50mbit"); each cell also holds `inter_link`,
 the calibrated alpha (seconds) and beta (seconds per byte) of a machine's link at that bandwidth.
@@ -121,6 +123,20 @@ def check_run(config: str, overrides: list[str], nodes: int, local: int) -> ml_c
     resolved = cli.resolve_config(config, [*cluster_mesh(nodes, local), *overrides])
     config_lib.validate(resolved, num_devices=nodes * local, num_processes=nodes)
   return resolved
+
+
+def check_data(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError with the data loader's reason where the runs' dataset is missing or unreadable: before the
+  link calibrations, not in the first cell. Opened as train.py opens it in ROOT, without building a decoded cache."""
+  from light_jax import data as data_lib
+
+  data_config = config.data.copy_and_resolve_references()
+  data_config.cache = "none"
+  with contextlib.chdir(ROOT):
+    try:
+      data_lib.load_dataset(data_config)
+    except data_lib.DataError as e:
+      raise ValueError(f"the runs' data: {e}") from None
 
 
 def run_cell(
@@ -371,6 +387,7 @@ def check_args(args, meshes: list[tuple[int, int]]) -> tuple[dict[str, int | Non
           f"{label}: --steps {args.steps} may hold no whole period of {every} steps (one outer step each); a "
           f"DiLoCo cell's step is the mean over whole periods: use --steps {2 * every - 1} or more"
         )
+  check_data(resolved)  # the cells differ only in their mesh and comm fields: one dataset
   return rates, requested
 
 

@@ -37,7 +37,7 @@ import shlex
 import sys
 
 import train_runs  # benchmarks/, this script's directory
-from mesh_lab import check_run, cluster_mesh, parse_strategy, set_overrides, train_on_cluster
+from mesh_lab import check_data, check_run, cluster_mesh, parse_strategy, set_overrides, train_on_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -116,9 +116,14 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
     parser.error(str(e))
   for label, strategy_overrides in labels:  # what train.py would refuse, before hours of runs
     try:
-      check_run(args.config, run_overrides(args, strategy_overrides), args.nodes, args.local)
+      resolved = check_run(args.config, run_overrides(args, strategy_overrides), args.nodes, args.local)
     except ValueError as e:
       parser.error(f"{label}: {e}")
+  if not args.report_only:  # a missing dataset: said now, not by the first run on the emulated cluster
+    try:
+      check_data(resolved)
+    except ValueError as e:
+      parser.error(str(e))
   if args.plot is not None:  # its folder now, not a traceback after hours of runs ("": refused)
     args.plot = cli.plot_path(args.plot, "--plot")
   train_runs.check_workdir(parser, args.workdir)

@@ -99,6 +99,8 @@ def test_mesh_lab_warns_once_that_dense_in_bfloat16_crosses_the_cpus_links_in_fl
     # What train.py would refuse in every cell, after the calibrations:
     ({"set": ["optimizer.bse_lr=0.1"]}, "hierarchical on 2 x 4: --config.optimizer.bse_lr: no such config field; Did"),
     ({"set": ["comm.compact_pairs=true"]}, "hierarchical on 2 x 4: .*compact"),
+    # The first cell failed on it, after the calibrations, and every other cell then too.
+    ({"set": ["data.data_dir=/nonexistent"]}, "the runs' data: Fashion-MNIST not found: missing /nonexistent/train"),
   ],
 )
 def test_mesh_lab_refuses_bad_arguments_before_any_run(changes, message):
@@ -248,6 +250,11 @@ def test_calibrate_links_refuses_a_mesh_that_does_not_fit_the_devices(tmp_path):
     ("time_to_accuracy.py", ["--report_only", "--local", "0"], "--local 0: each must be at least 1"),
     ("time_to_accuracy.py", ["--report_only", "--target", "92"], "--target 92 must be a top-1 fraction"),
     ("time_to_accuracy.py", ["--report_only", "--timeout", "0"], "--timeout 0.0 must be a number of seconds > 0"),
+    (  # the first run failed on it, on the emulated cluster
+      "time_to_accuracy.py",
+      ["--set", "data.data_dir={tmp}/none", "--workdir", "{tmp}/runs"],
+      "the runs' data: Fashion-MNIST not found: missing {tmp}/none/train",
+    ),
     (
       "time_to_accuracy.py",
       ["--report_only", "--workdir", "README.md"],
