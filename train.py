@@ -373,6 +373,20 @@ def _run(jax, config, watchdog, guard, workdir_problem: str | None) -> tuple[int
   except train_lib.NonFiniteError as e:
     print(f"stopped: {e}", file=sys.stderr)
     return ExitCode.NONFINITE_STOP, None  # every process saw the same non-finite step and stopped after the same save
+  except Exception as e:  # a step or an evaluation batch larger than a device (or this machine) holds
+    ran_out = cli.out_of_memory(e)
+    if ran_out is None:
+      raise
+    # The CPU runs micro-batches unrolled (train_step.accumulate_gradients), all slices in memory at once.
+    slices = "" if jax.devices()[0].platform == "cpu" else (
+      "--config.micro_batches=N runs each device's batch in N slices, one after the other (the same steps), or "
+    )  # fmt: skip
+    return _refuse(
+      f"out of {ran_out}, at {config.global_batch_size // jax.device_count():,} training images per device "
+      f"(data.eval_batch_size={config.data.eval_batch_size:,} over all devices for evaluation). Ask for less, "
+      f"then rerun: {slices}a smaller --config.data.eval_batch_size; the run resumes from its newest checkpoint, if "
+      "any. A smaller global_batch_size is another run: give it another --workdir."
+    )
   if summary.get("stopped"):
     print(
       f"{summary['stopped']} after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "

@@ -209,5 +209,8 @@ def make_reducer(name, nodes, local, profile, cost, args):
 
 if __name__ == "__main__":
   xla_flags.apply()  # before JAX starts: the flags train.py runs with (light_jax/xla_flags.py)
-  with signals_exit_at_once("measuring: no result written", exit_handlers=True):
+  with (
+    signals_exit_at_once("measuring: no result written", exit_handlers=True),
+    cli.out_of_memory_fails("a smaller --model (its gradient is what the collectives carry)"),
+  ):
     main()

@@ -225,5 +225,8 @@ def main(argv):
 
 if __name__ == "__main__":
   xla_flags.apply()
-  with signals_exit_at_once("measuring: no result written", exit_handlers=True):
+  with (
+    signals_exit_at_once("measuring: no result written", exit_handlers=True),
+    cli.out_of_memory_fails("a smaller --batch_per_device or --image_size"),
+  ):
     app.run(main, flags_parser=cli.flags_parser(_CONFIG))

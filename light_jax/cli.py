@@ -146,6 +146,30 @@ def check_device_count(count: int, flags_given: str) -> None:
     )
 
 
+def out_of_memory(e: BaseException) -> str | None:
+  """What ran out of memory, where ``e`` says a device or this machine did, else None: XLA's "RESOURCE_EXHAUSTED:
+  Out of memory ..." (a GPU's, and the CPU's past its limit), numpy's MemoryError."""
+  if isinstance(e, MemoryError):
+    return f"this machine's memory ({str(e) or type(e).__name__})"
+  first = str(e).strip().split("\n", 1)[0]
+  if type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and "out of memory" in first.lower():
+    return f"the device's memory ({first})"
+  return None
+
+
+@contextlib.contextmanager
+def out_of_memory_fails(smaller: str):
+  """Inside, an ``out_of_memory`` error is ``fail``'s one line, which names the flags that ask for less
+  (``smaller``), instead of the allocator's traceback."""
+  try:
+    yield
+  except Exception as e:
+    ran_out = out_of_memory(e)
+    if ran_out is None:
+      raise
+    fail(f"out of {ran_out}: ask for less, {smaller}")
+
+
 def check_model(name: str, flag: str = "--model") -> None:
   """A model name the benchmarks take, checked before any work (create_model's own error is a traceback)."""
   from light_jax.models import ARCHITECTURES  # flax: imported only where a model is named

@@ -37,6 +37,8 @@ SAFE_TO_CHANGE = (
   "num_epochs",
   "max_steps",
   "log_every_steps",
+  # The same step in more slices where a device ran out of memory (BatchNorm then normalises over each slice).
+  "micro_batches",
   "checkpoint",
   "train",
   "mesh.cpu_devices",

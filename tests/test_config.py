@@ -612,3 +612,24 @@ def test_a_metrics_jsonl_that_cannot_be_read_is_refused_in_one_line(tmp_path):
     f"error: --workdir={tmp_path / 'run'}: cannot read {tmp_path / 'run' / 'metrics.jsonl'} (Input/output error); "
     "make it readable, or choose another directory."
   )
+
+
+def test_out_of_memory_is_told_from_other_errors():
+  class JaxRuntimeError(RuntimeError):  # jax.errors' name; XLA's text on a GPU
+    pass
+
+  gpu = JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 25.00GiB.\nmore")
+  assert cli.out_of_memory(gpu) == (
+    "the device's memory (RESOURCE_EXHAUSTED: Out of memory while trying to allocate 25.00GiB.)"
+  )
+  assert (
+    cli.out_of_memory(MemoryError("Unable to allocate 22.9 GiB"))
+    == "this machine's memory (Unable to allocate 22.9 GiB)"
+  )
+  assert cli.out_of_memory(JaxRuntimeError("INTERNAL: a collective failed")) is None
+  assert cli.out_of_memory(RuntimeError("Out of memory")) is None  # not XLA's
+  with pytest.raises(SystemExit) as stopped, cli.out_of_memory_fails("a smaller --batch"):
+    raise gpu
+  assert stopped.value.code == 2
+  with pytest.raises(ValueError), cli.out_of_memory_fails("a smaller --batch"):
+    raise ValueError("not memory")

@@ -87,3 +87,27 @@ def test_train_py_short_run_writes_metrics_and_summary(tmp_path):
   assert [json.loads(line) for line in (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()][-1][
     "eval_top1"
   ] == records[-1]["eval_top1"]
+
+
+def test_a_step_larger_than_the_device_holds_is_one_line_that_names_the_batch(tmp_path):
+  """XLA's out-of-memory error was a traceback. One CPU device under an 8 GB address-space limit: the step of 32,768
+  images asks for about 14 GB (with several simulated devices the one that fails leaves the others waiting in a
+  collective: one device keeps the error an error)."""
+  import resource
+
+  def limit_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, 8 * 2**30))
+
+  one_device = ["--config.mesh.cpu_devices=1", "--config.mesh.nodes=1", "--config.mesh.local=1"]
+  big = ["--config.global_batch_size=32768", "--config.data.train_subset=32768", "--config.data.eval_subset=1000"]
+  result = subprocess.run(
+    [sys.executable, "train.py", "--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "run"),
+     "--config.num_epochs=1", *one_device, *big],
+    cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300,
+    preexec_fn=limit_memory,
+  )  # fmt: skip
+  last = result.stderr.strip().splitlines()[-1]
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert last.startswith("error: out of the device's memory (RESOURCE_EXHAUSTED: Out of memory allocating "), last
+  assert "at 32,768 training images per device" in last and "--config.data.eval_batch_size" in last
+  assert "micro_batches" not in last  # the CPU runs the slices unrolled: they would not help here
