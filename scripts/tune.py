@@ -17,8 +17,9 @@ study_name.txt). Each trial's sampler is seeded with --seed plus its trial numbe
 values, and machines sharing a study draw differently (not alike); a machine starts a trial only while the finished
 and running trials are fewer than --trials (two that check at once may both start one: up to machines - 1 more).
 A trial whose sampled values train.py refuses fails, and the study goes on. A trial killed with its study is
-marked failed once its heartbeat stops (--heartbeat_grace seconds: the study's, as it was created) and is retried
-once with the same parameters, resuming from its checkpoint; a continued study that finds trials running, and
+marked failed once its heartbeat stops (--heartbeat_grace seconds: the study's, as it was created; or, killed
+before its first heartbeat, once it is that old and its objective has not begun) and is retried once with the same
+parameters, resuming from its checkpoint; a continued study that finds trials running, and
 does not hold --trials yet, first waits that long, so that it retries a killed one before sampling new ones. A
 trial stopped by Ctrl-C is retried the same way when the same command runs again.
 
@@ -583,6 +584,34 @@ def study_grace(study: optuna.Study, args) -> int:
   return stored
 
 
+def retry_killed(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+  """Queues the retry of ``trial``, failed as killed: once (a retry failed so too is not retried)."""
+  RetryHeartbeatStaleTrialCallback(max_retry=1)(study, trial)
+
+
+# The user attribute a trial's objective sets first: its own number (a retry's copy of the killed trial's attributes
+# holds that trial's). A RUNNING trial without it never began its objective (fail_killed_trials).
+BEGAN = "began"
+
+
+def fail_killed_trials(study: optuna.Study, grace: int) -> None:
+  """Fails the study's trials killed with their study process, and queues their retries (``retry_killed``): those
+  whose heartbeat is ``grace`` seconds old (Optuna's ``fail_stale_trials``), and those killed between Optuna's
+  ``ask`` and their objective's start. Those may have no heartbeat at all (its thread starts after ``ask``), which
+  Optuna never fails: they stayed RUNNING for good, and a study one trial short of --trials waited for them forever.
+  A trial started ``grace`` seconds ago whose objective has not begun (``BEGAN``, set in its first milliseconds) is
+  one."""
+  optuna.storages.fail_stale_trials(study)
+  for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    if trial.user_attrs.get(BEGAN) == trial.number or time.time() - trial.datetime_start.timestamp() < grace:
+      continue
+    try:
+      study.tell(trial.number, state=TrialState.FAIL)
+    except (ValueError, optuna.exceptions.UpdateFinishedTrialError):  # another process ended it meanwhile
+      continue
+    retry_killed(study, study.get_trials(deepcopy=False)[trial.number])
+
+
 def open_storage(url: str, grace: int) -> RDBStorage:
   """The study's storage: a running trial beats every grace / 3 seconds and counts as killed after ``grace``
   seconds without a beat. Two processes creating the same new database at once (machines sharing a study, or a
@@ -593,7 +622,7 @@ def open_storage(url: str, grace: int) -> RDBStorage:
         url,
         heartbeat_interval=max(1, grace // 3),
         grace_period=grace,
-        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
+        heartbeat_stale_trial_callback=retry_killed,
       )
     except sqlalchemy.exc.DBAPIError:  # IntegrityError or "database is locked" while the other one creates it
       if attempt == 2:
@@ -617,7 +646,7 @@ def wait_for_killed_trials(study: optuna.Study, grace: int) -> None:
   deadline = time.time() + grace + 2  # its last beat is at most grace / 3 old when it was killed, before now
   try:
     while time.time() < deadline:
-      optuna.storages.fail_stale_trials(study)
+      fail_killed_trials(study, grace)
       running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
       if not waiting_for & running:
         break
@@ -635,7 +664,7 @@ def wait_for_killed_trials(study: optuna.Study, grace: int) -> None:
           flush=True)  # fmt: skip
 
 
-def needs_a_trial(study: optuna.Study, trials: int) -> bool:
+def needs_a_trial(study: optuna.Study, trials: int, grace: int) -> bool:
   """Whether this process should start a trial: the finished trials and those running (on other machines sharing
   the study) are fewer than ``trials``. While they are not, but fewer than ``trials`` finished, it waits: a trial
   running elsewhere may be pruned into the count or fail (a killed one's retry is then queued, for this process
@@ -654,7 +683,7 @@ def needs_a_trial(study: optuna.Study, trials: int) -> bool:
         print(f"{finished} of {trials} trials finished, {running} running elsewhere: waiting for them", flush=True)
         waiting = True
       time.sleep(2)
-      optuna.storages.fail_stale_trials(study)  # a killed one's retry is queued, then counts as not running
+      fail_killed_trials(study, grace)  # a killed one's retry is queued, then counts as not running
   except KeyboardInterrupt:  # no trial of this process's is running
     resume_later(study, [])
 
@@ -785,6 +814,7 @@ def main() -> None:
   taken_over = set()  # of those, the ones another process failed as killed (and retries)
 
   def objective(trial: optuna.Trial) -> float:
+    trial.set_user_attr(BEGAN, trial.number)  # first: a trial without it is one killed before it began
     started.append(trial.number)
     # Seeded per trial: trial numbers are unique across the processes sharing the study, so no two draw the same
     # values, and a continued study samples new ones. TPE keeps nothing between trials (it reads them from the
@@ -796,7 +826,7 @@ def main() -> None:
     check_not_taken_over(trial)  # Optuna asserts on it
     return value
 
-  while needs_a_trial(study, args.trials):
+  while needs_a_trial(study, args.trials, grace):
     try:  # optuna records a failed trial and goes on (TrialFailed), or records it and raises (TrialRejected)
       study.optimize(objective, n_trials=1, catch=(TrialFailed,))
     except TrialRejected as e:  # every trial would be: stop the study

@@ -414,11 +414,35 @@ def test_a_study_waits_for_trials_running_elsewhere_instead_of_overshooting(tmp_
   _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1", "--heartbeat_grace=3")
   study = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{tmp_path}/study/study.db")
   elsewhere = study.ask()  # running on another machine (no heartbeat here: never stale)
+  elsewhere.set_user_attr(tune.BEGAN, elsewhere.number)  # as its objective did there
   # The study's wait for it (2 s) ends with it finished; the grace's waits (1 s) only move the clock on.
   _clock(tune, monkeypatch, lambda seconds: seconds == 2 and study.tell(elsewhere, 0.25))
   result = _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=2", "--heartbeat_grace=3")
   assert result["trials"] == 2 and result["completed"] == 2, result
   assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+
+
+def test_a_trial_killed_before_its_heartbeat_began_is_retried_not_waited_for_forever(tmp_path, monkeypatch, capsys):
+  """Killed between Optuna's ask and its heartbeat's first beat, a trial has no heartbeat, which Optuna never fails:
+  it stayed RUNNING, and a study one trial short of --trials waited for it forever. Now, its objective not begun
+  after the grace, it is failed as killed and retried."""
+  tune = _tune_module()
+  study_dir = f"--study_dir={tmp_path}/study"
+  _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1", "--heartbeat_grace=3")
+  study = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{tmp_path}/study/study.db")
+  study.ask()  # killed at once: no heartbeat, no objective
+  waited = []
+
+  def sleep(seconds):
+    waited.append(seconds)
+    assert sum(waited) < 60, "it waited for the killed trial forever"
+
+  _clock(tune, monkeypatch, sleep)
+  result = _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=2", "--heartbeat_grace=3")
+  assert result["trials"] == 2 and result["completed"] == 2, result
+  assert [t.state.name for t in study.trials] == ["COMPLETE", "FAIL", "COMPLETE"]
+  assert study.trials[2].system_attrs["failed_trial"] == 1  # the retry of the killed trial
+  assert sum(waited) <= 3 + 2  # the grace, and the wait's margin
 
 
 def test_a_study_keeps_its_heartbeat_grace_and_a_trial_failed_from_outside_is_one_line(tmp_path, monkeypatch, capsys):
