@@ -377,16 +377,7 @@ def _run(jax, config, watchdog, guard, workdir_problem: str | None) -> tuple[int
     ran_out = cli.out_of_memory(e)
     if ran_out is None:
       raise
-    # The CPU runs micro-batches unrolled (train_step.accumulate_gradients), all slices in memory at once.
-    slices = "" if jax.devices()[0].platform == "cpu" else (
-      "--config.micro_batches=N runs each device's batch in N slices, one after the other (the same steps), or "
-    )  # fmt: skip
-    return _refuse(
-      f"out of {ran_out}, at {config.global_batch_size // jax.device_count():,} training images per device "
-      f"(data.eval_batch_size={config.data.eval_batch_size:,} over all devices for evaluation). Ask for less, "
-      f"then rerun: {slices}a smaller --config.data.eval_batch_size; the run resumes from its newest checkpoint, if "
-      "any. A smaller global_batch_size is another run: give it another --workdir."
-    )
+    return _refuse(f"out of {ran_out}. {_ask_for_less(jax, config, on_device=ran_out.startswith('the device'))}")
   if summary.get("stopped"):
     print(
       f"{summary['stopped']} after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "
@@ -394,6 +385,26 @@ def _run(jax, config, watchdog, guard, workdir_problem: str | None) -> tuple[int
       file=sys.stderr,
     )
   return ExitCode.OK, None
+
+
+def _ask_for_less(jax, config, on_device: bool) -> str:
+  """What asks for less memory, after a run ran out of a device's or this machine's."""
+  rerun = "the run resumes from its newest checkpoint, if any. A smaller global_batch_size is another run (another "
+  if not on_device:  # the host's: the input pipeline's caches and workers
+    return (
+      "Ask for less, then rerun: --config.data.cache=disk instead of memory, fewer --config.data.num_workers or a "
+      f"smaller --config.data.host_prefetch; {rerun}--workdir)."
+    )
+  # The CPU runs micro-batches unrolled (train_step.accumulate_gradients), all slices in memory at once.
+  slices = "" if jax.devices()[0].platform == "cpu" else (
+    "--config.micro_batches=N runs each device's batch in N slices, one after the other (the same steps, BatchNorm "
+    "over each slice), or "
+  )  # fmt: skip
+  return (
+    f"Training asks {config.global_batch_size:,} images over {jax.device_count()} device(s) a step (a resolution "
+    f"phase may set another batch), evaluation data.eval_batch_size={config.data.eval_batch_size:,}. Ask for "
+    f"less, then rerun: {slices}a smaller --config.data.eval_batch_size; {rerun}--workdir)."
+  )
 
 
 def _check_run(jax, config) -> tuple[int, str] | None:

@@ -198,6 +198,6 @@ if __name__ == "__main__":
   xla_flags.apply()  # before JAX starts: the flags train.py runs with (light_jax/xla_flags.py)
   with (
     signals_exit_at_once("measuring: no result written", exit_handlers=True),
-    cli.out_of_memory_fails("a smaller --batch or --image, or more --micro_batches"),
+    cli.out_of_memory_fails("a smaller --batch or --image"),
   ):
     main()

@@ -98,7 +98,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     decay="poly",
     end_lr_factor=1e-4,
   )
-  config.comm.update(device_tflops=100.0, density=0.001)  # an H100's or H200's bfloat16, with room to spare
+  # device_tflops: newer GPUs' bfloat16 at a guess; set your device's (scripts/simulate.py: an H200 runs at 196).
+  config.comm.update(device_tflops=100.0, density=0.001)
   config.log_every_steps = 10
   config.checkpoint.every_steps = 500
   return apply_variant(config, variant, {"tiny": tiny, "light": light}, "imagenet_resnet50.py")

@@ -27,12 +27,14 @@ CACHES = ("none", "disk", "memory")
 
 
 # Fields that may change between a run and its resumption: they change neither shapes, nor the data
-# order, nor the maths of a step (a prefix covers its sub-fields). Three exceptions, on purpose: num_epochs
+# order, nor the maths of a step (a prefix covers its sub-fields). Four exceptions, on purpose: num_epochs
 # lengthens or shortens a run, and the schedules (warm-up, decay, a cycled momentum) stretch over the new
 # count, so the rate jumps at the resume; with comm.strategy=diloco the machines sync at the run's last
-# step, so a run stopped by max_steps and resumed with a larger one took a sync the longer run would not; and on
+# step, so a run stopped by max_steps and resumed with a larger one took a sync the longer run would not; on
 # JPEG datasets data.cache and data.cache_budget_gb choose between the decoded cache's pixels (decoded once at
-# data.cache_size) and the JPEGs' (the same images in the same order, resampled otherwise).
+# data.cache_size) and the JPEGs' (the same images in the same order, resampled otherwise); and micro_batches, the
+# knob for a step a device cannot hold, normalises BatchNorm over each slice (and moves its running statistics once
+# a slice), where one slice normalised over the device's batch.
 SAFE_TO_CHANGE = (
   "num_epochs",
   "max_steps",

@@ -140,10 +140,13 @@ CLUSTERS = {
   "h200x8_ib": Cluster(
     1,
     8,
-    cost_model.PRESETS["h100_nvlink_ib"],
+    # The H100 preset's links, with the H200's top-k rate: the rate auto plans with is the one the step is charged.
+    dataclasses.replace(
+      cost_model.PRESETS["h100_nvlink_ib"], topk_elements_per_sec=cost_model.ASSUMED_TOPK_RATES["h200"]
+    ),
     DEVICES["h200"],
     32 * INPUT_IMAGES_PER_SEC_PER_CORE,
-    source="one 8 x H200 machine (NVLink 4; the H100 link preset)",
+    source="one 8 x H200 machine (NVLink 4; the H100 link preset, the H200's top-k rate)",
   ),
 }
 

@@ -109,5 +109,5 @@ def test_a_step_larger_than_the_device_holds_is_one_line_that_names_the_batch(tm
   last = result.stderr.strip().splitlines()[-1]
   assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
   assert last.startswith("error: out of the device's memory (RESOURCE_EXHAUSTED: Out of memory allocating "), last
-  assert "at 32,768 training images per device" in last and "--config.data.eval_batch_size" in last
+  assert "Training asks 32,768 images over 1 device(s) a step" in last and "--config.data.eval_batch_size" in last
   assert "micro_batches" not in last  # the CPU runs the slices unrolled: they would not help here
