@@ -6,7 +6,7 @@ FASHION_MNIST_DIR := /usr/share/datasets/fashion-mnist
 WORKDIR ?= runs/fashion_mnist
 CONFIG ?= configs/fashion_mnist.py
 
-.PHONY: .venv python-deps train test test-all lint format bench time-to-accuracy large-batch tune data jpeg-build-deps clean
+.PHONY: .venv python-deps train test test-all lint format bench time-to-accuracy large-batch tune data jpeg-build-deps gpu-wheels clean
 
 .venv: $(VENV)/.installed data
 
@@ -119,6 +119,18 @@ large-batch: .venv
 tune: .venv
 	$(PY) scripts/tune.py --config configs/fashion_mnist.py:large_batch_lars --study_dir runs/tune --trials 16 \
 	  --startup_trials 4 --config.num_epochs=3 --config.optimizer.decay=poly
+
+# The wheels a GPU machine without network lacks (this workplace's device machines: Python 3.12, JAX with CUDA,
+# flax, optax, orbax there; not these), at the versions installed here, for `bash benchmarks/gpu_check.sh OUT
+# --wheels .whl` (README "The prepared GPU check"). About 5 MB.
+GPU_WHEELS := grain array_record simplejpeg ml_collections jmp tensorboardX portpicker
+GPU_PYTHON ?= 3.12
+gpu-wheels: .venv
+	rm -rf .whl && mkdir .whl
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	  $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64) \
+	  -d .whl $$($(PY) -c 'import importlib.metadata as m, sys; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' $(GPU_WHEELS))
+	@ls .whl
 
 clean:
 	rm -rf runs .pytest_cache

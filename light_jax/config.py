@@ -613,8 +613,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
         f"data.{field}={value!r} must be -1 (measure at start-up) or {'>= 0' if field == 'num_workers' else '>= 1'}."
       )
   jpeg = config.data.dataset != "fashion_mnist"  # Fashion-MNIST: arrays of one size (data.image_size unused)
+  _choice("data.cache", config.data.cache, CACHES)  # a misspelling is no cache on arrays, unnoticed till JPEGs
   if jpeg:
-    _choice("data.cache", config.data.cache, CACHES)
     _positive("data.image_size", config.data.image_size)
     if not 0.0 < config.data.random_scale_min <= 1.0:
       raise ConfigError(f"data.random_scale_min={config.data.random_scale_min!r} must be in (0, 1].")

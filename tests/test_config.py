@@ -126,6 +126,7 @@ def test_default_configs_validate():
     ({"comm__local_trust_ratio": True}, r"optimizer.name='sgd' has none. Set optimizer.name=lars"),
     ({"optimizer__weight_decay": 1.5}, r"optimizer.weight_decay=1.5 must be below 1"),
     ({"data__cache_budget_gb": float("nan")}, r"data.cache_budget_gb=nan must be >= 0 and finite"),
+    ({"data__cache": "memroy"}, r"data.cache='memroy' is unknown"),  # on Fashion-MNIST too: it was no cache
     ({"model__loss_scale_period": 2**31}, r"model.loss_scale_period=2147483648 must be below 2\*\*31"),
     ({"global_batch_size": 4}, r"global_batch_size=4 does not divide over 8 devices; use a multiple of 8 \(e.g. 8\)\."),
     (

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -534,6 +535,10 @@ def test_a_study_run_stamped_with_a_relative_workdir_is_still_reused(train_runs,
     (["--help"], 0, "usage: bash benchmarks/gpu_check.sh OUT_DIR [--toy]"),
     (["--toy"], 2, "error: the first argument is the output folder, not --toy"),  # it ran on, writing to /
     (["OUT", "--tooy"], 2, "error: unexpected arguments after OUT_DIR: --tooy"),
+    (["OUT", "--toy", "--budget", "30"], 2, "error: --budget 30: give whole seconds, at least 45"),
+    (["OUT", "--toy", "--budget", "1e3"], 2, "error: --budget 1e3: give whole seconds, at least 45"),
+    (["OUT", "--toy", "--wheels"], 2, "error: --wheels needs a folder of wheels"),
+    (["OUT", "--toy", "--wheels", "."], 2, "error: --wheels . holds no .whl file; download them"),
   ],
 )
 def test_gpu_check_refuses_a_flag_for_its_output_folder(tmp_path, argv, code, message):
@@ -554,7 +559,9 @@ def test_a_ctrl_c_stops_the_gpu_check_and_its_step(tmp_path):
     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
   )  # fmt: skip
   assert process.stdout.readline().startswith("light_jax GPU check")
-  assert process.stdout.readline().startswith("== throughput_float32_32_b8: ")  # the step has started
+  for line in process.stdout:  # after the preflight
+    if line.startswith("== throughput_float32_32_b8 "):  # the step has started
+      break
   process.send_signal(signal.SIGINT)
   _, err = process.communicate(timeout=60)
   assert process.returncode == 130, err[-3000:]
@@ -562,6 +569,27 @@ def test_a_ctrl_c_stops_the_gpu_check_and_its_step(tmp_path):
     f"stopped by SIGINT during the step throughput_float32_32_b8; the steps before it are in {tmp_path}/out/steps.jsonl"
   )
   assert "== collectives" not in (tmp_path / "out" / "report.txt").read_text()
+
+
+def test_the_gpu_check_skips_the_steps_its_budget_cannot_hold_and_leaves_what_it_measured(tmp_path):
+  """A device machine's command runs at most 600 s, and the summary was written only after the last step: a check
+  cut short there brought back no gpu_check.json. Now each step is bounded by the time left of --budget (15 s of it
+  kept for the summary), the steps beyond it are recorded as skipped, and the summary and the logs' archive are
+  written after every step."""
+  out = tmp_path / "out"
+  result = subprocess.run(
+    ["bash", "benchmarks/gpu_check.sh", str(out), "--toy", "--budget", "45"], cwd=ROOT, capture_output=True,
+    text=True, timeout=300, env=dict(os.environ, PYTHON=sys.executable),
+  )  # fmt: skip
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = json.loads((out / "gpu_check.json").read_text())
+  assert summary["preflight"]["devices"] >= 1 and summary["preflight"]["versions"]["jax"], summary["preflight"]
+  # The preflight had the first 30 s; every step after it found less than 30 s left.
+  assert {"calibrate_links", "train", "update_step", "input_pipeline"} <= set(summary["skipped"]), summary["skipped"]
+  assert summary["failed"] == []
+  assert json.loads(result.stdout.strip().splitlines()[-1])["skipped"] == summary["skipped"]
+  with tarfile.open(out / "logs.tar.gz") as archive:
+    assert "logs/preflight.log" in archive.getnames()
 
 
 def test_gpu_check_refused_leaves_an_earlier_runs_results_and_names_an_unwritable_folder(tmp_path):
