@@ -25,10 +25,10 @@
 #   6. the optimizer update of ResNet-50 with LARS, norms per tensor against fused, and sharded against
 #      replicated across the GPUs when there are several (benchmarks/update_step.py);
 #   7. the input pipeline (benchmarks/input_pipeline.py), images/s per host core.
-# After every step it writes OUT_DIR/gpu_check.json (every step's JSON line, exit code and seconds, and the figures
-# drawn from them), OUT_DIR/report.txt (the tables) and OUT_DIR/logs.tar.gz (each step's log under logs/, the
-# profile); a run cut short still leaves them. --budget: 540 s by default on a GPU (a device machine's command
-# runs at most 600 s), none at toy size.
+# After every step it writes OUT_DIR/gpu_check.json (every step's JSON line, exit code and seconds, the training run's
+# summary, and the figures drawn from them), OUT_DIR/report.txt (the tables), OUT_DIR/logs.tar.gz (each step's log)
+# and OUT_DIR/profile.tar.gz; a run cut short still leaves them. --budget: 540 s by default on a GPU (a device
+# machine's command runs at most 600 s; 25 s of it kept for the summary), none at toy size.
 set -u
 USAGE="usage: bash benchmarks/gpu_check.sh OUT_DIR [--toy] [--wheels DIR] [--budget SECONDS]"
 case "${1:-}" in
@@ -37,19 +37,20 @@ case "${1:-}" in
   -*) echo "error: the first argument is the output folder, not $1; $USAGE" >&2; exit 2 ;;
 esac
 OUT=$1; shift
-TOY= WHEELS= BUDGET=
+TOY= WHEELS= BUDGET= BUDGET_GIVEN=
 while [ $# -gt 0 ]; do
   case "$1" in
     --toy) TOY=--toy; shift ;;
     --wheels) [ $# -ge 2 ] || { echo "error: --wheels needs a folder of wheels; $USAGE" >&2; exit 2; }
               WHEELS=$2; shift 2 ;;
     --budget) [ $# -ge 2 ] || { echo "error: --budget needs seconds; $USAGE" >&2; exit 2; }
-              BUDGET=$2; shift 2 ;;
+              BUDGET=$2; BUDGET_GIVEN=1; shift 2 ;;
     *) echo "error: unexpected arguments after OUT_DIR: $*; $USAGE" >&2; exit 2 ;;
   esac
 done
-if [ -n "$BUDGET" ] && { ! [[ "$BUDGET" =~ ^[1-9][0-9]*$ ]] || [ "$BUDGET" -lt 45 ]; }; then
-  echo "error: --budget $BUDGET: give whole seconds, at least 45 (15 for the summary, 30 for the preflight)" >&2; exit 2
+if [ -n "$BUDGET_GIVEN" ] && { ! [[ "$BUDGET" =~ ^[1-9][0-9]{1,5}$ ]] || [ "$BUDGET" -lt 55 ]; }; then
+  echo "error: --budget '$BUDGET': give whole seconds, at least 55 (25 for the summary, 30 for the preflight)" >&2
+  exit 2
 fi
 if [ -n "$WHEELS" ] && ! compgen -G "$WHEELS/*.whl" > /dev/null; then
   echo "error: --wheels $WHEELS holds no .whl file; download them on a machine with pip's network: make gpu-wheels" >&2
@@ -85,8 +86,9 @@ else
 fi
 if [ -z "$BUDGET" ] && [ "$TOY" != "--toy" ]; then BUDGET=540; fi
 DEADLINE=$((SECONDS + ${BUDGET:-0}))
+export PYTHONUNBUFFERED=1  # a step killed at its limit keeps the lines it printed
+rm -rf -- "$OUT/gpu_check.json" "$OUT/logs.tar.gz" "$OUT/profile.tar.gz" "$OUT/logs" "$OUT/train"  # an earlier run's
 mkdir -p "$OUT/logs"
-rm -f -- "$OUT/gpu_check.json" "$OUT/logs.tar.gz"  # an earlier run's: not this one's figures
 : > "$OUT/steps.jsonl"
 : > "$OUT/report.txt"
 
@@ -121,12 +123,18 @@ skipped = [s["step"] for s in steps if s.get("skipped")]
 # A throughput attempt that ran out of memory is expected (a smaller batch follows); a size that never ran is not.
 tried = {s["step"].rsplit("_b", 1)[0] for s in steps if s["step"].startswith("throughput_") and not s.get("skipped")}
 failed = [t for t in sorted(tried) if not any(f"throughput_{k.replace('@', '_')}" == t for k in best)]
-failed += [s["step"] for s in steps if not s["step"].startswith("throughput_") and s["exit_code"] and not s.get("skipped")]
+# preflight_with_flags: the preflight that XLA's refusal of light_jax's flags stopped; run again without them.
+failed += [s["step"] for s in steps if not s["step"].startswith("throughput_") and s["exit_code"] and not s.get("skipped")
+           and s["step"] != "preflight_with_flags"]
 links = next((s["result"] for s in steps if s["step"] == "calibrate_links" and s["exit_code"] == 0), None)
 topk_rate = links["topk_elements_per_sec"] if links else None  # elements/s: auto and the simulator assume one
 preflight = next((s["result"] for s in steps if s["step"] == "preflight" and s["result"]), None)
+try:  # the training run's summary.json (train.py prints no JSON line)
+  train = json.load(open(os.path.join(out, "train", "summary.json")))
+except (OSError, ValueError):
+  train = None
 summary = {"preflight": preflight, "steps": steps, "throughput": best, "topk_elements_per_sec": topk_rate,
-           "profile": profile[0] if profile else None, "failed": failed, "skipped": skipped}
+           "train": train, "profile": profile[0] if profile else None, "failed": failed, "skipped": skipped}
 with open(os.path.join(out, "gpu_check.json.tmp"), "w") as f:
   json.dump(summary, f, indent=1)
 os.replace(os.path.join(out, "gpu_check.json.tmp"), os.path.join(out, "gpu_check.json"))
@@ -138,8 +146,13 @@ print(f"profile: {summary['profile']}\nfailed steps: {failed or 'none'}; skipped
 print(json.dumps({"throughput": {k: v["images_per_sec"] for k, v in best.items()}, "topk_elements_per_sec": topk_rate,
                   "failed": failed, "skipped": skipped, "profile": summary["profile"]}))
 EOF
-  local profile=; [ -d "$OUT/train/profile" ] && profile=train/profile
-  tar czf "$OUT/logs.tar.gz.tmp" -C "$OUT" logs $profile 2> /dev/null && mv "$OUT/logs.tar.gz.tmp" "$OUT/logs.tar.gz"
+  # Two archives: a profile too large to come back (a device machine returns files of 16 MiB at most) takes no log.
+  tar czf "$OUT/logs.tar.gz.tmp" -C "$OUT" logs $(cd "$OUT" && ls train/*.json* 2> /dev/null) 2> /dev/null \
+    && mv "$OUT/logs.tar.gz.tmp" "$OUT/logs.tar.gz"
+  if [ -d "$OUT/train/profile" ]; then
+    tar czf "$OUT/profile.tar.gz.tmp" -C "$OUT/train" profile 2> /dev/null \
+      && mv "$OUT/profile.tar.gz.tmp" "$OUT/profile.tar.gz"
+  fi
 }
 
 record() {  # record NAME CODE SECONDS [WHY_SKIPPED]: a line of OUT/steps.jsonl, with its log's last JSON line
@@ -160,7 +173,8 @@ run() {  # run NAME SECONDS COMMAND...: its output to OUT/logs/NAME.log, a recor
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
   if [ -n "$BUDGET" ]; then
-    local left=$((DEADLINE - SECONDS - 15))  # 15 s kept for the summary and the archive
+    # 25 s kept: a step killed at its limit ends up to 10 s later (timeout -k), then the summary and the archives.
+    local left=$((DEADLINE - SECONDS - 25))
     if [ "$left" -lt 30 ]; then
       echo "== $name: skipped, the --budget of $BUDGET s is spent" | tee -a "$OUT/report.txt"
       record "$name" 125 0 "the --budget of $BUDGET s was spent"
@@ -190,7 +204,8 @@ if [ -n "$WHEELS" ]; then
   # The packages the machine lacks, into scratch; light_jax itself from this checkout: no network, nothing installed.
   if ! "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$SCRATCH/site" "$WHEELS"/*.whl \
       > "$OUT/logs/wheels.log" 2>&1; then
-    echo "error: installing the wheels of $WHEELS failed; see $OUT/logs/wheels.log" >&2
+    tail -n 5 "$OUT/logs/wheels.log" | tee -a "$OUT/report.txt" >&2
+    echo "error: installing the wheels of $WHEELS failed; see $OUT/logs/wheels.log" | tee -a "$OUT/report.txt" >&2
     exit 2
   fi
   export PYTHONPATH="$SCRATCH/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -200,7 +215,7 @@ elif [ "$TOY" != "--toy" ]; then
     exit 2
   fi
 fi
-if [ "$TOY" != "--toy" ]; then nvidia-smi > "$OUT/logs/nvidia-smi.txt" 2>&1; fi
+if [ "$TOY" != "--toy" ]; then timeout -k 5 30 nvidia-smi > "$OUT/logs/nvidia-smi.txt" 2>&1; fi
 
 # 0. Everything the steps import, the versions, the devices, one program on them. A JAX whose XLA does not know a
 # flag light_jax sets (light_jax/xla_flags.py) aborts at its start: then every step runs without them.
@@ -229,6 +244,7 @@ if ! run preflight 180 "$PY" -c "$PREFLIGHT"; then
       "$(grep -m1 'Unknown flag' "$OUT/logs/preflight.log")" | tee -a "$OUT/report.txt"
     export LIGHT_JAX_XLA_FLAGS=0
     mv "$OUT/logs/preflight.log" "$OUT/logs/preflight_with_flags.log"
+    sed -i 's/^{"step": "preflight",/{"step": "preflight_with_flags",/' "$OUT/steps.jsonl"  # not this step's failure
     run preflight 180 "$PY" -c "$PREFLIGHT"
   fi
   if ! grep -q '^{' "$OUT/logs/preflight.log"; then
