@@ -814,8 +814,8 @@ def main() -> None:
   taken_over = set()  # of those, the ones another process failed as killed (and retries)
 
   def objective(trial: optuna.Trial) -> float:
-    trial.set_user_attr(BEGAN, trial.number)  # first: a trial without it is one killed before it began
-    started.append(trial.number)
+    started.append(trial.number)  # before anything that may raise: the trial a failure or a Ctrl-C names
+    trial.set_user_attr(BEGAN, trial.number)  # at once: a trial without it is one killed before it began
     # Seeded per trial: trial numbers are unique across the processes sharing the study, so no two draw the same
     # values, and a continued study samples new ones. TPE keeps nothing between trials (it reads them from the
     # storage), so a new sampler per trial samples as one would; set before the first suggest.
