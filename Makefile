@@ -125,11 +125,13 @@ tune: .venv
 # --wheels .whl` (README "The prepared GPU check"). About 5 MB.
 GPU_WHEELS := grain array_record simplejpeg ml_collections jmp tensorboardX portpicker
 GPU_PYTHON ?= 3.12
-gpu-wheels: .venv
-	rm -rf .whl && mkdir .whl
+gpu-wheels: $(VENV)/.installed
+	@pins=$$($(PY) -c 'import importlib.metadata as m, sys; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \
+	  $(GPU_WHEELS)) || { echo "error: a package of GPU_WHEELS is not installed in $(VENV): make .venv first" >&2; exit 1; }; \
+	rm -rf .whl && mkdir .whl && echo "downloading $$pins for Python $(GPU_PYTHON)" && \
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
 	  $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64) \
-	  -d .whl $$($(PY) -c 'import importlib.metadata as m, sys; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' $(GPU_WHEELS))
+	  -d .whl $$pins
 	@ls .whl
 
 clean:

@@ -87,7 +87,7 @@ fi
 if [ -z "$BUDGET" ] && [ "$TOY" != "--toy" ]; then BUDGET=540; fi
 DEADLINE=$((SECONDS + ${BUDGET:-0}))
 export PYTHONUNBUFFERED=1  # a step killed at its limit keeps the lines it printed
-rm -rf -- "$OUT/gpu_check.json" "$OUT/logs.tar.gz" "$OUT/profile.tar.gz" "$OUT/logs" "$OUT/train"  # an earlier run's
+rm -rf -- "$OUT"/{gpu_check.json,logs.tar.gz,profile.tar.gz,links.json,train_summary.json,logs,train}  # an earlier run's
 mkdir -p "$OUT/logs"
 : > "$OUT/steps.jsonl"
 : > "$OUT/report.txt"

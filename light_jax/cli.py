@@ -148,13 +148,13 @@ def check_device_count(count: int, flags_given: str) -> None:
 
 def out_of_memory(e: BaseException) -> str | None:
   """What ran out of memory, where ``e`` says a device or this machine did, else None: XLA's "RESOURCE_EXHAUSTED:
-  Out of memory ..." or "RESOURCE_EXHAUSTED: Failed to allocate ..." (a GPU's, and the CPU's past its limit),
-  numpy's MemoryError."""
+  Out of memory ..." or "RESOURCE_EXHAUSTED: Failed to allocate ..." (a GPU's, and the CPU's past its limit; not
+  any RESOURCE_EXHAUSTED: gRPC's message size, say), numpy's MemoryError."""
   if isinstance(e, MemoryError):
     return f"this machine's memory ({str(e) or type(e).__name__})"
   first = str(e).strip().split("\n", 1)[0]
   if type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and (
-    "out of memory" in first.lower() or first.startswith("RESOURCE_EXHAUSTED")
+    "out of memory" in first.lower() or "failed to allocate" in first.lower()
   ):
     return f"the device's memory ({first})"
   return None

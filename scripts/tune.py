@@ -18,10 +18,10 @@ values, and machines sharing a study draw differently (not alike); a machine sta
 and running trials are fewer than --trials (two that check at once may both start one: up to machines - 1 more).
 A trial whose sampled values train.py refuses fails, and the study goes on. A trial killed with its study is
 marked failed once its heartbeat stops (--heartbeat_grace seconds: the study's, as it was created; or, killed
-before its first heartbeat, once it is that old and its objective has not begun) and is retried once with the same
-parameters, resuming from its checkpoint; a continued study that finds trials running, and
-does not hold --trials yet, first waits that long, so that it retries a killed one before sampling new ones. A
-trial stopped by Ctrl-C is retried the same way when the same command runs again.
+before its first heartbeat, once it has run that long without one) and is retried once with the same parameters,
+resuming from its checkpoint; a continued study that finds trials running, and does not hold --trials yet, first
+waits that long, so that it retries a killed one before sampling new ones. A trial stopped by Ctrl-C is retried the
+same way when the same command runs again.
 
 Output: a table of the trials, STUDY_DIR/best_config.py (a config file train.py accepts: the base config,
 the --config overrides and the best trial's parameters), Optuna's plots as PNG in STUDY_DIR, and as the
@@ -54,6 +54,7 @@ import ml_collections
 import optuna
 import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages._rdb import models as rdb_models  # beaten_trial_ids
 from optuna.trial import TrialState
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -589,21 +590,29 @@ def retry_killed(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
   RetryHeartbeatStaleTrialCallback(max_retry=1)(study, trial)
 
 
-# The user attribute a trial's objective sets first: its own number (a retry's copy of the killed trial's attributes
-# holds that trial's). A RUNNING trial without it never began its objective (fail_killed_trials).
-BEGAN = "began"
+def beaten_trial_ids(storage: RDBStorage) -> set[int]:
+  """The ids of the trials that have a heartbeat (Optuna has no public query for it: its storage's table)."""
+  session = storage.scoped_session()
+  try:
+    ids = {trial_id for (trial_id,) in session.query(rdb_models.TrialHeartbeatModel.trial_id)}
+    session.commit()  # ends the read: an SQLite file stays locked for the other processes' writes until then
+  except BaseException:
+    session.rollback()
+    raise
+  return ids
 
 
-def fail_killed_trials(study: optuna.Study, grace: int) -> None:
+def fail_killed_trials(study: optuna.Study, storage: RDBStorage, grace: int) -> None:
   """Fails the study's trials killed with their study process, and queues their retries (``retry_killed``): those
   whose heartbeat is ``grace`` seconds old (Optuna's ``fail_stale_trials``), and those killed between Optuna's
-  ``ask`` and their objective's start. Those may have no heartbeat at all (its thread starts after ``ask``), which
-  Optuna never fails: they stayed RUNNING for good, and a study one trial short of --trials waited for them forever.
-  A trial started ``grace`` seconds ago whose objective has not begun (``BEGAN``, set in its first milliseconds) is
-  one."""
+  ``ask`` and their heartbeat thread's first beat, which have none: Optuna never fails those, which stayed RUNNING
+  for good, and a study one trial short of --trials waited for them forever. A trial that has run ``grace`` seconds
+  without a heartbeat is one (a live trial beats within milliseconds of its start, with any version of this
+  script)."""
   optuna.storages.fail_stale_trials(study)
+  beaten = beaten_trial_ids(storage)
   for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-    if trial.user_attrs.get(BEGAN) == trial.number or time.time() - trial.datetime_start.timestamp() < grace:
+    if trial._trial_id in beaten or time.time() - trial.datetime_start.timestamp() < grace:
       continue
     try:
       study.tell(trial.number, state=TrialState.FAIL)
@@ -630,7 +639,7 @@ def open_storage(url: str, grace: int) -> RDBStorage:
       time.sleep(1 + attempt)
 
 
-def wait_for_killed_trials(study: optuna.Study, grace: int) -> None:
+def wait_for_killed_trials(study: optuna.Study, storage: RDBStorage, grace: int) -> None:
   """A trial killed with its study process stays RUNNING until its heartbeat is ``grace`` seconds old. A study
   continued before then would sample new trials around it, and could reach --trials with it never retried. So
   when the study holds running trials, wait out the grace: a killed one is then failed and its retry queued
@@ -646,7 +655,7 @@ def wait_for_killed_trials(study: optuna.Study, grace: int) -> None:
   deadline = time.time() + grace + 2  # its last beat is at most grace / 3 old when it was killed, before now
   try:
     while time.time() < deadline:
-      fail_killed_trials(study, grace)
+      fail_killed_trials(study, storage, grace)
       running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
       if not waiting_for & running:
         break
@@ -664,7 +673,7 @@ def wait_for_killed_trials(study: optuna.Study, grace: int) -> None:
           flush=True)  # fmt: skip
 
 
-def needs_a_trial(study: optuna.Study, trials: int, grace: int) -> bool:
+def needs_a_trial(study: optuna.Study, storage: RDBStorage, trials: int, grace: int) -> bool:
   """Whether this process should start a trial: the finished trials and those running (on other machines sharing
   the study) are fewer than ``trials``. While they are not, but fewer than ``trials`` finished, it waits: a trial
   running elsewhere may be pruned into the count or fail (a killed one's retry is then queued, for this process
@@ -683,7 +692,7 @@ def needs_a_trial(study: optuna.Study, trials: int, grace: int) -> bool:
         print(f"{finished} of {trials} trials finished, {running} running elsewhere: waiting for them", flush=True)
         waiting = True
       time.sleep(2)
-      fail_killed_trials(study, grace)  # a killed one's retry is queued, then counts as not running
+      fail_killed_trials(study, storage, grace)  # a killed one's retry is queued, then counts as not running
   except KeyboardInterrupt:  # no trial of this process's is running
     resume_later(study, [])
 
@@ -807,15 +816,14 @@ def main() -> None:
     cli.fail(str(e))
   finished = sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))
   if finished < args.trials:  # else no trial runs here, e.g. to print the results of a study running elsewhere
-    wait_for_killed_trials(study, args.heartbeat_grace)
+    wait_for_killed_trials(study, storage, args.heartbeat_grace)
     finished = sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))
   print(f"study {args.study_name} in {args.study_dir}: {finished} of {args.trials} trials finished", flush=True)
   started = []  # this process's trials: the last is the one a Ctrl-C stops
   taken_over = set()  # of those, the ones another process failed as killed (and retries)
 
   def objective(trial: optuna.Trial) -> float:
-    started.append(trial.number)  # before anything that may raise: the trial a failure or a Ctrl-C names
-    trial.set_user_attr(BEGAN, trial.number)  # at once: a trial without it is one killed before it began
+    started.append(trial.number)
     # Seeded per trial: trial numbers are unique across the processes sharing the study, so no two draw the same
     # values, and a continued study samples new ones. TPE keeps nothing between trials (it reads them from the
     # storage), so a new sampler per trial samples as one would; set before the first suggest.
@@ -826,7 +834,7 @@ def main() -> None:
     check_not_taken_over(trial)  # Optuna asserts on it
     return value
 
-  while needs_a_trial(study, args.trials, grace):
+  while needs_a_trial(study, storage, args.trials, grace):
     try:  # optuna records a failed trial and goes on (TrialFailed), or records it and raises (TrialRejected)
       study.optimize(objective, n_trials=1, catch=(TrialFailed,))
     except TrialRejected as e:  # every trial would be: stop the study
@@ -839,7 +847,7 @@ def main() -> None:
       taken_over.add(started[-1])
       print(
         f"  trial {started[-1]} was failed by another process sharing the study (its heartbeat was over {grace} s "
-        "old): that process retries it; this one goes on",
+        "old, or missing): that process retries it; this one goes on",
         file=sys.stderr,
         flush=True,
       )

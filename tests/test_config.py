@@ -631,6 +631,7 @@ def test_out_of_memory_is_told_from_other_errors():
     "the device's memory (RESOURCE_EXHAUSTED: Failed to allocate request for 12.00GiB)"
   )
   assert cli.out_of_memory(JaxRuntimeError("INTERNAL: a collective failed")) is None
+  assert cli.out_of_memory(JaxRuntimeError("RESOURCE_EXHAUSTED: Received message larger than max")) is None
   assert cli.out_of_memory(RuntimeError("Out of memory")) is None  # not XLA's
   with pytest.raises(SystemExit) as stopped, cli.out_of_memory_fails("a smaller --batch"):
     raise gpu

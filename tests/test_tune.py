@@ -413,8 +413,10 @@ def test_a_study_waits_for_trials_running_elsewhere_instead_of_overshooting(tmp_
   study_dir = f"--study_dir={tmp_path}/study"
   _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1", "--heartbeat_grace=3")
   study = optuna.load_study(study_name="light_jax", storage=f"sqlite:///{tmp_path}/study/study.db")
-  elsewhere = study.ask()  # running on another machine (no heartbeat here: never stale)
-  elsewhere.set_user_attr(tune.BEGAN, elsewhere.number)  # as its objective did there
+  elsewhere = (
+    study.ask()
+  )  # running on another machine: its heartbeat is fresh here (tune.py's clock is not the storage's)
+  study._storage.record_heartbeat(elsewhere._trial_id)
   # The study's wait for it (2 s) ends with it finished; the grace's waits (1 s) only move the clock on.
   _clock(tune, monkeypatch, lambda seconds: seconds == 2 and study.tell(elsewhere, 0.25))
   result = _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=2", "--heartbeat_grace=3")
@@ -424,8 +426,8 @@ def test_a_study_waits_for_trials_running_elsewhere_instead_of_overshooting(tmp_
 
 def test_a_trial_killed_before_its_heartbeat_began_is_retried_not_waited_for_forever(tmp_path, monkeypatch, capsys):
   """Killed between Optuna's ask and its heartbeat's first beat, a trial has no heartbeat, which Optuna never fails:
-  it stayed RUNNING, and a study one trial short of --trials waited for it forever. Now, its objective not begun
-  after the grace, it is failed as killed and retried."""
+  it stayed RUNNING, and a study one trial short of --trials waited for it forever. Now, without a heartbeat after
+  the grace, it is failed as killed and retried."""
   tune = _tune_module()
   study_dir = f"--study_dir={tmp_path}/study"
   _run_fake_study(tune, monkeypatch, capsys, study_dir, "--trials=1", "--heartbeat_grace=3")
