@@ -12,8 +12,8 @@
 #
 # Steps, in the order of what they are worth (the budget may not reach the last), each bounded by `timeout` and by
 # the time left, and recorded even when it fails or is skipped (the others still run):
-#   0. preflight: light_jax imports, the versions, the devices, one program on them (with XLA's flags left to
-#      JAX's defaults if this JAX's XLA refuses ours); the check stops here if that fails;
+#   0. preflight: the versions, the devices, one program on them (with XLA's flags left to JAX's defaults if this
+#      JAX's XLA refuses ours; the check stops here if the program cannot run), and which light_jax modules import;
 #   1. ResNet-50 training throughput (benchmarks/throughput.py) in bfloat16 at 224 px, the largest per-device batch
 #      of 256, 192, 128, 64 that fits (a smaller one is tried only after an out-of-memory error);
 #   2. the device's top-k selection rate, and the link between its GPUs when there are several
@@ -217,15 +217,14 @@ elif [ "$TOY" != "--toy" ]; then
 fi
 if [ "$TOY" != "--toy" ]; then timeout -k 5 30 nvidia-smi > "$OUT/logs/nvidia-smi.txt" 2>&1; fi
 
-# 0. Everything the steps import, the versions, the devices, one program on them. A JAX whose XLA does not know a
-# flag light_jax sets (light_jax/xla_flags.py) aborts at its start: then every step runs without them.
+# 0. The versions, the devices, one program on them (without which no step can run), and which of light_jax's modules
+# import. A JAX whose XLA does not know a flag light_jax sets (light_jax/xla_flags.py) aborts at its start: then every
+# step runs without them.
 PREFLIGHT='
-import importlib.metadata as metadata, json, os
+import importlib, importlib.metadata as metadata, json, os
 from light_jax import xla_flags
 xla_flags.apply()
 import jax, jax.numpy as jnp
-import light_jax.train_lib, light_jax.data.records  # every module a step imports
-from light_jax.data import transforms
 devices = jax.devices()
 total = float(jax.jit(lambda a: (a @ a).sum())(jnp.ones((512, 512), jnp.bfloat16)))
 versions = {}
@@ -234,9 +233,20 @@ for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "num
     versions[name] = metadata.version(name)
   except metadata.PackageNotFoundError:
     versions[name] = None
+# What the steps import, each on its own: one that fails costs only the steps that need it (their logs say more).
+imports = {}
+for module in ("light_jax.train_step", "light_jax.parallel.collectives", "light_jax.train_lib",
+               "light_jax.data.records", "light_jax.data.transforms"):
+  try:
+    importlib.import_module(module)
+    imports[module] = "ok"
+  except Exception as e:
+    imports[module] = f"{type(e).__name__}: {e}"
+decoder = imports["light_jax.data.transforms"] == "ok" and importlib.import_module(
+  "light_jax.data.transforms").region_decoding_available()
 print(json.dumps({"versions": versions, "platform": devices[0].platform, "device_kind": devices[0].device_kind,
                   "devices": len(devices), "matmul_sum": total, "xla_flags": os.environ.get("XLA_FLAGS"),
-                  "jpeg_region_decoder": transforms.region_decoding_available()}))
+                  "imports": imports, "jpeg_region_decoder": decoder}))
 '
 if ! run preflight 180 "$PY" -c "$PREFLIGHT"; then
   if grep -q "Unknown flag" "$OUT/logs/preflight.log"; then

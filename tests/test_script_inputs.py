@@ -586,6 +586,7 @@ def test_the_gpu_check_skips_the_steps_its_budget_cannot_hold_and_leaves_what_it
   assert result.returncode == 0, result.stderr[-3000:]
   summary = json.loads((out / "gpu_check.json").read_text())
   assert summary["preflight"]["devices"] >= 1 and summary["preflight"]["versions"]["jax"], summary["preflight"]
+  assert set(summary["preflight"]["imports"].values()) == {"ok"}, summary["preflight"]["imports"]
   # The preflight had the first 30 s; every step after it found less than 30 s left.
   assert {"calibrate_links", "train", "update_step", "input_pipeline"} <= set(summary["skipped"]), summary["skipped"]
   assert summary["failed"] == []
