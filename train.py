@@ -377,7 +377,7 @@ def _run(jax, config, watchdog, guard, workdir_problem: str | None) -> tuple[int
     ran_out = cli.out_of_memory(e)
     if ran_out is None:
       raise
-    return _refuse(f"out of {ran_out}. {_ask_for_less(jax, config, on_device=ran_out.startswith('the device'))}")
+    return _refuse(f"out of {ran_out}. {_ask_for_less(jax, config, on_device=not isinstance(e, MemoryError))}")
   if summary.get("stopped"):
     print(
       f"{summary['stopped']} after step {summary['steps']}: checkpoint saved in {_WORKDIR.value}/checkpoints; "
@@ -389,11 +389,14 @@ def _run(jax, config, watchdog, guard, workdir_problem: str | None) -> tuple[int
 
 def _ask_for_less(jax, config, on_device: bool) -> str:
   """What asks for less memory, after a run ran out of a device's or this machine's."""
-  rerun = "the run resumes from its newest checkpoint, if any. A smaller global_batch_size is another run (another "
+  rerun = (
+    "the run resumes from its newest checkpoint, if any. A smaller global_batch_size is another run (another "
+    "--workdir)."
+  )
   if not on_device:  # the host's: the input pipeline's caches and workers
     return (
       "Ask for less, then rerun: --config.data.cache=disk instead of memory, fewer --config.data.num_workers or a "
-      f"smaller --config.data.host_prefetch; {rerun}--workdir)."
+      f"smaller --config.data.host_prefetch; {rerun}"
     )
   # The CPU runs micro-batches unrolled (train_step.accumulate_gradients), all slices in memory at once.
   slices = "" if jax.devices()[0].platform == "cpu" else (
@@ -403,7 +406,7 @@ def _ask_for_less(jax, config, on_device: bool) -> str:
   return (
     f"Training asks {config.global_batch_size:,} images over {jax.device_count()} device(s) a step (a resolution "
     f"phase may set another batch), evaluation data.eval_batch_size={config.data.eval_batch_size:,}. Ask for "
-    f"less, then rerun: {slices}a smaller --config.data.eval_batch_size; {rerun}--workdir)."
+    f"less, then rerun: {slices}a smaller --config.data.eval_batch_size; {rerun}"
   )
 
 
