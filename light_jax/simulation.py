@@ -175,19 +175,22 @@ def model_cost_ratio(model: ml_collections.ConfigDict, num_classes: int, channel
   """How many times the training FLOPs of ``device.model`` an image costs ``model``, both at the profile's image
   size: its seconds per image are ``device``'s times this (1 for the profile's own model on ImageNet)."""
   size = device.image_size
-  imagenet_classes, imagenet_channels = DATASETS["imagenet2012"][2:]
-  measured = backward_flops_per_image(device.model, 0, imagenet_classes, (size, size, imagenet_channels))
-  return backward_flops_per_image(model.name, model.width, num_classes, (size, size, channels)) / measured
+  return backward_flops_per_image(model.name, model.width, num_classes, (size, size, channels)) / _measured_flops(
+    device
+  )
+
+
+def _measured_flops(device: DeviceProfile) -> float:
+  """The backward FLOPs per image of the model ``device.images_per_sec`` was measured on (ImageNet, its size)."""
+  classes, channels = DATASETS["imagenet2012"][2:]
+  return backward_flops_per_image(device.model, 0, classes, (device.image_size, device.image_size, channels))
 
 
 def device_tflops(device: DeviceProfile) -> float:
   """``device``'s speed in ``comm.device_tflops``'s sense, the value a config trained on it should set: its
   model's backward FLOPs per image (``fusion.profile_parameters``'s estimate) over the two thirds of its seconds
   per image that the simulator gives the backward pass, in TFLOP/s."""
-  size = device.image_size
-  classes, channels = DATASETS["imagenet2012"][2:]
-  backward = backward_flops_per_image(device.model, 0, classes, (size, size, channels))
-  return backward / (2 / 3 * device.train_seconds_per_image(size)) / 1e12
+  return _measured_flops(device) / (2 / 3 * device.train_seconds_per_image(device.image_size)) / 1e12
 
 
 def with_link(cluster: Cluster, nodes: int | None = None, inter_gbps: float | None = None) -> Cluster:
