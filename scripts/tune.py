@@ -602,17 +602,17 @@ def beaten_trial_ids(storage: RDBStorage) -> set[int]:
   return ids
 
 
-def fail_killed_trials(study: optuna.Study, storage: RDBStorage, grace: int) -> None:
+def fail_killed_trials(study: optuna.Study, storage: RDBStorage) -> None:
   """Fails the study's trials killed with their study process, and queues their retries (``retry_killed``): those
-  whose heartbeat is ``grace`` seconds old (Optuna's ``fail_stale_trials``), and those killed between Optuna's
-  ``ask`` and their heartbeat thread's first beat, which have none: Optuna never fails those, which stayed RUNNING
-  for good, and a study one trial short of --trials waited for them forever. A trial that has run ``grace`` seconds
-  without a heartbeat is one (a live trial beats within milliseconds of its start, with any version of this
+  whose heartbeat is the grace old (``storage.grace_period``, Optuna's ``fail_stale_trials``), and those killed
+  between Optuna's ``ask`` and their heartbeat thread's first beat, which have none: Optuna never fails those, which
+  stayed RUNNING for good, and a study one trial short of --trials waited for them forever. A trial that has run the
+  grace without a heartbeat is one (a live trial beats within milliseconds of its start, with any version of this
   script)."""
   optuna.storages.fail_stale_trials(study)
   beaten = beaten_trial_ids(storage)
   for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-    if trial._trial_id in beaten or time.time() - trial.datetime_start.timestamp() < grace:
+    if trial._trial_id in beaten or time.time() - trial.datetime_start.timestamp() < storage.grace_period:
       continue
     try:
       study.tell(trial.number, state=TrialState.FAIL)
@@ -639,14 +639,15 @@ def open_storage(url: str, grace: int) -> RDBStorage:
       time.sleep(1 + attempt)
 
 
-def wait_for_killed_trials(study: optuna.Study, storage: RDBStorage, grace: int) -> None:
-  """A trial killed with its study process stays RUNNING until its heartbeat is ``grace`` seconds old. A study
+def wait_for_killed_trials(study: optuna.Study, storage: RDBStorage) -> None:
+  """A trial killed with its study process stays RUNNING until its heartbeat is the grace old (``storage``'s). A study
   continued before then would sample new trials around it, and could reach --trials with it never retried. So
   when the study holds running trials, wait out the grace: a killed one is then failed and its retry queued
   (the storage's stale-trial callback), while one running on another machine sharing the study beats on."""
   waiting_for = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
   if not waiting_for:
     return
+  grace = storage.grace_period
   print(
     f"trials {sorted(waiting_for)} are running: waiting up to {grace} s to tell one killed with its study (its "
     "heartbeat stopped; retried from its checkpoint) from one running on another machine",
@@ -655,7 +656,7 @@ def wait_for_killed_trials(study: optuna.Study, storage: RDBStorage, grace: int)
   deadline = time.time() + grace + 2  # its last beat is at most grace / 3 old when it was killed, before now
   try:
     while time.time() < deadline:
-      fail_killed_trials(study, storage, grace)
+      fail_killed_trials(study, storage)
       running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
       if not waiting_for & running:
         break
@@ -673,7 +674,7 @@ def wait_for_killed_trials(study: optuna.Study, storage: RDBStorage, grace: int)
           flush=True)  # fmt: skip
 
 
-def needs_a_trial(study: optuna.Study, storage: RDBStorage, trials: int, grace: int) -> bool:
+def needs_a_trial(study: optuna.Study, storage: RDBStorage, trials: int) -> bool:
   """Whether this process should start a trial: the finished trials and those running (on other machines sharing
   the study) are fewer than ``trials``. While they are not, but fewer than ``trials`` finished, it waits: a trial
   running elsewhere may be pruned into the count or fail (a killed one's retry is then queued, for this process
@@ -692,7 +693,7 @@ def needs_a_trial(study: optuna.Study, storage: RDBStorage, trials: int, grace: 
         print(f"{finished} of {trials} trials finished, {running} running elsewhere: waiting for them", flush=True)
         waiting = True
       time.sleep(2)
-      fail_killed_trials(study, storage, grace)  # a killed one's retry is queued, then counts as not running
+      fail_killed_trials(study, storage)  # a killed one's retry is queued, then counts as not running
   except KeyboardInterrupt:  # no trial of this process's is running
     resume_later(study, [])
 
@@ -816,7 +817,7 @@ def main() -> None:
     cli.fail(str(e))
   finished = sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))
   if finished < args.trials:  # else no trial runs here, e.g. to print the results of a study running elsewhere
-    wait_for_killed_trials(study, storage, args.heartbeat_grace)
+    wait_for_killed_trials(study, storage)
     finished = sum(t.state in FINISHED for t in study.get_trials(deepcopy=False))
   print(f"study {args.study_name} in {args.study_dir}: {finished} of {args.trials} trials finished", flush=True)
   started = []  # this process's trials: the last is the one a Ctrl-C stops
@@ -834,7 +835,7 @@ def main() -> None:
     check_not_taken_over(trial)  # Optuna asserts on it
     return value
 
-  while needs_a_trial(study, storage, args.trials, grace):
+  while needs_a_trial(study, storage, args.trials):
     try:  # optuna records a failed trial and goes on (TrialFailed), or records it and raises (TrialRejected)
       study.optimize(objective, n_trials=1, catch=(TrialFailed,))
     except TrialRejected as e:  # every trial would be: stop the study
