@@ -23,7 +23,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from light_jax import cli, xla_flags  # noqa: E402
-from light_jax.exit_codes import signals_exit_at_once  # noqa: E402
 
 VARIANTS = {
   # name: (strategy, fusion, density, selector); powersgd: (strategy, fusion, rank, None)
@@ -209,8 +208,5 @@ def make_reducer(name, nodes, local, profile, cost, args):
 
 if __name__ == "__main__":
   xla_flags.apply()  # before JAX starts: the flags train.py runs with (light_jax/xla_flags.py)
-  with (
-    signals_exit_at_once("measuring: no result written", exit_handlers=True),
-    cli.out_of_memory_fails("a smaller --model (its gradient is what the collectives carry)"),
-  ):
+  with cli.measuring("a smaller --model (its gradient is what the collectives carry)"):
     main()

@@ -45,7 +45,6 @@ from ml_collections import config_flags  # noqa: E402
 from light_jax import cli, xla_flags  # noqa: E402
 from light_jax import config as config_lib  # noqa: E402
 from light_jax.config import base_config  # noqa: E402
-from light_jax.exit_codes import signals_exit_at_once  # noqa: E402
 
 try:  # a config dict flag applies its --config.FIELD overrides here, at definition
   _CONFIG = config_flags.DEFINE_config_dict("config", base_config(), "config fields (the defaults of base_config)")
@@ -225,8 +224,5 @@ def main(argv):
 
 if __name__ == "__main__":
   xla_flags.apply()
-  with (
-    signals_exit_at_once("measuring: no result written", exit_handlers=True),
-    cli.out_of_memory_fails("a smaller --batch_per_device or --image_size"),
-  ):
+  with cli.measuring("a smaller --batch_per_device or --image_size"):
     app.run(main, flags_parser=cli.flags_parser(_CONFIG))

@@ -18,7 +18,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from light_jax.exit_codes import ExitCode
+from light_jax.exit_codes import ExitCode, signals_exit_at_once
 
 # What absl and ml_collections raise for a flag they cannot take: an unknown flag, a value of the wrong type,
 # a --config.FIELD that names no field (AttributeError, KeyError), a config file that did not load (OSError).
@@ -171,6 +171,14 @@ def out_of_memory_fails(smaller: str):
     if ran_out is None:
       raise
     fail(f"out of {ran_out}: ask for less, {smaller}")
+
+
+@contextlib.contextmanager
+def measuring(smaller: str):
+  """A device benchmark's measurement: a Ctrl-C or SIGTERM exits at once in one line, running its exit handlers
+  (``exit_codes.signals_exit_at_once``), and running out of memory is one line naming the flags ``smaller``."""
+  with signals_exit_at_once("measuring: no result written", exit_handlers=True), out_of_memory_fails(smaller):
+    yield
 
 
 def check_model(name: str, flag: str = "--model") -> None:
