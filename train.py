@@ -296,7 +296,7 @@ def _failed(e: Exception, jax, watchdog) -> tuple[int, str]:
   """A multi-process run's error in this process: (exit code, reason to give the other processes)."""
   from light_jax import liveness
 
-  # PeerLost: a checkpoint's save or restore lost one, or another process's evaluation input failed.
+  # PeerLost: a checkpoint's save or restore lost one, or another process's training or evaluation input failed.
   if liveness.lost_a_peer(e) or isinstance(e, liveness.PeerLost):
     # A collective whose peer is gone fails fast (gloo: connection reset) or hangs (the watchdog ends that).
     # A peer that failed with an error of its own said why before it exited: that is the reason to give.

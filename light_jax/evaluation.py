@@ -63,16 +63,6 @@ def make_eval_step(model: nn.Module, mesh: jax.sharding.Mesh, info: data_lib.Dat
   return jax.jit(sharded)
 
 
-class InputFailed(Exception):
-  """Reading the evaluation split failed in some process, and every process raises this alike, having agreed on it
-  (so that they can save the steps together). ``error``: this process's own error, or, where another process's
-  read failed, a ``liveness.PeerLost`` that names it."""
-
-  def __init__(self, error: Exception):
-    super().__init__(str(error))
-    self.error = error
-
-
 def evaluate(
   eval_step: Callable,
   state: TrainState,
@@ -94,7 +84,7 @@ def evaluate(
       batch, error = _next_batch(prefetcher)
       failed, ended = liveness.from_every_process([error is not None, batch is None and error is None]).T
       if failed.any():
-        raise InputFailed(
+        raise data_lib.InputFailed(
           error or liveness.PeerLost(f"process {np.argmax(failed)} could not read its evaluation batches (see its log)")
         ) from error
       if ended.any():
@@ -128,7 +118,7 @@ def with_own_errors(evaluate: Callable[[TrainState], dict[str, float]]) -> Calla
   def unwrapped(state: TrainState) -> dict[str, float]:
     try:
       return evaluate(state)
-    except InputFailed as e:
+    except data_lib.InputFailed as e:
       error = e.error
     raise error  # outside the except: its own context and cause, as it came
 

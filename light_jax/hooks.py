@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from light_jax import checkpoint as checkpoint_lib
+from light_jax import data as data_lib
 from light_jax import evaluation, schedules
 from light_jax import metrics as metrics_lib
 from light_jax import train_step as step_lib
@@ -194,7 +195,7 @@ class CheckpointSaver:
 
 class EvaluationFailed(Exception):
   """An epoch end's evaluation failed, in every process alike: its input (a damaged chunk of the evaluation split,
-  which the processes agree on: ``evaluation.InputFailed``), or in a one-process run anything; ``error`` is why.
+  which the processes agree on: ``data.InputFailed``), or in a one-process run anything; ``error`` is why.
   ``training``: the record's training half, which the run saves with its steps so that the resumed run evaluates
   the same state and writes the whole record (``EpochEvaluation.finish_unevaluated``)."""
 
@@ -250,7 +251,7 @@ class EpochEvaluation:
     # The steps are whole: the processes save them, and the record's training half (train_lib.input_failed).
     try:
       evaluated = self.evaluate(info.state)
-    except evaluation.InputFailed as e:  # raised by every process alike
+    except data_lib.InputFailed as e:  # raised by every process alike
       raise EvaluationFailed(training, e.error) from e.error
     except Exception as e:
       if jax.process_count() > 1:  # this process's alone: the others wait in the evaluation's collectives

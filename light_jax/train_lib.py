@@ -69,10 +69,11 @@ def train_and_evaluate(
 
   A run a hook stopped (a signal before its last step, or one of ``extra_hooks``' own reasons at any step) returns
   only ``{"stopped", "steps"}``; a non-finite step under ``train.on_nonfinite="stop"`` raises ``NonFiniteError``.
-  Both saved a checkpoint to resume from. So does a one-process run whose training input fails between steps (a
-  damaged record), and any run whose evaluation input fails at an epoch end (one process: whatever fails in the
-  evaluation): it saves the steps done, then raises the error (``input_failed``); the resumed run evaluates that
-  epoch end first.
+  Both saved a checkpoint to resume from. So does a run whose training input fails between steps (a damaged record;
+  with several processes, in any of them: they agree on each batch), and any run whose evaluation input fails at an
+  epoch end (one process: whatever fails in the evaluation): it saves the steps done, then raises the error
+  (``input_failed``; in the other processes, a ``liveness.PeerLost`` naming the process); the resumed run evaluates
+  that epoch end first.
 
   ``extra_hooks``: (hook, every) pairs run after each due step, before the trainer's own hooks.
   ``preemption``: a guard installed before (train.py's, from the processes' join on), used and uninstalled here
@@ -125,7 +126,7 @@ def train_and_evaluate(
       )
       host_batches = train_batches.iterator(start_step, **input_settings)
       prefetcher = opened.enter_context(
-        closing(data_lib.DevicePrefetcher(host_batches, sharding, size=config.data.prefetch))
+        closing(data_lib.DevicePrefetcher(host_batches, sharding, size=config.data.prefetch, agreed=True))
       )
       is_main = jax.process_index() == 0
       writer = opened.enter_context(
@@ -229,7 +230,7 @@ class LoopResult:
   step: int  # steps done
   stop: str | None  # why a hook stopped the loop early (hooks.PREEMPTED, hooks.NONFINITE, ...); None: it did not
   seconds: float
-  input_error: Exception | None = None  # the next batch (one process), or an evaluation, failed (the state is whole)
+  input_error: Exception | None = None  # the next batch, or an evaluation, failed (the state is whole)
   unevaluated: dict[str, Any] | None = None  # the evaluation failed: its record's training half, saved with the steps
 
 
@@ -242,15 +243,18 @@ def train_loop(
   hooks: Hooks,
 ) -> LoopResult:
   """Runs steps ``start_step`` .. ``total_steps`` - 1, each followed by the hooks due, until one says stop, or the
-  next batch cannot be read (one process) or an evaluation fails (``EvaluationFailed``): returned in
-  ``input_error``; a batch that several processes cannot read is raised."""
+  next batch cannot be read (``data.InputFailed`` where several processes agreed on it; in one process, any error)
+  or an evaluation fails (``EvaluationFailed``): returned in ``input_error``. Another error of the input in a run of
+  several processes (the key-value store lost) is raised."""
   start = time.perf_counter()
   step, stop = start_step, None
   while step < total_steps and not stop:
     try:
       batch = next(batches)
+    except data_lib.InputFailed as e:  # every process's batches end at this step: they save the steps together
+      return LoopResult(state, step, None, time.perf_counter() - start, input_error=e.error)
     except Exception as e:  # a damaged record, say: the steps done are whole, and one process can save them alone
-      if jax.process_count() > 1:  # the others wait in the next step's collectives: a save would hang
+      if jax.process_count() > 1:  # unagreed: the others wait in the next step's collectives, a save would hang
         raise
       return LoopResult(state, step, None, time.perf_counter() - start, input_error=e)
     step_fn, comm_bytes = compiled.for_step(step, state)
@@ -271,11 +275,11 @@ def input_failed(
   nonfinite: NonFiniteCheck,
   meta: dict[str, Any],
 ) -> None:
-  """The training input failed after ``loop.step`` steps (one process), or the evaluation at that step: saves them
-  (every hook of the last one ran, or those before its evaluation, whose record's training half is saved too, for
-  the resumed run to evaluate) unless this process ran none, then raises. ``NonFiniteError`` when a skipped step is
-  not reported yet (a checkpoint never holds one unreported), else the input's error; a DataError also says whether
-  the steps are saved. A save that fails too is logged, and the input's error raised."""
+  """The training input failed after ``loop.step`` steps (in every process alike), or the evaluation at that step:
+  saves them (every hook of the last one ran, or those before its evaluation, whose record's training half is saved
+  too, for the resumed run to evaluate) unless this process ran none, then raises. ``NonFiniteError`` when a skipped
+  step is not reported yet (a checkpoint never holds one unreported), else the input's error; a DataError also says
+  whether the steps are saved. A save that fails too is logged, and the input's error raised."""
   error = loop.input_error
   if loop.step == start_step:  # nothing new to keep: a resumed run whose input still fails
     raise error

@@ -250,6 +250,50 @@ def test_an_evaluation_split_one_process_cannot_read_saves_the_steps_on_every_pr
   assert record["step"] == 3 and record["final"] and record["eval_examples"] == 96
 
 
+# train.py whose process 1 cannot read its 5th training batch (a damaged record of its machine's copy, say).
+_TRAINING_INPUT_FAILING_IN_PROCESS_1 = """
+import runpy, sys
+from light_jax import data
+if "--process_id=1" in sys.argv:
+  read = data.TrainBatches.iterator
+  def iterator(self, *args, **kwargs):
+    for index, batch in enumerate(read(self, *args, **kwargs)):
+      if index == 4:
+        raise data.DataError("shard 3 of the training split is damaged")
+      yield batch
+  data.TrainBatches.iterator = iterator
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_training_batch_one_process_cannot_read_saves_the_steps_on_every_process(tmp_path):
+  """Process 1 cannot read its 5th training batch. It raised alone, process 0 waited in the step's collectives until
+  the watchdog ended it, and the steps since the checkpoint at step 3 were lost. Now the processes agree on each
+  batch before it is placed: both save step 4, process 1 says what failed (exit 2), process 0 names process 1
+  (exit 4), and the same command, once mended, resumes at step 4 and finishes."""
+  port = free_port()
+  settings = [*TWO_NODES[:2], "--config.checkpoint.every_steps=3"]
+  procs = [_train_py(tmp_path / "run", settings, port, i, runner=_TRAINING_INPUT_FAILING_IN_PROCESS_1) for i in (0, 1)]
+  outputs = [p.communicate(timeout=300)[0] for p in procs]
+  assert procs[1].returncode == ExitCode.BAD_INPUT, outputs[1][-3000:]
+  assert (
+    "error: shard 3 of the training split is damaged (the run's 4 steps are saved: once mended, rerun" in outputs[1]
+  )
+  assert procs[0].returncode == ExitCode.PEER_FAILURE, outputs[0][-3000:]
+  assert "error: stopping process 0 of 2: process 1 failed: shard 3 of the training split is damaged" in outputs[0]
+  steps = sorted(int(n) for n in os.listdir(tmp_path / "run" / "checkpoints") if n.isdigit())
+  assert steps == [3, 4]
+  port = free_port()
+  procs = [_train_py(tmp_path / "run", settings, port, i) for i in (0, 1)]
+  outputs = [p.communicate(timeout=300)[0] for p in procs]
+  for p, text in zip(procs, outputs):
+    assert p.returncode == 0, text[-3000:]
+    assert "resumed from the checkpoint at step 4" in text
+  [record] = read_metrics(tmp_path / "run")
+  assert record["step"] == 6 and record["final"]
+
+
 # train.py with check_shared_directory waiting 1 s, not 10, for the file process 0 wrote: here it never comes.
 _SHORT_SHARED_WAIT = """
 import functools, runpy, sys

@@ -16,7 +16,7 @@ from absl import logging
 from light_jax.data import fashion_mnist, records, transforms
 from light_jax.data.image_source import ImageSource
 from light_jax.data.pipeline import EvalBatches, TrainBatches
-from light_jax.data.prefetch import DevicePrefetcher
+from light_jax.data.prefetch import DevicePrefetcher, InputFailed
 from light_jax.data.source import ArraySource, DataError, DatasetInfo
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
   "DevicePrefetcher",
   "EvalBatches",
   "ImageSource",
+  "InputFailed",
   "TrainBatches",
   "load_dataset",
 ]
