@@ -88,6 +88,8 @@ def main() -> None:
   report(results, stopped, dense["top1"] if dense else None)
   if args.plot and results:
     plot(results, args.plot)
+  elif args.plot:
+    print(f"no plot: no run has finished ({args.plot} not written)", file=sys.stderr)
   print(train_runs.figures(results))
   if args.failed:  # each named above in its own line
     sys.exit(1)

@@ -16,8 +16,9 @@ shapes, texture and noise), then measures one core (this process, one thread) pe
 
 All paths use random-resized crop with area scale 0.08-1 and a random flip. Rounds interleave the paths,
 so a noisy neighbour hits all of them alike; the median round counts. Last line: JSON
-{"128": {"naive": R, "jpeg": R, "jpeg_whole": R, "disk_cache": R, "memory_cache": R}, "224": {...}}, R in
-images/s per core.
+{"128": {"naive": R, "jpeg": R, "jpeg_whole": R, "disk_cache": R, "memory_cache": R}, "224": {...},
+"jpeg_over_naive_rounds": {"128": [...], "224": [...]}}, R in images/s per core; the last key holds each round's
+jpeg / naive ratio at each size, whose spread is the noise of the median ratio.
 """
 
 import argparse

@@ -594,6 +594,8 @@ def main() -> None:
   report(results, stopped, reference_top1(args.workdir, results))
   if args.plot and (results or stopped):
     plot(results, stopped, args.plot)
+  elif args.plot:
+    print(f"no plot: no run has an evaluation to draw ({args.plot} not written)", file=sys.stderr)
   print(train_runs.figures(results))
   if args.failed:  # each named above in its own line
     sys.exit(1)

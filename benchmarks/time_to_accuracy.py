@@ -55,9 +55,9 @@ from light_jax.metrics import MetricsError  # noqa: E402
 
 def time_to_target(records: list[dict], target: float) -> tuple[float | None, float | None]:
   """(training seconds, epoch) of the first evaluation at or above ``target`` top-1; (None, None) if none."""
-  for record in records:
+  for record, seconds in zip(records, train_runs.elapsed(records)):
     if record["eval_top1"] >= target:
-      return record["train_seconds"], record["epoch"]
+      return seconds, record["epoch"]
   return None, None
 
 
@@ -70,7 +70,7 @@ def plot_curves(runs: dict[str, list[dict]], target: float, title: str, path: st
 
   fig, ax = plt.subplots(figsize=(7.5, 4.8))
   for label, records in runs.items():
-    seconds = [0.0] + [r["train_seconds"] for r in records]
+    seconds = [0.0, *train_runs.elapsed(records)]
     top1 = [None] + [100 * r["eval_top1"] for r in records]
     (line,) = ax.plot(seconds[1:], top1[1:], marker="o", ms=3, label=label)
     reached, _ = time_to_target(records, target)
@@ -127,6 +127,8 @@ def parse_args() -> tuple[argparse.Namespace, int | None, list[tuple[str, list[s
   if args.plot is not None:  # its folder now, not a traceback after hours of runs ("": refused)
     args.plot = cli.plot_path(args.plot, "--plot")
   train_runs.check_workdir(parser, args.workdir)
+  if args.report_only and not os.path.isdir(args.workdir):  # it printed "no evaluation yet" for each, exit 0
+    parser.error(f"--report_only: --workdir={args.workdir} does not exist; give the folder the runs are in")
   if not args.report_only:  # no root: said now, as bad input (exit 2), not after the checks as an error
     try:
       check_privileges()
@@ -190,14 +192,14 @@ def stale(args, workdir: str, overrides: list[str]) -> str:
 def summarize(records: list[dict], target: float) -> dict:
   """A run's row of the table and the JSON line, from its evaluations so far (at least one)."""
   seconds, epoch = time_to_target(records, target)
-  last = records[-1]
+  last, train_seconds = records[-1], train_runs.elapsed(records)[-1]
   return {
     "seconds_to_target": seconds,
     "epochs_to_target": epoch,
     "final_top1": last["eval_top1"],
-    "train_seconds": last["train_seconds"],
-    "step_seconds": last["train_seconds"] / last["step"],
-    "inter_node_bytes_per_step": last["inter_node_bytes_per_step"],
+    "train_seconds": train_seconds,
+    "step_seconds": train_seconds / last["step"],
+    "inter_node_bytes_per_step": train_runs.mean_per_step(records, "inter_node_bytes_per_step"),
     "finished": bool(last["final"]),
   }
 
@@ -243,17 +245,21 @@ def main() -> None:
           f"{r['step_seconds']:>9.3f}{r['inter_node_bytes_per_step']:>18,}")  # fmt: skip
   if args.plot and results:
     plot_curves({label: runs[label] for label in results}, args.target, title, args.plot)
+  elif args.plot:
+    print(f"no plot: no run has an evaluation to draw ({args.plot} not written)", file=sys.stderr)
   if not left_out and results:  # else results.json keeps the figures of the command that made the runs
-    write_results(os.path.join(args.workdir, "results.json"), args, results)
+    write_results(os.path.join(args.workdir, "results.json"), args, results, [label for label, _ in labels])
   print(json.dumps(results))
   if failed:
     sys.exit(f"error: {', '.join(failed)} failed (see above); the other strategies are reported")
 
 
-def write_results(path: str, args, results: dict) -> None:
+def write_results(path: str, args, results: dict, asked: tuple[str, ...] | list[str] = ()) -> None:
   """results.json: these strategies' results, beside the other strategies' from earlier commands on the same
   cluster and target, config and --set (a command for one strategy, or --report_only for some, replaced the file
-  with theirs alone; a smoke run's --set num_epochs=1 figures sat beside a whole run's)."""
+  with theirs alone; a smoke run's --set num_epochs=1 figures sat beside a whole run's). A strategy of this
+  command (``asked``) without a result now (--rerun, and the new run failed before its first evaluation) loses its
+  earlier figures: their run is gone."""
   setting = {
     "bandwidth": args.bandwidth,
     "mesh": [args.nodes, args.local],
@@ -269,6 +275,9 @@ def write_results(path: str, args, results: dict) -> None:
     pass
   if not isinstance(earlier, dict) or any(earlier.get(k) != v for k, v in setting.items()):
     earlier = {}  # another cluster or target: its figures do not compare with these
+  for label in [label for label in asked if label in earlier and label not in results]:
+    print(f"{label}: its figures in {path} are dropped: its run has no evaluation now", file=sys.stderr)
+    del earlier[label]
   for label in [label for label in earlier if label not in setting and label not in results]:
     try:  # an earlier strategy's run made before the config file changed is not this setting's now
       _, strategy_overrides = parse_strategy(label)

@@ -49,7 +49,10 @@ def run(label: str, config: str, overrides: list[str], workdir: str, rerun: bool
     print(f"{label}: {summary} is damaged; resuming the run to write it again", file=sys.stderr, flush=True)
     os.remove(summary)
   if not rerun and os.path.exists(summary):
-    changed = config_changed(workdir, config, overrides)
+    try:
+      changed = config_changed(workdir, config, overrides)
+    except cli.CommandLineError as e:  # a field renamed since, a mistake in the config file: train.py would refuse
+      raise cli.CommandLineError(f"{label}: the row's command no longer gives a config: {e}") from None
     if changed:  # the same command gives another run now (a variant's values changed): its result is stale
       say_stale(label, changed)
       rerun = True
@@ -323,7 +326,7 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
   if args.plot is not None:  # its folder now, not a traceback after the runs; "" drew nothing, without a word
     args.plot = cli.plot_path(args.plot, "--plot")
   check_workdir(parser, args.workdir)
-  args.failed = []
+  args.failed, refused = [], set()
   # A Ctrl-C is a KeyboardInterrupt even where the study started with SIGINT ignored (a script's background job):
   # it must reach train.py through the study, in its own session.
   signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -339,11 +342,14 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
       except subprocess.CalledProcessError as e:  # its log says why; the other runs do not depend on it
         print(failure_line(label, e.returncode, workdir), file=sys.stderr, flush=True)
         args.failed.append(label)
-      except UnusableWorkdir as e:
+      except (UnusableWorkdir, cli.CommandLineError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         args.failed.append(label)
-  results, stopped = {}, {}
+        refused.add(label)
+  results, stopped, absent = {}, {}, []
   for label in labels:
+    if label in refused:  # its folder holds files no run of a study made, say: not this row's result
+      continue
     config, overrides, _ = runs[label]
     stale = other_run(os.path.abspath(os.path.join(args.workdir, label)), config, overrides)
     if stale:  # --report_only, or a run refused above: its workdir holds another command's run
@@ -361,6 +367,11 @@ def study(description: str, runs: dict[str, tuple], workdir: str, plot_help: str
       results[label] = result | {"records": records}
     elif records:  # stopped early: curves only
       stopped[label] = records
+    elif args.report_only:  # a row left out of the table without a word, an empty table if all were (exit 0)
+      print(f"{label}: no run in {os.path.join(args.workdir, label)} yet; run it (--only {label})", file=sys.stderr)
+      absent.append(label)
+  if args.report_only and absent == labels:
+    parser.error(f"--report_only: --workdir={args.workdir} holds no run of {', '.join(labels)}")
   return args, results, stopped
 
 
@@ -395,11 +406,14 @@ def other_run(workdir: str, config: str, overrides: list[str]) -> str:
 
 def finished_run_changed(workdir: str, config: str, overrides: list[str]) -> str:
   """``config_changed`` for ``workdir``'s finished run; "" where no summary is readable (none yet, or damaged:
-  read() names it), or where the config no longer resolves or the summary has another shape."""
+  read() names it), or where the summary has another shape; where the row's command no longer gives a config (a
+  field renamed since), that."""
   if not _readable_summary(os.path.join(workdir, "summary.json")):
     return ""
   try:
     return config_changed(workdir, config, overrides)
+  except cli.CommandLineError as e:
+    return f"the row's command no longer gives a config: {e}"
   except (ValueError, TypeError, AttributeError):
     return ""
 

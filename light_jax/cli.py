@@ -272,7 +272,7 @@ def plot_path(path: str, flag: str) -> str:
   extension = os.path.splitext(path)[1][1:].lower()
   formats = FigureCanvasBase.get_supported_filetypes()
   if not extension:
-    path += ".png"  # matplotlib's default (savefig.format)
+    path = path.rstrip(".") + ".png"  # as savefig names it: its default format (savefig.format); "out." is out.png
   elif extension not in formats:
     fail(f"{flag}={path}: matplotlib cannot write .{extension} files; end it in one of .{', .'.join(sorted(formats))}")
   return output_path(path, flag)

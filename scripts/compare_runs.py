@@ -48,7 +48,8 @@ def main():
   metrics.plot_comparison(runs, args.out, args.title)
   finals = {label: records[-1] for label, records in runs.items()}
   width = max(16, *(len(label) + 2 for label in finals))
-  print(f"{'run':<{width}}{'epochs':>8}{'test top-1':>12}{'test top-5':>12}{'inter-node B/step':>20}")
+  # The last evaluation's bytes per step: a density warm-up's early epochs sent more (summary.json holds the mean).
+  print(f"{'run':<{width}}{'epochs':>8}{'test top-1':>12}{'test top-5':>12}{'B/step at the end':>20}")
   for label, r in finals.items():
     cut = "" if r.get("final") else "  (not finished)"  # the last record of a run still going, or killed
     print(

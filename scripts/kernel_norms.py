@@ -49,6 +49,8 @@ def main() -> None:
     # The mesh the run resolved (the config's may say -1, all devices), which the checkpoints were saved on.
     devices = {s["mesh"]["nodes"] * s["mesh"]["local"] for s in summaries}
     models = {json.dumps(s["config"]["model"], sort_keys=True) for s in summaries}
+    model_name, width, seed = config["model"]["name"], config["model"]["width"], config["seed"]
+    channels = 1 if config["data"]["dataset"] == "fashion_mnist" else 3
   except (KeyError, TypeError) as e:
     cli.fail(f"a summary.json of {', '.join(args.workdirs)} is not train.py's ({type(e).__name__}: {e})")
   if len(devices) > 1 or len(models) > 1:
@@ -69,8 +71,14 @@ def main() -> None:
       jax.tree_util.keystr(p, simple=True, separator="/"): float(np.linalg.norm(x)) for p, x in leaves if x.ndim > 1
     }
 
+  # A column per run, named by its folder; by the path as given where two folders share a name (or one is "init").
+  names = [os.path.basename(os.path.normpath(workdir)) for workdir in args.workdirs]
+  if len(set(names)) < len(names) or "init" in names:
+    names = [os.path.normpath(workdir) for workdir in args.workdirs]
+  if len(set(names)) < len(names):
+    cli.fail(f"a workdir is given twice ({' '.join(args.workdirs)}); give each run once")
   finals = {}
-  for workdir in args.workdirs:
+  for name, workdir in zip(names, args.workdirs):
     checkpoint = os.path.abspath(newest_checkpoint(workdir))
     try:
       params = ocp.StandardCheckpointer().restore(checkpoint)["params"]
@@ -78,13 +86,12 @@ def main() -> None:
       cli.fail(
         f"{checkpoint} cannot be restored ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
       )
-    finals[os.path.basename(os.path.normpath(workdir))] = kernel_norms(params)
+    finals[name] = kernel_norms(params)
   # The same model at initialisation: the classes from the classifier (the one 2-D kernel), the input
   # channels from the dataset; no kernel's shape depends on the image size.
   num_classes = next(x.shape[-1] for x in jax.tree.leaves(params) if x.ndim == 2)
-  channels = 1 if config["data"]["dataset"] == "fashion_mnist" else 3
-  model = create_model(config["model"]["name"], num_classes, width=config["model"]["width"])
-  init = model.init(jax.random.key(config["seed"]), jnp.zeros((1, 32, 32, channels)), train=False)["params"]
+  model = create_model(model_name, num_classes, width=width)
+  init = model.init(jax.random.key(seed), jnp.zeros((1, 32, 32, channels)), train=False)["params"]
   columns = {"init": kernel_norms(init), **finals}
   names = list(columns)
   print(f"{'kernel':<28}" + "".join(f"{n[-24:]:>26}" for n in names))

@@ -231,9 +231,9 @@ def main(argv):
     if not xs:
       cli.fail(f"--sweep {_SWEEP.value}: the trainer would refuse every point (stderr says why)")
     print(f"\nsweep over {xlabel}: simulated seconds to train (-: left out)")
-    print(f"{'strategy':<24}" + "".join(f"{x:>9}" for x in xs))
+    print(f"{'strategy':<{width}}" + "".join(f"{x:>9}" for x in xs))
     for label, points in sweep.items():
-      print(f"{label:<24}" + "".join(f"{points[x]:>9.1f}" if x in points else f"{'-':>9}" for x in xs))
+      print(f"{label:<{width}}" + "".join(f"{points[x]:>9.1f}" if x in points else f"{'-':>9}" for x in xs))
     output["sweep"] = sweep
     if _PLOT.value:
       plot_sweep(sweep, xlabel, f"{_CONFIG.value.model.name}, {cluster.device.name}: simulated time to train", plot)

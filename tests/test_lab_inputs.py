@@ -368,6 +368,10 @@ def test_time_to_accuracy_keeps_the_other_strategies_results_of_the_same_cluster
   time_to_accuracy.write_results(path, args, {"hierarchical": {"seconds_to_target": 800.0}})
   with open(path) as f:
     assert "gtopk@0.01" not in json.load(f)
+  # --rerun of hierarchical whose new run failed before its first evaluation: its old figures' run is gone.
+  time_to_accuracy.write_results(path, args, {"dense": {}}, asked=["hierarchical", "dense"])
+  with open(path) as f:
+    assert "hierarchical" not in json.load(f)
   for other in ({"bandwidth": "10mbit"}, {"set": ["num_epochs=1"]}):  # another link, a smoke run: not comparable
     time_to_accuracy.write_results(path, argparse.Namespace(**{**vars(args), **other}), {"dense": {}})
     with open(path) as f:

@@ -123,10 +123,14 @@ def test_kernel_norms_compares_the_resolved_meshes(tmp_path):
   """A config with local=-1 (all devices) ran on the same 2 x 4 mesh as one that names it: not a mismatch."""
   for name, local in (("a", -1), ("b", 4)):
     (tmp_path / name).mkdir()
-    summary = {"mesh": {"nodes": 2, "local": 4}, "config": {"mesh": {"nodes": 2, "local": local}, "model": {}}}
+    config = {"mesh": {"nodes": 2, "local": local}, "model": {"name": "resnet8_fast", "width": 8}, "seed": 0,
+              "data": {"dataset": "fashion_mnist"}}  # fmt: skip
+    summary = {"mesh": {"nodes": 2, "local": 4}, "config": config}
     (tmp_path / name / "summary.json").write_text(json.dumps(summary))
   error = _fails("scripts/kernel_norms.py", str(tmp_path / "a"), str(tmp_path / "b"))
   assert "no checkpoint under" in error  # past the comparison, at the first run's missing checkpoint
+  # One column per run: the same run twice made one column (two folders of one name too, named by path now).
+  assert "a workdir is given twice" in _fails("scripts/kernel_norms.py", str(tmp_path / "a"), str(tmp_path / "a"))
 
 
 def test_input_pipeline_creates_its_workdir_or_says_why_it_cannot(tmp_path, monkeypatch, capsys):

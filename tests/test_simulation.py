@@ -186,6 +186,8 @@ def test_simulate_cli_refuses_a_plot_it_cannot_write_before_the_sweep_and_names_
     err = capsys.readouterr().err
     assert refused.value.code == 2 and err.strip().splitlines()[-1].startswith(f"error: --plot={plot}: {message}"), err
   assert list(tmp_path.iterdir()) == [] and not (tmp_path.parent / f"{tmp_path.name}.png").exists()
+  # "out." is saved by matplotlib as out.png (it strips the dot), which was named "out..png"
+  assert cli.plot_path(str(tmp_path / "out."), "--plot") == str(tmp_path / "out.png")
   good = simulate(str(tmp_path / "out"))
   assert good.returncode == 0, good.stderr[-2000:]
   assert f"wrote {tmp_path / 'out.png'}" in good.stderr and [p.name for p in tmp_path.iterdir()] == ["out.png"]

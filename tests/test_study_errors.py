@@ -109,6 +109,9 @@ def test_report_only_shows_a_run_without_an_evaluation(lab, tmp_path, capsys):
   rows = {line.split()[0]: line for line in out.splitlines() if line.split() and "@" in line.split()[0]}
   assert "no evaluation yet" in rows["hitopk@0.01"] and "no evaluation yet" in rows["gtopk@0.01"]
   assert list(json.loads(out.strip().splitlines()[-1])) == ["hierarchical"] and "Traceback" not in err
+  # A --workdir that does not exist (a mistyped one) printed "no evaluation yet" for each, exit 0.
+  assert lab("--strategies", "hierarchical", "--report_only", f"--workdir={tmp_path / 'nope'}") == 2
+  assert f"--workdir={tmp_path / 'nope'} does not exist" in capsys.readouterr().err
 
 
 def test_report_only_leaves_out_a_run_of_another_command(lab, tmp_path, capsys):
@@ -183,21 +186,40 @@ def test_a_failed_calibration_leaves_out_its_cells_and_still_prints_the_table(mo
 
 STUDY_TRAIN_PY = """
 import json, os, sys
+from light_jax import cli
 workdir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--workdir="))
 if "--bad" in sys.argv:
   sys.exit(2)  # train.py refused its input
+config = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--config="))
+overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
 with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
   f.write(json.dumps({"step": 10, "train_seconds": 1.0, "inter_node_bytes_per_step": 8}) + "\\n")
-summary = {"config": {"global_batch_size": 256, "num_epochs": 1}, "final_eval_top1": 0.9, "final_eval_top5": 0.99,
+summary = {"config": cli.resolve_config(config, overrides).to_dict(), "final_eval_top1": 0.9, "final_eval_top5": 0.99,
            "images_per_sec_mean": 100.0, "inter_node_bytes_per_step": 8, "intra_node_bytes_per_step": 8,
            "nonfinite_steps": 0}
 open(os.path.join(workdir, "summary.json"), "w").write(json.dumps(summary))
 """
+# The stand-in's config file, in its ROOT: its rows' configs resolve (a study compares a finished run's config).
+STUDY_CONFIG_PY = """
+from light_jax.config import base_config
+
+def get_config():
+  config = base_config()
+  config.global_batch_size, config.num_epochs = 256, 1
+  return config
+"""
+
+
+def _study_stand_in(tmp_path, monkeypatch):
+  """train.py and c.py of a study's stand-in in ``tmp_path``, made its ROOT."""
+  (tmp_path / "train.py").write_text(STUDY_TRAIN_PY)
+  (tmp_path / "c.py").write_text(STUDY_CONFIG_PY)
+  monkeypatch.setattr(train_runs, "ROOT", str(tmp_path))
+  monkeypatch.syspath_prepend(ROOT)  # c.py imports light_jax
 
 
 def test_a_study_run_that_fails_is_one_line_and_the_later_runs_still_run(tmp_path, monkeypatch, capsys):
-  (tmp_path / "train.py").write_text(STUDY_TRAIN_PY)
-  monkeypatch.setattr(train_runs, "ROOT", str(tmp_path))
+  _study_stand_in(tmp_path, monkeypatch)
   runs = {"bad": ("c.py", ["--bad"], ""), "good": ("c.py", [], "")}
   monkeypatch.setattr(sys, "argv", ["large_batch.py", f"--workdir={tmp_path / 'runs'}"])
   args, results, stopped = train_runs.study("a study", runs, "runs", "")
@@ -229,8 +251,7 @@ def test_the_large_batch_report_compares_with_the_batch_256_run_outside_only(tmp
   """The "vs 256" column was blank unless the batch-256 row was in --only (docs/measurements.md showed such tables)."""
   import large_batch
 
-  (tmp_path / "train.py").write_text(STUDY_TRAIN_PY)
-  monkeypatch.setattr(train_runs, "ROOT", str(tmp_path))
+  _study_stand_in(tmp_path, monkeypatch)
   runs = {"ref": ("c.py", [], "the reference"), "big": ("c.py", ["--config.seed=1"], "a large batch")}
   monkeypatch.setattr(large_batch, "RUNS", runs)
   monkeypatch.setattr(large_batch, "REFERENCE", {1: "ref"})
@@ -255,3 +276,36 @@ def test_the_large_batch_report_compares_with_the_batch_256_run_outside_only(tmp
   # A reference run another command made (another seed, say) is not this row's: no comparison.
   (tmp_path / "runs" / "ref" / "command.txt").write_text("train.py --config=c.py --config.seed=7")
   assert large_batch.reference_top1(args.workdir, results) == {}
+
+
+def test_a_study_names_rows_it_cannot_read_or_resolve_and_refuses_an_empty_report(tmp_path, monkeypatch, capsys):
+  """A finished row whose command no longer resolves (a field renamed since) stopped the study with a traceback;
+  --report_only of rows that never ran printed an empty table with exit 0; a row refused for a folder of the user's
+  own was still read into the table."""
+  _study_stand_in(tmp_path, monkeypatch)
+  runs = {"renamed": ("c.py", ["--config.optimizer.no_such_field=1"], ""), "good": ("c.py", [], ""),
+          "mine": ("c.py", ["--config.seed=3"], "")}  # fmt: skip
+  (tmp_path / "runs").mkdir()
+  monkeypatch.setattr(sys, "argv", ["large_batch.py", f"--workdir={tmp_path / 'runs'}", "--report_only"])
+  with pytest.raises(SystemExit) as empty:
+    train_runs.study("a study", runs, "runs", "")
+  err = capsys.readouterr().err
+  assert empty.value.code == 2 and f"--workdir={tmp_path / 'runs'} holds no run of renamed, good, mine" in err, err
+  (tmp_path / "runs" / "mine").mkdir()
+  (tmp_path / "runs" / "mine" / "metrics.jsonl").write_text('{"step": 10, "train_seconds": 1.0}\n')  # the user's
+  # "renamed" ran when its field existed: a finished run, stamped with its command.
+  workdir = tmp_path / "runs" / "renamed"
+  workdir.mkdir()
+  (workdir / "command.txt").write_text(train_runs._stamps(str(workdir), "c.py", runs["renamed"][1])[0])
+  (workdir / "metrics.jsonl").write_text('{"step": 10, "train_seconds": 1.0, "inter_node_bytes_per_step": 8}\n')
+  (workdir / "summary.json").write_text(json.dumps({"config": {"seed": 0}}))
+  monkeypatch.setattr(sys, "argv", ["large_batch.py", f"--workdir={tmp_path / 'runs'}"])
+  args, results, stopped = train_runs.study("a study", runs, "runs", "")
+  err = capsys.readouterr().err
+  assert list(results) == ["good"] and not stopped and sorted(args.failed) == ["mine", "renamed"], err
+  assert "error: renamed: the row's command no longer gives a config: --config.optimizer.no_such_field" in err
+  assert "Traceback" not in err
+  monkeypatch.setattr(sys, "argv", ["large_batch.py", f"--workdir={tmp_path / 'runs'}", "--report_only"])
+  args, results, _ = train_runs.study("a study", runs, "runs", "")
+  err = capsys.readouterr().err
+  assert list(results) == ["good"] and "renamed: left out: " in err and "no longer gives a config" in err, err

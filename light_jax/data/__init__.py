@@ -161,7 +161,12 @@ def _decoded_cache(source, data_config):
         source.identity,
       )
       if path != current:  # a stale cache under an earlier name: the new one takes the current name
-        os.remove(path)
+        try:
+          os.remove(path)
+        except FileNotFoundError:  # another process of the run (on this machine) removed it first
+          pass
+        except OSError as e:  # another user's, in a shared /tmp, say: left there
+          logging.warning("decoded cache: cannot remove the stale %s (%s); it is left there", path, e.strerror)
         path = current
     try:
       os.makedirs(cache_dir, exist_ok=True)

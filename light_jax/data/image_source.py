@@ -10,8 +10,10 @@ Bad records: ImageNet has CMYK and greyscale JPEGs (converted to RGB), PNGs name
 content) and, in users' data, truncated or corrupt files. A record that cannot be decoded is replaced
 by the next record that can (index + 1, + 2, ...), with that record's own label, so a batch never holds
 a wrong label or a hole, and the choice depends only on the index: the same in every run, process and
-worker count. Each bad file is logged once, with its name, by the process or grain worker that meets
-it; ``bad_records`` holds the names this process has met.
+worker count. One exception: a JPEG damaged inside that still ends with its end marker is bad only for the
+training crops whose rows reach the damage where the region decoder (``_jpeg_region``) is built, and for every
+crop where it is not (transforms.decode_crop_resize). Each bad file is logged once, with its name, by the
+process or grain worker that meets it; ``bad_records`` holds the names this process has met.
 """
 
 from __future__ import annotations
