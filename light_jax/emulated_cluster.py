@@ -162,6 +162,13 @@ class _Machines:
           break
         time.sleep(0.02)
     finally:
+      # What an ended node's process left in its group goes now, not at close: by then the group may be gone and
+      # its id another process group's, which close (as root) would kill.
+      for proc in procs:
+        if proc.returncode is not None:
+          _kill_group(proc)
+          with contextlib.suppress(ValueError):
+            self._processes.remove(proc)
       # The pipes close when the processes end; a child left holding one is given up on after 5 s in all.
       readers_deadline = time.monotonic() + 5
       for reader in readers:
@@ -446,7 +453,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
   if proc.poll() is None:
     proc.kill()  # not in a group of its own (a Popen made elsewhere): the process alone
-    proc.wait()
+    # Bounded: a signal handler's close can interrupt the main thread inside a poll of this process, holding the
+    # lock an unbounded wait takes (a deadlock); a timed wait does not take it.
+    with contextlib.suppress(subprocess.TimeoutExpired):
+      proc.wait(timeout=5)
 
 
 def _free_id() -> str:

@@ -481,7 +481,27 @@ def test_a_job_past_its_deadline_names_the_node_and_is_killed_at_one_deadline():
     ):
       cluster.run_everywhere([sys.executable, "-c", script], timeout=1.5)
     assert time.perf_counter() - start < 2.3
-    assert all(p.poll() is not None for p in cluster._processes)
+    assert cluster._processes == []  # both ended (one killed), and forgotten: close kills no group of theirs
+
+
+def test_what_an_ended_node_left_running_is_stopped_when_the_job_ends(tmp_path):
+  """A node's process that exits leaving a child (a worker holding its output pipe): the child lived on until the
+  cluster closed, which then killed the group id (as root), by then maybe another process group's; the job waited
+  5 s for the pipe. Now the job kills the group as it collects the node, and forgets it."""
+  pid_file = tmp_path / "child.pid"
+  script = (
+    "import subprocess, sys\n"
+    f"child = subprocess.Popen(['sleep', '60']); open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+    "print('started', flush=True)\n"
+  )
+  with LoopbackCluster(1) as cluster:
+    start = time.perf_counter()
+    assert cluster.run_everywhere([sys.executable, "-c", script], timeout=10) == ["started\n"]
+    assert time.perf_counter() - start < 4  # not the readers' 5 s for a pipe the child held
+    child = int(pid_file.read_text())
+    time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"
+    assert cluster._processes == []
 
 
 def test_a_node_that_writes_more_than_a_pipe_holds_does_not_stall_the_job(tmp_path):
