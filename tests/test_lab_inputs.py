@@ -22,10 +22,11 @@ import mesh_lab  # noqa: E402
 
 
 def test_parse_rate_reads_rates_and_refuses_what_tc_cannot_shape():
-  assert parse_rate("50mbit") == 50_000_000 and parse_rate("8bit") == 8 and parse_rate(" Unshaped ") is None
-  assert parse_rate("1000gbit") == 10**12
-  for text in ("0.1bit", "7bit", "0mbit", "-5mbit", "infbit", "nanbit", "1e400gbit", "1001gbit"):  # tc's limits
-    with pytest.raises(ValueError, match="must be a rate from 8bit to 1000gbit"):
+  assert parse_rate("50mbit") == 50_000_000 and parse_rate("1kbit") == 1000 and parse_rate(" Unshaped ") is None
+  assert parse_rate("300gbit") == 3 * 10**11
+  # What tc would cut short without a word: a 166-byte bucket at 8 bit/s, 14 ms of queue at 400 Gbit/s, not 100.
+  for text in ("0.1bit", "8bit", "999bit", "0mbit", "-5mbit", "infbit", "nanbit", "1e400gbit", "301gbit", "1000gbit"):
+    with pytest.raises(ValueError, match="must be a rate from 1kbit to 300gbit"):
       parse_rate(text)
   with pytest.raises(ValueError, match="not 'unshaped' or a rate"):
     parse_rate("50mb")
@@ -90,7 +91,7 @@ def test_mesh_lab_warns_once_that_dense_in_bfloat16_crosses_the_cpus_links_in_fl
     ({"strategies": "diloco@0"}, "sync_every"),
     ({"strategies": "hierarchical/float16"}, "neither a wire dtype"),
     ({"bandwidth": "unshaped", "plot": "lab.png"}, "needs an unshaped and a shaped"),
-    ({"bandwidth": "0.1bit,unshaped"}, "from 8bit to 1000gbit"),
+    ({"bandwidth": "0.1bit,unshaped"}, "from 1kbit to 300gbit"),
     ({"steps": 0}, "--steps 0 must be at least 1"),  # no step to take the median of, after a whole run
     ({"warmup": -1}, "--warmup -1 must be at least 0"),  # would keep the wrong records
     # Every cell failed after the calibrations (nan: a hung cell was never stopped).
