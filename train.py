@@ -134,6 +134,12 @@ def _start_jax(config):
   num_processes = _num_processes() or 1  # for the CPU devices' split
   if not isinstance(config.mesh.cpu_devices, int) or config.mesh.cpu_devices < 0:
     cli.fail(f"invalid config: mesh.cpu_devices={config.mesh.cpu_devices!r} must be >= 0 (0: the platform's own).")
+  if config.mesh.cpu_devices // num_processes > cli.MAX_DEVICES:  # 1,024 in one process: its steps' collectives stalled
+    cli.fail(
+      f"invalid config: mesh.cpu_devices={config.mesh.cpu_devices} simulates {config.mesh.cpu_devices // num_processes}"
+      f" CPU devices in each of {num_processes} process(es); at most {cli.MAX_DEVICES} in one process (more stalled "
+      "in the steps' collectives): use fewer, or more processes."
+    )
   if config.mesh.cpu_devices:
     # Simulated CPU devices (tests, laptops): the total is split over the processes. No effect on GPUs.
     jax.config.update("jax_num_cpu_devices", max(config.mesh.cpu_devices // num_processes, 1))
@@ -393,10 +399,11 @@ def _ask_for_less(jax, config, on_device: bool) -> str:
     "the run resumes from its newest checkpoint, if any. A smaller global_batch_size is another run (another "
     "--workdir)."
   )
-  if not on_device:  # the host's: the input pipeline's caches and workers
+  if not on_device:  # the host's: the input pipeline's caches, workers and batches
     return (
-      "Ask for less, then rerun: --config.data.cache=disk instead of memory, fewer --config.data.num_workers or a "
-      f"smaller --config.data.host_prefetch; {rerun}"
+      "Ask for less, then rerun: --config.data.cache=disk instead of memory, fewer --config.data.num_workers, a "
+      f"smaller --config.data.host_prefetch, or a smaller --config.data.eval_batch_size (now "
+      f"{config.data.eval_batch_size:,}); {rerun}"
     )
   # The CPU runs micro-batches unrolled (train_step.accumulate_gradients), all slices in memory at once.
   slices = "" if jax.devices()[0].platform == "cpu" else (

@@ -133,7 +133,8 @@ def check_seconds(args: argparse.Namespace, *names: str) -> None:
 
 
 # The most devices a benchmark's mesh may have: one machine's GPUs, or CPU devices simulated in one process (thousands
-# crashed it, or failed after a minute with "Multiprocess computations aren't implemented on the CPU backend").
+# crashed it, or failed after a minute with "Multiprocess computations aren't implemented on the CPU backend"; in
+# train.py 1,024 stalled in the first steps' collectives).
 MAX_DEVICES = 512
 
 

@@ -303,6 +303,10 @@ class ConfigError(ValueError):
   """The config cannot run; the message says which field to change and how."""
 
 
+# model.width's largest: 16x resnet50's 64 channels in the first stage (about 256x its 25.6M parameters).
+MAX_WIDTH = 1024
+
+
 def check_fields(config: ml_collections.ConfigDict) -> None:
   """The config has ``base_config()``'s fields, no fewer and no others: a config file that misspells a field
   (``c.global_batch_sizee = 3``) would otherwise run with the default, and one built without base_config, or
@@ -417,7 +421,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       cost_model.load(config.comm.cost_model)
     except ValueError as e:
       raise ConfigError(str(e)) from None
-    _positive("comm.device_tflops", config.comm.device_tflops)
+  # The fields of another strategy, dataset or schedule are range-checked too: a mistake there is one when it is
+  # used later (they were accepted and ignored without a word).
+  _positive("comm.device_tflops", config.comm.device_tflops)
   _positive("comm.bucket_bytes", config.comm.bucket_bytes, allow_zero=True)
   _choice("comm.topk_selector", config.comm.topk_selector, tuple(compression.SELECTORS))
   _choice("comm.dtype", config.comm.dtype, DTYPES)
@@ -451,13 +457,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       f"{not_for or 'keeps none'}. Use hitopk, topk or gtopk with error feedback, or set "
       "comm.residual_units=gradient."
     )
-  if config.comm.strategy == POWERSGD:
-    _positive("comm.rank", config.comm.rank)
-  if config.comm.strategy == DILOCO:
-    _positive("comm.sync_every", config.comm.sync_every)
-    _positive("comm.outer_lr", config.comm.outer_lr)
-    if not 0.0 <= config.comm.outer_momentum < 1.0:
-      raise ConfigError(f"comm.outer_momentum={config.comm.outer_momentum!r} must be in [0, 1).")
+  _positive("comm.rank", config.comm.rank)
+  _positive("comm.sync_every", config.comm.sync_every)
+  _positive("comm.outer_lr", config.comm.outer_lr)
+  if not 0.0 <= config.comm.outer_momentum < 1.0:
+    raise ConfigError(f"comm.outer_momentum={config.comm.outer_momentum!r} must be in [0, 1).")
   if config.comm.strategy in (POWERSGD, DILOCO) and config.comm.fusion == "adaptive":
     raise ConfigError(
       f"comm.strategy={config.comm.strategy!r} packs what it sends into one all-reduce per kind; "
@@ -536,13 +540,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       f"{config.comm.strategy!r} selects no entries. Use hitopk, topk, gtopk or auto, or set it to 0."
     )
   _positive("comm.final_density_epochs", config.comm.final_density_epochs, allow_zero=True)
+  _density("comm.final_density", config.comm.final_density)
   if config.comm.final_density_epochs > 0:
     if not may_select_top_k(config.comm.strategy):
       raise ConfigError(
         f"comm.final_density_epochs changes the top-k density of the last epochs; comm.strategy="
         f"{config.comm.strategy!r} selects no entries. Use hitopk, topk, gtopk or auto, or set it to 0."
       )
-    _density("comm.final_density", config.comm.final_density)
     if config.comm.final_density_epochs + config.comm.density_warmup_epochs > config.num_epochs:
       raise ConfigError(
         f"comm.final_density_epochs={config.comm.final_density_epochs} and comm.density_warmup_epochs="
@@ -583,6 +587,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       "(LAMB's are optax's own). Set optimizer.fused_norms=False."
     )
   _choice("optimizer.momentum_schedule", config.optimizer.momentum_schedule, MOMENTUM_SCHEDULES)
+  if not 0.0 <= config.optimizer.min_momentum < 1.0:
+    raise ConfigError(f"optimizer.min_momentum={config.optimizer.min_momentum!r} must be in [0, 1).")
   if config.optimizer.momentum_schedule != "constant":
     if config.optimizer.name == "lamb":
       raise ConfigError("optimizer.momentum_schedule applies to sgd and lars; LAMB's moments are not scheduled.")
@@ -614,10 +620,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       )
   jpeg = config.data.dataset != "fashion_mnist"  # Fashion-MNIST: arrays of one size (data.image_size unused)
   _choice("data.cache", config.data.cache, CACHES)  # a misspelling is no cache on arrays, unnoticed till JPEGs
-  if jpeg:
-    _positive("data.image_size", config.data.image_size)
-    if not 0.0 < config.data.random_scale_min <= 1.0:
-      raise ConfigError(f"data.random_scale_min={config.data.random_scale_min!r} must be in (0, 1].")
+  _positive("data.image_size", config.data.image_size, allow_zero=not jpeg)
+  if not 0.0 < config.data.random_scale_min <= 1.0:
+    raise ConfigError(f"data.random_scale_min={config.data.random_scale_min!r} must be in (0, 1].")
+  _positive("data.cache_size", config.data.cache_size)
   try:
     phases = schedules.parse_resolution_schedule(
       config.data.resolution_schedule, config.data.image_size if jpeg else None
@@ -643,6 +649,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _positive("data.train_subset", config.data.train_subset, allow_zero=True)
   _positive("data.eval_subset", config.data.eval_subset, allow_zero=True)
   _positive("model.width", config.model.width, allow_zero=True)
+  if config.model.width > MAX_WIDTH:  # 100,000: 3e12 parameters, whose first step never ended (nor took a signal)
+    raise ConfigError(
+      f"model.width={config.model.width}: at most {MAX_WIDTH} channels in the first stage (16x resnet50's 64; every "
+      "stage's width scales with it, the parameters with its square), or 0 for the architecture's own."
+    )
   if not isinstance(config.seed, int) or not 0 <= config.seed < 2**32:
     raise ConfigError(f"seed={config.seed!r} must be an integer in [0, 2**32).")
   _positive("optimizer.base_lr", config.optimizer.base_lr)

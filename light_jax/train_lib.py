@@ -185,6 +185,13 @@ def train_and_evaluate(
         hooks.add(HangDrill(config.train.inject_hang_at_step), every=1)
       if config.train.profile_steps:
         first, last = parse_profile_steps(config.train.profile_steps)
+        if not start_step <= first < total_steps:  # the trace starts once step ``first`` is done here
+          logging.warning(
+            "train.profile_steps=%s writes no trace: this run takes steps %d to %d",
+            config.train.profile_steps,
+            start_step + 1,
+            total_steps,
+          )
         trace = opened.enter_context(closing(ProfileTrace(first, last, os.path.join(workdir, "profile"))))
         hooks.add(trace, every=1)
       if timer is not None:
@@ -341,6 +348,12 @@ def make_input(
   """This process's training and evaluation batches, and the dataset's facts."""
   train_source, eval_source, info = data_lib.load_dataset(config.data)
   jpeg = isinstance(train_source, data_lib.ImageSource)  # JPEGs are decoded at each phase's size, arrays resized
+  side = min(info.image_shape[:2])
+  if config.data.crop_padding >= side:  # crops mostly of padding (a billion: a traceback once training had begun)
+    raise data_lib.DataError(
+      f"invalid config: data.crop_padding={config.data.crop_padding} must be below the images' {side} px (a random "
+      f"crop of an image padded by that much is mostly padding); use at most {side - 1}."
+    )
   phases = schedules.parse_resolution_schedule(config.data.resolution_schedule, info.image_shape[0] if jpeg else None)
   train_batches = data_lib.TrainBatches(
     train_source,

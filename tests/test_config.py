@@ -177,6 +177,18 @@ def test_default_configs_validate():
     ({"optimizer__lars_eta": -0.001}, r"optimizer.lars_eta=-0.001 must be > 0"),
     ({"optimizer__end_lr_factor": -1.0}, r"optimizer.end_lr_factor=-1.0 must be in \[0, 1\] \(the final lr"),
     ({"model__width": -4}, r"model.width=-4 must be >= 0"),
+    ({"model__width": 100_000}, r"model.width=100000: at most 1024 channels"),  # 3e12 parameters: a hang
+    # Another strategy's, dataset's or schedule's field out of range: accepted and ignored without a word, before.
+    ({"comm__rank": 0}, r"comm.rank=0 must be > 0"),
+    ({"comm__sync_every": 0}, r"comm.sync_every=0 must be > 0"),
+    ({"comm__outer_lr": float("nan")}, r"comm.outer_lr=nan must be > 0 and finite"),
+    ({"comm__outer_momentum": 5.0}, r"comm.outer_momentum=5.0 must be in \[0, 1\)"),
+    ({"comm__device_tflops": float("nan")}, r"comm.device_tflops=nan must be > 0 and finite"),
+    ({"comm__final_density": 5.0}, r"comm.final_density=5.0 must be in \(0, 1\]"),
+    ({"optimizer__min_momentum": 5.0}, r"optimizer.min_momentum=5.0 must be in \[0, 1\)"),
+    ({"data__random_scale_min": 5.0}, r"data.random_scale_min=5.0 must be in \(0, 1\]"),
+    ({"data__image_size": -3}, r"data.image_size=-3 must be >= 0"),
+    ({"data__cache_size": -1}, r"data.cache_size=-1 must be > 0"),
     ({"data__crop_padding": -1}, r"data.crop_padding=-1 must be >= 0"),
     ({"data__train_subset": -100}, r"data.train_subset=-100 must be >= 0"),
     ({"seed": -1}, r"seed=-1 must be an integer in \[0, 2\*\*32\)"),
@@ -227,6 +239,18 @@ def test_cli_reports_a_bad_config_without_traceback(tmp_path):
   assert "error: invalid config: mesh 3 x 4 = 12 devices, but 8 are available" in result.stderr
   assert "Traceback" not in result.stderr
   assert not os.listdir(tmp_path)  # nothing written before validation
+
+
+def test_train_py_refuses_what_only_the_data_or_the_process_count_says_is_too_large(tmp_path):
+  """A crop padding of a billion was a traceback once training had begun (100 on 28 px trained on crops mostly of
+  padding); 1,024 simulated devices in one process stalled in the first steps' collectives."""
+  result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "a"),
+                    "--config.data.crop_padding=28", "--config.data.train_subset=512")  # fmt: skip
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert "error: invalid config: data.crop_padding=28 must be below the images' 28 px" in result.stderr
+  result = train_py("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path / "b"),
+                    "--config.mesh.cpu_devices=1024", "--config.mesh.nodes=-1")  # fmt: skip
+  assert result.returncode == 2 and "mesh.cpu_devices=1024 simulates 1024 CPU devices in each of 1" in result.stderr
 
 
 FIELDS = "base_config() in light_jax/config.py lists the fields"

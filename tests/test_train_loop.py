@@ -183,6 +183,14 @@ def test_a_profile_the_run_ends_inside_of_is_still_written(two_epochs):
   assert len(traces) == 1
 
 
+def test_a_profile_that_starts_after_the_runs_last_step_is_said_to_write_nothing(tmp_path, caplog):
+  """train.profile_steps=5:6 in a 2-step run wrote no trace, without a word."""
+  with caplog.at_level(logging.WARNING):
+    train_lib.train_and_evaluate(small_config(max_steps=2, train__profile_steps="5:6"), str(tmp_path))
+  assert "train.profile_steps=5:6 writes no trace: this run takes steps 1 to 2" in caplog.text
+  assert not (tmp_path / "profile").exists()
+
+
 def test_an_error_before_the_loop_still_closes_the_checkpointer(tmp_path, monkeypatch):
   """What train_and_evaluate opens is closed on any error, not only on one inside the loop."""
   closed = []
