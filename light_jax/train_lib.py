@@ -52,6 +52,7 @@ from light_jax.hooks import (
 )
 from light_jax.models import create_model
 from light_jax.parallel import mesh as mesh_lib
+from light_jax.parallel import powersgd
 from light_jax.preemption import PreemptionGuard
 
 
@@ -99,7 +100,7 @@ def train_and_evaluate(
     state = step_lib.create_train_state(
       model, optimizer.tx, compiled.reducer, info.image_shape, mesh, config.seed, loss_scale
     )
-    _log_setup(config, plan, state, total_steps, len(train_batches.source), eval_batches)
+    _log_setup(config, plan, state, compiled.reducer, total_steps, len(train_batches.source), eval_batches)
 
     # Whatever ends the run (an error too), what is opened from here on is closed again, in reverse order: the
     # checkpointer last, waiting for its saves in flight.
@@ -511,6 +512,7 @@ def _log_setup(
   config: ml_collections.ConfigDict,
   plan: schedules.EpochPlan,
   state: step_lib.TrainState,
+  reducer,
   total_steps: int,
   num_train: int,
   eval_batches: data_lib.EvalBatches,
@@ -534,6 +536,15 @@ def _log_setup(
       "the peak learning rate at its last step, with no decay",
       config.optimizer.warmup_epochs,
       plan.num_epochs,
+    )
+  if isinstance(reducer, powersgd.PowerSGDReducer) and not any(
+    reducer.is_compressed(x.shape) for x in jax.tree.leaves(state.params)
+  ):  # a rank at least every matrix's (the bytes said so; nothing else did)
+    logging.warning(
+      "comm.rank=%d is at least the full rank of every matrix (those below comm.min_compress_elements=%d are sent "
+      "whole anyway): PowerSGD compresses none, and every gradient is sent dense",
+      config.comm.rank,
+      config.comm.min_compress_elements,
     )
   if config.comm.density_warmup_epochs > plan.num_epochs:  # only top-k strategies and auto take one
     logging.warning(

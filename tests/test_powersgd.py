@@ -167,3 +167,22 @@ def test_config_takes_powersgd_and_refuses_what_does_not_apply():
     setattr(bad.comm, field, value)
     with pytest.raises(config_lib.ConfigError, match=message):
       config_lib.validate(bad, 8)
+
+
+def test_a_rank_at_least_every_matrixs_says_that_everything_is_sent_dense(tmp_path, caplog):
+  """comm.rank=100000 on resnet8_fast: no matrix is compressed, and the run sent the hierarchical strategy's
+  bytes without a word (the compile log's byte count alone showed it)."""
+  import logging
+
+  from light_jax import train_lib
+  from tests.helpers import small_config
+
+  with caplog.at_level(logging.WARNING):
+    train_lib.train_and_evaluate(
+      small_config(comm__strategy="powersgd", comm__rank=100_000, max_steps=1), str(tmp_path)
+    )
+  assert "comm.rank=100000 is at least the full rank of every matrix" in caplog.text
+  caplog.clear()
+  reducer = reducer_lib.make_gradient_reducer("powersgd", 2, 4, rank=4, min_compress_elements=64)
+  params = init_variables(create_model("resnet8_fast", 10, width=8), (28, 28, 1))["params"]
+  assert any(reducer.is_compressed(x.shape) for x in jax.tree.leaves(params))  # rank 4 compresses: no warning
