@@ -72,13 +72,13 @@ def main() -> None:
     }
 
   # A column per run, named by its folder; by the path as given where two folders share a name (or one is "init").
-  names = [os.path.basename(os.path.normpath(workdir)) for workdir in args.workdirs]
-  if len(set(names)) < len(names) or "init" in names:
-    names = [os.path.normpath(workdir) for workdir in args.workdirs]
-  if len(set(names)) < len(names):
+  run_names = [os.path.basename(os.path.normpath(workdir)) for workdir in args.workdirs]
+  if len(set(run_names)) < len(run_names) or "init" in run_names:
+    run_names = [os.path.normpath(workdir) for workdir in args.workdirs]
+  if len(set(run_names)) < len(run_names):
     cli.fail(f"a workdir is given twice ({' '.join(args.workdirs)}); give each run once")
   finals = {}
-  for name, workdir in zip(names, args.workdirs):
+  for name, workdir in zip(run_names, args.workdirs):
     checkpoint = os.path.abspath(newest_checkpoint(workdir))
     try:
       params = ocp.StandardCheckpointer().restore(checkpoint)["params"]

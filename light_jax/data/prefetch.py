@@ -70,11 +70,12 @@ class DevicePrefetcher:
           if not self._votes:
             raise
           error = e
-        if self._votes and not self._votes.agree(index, placed is not None, error):
+        waited = self._votes.agree(index, placed is not None, error) if self._votes else _NO_WAIT
+        if waited is None:
           return  # closed meanwhile
         if placed is None:
           break
-        if not self._put(placed, *self._votes.waited if self._votes else _NO_WAIT):
+        if not self._put(placed, *waited):
           return
       self._put(_END)
     except BaseException as e:  # handed to the consumer, which re-raises it with its traceback
@@ -133,19 +134,17 @@ class _BatchVotes:
     self._prefix = f"light_jax/input/{next(self._prefetchers)}/"
     self._stop = stop
     self._index, self._count = jax.process_index(), jax.process_count()
-    self.waited = _NO_WAIT  # when the last vote waited for the other processes, in time.perf_counter()
 
-  def agree(self, index: int, read: bool, error: Exception | None) -> bool:
+  def agree(self, index: int, read: bool, error: Exception | None) -> tuple[float, float] | None:
     """Votes on batch ``index`` (``read``: placed; ``error``: its read or placement failed; neither: the batches
-    ended) and returns whether to go on (False: this prefetcher was closed meanwhile). Raises ``InputFailed`` in
-    every process alike where one process's batch failed: its own error in that process, a ``liveness.PeerLost``
-    naming it in the others."""
+    ended) and returns when it waited for the other processes, (from, to) in time.perf_counter(); None where this
+    prefetcher was closed meanwhile. Raises ``InputFailed`` in every process alike where one process's batch failed:
+    its own error in that process, a ``liveness.PeerLost`` naming it in the others."""
     vote = "read" if read else "failed" if error else "ended"
     start = time.perf_counter()
     everyone = self._exchange(index, vote)
-    self.waited = (start, time.perf_counter())
     if everyone is None:
-      return False
+      return None
     failed = [process for process, said in enumerate(everyone) if said == "failed"]
     if failed:
       lost = liveness.PeerLost(f"process {failed[0]} could not read its training batches (see its log)")
@@ -153,7 +152,7 @@ class _BatchVotes:
     if "ended" in everyone and set(everyone) != {"ended"}:  # each reads its part of the same steps: cannot happen
       ended = [process for process, said in enumerate(everyone) if said == "ended"]
       raise InputFailed(DataError(f"processes {ended} ran out of training batches before the others"))
-    return True
+    return start, time.perf_counter()
 
   def _exchange(self, index: int, vote: str) -> list[str] | None:
     """Every process's vote on batch ``index``, in process order; None if the prefetcher is closed first."""
